@@ -1,0 +1,31 @@
+"""pegainfer: LLM inference and serving on torch and Triton.
+
+``from pegainfer import LLM, SamplingParams`` is the offline API; heavy modules load on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+
+if TYPE_CHECKING:
+    from pegainfer.llm import LLM
+    from pegainfer.outputs import CompletionOutput, RequestOutput
+    from pegainfer.sampling_params import SamplingParams
+
+_LAZY = {
+    "LLM": "pegainfer.llm",
+    "SamplingParams": "pegainfer.sampling_params",
+    "RequestOutput": "pegainfer.outputs",
+    "CompletionOutput": "pegainfer.outputs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pegainfer' has no attribute {name!r}")

@@ -1,0 +1,175 @@
+"""The BufferManager seam: who owns which pages, state slots and device buffers.
+
+Bookkeeping (pages, block tables, slots) is plain Python so the scheduler can consult it cheaply; the
+device tensors (KV pages, state pools) are allocated once from the memory plan and never resized.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from pegainfer.buffer_specs import BufferSpec, PagedKVSpec, PagedLatentSpec, RecurrentStateSpec
+from pegainfer.memory_plan import MemoryPlan
+from pegainfer.request import Request
+
+
+class BlockPool:
+    """A free list of page ids. ``allocate`` returns None instead of raising when the pool is short."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        # Popped from the end: freshly freed pages are reused first (they are warm in cache).
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        if n == 0:
+            return []
+        taken = self._free[-n:]
+        del self._free[-n:]
+        taken.reverse()
+        return taken
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+    def free_ids(self) -> list[int]:
+        return list(self._free)
+
+
+class BufferManager(ABC):
+    """Owns one replica's device memory: paged caches, block tables, recurrent-state slots.
+
+    Rules: a request's block table only grows while it holds pages (append-only), so a consumer may
+    cache a copy and rewrite only the new tail when ``table_version`` changes. ``free`` returns every
+    page and slot of a request at once. Indices are valid until the request is freed.
+    """
+
+    block_size: int
+    plan: MemoryPlan
+
+    @abstractmethod
+    def can_admit(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether ``request`` could take a state slot and the pages for its first ``num_new_tokens``."""
+
+    @abstractmethod
+    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
+        """Make room for ``num_new_tokens`` more tokens after the computed ones (taking a state slot on first
+        use). Returns False, changing nothing, when pages are short: the scheduler then preempts."""
+
+    @abstractmethod
+    def free(self, request: Request) -> None:
+        """Return all pages and the state slot of ``request``. Idempotent."""
+
+    @abstractmethod
+    def block_table(self, request_id: str) -> list[int]:
+        """The page ids of ``request_id`` in token order (live list: do not mutate)."""
+
+    @abstractmethod
+    def state_slot(self, request_id: str) -> int | None:
+        """The recurrent-state slot of ``request_id``, or None when the model has no recurrent state."""
+
+    @abstractmethod
+    def usage(self) -> float:
+        """Fraction of pages in use."""
+
+    @abstractmethod
+    def check_invariants(self) -> None:
+        """Raise AssertionError if a page or slot is owned twice or lost (used by tests)."""
+
+
+class PagedBufferManager(BufferManager):
+    """The default manager: one page pool shared by every paged layer, one slot pool for recurrent state."""
+
+    def __init__(self, specs: list[BufferSpec], plan: MemoryPlan, device: torch.device | str = "cpu") -> None:
+        self.specs = specs
+        self.plan = plan
+        self.block_size = plan.block_size
+        self.device = torch.device(device)
+        self.pool = BlockPool(plan.num_blocks)
+        self._tables: dict[str, list[int]] = {}
+        self._slots: dict[str, int] = {}
+        self._free_slots: list[int] = list(range(plan.num_state_slots - 1, -1, -1))
+        self._has_state = plan.num_state_slots > 0
+        self.caches: dict[int, torch.Tensor] = {}
+        self.states: dict[int, dict[str, torch.Tensor]] = {}
+
+    def allocate_device_buffers(self) -> None:
+        """Allocate the page pools and state pools once, at the sizes the plan fixed."""
+        for spec in self.specs:
+            if isinstance(spec, (PagedKVSpec, PagedLatentSpec)):
+                shape = spec.page_shape(self.plan.num_blocks, self.block_size)
+                self.caches[spec.layer_index] = torch.zeros(shape, dtype=spec.dtype, device=self.device)
+            elif isinstance(spec, RecurrentStateSpec):
+                self.states[spec.layer_index] = {
+                    name: torch.zeros((self.plan.num_state_slots, *shape), dtype=spec.dtype, device=self.device)
+                    for name, shape in spec.shapes
+                }
+
+    def _pages_needed(self, request: Request, num_new_tokens: int) -> int:
+        total = request.num_computed_tokens + num_new_tokens
+        have = len(self._tables.get(request.request_id, ()))
+        return max(0, -(-total // self.block_size) - have)
+
+    def can_admit(self, request: Request, num_new_tokens: int) -> bool:
+        if self._has_state and request.request_id not in self._slots and not self._free_slots:
+            return False
+        return self._pages_needed(request, num_new_tokens) <= self.pool.num_free
+
+    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
+        rid = request.request_id
+        need = self._pages_needed(request, num_new_tokens)
+        if self._has_state and rid not in self._slots and not self._free_slots:
+            return False
+        pages = self.pool.allocate(need)
+        if pages is None:
+            return False
+        self._tables.setdefault(rid, []).extend(pages)
+        if self._has_state and rid not in self._slots:
+            slot = self._free_slots.pop()
+            self._slots[rid] = slot
+            for pools in self.states.values():
+                for tensor in pools.values():
+                    tensor[slot].zero_()
+        return True
+
+    def free(self, request: Request) -> None:
+        rid = request.request_id
+        pages = self._tables.pop(rid, None)
+        if pages:
+            self.pool.free(pages)
+        slot = self._slots.pop(rid, None)
+        if slot is not None:
+            self._free_slots.append(slot)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self._tables.get(request_id, [])
+
+    def state_slot(self, request_id: str) -> int | None:
+        return self._slots.get(request_id)
+
+    def usage(self) -> float:
+        total = self.pool.num_blocks
+        return 0.0 if total == 0 else 1.0 - self.pool.num_free / total
+
+    @property
+    def num_active(self) -> int:
+        return len(self._tables)
+
+    def check_invariants(self) -> None:
+        owned = [p for table in self._tables.values() for p in table]
+        free = self.pool.free_ids()
+        assert len(owned) == len(set(owned)), "a page is owned by two requests"
+        assert not set(owned) & set(free), "a page is both owned and free"
+        assert len(owned) + len(free) == self.pool.num_blocks, "pages were lost"
+        slots = list(self._slots.values())
+        assert len(slots) == len(set(slots)), "a state slot is owned twice"
+        assert not set(slots) & set(self._free_slots), "a state slot is both owned and free"
+        assert len(slots) + len(self._free_slots) == self.plan.num_state_slots, "state slots were lost"

@@ -1,0 +1,158 @@
+"""The ``pegainfer`` console script: ``pegainfer <command> [key=value ...]``.
+
+``generate`` runs through ``hydra.main`` so Hydra's own flags (``--help``, ``--cfg job``, ``--info``,
+shell completion) work; the primary configs keep Hydra from writing files or changing directory.
+Errors pegainfer raises on purpose print as one line: exit 2 for configuration errors, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from collections.abc import Callable
+
+import hydra
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from pegainfer.errors import ConfigError, PegainferError
+from pegainfer.hydra_config import (
+    CONFIG_MODULE,
+    HYDRA_VERSION_BASE,
+    build_engine_config,
+    build_prompt_config,
+    build_sampling_params,
+    hydra_error,
+    install_search_path,
+)
+from pegainfer.plugins import PluginWarning, get_model_registry, plugin_failures
+
+USAGE = """\
+usage: pegainfer <command> [key=value ...]
+
+commands:
+  generate   generate text for a prompt; no arguments runs the embedded demo model
+             (pegainfer generate model.path=DIR prompt="..." max_tokens=32)
+  models     list the installed models and the plugins that provide them (alias: plugins)
+
+`pegainfer generate --help` lists every config key; `pegainfer generate --cfg job` prints the
+composed config without running it.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns the process exit status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # A skipped plugin is already reported once through logging; don't print it twice.
+    warnings.filterwarnings("ignore", category=PluginWarning)
+    if args and args[0] in ("-h", "--help", "help"):
+        print(USAGE, end="")
+        return 0
+    if not args or args[0] not in COMMANDS:
+        if args:
+            print(f"error: unknown command '{args[0]}'", file=sys.stderr)
+        print(USAGE, end="", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[args[0]](args[1:])
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except PegainferError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def generate_command(args: list[str]) -> int:
+    """``pegainfer generate [overrides]``: compose ``generate.yaml`` through hydra.main and run it."""
+    if "-m" in args or "--multirun" in args:
+        raise ConfigError("pegainfer generate does not support --multirun; give 'prompts=[...]' instead")
+    install_search_path()
+    saved_argv, saved_full_error = sys.argv, os.environ.get("HYDRA_FULL_ERROR")
+    # hydra.main reads sys.argv; HYDRA_FULL_ERROR makes it raise instead of printing its own report,
+    # so a composition error reaches us and prints as one line.
+    sys.argv = ["pegainfer generate", *args]
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    GlobalHydra.instance().clear()
+    # An exception leaving the task makes Hydra print its own report line, so the task hands errors back.
+    errors: list[PegainferError] = []
+
+    def task(cfg: DictConfig) -> None:
+        try:
+            run_generate(cfg)
+        except PegainferError as exc:
+            errors.append(exc)
+
+    try:
+        hydra.main(
+            version_base=HYDRA_VERSION_BASE, config_path=f"pkg://{CONFIG_MODULE}", config_name="generate"
+        )(task)()
+    except (HydraException, OmegaConfBaseException) as exc:
+        if saved_full_error == "1":
+            raise
+        raise hydra_error(exc) from None
+    finally:
+        sys.argv = saved_argv
+        if saved_full_error is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = saved_full_error
+        GlobalHydra.instance().clear()
+    if errors:
+        raise errors[0]
+    return 0
+
+
+def run_generate(cfg: DictConfig) -> None:
+    """Build the engine from a composed ``generate`` config and print each completion to stdout."""
+    engine_config = build_engine_config(cfg)
+    sampling_params = build_sampling_params(cfg)
+    prompt_config = build_prompt_config(cfg)
+    from pegainfer.llm import LLM  # heavy (torch): imported only when something is generated
+
+    llm = LLM.from_config(engine_config)
+    prompts = prompt_config.all_prompts
+    if prompt_config.chat:
+        outputs = [llm.chat([{"role": "user", "content": p}], sampling_params)[0] for p in prompts]
+    else:
+        outputs = llm.generate(prompts, sampling_params)
+    several = len(prompts) * sampling_params.n > 1
+    for i, output in enumerate(outputs):
+        for completion in output.outputs:
+            if several:
+                print(f"--- prompt {i}, completion {completion.index} ---")
+            print(completion.text)
+
+
+def models_command(args: list[str]) -> int:
+    """``pegainfer models``: a table of installed models, then the plugins that failed to load."""
+    if args:
+        raise ConfigError(f"pegainfer models takes no arguments, got {' '.join(args)}")
+    header = ("MODEL", "ARCHITECTURES", "PLUGIN", "PACKAGE")
+    rows = [
+        (reg.name, ", ".join(reg.architectures) or "-", reg.plugin, reg.package)
+        for reg in get_model_registry().registrations()
+    ]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    if not rows:
+        print("(no models installed)")
+    failures = plugin_failures()
+    if failures:
+        print("\nplugins that failed to load:")
+        for failure in failures:
+            print(f"  {failure.plugin} ({failure.package}): {failure.error}")
+    return 0
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "generate": generate_command,
+    "models": models_command,
+    "plugins": models_command,
+}

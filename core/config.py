@@ -1,0 +1,88 @@
+"""Validated configuration: Hydra composes a tree, these frozen pydantic models check it.
+
+Unknown keys and bad values are errors that name the key (``ConfigError``). The ``model`` section is
+validated by the chosen plugin's schema, a subclass of ``ModelConfig``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from pegainfer.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Section):
+    """Which model to run. ``name`` is the registry name (``auto``: found from the checkpoint).
+
+    ``path`` is a Hugging Face checkpoint folder; ``None`` selects the embedded tiny demo checkpoint.
+    Plugins subclass this to add their own keys.
+    """
+
+    name: str = "auto"
+    path: str | None = None
+    tokenizer: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int | None = Field(default=None, ge=1)
+
+
+class CacheConfig(_Section):
+    block_size: int = Field(default=16, ge=1, le=1024)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
+    # Bytes the KV pool may use on the CPU (there is no device memory to measure there).
+    cpu_kv_cache_bytes: int = Field(default=1 << 30, ge=1)
+    # Fixed page count, bypassing the memory plan (tests force preemption with it).
+    num_gpu_blocks_override: int | None = Field(default=None, ge=1)
+
+
+class SchedulerConfig(_Section):
+    max_num_seqs: int = Field(default=128, ge=1)
+    max_num_batched_tokens: int = Field(default=4096, ge=1)
+    # The longest prefill chunk one request may take in a step (None: the whole token budget).
+    long_prefill_token_threshold: int | None = Field(default=None, ge=1)
+    enable_chunked_prefill: bool = True
+
+
+class ParallelConfig(_Section):
+    tensor_parallel_size: int = Field(default=1, ge=1)
+
+
+class EngineConfig(_Section):
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    device: str = "auto"
+    seed: int = 0
+    enforce_eager: bool = False
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if value != "auto" and value.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError("must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        return value
+
+
+def validate_section(schema: type[BaseModel], data: Any, where: str) -> Any:
+    """Build ``schema`` from ``data``; a failure becomes a ConfigError naming the dotted key."""
+    try:
+        return schema.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, where)) from None
+
+
+def format_validation_error(exc: ValidationError, where: str) -> str:
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in (where, *err["loc"]) if p != "")
+        if err["type"] == "extra_forbidden":
+            lines.append(f"unknown config key '{key}'")
+        else:
+            lines.append(f"invalid value for '{key}': {err['msg']} (got {err.get('input')!r})")
+    return "; ".join(lines)

@@ -1,0 +1,140 @@
+"""Incremental detokenization with stop strings: O(1) work per generated token, never half a character."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from pegainfer.tokenizer import Tokenizer
+
+_REPLACEMENT_CHAR = "\ufffd"
+# Prompt tokens decoded before the output, so tokenizers whose decoders drop a leading space at the
+# start of a decode (SentencePiece) still produce the first output word's space.
+_PROMPT_CONTEXT_TOKENS = 5
+# Text still ending in U+FFFD after this many held tokens, with another U+FFFD before it, is invalid UTF-8
+# (a model emitting stray bytes); emitting it then keeps the decode window, and the work per token, bounded.
+_MAX_HELD_TOKENS = 8
+
+
+class IncrementalDetokenizer:
+    """Turns one request's generated token ids into text as they arrive, and watches for stop strings.
+
+    Committed text is split into `_frozen` pieces, which no stop string can cut into any more, and a short
+    `_tail` of the last characters, which a stop string completed later may still remove and which
+    `get_delta` therefore holds back. Only `_frozen` grows with the output; ids are kept for a short window.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        *,
+        skip_special_tokens: bool = True,
+        stop: Iterable[str] = (),
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        # Tokens that decode drops anyway are never stored, so runs of them cannot widen the decode window.
+        self._dropped_ids = tokenizer.all_special_ids if skip_special_tokens else frozenset()
+        self._stop = tuple(dict.fromkeys(s for s in stop if s))
+        self._include_stop = include_stop_str_in_output
+        max_stop_len = max((len(s) for s in self._stop), default=0)
+        # A stop string completed by new text starts at most max_stop_len - 1 characters before it.
+        self._search_context_len = max(max_stop_len - 1, 0)
+        self._holdback = 0 if include_stop_str_in_output else self._search_context_len
+
+        context = self._kept(prompt_token_ids[-4 * _PROMPT_CONTEXT_TOKENS :])[-_PROMPT_CONTEXT_TOKENS:]
+        if context and self._decode(context).endswith(_REPLACEMENT_CHAR):
+            # A prompt ending mid-character would make the first output text misaligned against it.
+            context = []
+        # The decode window: `_ids[:_read_offset]` is context already in the text, the rest is new.
+        self._ids = context
+        self._read_offset = len(context)
+
+        self._frozen: list[str] = []
+        self._tail = ""
+        self._search_context = ""
+        self._num_streamed = 0  # pieces of _frozen already returned by get_delta
+        self.stop_str: str | None = None
+        """The stop string that ended the output, once one has matched."""
+
+    @property
+    def output_text(self) -> str:
+        """All text committed so far (after stop truncation). Builds a new string: stream with get_delta."""
+        return "".join(self._frozen) + self._tail
+
+    def update(self, new_token_ids: Sequence[int]) -> str | None:
+        """Add generated tokens; return the stop string if one is now complete (the text is cut there)."""
+        if self.stop_str is not None:
+            raise RuntimeError(
+                f"update() after stop string {self.stop_str!r} matched; the request is finished"
+            )
+        self._ids.extend(self._kept(new_token_ids))
+        text = self._decode_new(final=False)
+        return self._commit(text) if text else None
+
+    def get_delta(self, finished: bool) -> str:
+        """Text not returned by earlier calls; holds back a possible stop-string prefix until `finished`.
+
+        With `finished`, tokens still waiting for the rest of a character are decoded as they are (as a
+        full decode would, with U+FFFD), and everything left is returned; make it the last call.
+        """
+        if finished:
+            if self.stop_str is None:
+                text = self._decode_new(final=True)
+                if text:
+                    self._commit(text)
+            if self._tail:
+                self._frozen.append(self._tail)
+                self._tail = ""
+        delta = "".join(self._frozen[self._num_streamed :])
+        self._num_streamed = len(self._frozen)
+        return delta
+
+    def _kept(self, ids: Sequence[int]) -> list[int]:
+        return [i for i in ids if i not in self._dropped_ids]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+    def _decode_new(self, *, final: bool) -> str:
+        """Text of the tokens after the read offset, decoded with a few earlier tokens as context."""
+        if self._read_offset == len(self._ids):
+            return ""
+        prefix = self._decode(self._ids[: self._read_offset])
+        full = self._decode(self._ids)
+        new_text = full[len(prefix) :]
+        held = len(self._ids) - self._read_offset
+        if not final and held < _MAX_HELD_TOKENS and (not new_text or new_text.endswith(_REPLACEMENT_CHAR)):
+            # Nothing visible yet, or a multi-byte character is still arriving: wait rather than emit U+FFFD.
+            return ""
+        if not final and new_text.endswith(_REPLACEMENT_CHAR) and _REPLACEMENT_CHAR not in new_text[:-1]:
+            # Still a single character arriving: tokens can each end one character and start the next,
+            # so a long wait alone proves nothing; other U+FFFD before it would mean invalid bytes.
+            return ""
+        self._ids = self._ids[self._read_offset :]
+        self._read_offset = len(self._ids)
+        return new_text
+
+    def _commit(self, text: str) -> str | None:
+        """Append decoded text, cut it at the earliest stop string, and return that stop string."""
+        if self._stop:
+            searched = self._search_context + text
+            matches = [(i + len(s), i, s) for s in self._stop if (i := searched.find(s)) != -1]
+            if matches:
+                # The stop string completed first wins, whatever way the text was split into updates.
+                end, start, stop = min(matches)
+                drop = len(searched) - (end if self._include_stop else start)
+                if drop > len(text):
+                    # The cut reaches back into the held-back tail, never further (see _holdback).
+                    self._tail = self._tail[: len(self._tail) - (drop - len(text))]
+                text = text[: max(len(text) - drop, 0)]
+                self.stop_str = stop
+            context = self._search_context + text
+            self._search_context = context[max(len(context) - self._search_context_len, 0) :]
+        tail = self._tail + text
+        split = max(len(tail) - self._holdback, 0)
+        if split:
+            self._frozen.append(tail[:split])
+        self._tail = tail[split:]
+        return self.stop_str

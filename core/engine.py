@@ -1,0 +1,344 @@
+"""LLMEngine: add requests, step, abort. Each step: scheduler plan -> executor forward -> sampler ->
+detokenizer and stop checks -> outputs. The offline ``LLM`` and the HTTP server both drive this loop."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pegainfer.buffers import PagedBufferManager
+from pegainfer.buffer_specs import TransientSpec, dtype_size
+from pegainfer.config import EngineConfig
+from pegainfer.detokenizer import IncrementalDetokenizer
+from pegainfer.errors import RequestError
+from pegainfer.executor import Executor, LocalExecutor, ModelBatch, SequenceChunk
+from pegainfer.loader import read_generation_config
+from pegainfer.memory_plan import MemoryPlan, plan_memory
+from pegainfer.model_loader import LoadedModel, load_model
+from pegainfer.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from pegainfer.request import Request, RequestStatus
+from pegainfer.sampler import Sampler, compute_prompt_logprobs
+from pegainfer.sampling_params import SamplingParams
+from pegainfer.scheduler import ContinuousBatchingScheduler, Scheduler, SchedulerOutput
+from pegainfer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Sequence:
+    """Engine-side state of one generated sequence (one of a parent's ``n``)."""
+
+    request: Request
+    index: int
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class _Group:
+    """A user request: its ``n`` sequences and the prompt logprobs they share."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    sequences: list[_Sequence] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.sequences)
+
+
+def _memory_budget(loaded: LoadedModel, config: EngineConfig, transient_bytes: int) -> int:
+    """Bytes this replica may hold in all: on a GPU a fraction of the device; on the CPU weights +
+    transients + the configured KV budget."""
+    if loaded.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(loaded.device)
+        used_by_others = total - free - torch.cuda.memory_allocated(loaded.device)
+        return int(total * config.cache.gpu_memory_utilization) - used_by_others
+    return loaded.weight_bytes + transient_bytes + config.cache.cpu_kv_cache_bytes
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        loaded = load_model(config)
+        self.loaded = loaded
+        self.model = loaded.model
+        self.max_model_len = loaded.max_model_len
+        self.tokenizer = Tokenizer.from_pretrained(config.model.tokenizer or loaded.folder)
+        self.generation_config = read_generation_config(loaded.folder)
+        eos = self.generation_config.get("eos_token_id")
+        if eos is not None:
+            self.tokenizer.add_eos_token_ids([eos] if isinstance(eos, int) else eos)
+        sched = config.scheduler
+        if sched.max_num_batched_tokens < sched.max_num_seqs:
+            logger.warning("max_num_batched_tokens < max_num_seqs: some running requests wait every step")
+        transients = [*self.model.transient_specs(), *self._engine_transients()]
+        budget = _memory_budget(loaded, config, sum(
+            t.bytes_for(sched.max_num_batched_tokens, sched.max_num_seqs) for t in transients
+        ))
+        self.plan: MemoryPlan = plan_memory(
+            budget=budget,
+            weight_bytes=loaded.weight_bytes,
+            specs=self.model.buffer_specs(),
+            transients=transients,
+            block_size=config.cache.block_size,
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            num_blocks_override=config.cache.num_gpu_blocks_override,
+        )
+        logger.info(self.plan.describe())
+        self.buffers = PagedBufferManager(self.model.buffer_specs(), self.plan, loaded.device)
+        self.buffers.allocate_device_buffers()
+        self.executor: Executor = LocalExecutor(
+            self.model, self.buffers, max_num_seqs=sched.max_num_seqs, max_model_len=self.max_model_len
+        )
+        self.scheduler: Scheduler = ContinuousBatchingScheduler(sched, self.buffers)
+        self.sampler = Sampler(seed=config.seed, device=loaded.device)
+        self._groups: dict[str, _Group] = {}
+        self._sequences: dict[str, _Sequence] = {}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+
+    def _engine_transients(self) -> list[TransientSpec]:
+        vocab = getattr(self.model, "vocab_size", 0)
+        # Logits of the sampled rows and the sampler's working copies of them (probs, sort, noise).
+        return [TransientSpec("sampler", bytes_per_seq=4 * vocab * dtype_size(torch.float32))]
+
+    # ----------------------------------------------------------------------------------------- requests
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation_config.json defaults (temperature, top_p, top_k)."""
+        g = self.generation_config
+        keys = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                "repetition_penalty": "repetition_penalty"}
+        values = {ours: g[theirs] for theirs, ours in keys.items() if g.get(theirs) is not None}
+        if g.get("do_sample") is False:
+            values["temperature"] = 0.0
+        return SamplingParams(**values)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue a request; ``params.n`` sequences are generated from it."""
+        if request_id in self._groups:
+            raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
+        params = params or self.default_sampling_params()
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise RequestError("either a prompt or prompt_token_ids is required", param="prompt")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        prompt_token_ids = list(prompt_token_ids)
+        self._validate_prompt(prompt_token_ids, params)
+        if params.max_tokens is None:
+            params = params.clone(max_tokens=self.max_model_len - len(prompt_token_ids))
+        params = params.clone(eos_token_ids=self.tokenizer.eos_token_ids)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        group = _Group(request_id, prompt, prompt_token_ids, params, arrival)
+        for i in range(params.n):
+            child_params = params if params.seed is None else params.clone(seed=params.seed + i)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            request = Request(child_id, prompt_token_ids, child_params, arrival_time=arrival, prompt=prompt)
+            seq = _Sequence(
+                request,
+                i,
+                IncrementalDetokenizer(
+                    self.tokenizer,
+                    prompt_token_ids,
+                    skip_special_tokens=params.skip_special_tokens,
+                    stop=params.stop,
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                ),
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+            )
+            group.sequences.append(seq)
+            self._sequences[child_id] = seq
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]
+        self._groups[request_id] = group
+        for seq in group.sequences:
+            self.scheduler.add_request(seq.request)
+        self.stats["prompt_tokens"] += len(prompt_token_ids)
+
+    def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise RequestError("the prompt is empty", param="prompt")
+        vocab = getattr(self.model, "vocab_size", None)
+        if vocab is not None and (min(ids) < 0 or max(ids) >= vocab):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        wanted = len(ids) + (params.max_tokens or 1)
+        if wanted > self.max_model_len:
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{wanted} tokens ({len(ids)} in the prompt, {wanted - len(ids)} for the completion).",
+                param="max_tokens",
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort a request and all its sequences; their pages and slots are freed at once."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return
+        for seq in group.sequences:
+            self.scheduler.finish_request(seq.request, RequestStatus.FINISHED_ABORTED)
+            self._sequences.pop(seq.request.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # ------------------------------------------------------------------------------------------ the step
+
+    def _build_batch(self, plan: SchedulerOutput) -> ModelBatch:
+        chunks = []
+        for item in plan.scheduled:
+            req = item.request
+            group = self._groups[self._group_id(req)]
+            start, end = item.start, item.start + item.num_new_tokens
+            wants_prompt = group.prompt_logprobs is not None and len(group.prompt_logprobs) < req.num_prompt_tokens
+            chunks.append(
+                SequenceChunk(
+                    request_id=req.request_id,
+                    token_ids=req.all_token_ids[start:end],
+                    start=start,
+                    block_table=self.buffers.block_table(req.request_id),
+                    state_slot=self.buffers.state_slot(req.request_id),
+                    needs_logits=item.samples,
+                    all_logits=wants_prompt and start < req.num_prompt_tokens,
+                    epoch=req.num_preemptions,
+                )
+            )
+        batch = ModelBatch(chunks)
+        if not self.executor.capabilities.device_embedding:
+            batch.hidden_states = self.executor.embed([t for c in chunks for t in c.token_ids])
+        return batch
+
+    def _group_id(self, request: Request) -> str:
+        rid = request.request_id
+        return rid if rid in self._groups else rid.rpartition("#")[0]
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns an output for every user request that progressed (finished ones last time)."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        batch = self._build_batch(plan)
+        result = self.executor.execute(batch)
+        self.scheduler.update_after_step(plan)
+        self.stats["steps"] += 1
+        sampling = [item.request for item in plan.scheduled if item.samples]
+        sampled = self.sampler(result.logits, sampling) if sampling else None
+        touched: dict[str, _Group] = {}
+        for chunk, item in zip(batch.chunks, plan.scheduled):
+            if chunk.all_logits:
+                self._add_prompt_logprobs(item.request, chunk, result.all_logits[chunk.request_id])
+        for row, request in enumerate(sampling):
+            group = self._groups[self._group_id(request)]
+            touched[group.request_id] = group
+            try:
+                self._append_token(self._sequences[request.request_id], sampled.token_ids[row], sampled.logprobs[row])
+            except Exception as exc:  # one broken request must not take the others down
+                logger.exception("request %s failed: %s", request.request_id, exc)
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
+        outputs = [self._make_output(g) for g in touched.values()]
+        for group in touched.values():
+            if group.finished:
+                self._groups.pop(group.request_id, None)
+                for seq in group.sequences:
+                    self._sequences.pop(seq.request.request_id, None)
+        return outputs
+
+    def _add_prompt_logprobs(self, request: Request, chunk: SequenceChunk, logits: torch.Tensor) -> None:
+        group = self._groups[self._group_id(request)]
+        have = len(group.prompt_logprobs)
+        # Position p's logits score prompt token p + 1; only the prompt part of the chunk counts.
+        last = min(chunk.start + len(chunk.token_ids), request.num_prompt_tokens - 1)
+        if last <= have - 1 or chunk.start > have - 1:
+            return
+        targets = request.prompt_token_ids[have : last + 1]
+        rows = logits[have - 1 - chunk.start : have - 1 - chunk.start + len(targets)]
+        entries = compute_prompt_logprobs(rows, targets, group.params.prompt_logprobs)
+        group.prompt_logprobs.extend(self._decode_logprobs(e) for e in entries)
+
+    def _decode_logprobs(self, entry: PositionLogprobs) -> PositionLogprobs:
+        for token_id, lp in entry.items():
+            if lp.decoded_token is None:
+                lp.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return entry
+
+    def _append_token(self, seq: _Sequence, token: int, logprobs: PositionLogprobs | None) -> None:
+        request, params = seq.request, seq.request.sampling_params
+        request.append_output_token(token)
+        self.stats["generation_tokens"] += 1
+        if seq.logprobs is not None and logprobs is not None:
+            seq.logprobs.append(self._decode_logprobs(logprobs))
+            seq.cumulative_logprob += logprobs[token].logprob
+        stop_str = seq.detokenizer.update([token])
+        status = None
+        if stop_str is not None:
+            status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+        elif token in params.stop_token_ids:
+            status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif not params.ignore_eos and token in params.eos_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish_request(request, status)
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        outputs = []
+        for seq in group.sequences:
+            req = seq.request
+            outputs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=seq.detokenizer.output_text,
+                    token_ids=req.output_token_ids,
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=seq.logprobs,
+                    finish_reason=req.finish_reason,
+                    stop_reason=req.stop_reason,
+                )
+            )
+        first = [s.request.first_token_time for s in group.sequences if s.request.first_token_time]
+        metrics = RequestMetrics(
+            arrival_time=group.arrival_time,
+            first_token_time=min(first) if first else None,
+            finished_time=time.monotonic() if group.finished else None,
+            num_preemptions=sum(s.request.num_preemptions for s in group.sequences),
+        )
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=outputs,
+            finished=group.finished,
+            prompt_logprobs=group.prompt_logprobs,
+            metrics=metrics,
+        )
+
+    def sequence_detokenizer(self, request_id: str, index: int = 0) -> IncrementalDetokenizer:
+        """The detokenizer of one sequence, for streaming deltas."""
+        return self._groups[request_id].sequences[index].detokenizer
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

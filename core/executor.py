@@ -1,0 +1,179 @@
+"""The Executor seam: runs a model's forward passes for a step and returns the logits that get sampled.
+
+The engine hands the executor a host-side ``ModelBatch`` (ids and counts, cheap to broadcast to tensor-
+parallel ranks later); the executor turns it into device tensors, runs the model, and returns logits in
+the batch's order. Capabilities tell the engine what the executor needs and offers.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from pegainfer.buffers import PagedBufferManager
+from pegainfer.decode_buffers import DecodeBuffers
+from pegainfer.errors import ExecutorError
+from pegainfer.layers.attention import AttentionMetadata, PrefillSegment
+from pegainfer.model_api import CausalLM, ForwardBatch
+
+
+@dataclass(frozen=True)
+class ExecutorCapabilities:
+    #: The model embeds token ids inside its forward; if False the engine must pass ``hidden_states``.
+    device_embedding: bool = True
+    cuda_graphs: bool = False
+    tensor_parallel_size: int = 1
+    max_speculative_tokens: int = 0
+
+
+@dataclass
+class SequenceChunk:
+    """The tokens one request computes this step."""
+
+    request_id: str
+    token_ids: list[int]
+    start: int  # position of token_ids[0]
+    block_table: list[int]
+    state_slot: int | None = None
+    needs_logits: bool = False  # the last position is sampled
+    all_logits: bool = False  # logits of every position (prompt logprobs)
+    epoch: int = 0  # bumps when the request was preempted: its pages are new
+
+
+@dataclass
+class ModelBatch:
+    chunks: list[SequenceChunk]
+    #: ``[sum of chunk lengths, H]`` in chunk order; required iff the executor lacks device embedding.
+    hidden_states: torch.Tensor | None = None
+
+
+@dataclass
+class ExecutorOutput:
+    logits: torch.Tensor  # [number of chunks with needs_logits, V], in chunk order
+    all_logits: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> [len, V]
+
+
+class Executor(ABC):
+    capabilities: ExecutorCapabilities
+
+    @abstractmethod
+    def execute(self, batch: ModelBatch) -> ExecutorOutput:
+        """Run one step's forward; KV and state for the chunk tokens are written into the buffers."""
+
+    def embed(self, token_ids: list[int]) -> torch.Tensor:
+        """Input embeddings for executors without device embedding (the engine calls it for them)."""
+        raise ExecutorError("this executor embeds on the device and does not take hidden states")
+
+    def shutdown(self) -> None:
+        """Release workers and device memory."""
+
+
+class LocalExecutor(Executor):
+    """Single-process executor: one model on one device, decode rows through persistent buffers."""
+
+    def __init__(
+        self, model: CausalLM, buffers: PagedBufferManager, *, max_num_seqs: int, max_model_len: int
+    ) -> None:
+        self.model = model
+        self.buffers = buffers
+        self.device = buffers.device
+        self.block_size = buffers.block_size
+        self.capabilities = ExecutorCapabilities(device_embedding=model.embeds_on_device)
+        self.decode = DecodeBuffers(max_num_seqs, -(-max_model_len // self.block_size), self.device)
+
+    def embed(self, token_ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.model.embed(torch.tensor(token_ids, dtype=torch.int64, device=self.device))
+
+    def _prefill_inputs(self, prefills: list[SequenceChunk]) -> tuple[list[int], list[int], list[int], list]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        segments = []
+        for chunk in prefills:
+            n, table = len(chunk.token_ids), chunk.block_table
+            ctx = chunk.start + n
+            table_t = torch.tensor(table[: -(-ctx // bs)], dtype=torch.int64, device=self.device)
+            segments.append(PrefillSegment(len(ids), n, ctx, table_t))
+            ids.extend(chunk.token_ids)
+            for p in range(chunk.start, ctx):
+                pos.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+        return ids, pos, slots, segments
+
+    @torch.inference_mode()
+    def execute(self, batch: ModelBatch) -> ExecutorOutput:
+        if not self.capabilities.device_embedding and batch.hidden_states is None:
+            raise ExecutorError(
+                f"{type(self.model).__name__} does not embed on the device: the batch must carry hidden_states"
+            )
+        prefills = [c for c in batch.chunks if len(c.token_ids) > 1]
+        decodes = [c for c in batch.chunks if len(c.token_ids) == 1]
+        ids, pos, slots, segments = self._prefill_inputs(prefills)
+        num_prefill = len(ids)
+        dev = self.device
+        # Row of every chunk's first token in the device layout (prefill tokens first, then decode rows).
+        first_row: dict[int, int] = {}
+        offset = 0
+        for chunk, seg in zip(prefills, segments):
+            first_row[id(chunk)] = seg.q_start
+            offset += seg.q_len
+        meta = AttentionMetadata(
+            block_size=self.block_size,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            prefills=segments,
+            num_prefill_tokens=num_prefill,
+        )
+        token_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        if decodes:
+            rows = self.decode.prepare(
+                [f"{c.request_id}#{c.epoch}" for c in decodes],
+                [c.token_ids[0] for c in decodes],
+                [c.start for c in decodes],
+                [c.block_table for c in decodes],
+                [c.state_slot or 0 for c in decodes],
+                self.block_size,
+            )
+            b = len(decodes)
+            for chunk, row in zip(decodes, rows):
+                first_row[id(chunk)] = num_prefill + row
+            token_ids = torch.cat([token_ids, self.decode.token_ids[:b]])
+            positions = torch.cat([positions, self.decode.positions[:b]])
+            meta.slot_mapping = torch.cat([meta.slot_mapping, self.decode.slot_mapping[:b]])
+            meta.num_decodes = b
+            meta.decode_block_tables = self.decode.block_tables[:b]
+            meta.decode_seq_lens = self.decode.seq_lens[:b]
+            meta.max_decode_seq_len = max(c.start for c in decodes) + 1
+        hidden_in = None
+        if not self.capabilities.device_embedding:
+            order, cursor = [], 0
+            starts = {}
+            for chunk in batch.chunks:
+                starts[id(chunk)] = cursor
+                cursor += len(chunk.token_ids)
+            device_order = [0] * cursor
+            for chunk in batch.chunks:
+                for j in range(len(chunk.token_ids)):
+                    device_order[first_row[id(chunk)] + j] = starts[id(chunk)] + j
+            order = torch.tensor(device_order, dtype=torch.int64, device=batch.hidden_states.device)
+            hidden_in = batch.hidden_states[order].to(dev)
+        state_slots = None
+        if self.buffers.plan.num_state_slots:
+            slots_list = [c.state_slot or 0 for c in prefills]
+            state_slots = torch.cat(
+                [torch.tensor(slots_list, dtype=torch.int64, device=dev), self.decode.state_slots[: len(decodes)]]
+            )
+        fwd = ForwardBatch(token_ids, positions, meta, state_slots=state_slots, hidden_states=hidden_in)
+        hidden = self.model(fwd, self.buffers.caches, self.buffers.states)
+        sample_rows = [first_row[id(c)] + len(c.token_ids) - 1 for c in batch.chunks if c.needs_logits]
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.int64, device=dev)])
+        all_logits = {
+            c.request_id: self.model.compute_logits(hidden[first_row[id(c)] : first_row[id(c)] + len(c.token_ids)])
+            for c in batch.chunks
+            if c.all_logits
+        }
+        return ExecutorOutput(logits=logits, all_logits=all_logits)

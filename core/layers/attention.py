@@ -1,0 +1,90 @@
+"""Paged attention, torch reference: KV written into pages through a slot mapping, read through block tables.
+
+Token layout of a batch: the prefill chunks' tokens first (one segment per request), then one token per
+decode row. Decode rows read their metadata from the persistent decode buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillSegment:
+    """One request's chunk: queries ``[q_start, q_start + q_len)`` of the batch, attending to ``ctx_len``
+    cached tokens (the chunk's own included) through ``block_table``."""
+
+    q_start: int
+    q_len: int
+    ctx_len: int
+    block_table: torch.Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    block_size: int
+    slot_mapping: torch.Tensor  # [T] flat page slot of every token of the batch
+    prefills: list[PrefillSegment]
+    num_prefill_tokens: int
+    num_decodes: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
+    decode_seq_lens: torch.Tensor | None = None  # [num_decodes], context length including the new token
+    max_decode_seq_len: int = 0
+
+
+def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store k, v ``[T, kv_heads, D]`` into ``cache`` ``[2, blocks, block_size, kv_heads, D]`` at the slots."""
+    flat = cache.flatten(1, 2)
+    flat[0].index_copy_(0, slot_mapping, k.to(cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(cache.dtype))
+
+
+def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    return block_table[..., positions // block_size].long() * block_size + positions % block_size
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [..., kv_heads, group, n, D], k/v [..., kv_heads, L, D], mask [..., n, L] bool (True = attend)."""
+    scores = torch.matmul(q, k.unsqueeze(-3).transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask.unsqueeze(-3).unsqueeze(-3), float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.matmul(probs, v.unsqueeze(-3))
+
+
+def paged_attention(
+    q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Causal GQA attention of q ``[T, heads, D]`` over the paged cache; returns ``[T, heads, D]``.
+
+    Query head h reads KV head ``h // (heads / kv_heads)``. Softmax runs in fp32.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    kv_heads = cache.shape[-2]
+    group = num_heads // kv_heads
+    k_flat, v_flat = cache[0].flatten(0, 1), cache[1].flatten(0, 1)
+    out = torch.empty_like(q)
+    for seg in meta.prefills:
+        positions = torch.arange(seg.ctx_len, device=q.device)
+        idx = _slots(seg.block_table, positions, meta.block_size)
+        k = k_flat[idx].transpose(0, 1)  # [kv_heads, L, D]
+        v = v_flat[idx].transpose(0, 1)
+        qs = q[seg.q_start : seg.q_start + seg.q_len].view(seg.q_len, kv_heads, group, head_dim)
+        q_pos = positions[seg.ctx_len - seg.q_len :]
+        mask = positions[None, :] <= q_pos[:, None]
+        o = _attend(qs.permute(1, 2, 0, 3), k, v, mask, scale)  # [kv_heads, group, n, D]
+        out[seg.q_start : seg.q_start + seg.q_len] = o.permute(2, 0, 1, 3).reshape(seg.q_len, num_heads, head_dim)
+    if meta.num_decodes:
+        start, b = meta.num_prefill_tokens, meta.num_decodes
+        positions = torch.arange(meta.max_decode_seq_len, device=q.device)
+        idx = _slots(meta.decode_block_tables, positions, meta.block_size)  # [B, L]
+        k = k_flat[idx].permute(0, 2, 1, 3)  # [B, kv_heads, L, D]
+        v = v_flat[idx].permute(0, 2, 1, 3)
+        mask = (positions[None, :] < meta.decode_seq_lens[:, None])[:, None, :]  # [B, 1, L]
+        qd = q[start : start + b].view(b, kv_heads, group, 1, head_dim)
+        o = _attend(qd, k, v, mask, scale)  # [B, kv_heads, group, 1, D]
+        out[start : start + b] = o.reshape(b, num_heads, head_dim)
+    return out

@@ -1,0 +1,93 @@
+"""Building a runnable model from an EngineConfig: checkpoint folder, plugin, device, dtype, weights."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pegainfer.config import EngineConfig, ModelConfig
+from pegainfer.errors import CheckpointError, ConfigError
+from pegainfer.loader import CheckpointReader, checkpoint_dtype, parse_dtype, read_hf_config
+from pegainfer.model_api import CausalLM
+from pegainfer.plugins import ModelRegistration, get_model_registry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    registration: ModelRegistration
+    hf_config: dict[str, Any]
+    folder: Path
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    weight_bytes: int
+
+
+def checkpoint_folder(model_config: ModelConfig) -> Path:
+    """``model.path``, or the embedded demo checkpoint when it is unset."""
+    if model_config.path is None:
+        from pegainfer.demo import demo_checkpoint
+
+        return demo_checkpoint()
+    return Path(model_config.path).expanduser()
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device: 'cuda' was asked for but torch sees no CUDA device")
+    return device
+
+
+def pick_dtype(requested: str, hf_config: dict[str, Any], device: torch.device) -> torch.dtype:
+    """``auto``: float32 on the CPU (the reference path); on a GPU the checkpoint's dtype, bf16 for fp32 files."""
+    if requested != "auto":
+        return parse_dtype(requested)
+    if device.type == "cpu":
+        return torch.float32
+    saved = checkpoint_dtype(hf_config)
+    return torch.bfloat16 if saved == torch.float32 else saved
+
+
+def text_config(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The language-model part of a (possibly multimodal) config."""
+    return hf_config.get("text_config") or hf_config
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    folder = checkpoint_folder(config.model)
+    hf_config = read_hf_config(folder)
+    registry = get_model_registry()
+    registration = registry.resolve(hf_config) if config.model.name == "auto" else registry.get(config.model.name)
+    model_cls = registration.load_model_class()
+    if not (isinstance(model_cls, type) and issubclass(model_cls, CausalLM)):
+        raise CheckpointError(f"{registration.origin}: {registration.model_class} is not a pegainfer CausalLM")
+    device = pick_device(config.device)
+    dtype = pick_dtype(config.model.dtype, hf_config, device)
+    limit = model_cls.max_context_length(text_config(hf_config))
+    max_model_len = config.model.max_model_len or limit
+    if max_model_len > limit:
+        raise ConfigError(
+            f"model.max_model_len={max_model_len} exceeds the checkpoint's max_position_embeddings ({limit})"
+        )
+    with torch.device(device):
+        model = model_cls.from_hf_config(hf_config, config.model, dtype=dtype, max_model_len=max_model_len)
+    reader = CheckpointReader(folder)
+    model.load_weights(reader)
+    unused = reader.unused()
+    if unused:
+        logger.warning("%d checkpoint tensors were not used, e.g. %s", len(unused), ", ".join(unused[:3]))
+    reader.close()
+    model.eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    logger.info("loaded %s from %s (%s, %s)", registration.name, folder, dtype, device)
+    return LoadedModel(model, registration, hf_config, folder, device, dtype, max_model_len, weight_bytes)

@@ -1,0 +1,269 @@
+"""The batched sampler: one next token per request from a [R, V] block of logits.
+
+Order per row (vLLM's): logprobs from the raw logits; min_tokens bans; repetition, frequency and
+presence penalties; then greedy argmax, or temperature, top-k, top-p, min-p and a random draw.
+Seeded requests draw from their own generator, so their tokens do not depend on the batch they are in.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from pegainfer.outputs import Logprob, PositionLogprobs
+from pegainfer.request import Request
+from pegainfer.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplerOutput:
+    """The chosen token of each row, and its logprobs where the request asked for them."""
+
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs | None]
+
+
+class Sampler:
+    """Picks the next token for every row of a logits block.
+
+    A request with ``sampling_params.seed`` gets a ``torch.Generator`` stored on the request as
+    ``request.generator`` on first use; every other random row draws from the sampler's own generator.
+    """
+
+    def __init__(self, *, seed: int = 0, device: torch.device | str | None = None) -> None:
+        self._seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+        if device is not None:
+            # An empty tensor names the device as logits will (``cuda`` becomes ``cuda:0``).
+            self._generator(torch.empty(0, device=device).device)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """Return one token per row of ``logits`` [R, V]; row i is the next token of ``requests[i]``."""
+        if logits.dim() != 2 or logits.shape[0] != len(requests):
+            raise ValueError(f"logits must be [{len(requests)}, V], got {tuple(logits.shape)}")
+        params = [r.sampling_params for r in requests]
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        # Taken before anything touches the logits: logprobs describe the model, not the sampler.
+        raw_logprobs = torch.log_softmax(_rows(logits, lp_rows).float(), dim=-1) if lp_rows else None
+
+        penalized = _penalized_or_none(logits, requests)
+        # Untouched logits stay in their own dtype: argmax agrees with float32's, and the copy is skipped.
+        work = logits if penalized is None else penalized
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not random_rows:
+            chosen = work.argmax(dim=-1)
+        elif len(random_rows) == len(params):
+            chosen = self._sample(work, requests)
+        else:
+            chosen = work.argmax(dim=-1)
+            index = _index(random_rows, work.device)
+            chosen[index] = self._sample(work[index], [requests[i] for i in random_rows])
+
+        token_ids = chosen.tolist()
+        logprobs: list[PositionLogprobs | None] = [None] * len(requests)
+        if raw_logprobs is not None:
+            ks = [params[i].logprobs or 0 for i in lp_rows]
+            entries = _position_logprobs(raw_logprobs, _rows(chosen, lp_rows), ks)
+            for i, entry in zip(lp_rows, entries, strict=True):
+                logprobs[i] = entry
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self._seed)
+            self._generators[device] = gen
+        return gen
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Draw one token per row (all non-greedy) after temperature, top-k, top-p and min-p."""
+        params = [r.sampling_params for r in requests]
+        device = logits.device
+        vocab = logits.shape[1]
+        temps = torch.tensor([p.temperature for p in params], device=device)
+        x = logits.float() / temps[:, None]
+
+        filtered = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
+        if filtered:
+            ks = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in filtered])
+            ps = torch.tensor([params[i].top_p for i in filtered])
+            if len(filtered) == len(params):
+                x = _top_k_top_p(x, ks.to(device), ps.to(device))
+            else:
+                index = _index(filtered, device)
+                x[index] = _top_k_top_p(x[index], ks.to(device), ps.to(device))
+
+        if any(p.min_p > 0.0 for p in params):
+            # p_i >= min_p * p_max  <=>  x_i >= x_max + log(min_p); log(0) = -inf keeps everything.
+            log_min_p = torch.tensor([math.log(p.min_p) if p.min_p > 0 else _NEG_INF for p in params])
+            threshold = x.amax(dim=-1, keepdim=True) + log_min_p.to(device)[:, None]
+            x = x.masked_fill(x < threshold, _NEG_INF)
+
+        probs = torch.softmax(x, dim=-1)
+        noise = torch.empty_like(probs)
+        unseeded = []
+        for i, (req, p) in enumerate(zip(requests, params, strict=True)):
+            if p.seed is None:
+                unseeded.append(i)
+            else:
+                noise[i].exponential_(generator=_request_generator(req, device))
+        if len(unseeded) == len(params):
+            noise.exponential_(generator=self._generator(device))
+        elif unseeded:
+            draws = torch.empty(len(unseeded), vocab, device=device)
+            noise[_index(unseeded, device)] = draws.exponential_(generator=self._generator(device))
+        # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) picks i with probability p_i.
+        # The clamp keeps a (vanishingly rare) zero draw from turning a banned token's 0/0 into NaN.
+        return probs.div_(noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Return float32 logits with min_tokens bans and repetition/frequency/presence penalties applied.
+
+    The input is never modified; when no row needs anything the result may be the input itself.
+    """
+    penalized = _penalized_or_none(logits, requests)
+    return logits.float() if penalized is None else penalized
+
+
+def _penalized_or_none(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor | None:
+    """``apply_penalties``, or None (and no copy) when no row needs anything."""
+    vocab = logits.shape[1]
+    ban_rows: list[int] = []
+    ban_ids: list[int] = []
+    penalty_rows: list[int] = []
+    for i, req in enumerate(requests):
+        p = req.sampling_params
+        if req.num_output_tokens < p.min_tokens:
+            banned = list(p.stop_token_ids or ())
+            if not p.ignore_eos:
+                banned.extend(p.eos_token_ids)
+            # User-given stop ids are not checked against this model's vocab anywhere earlier.
+            banned = [t for t in banned if 0 <= t < vocab]
+            ban_rows.extend([i] * len(banned))
+            ban_ids.extend(banned)
+        if _needs_penalties(p):
+            penalty_rows.append(i)
+    if not ban_rows and not penalty_rows:
+        return None
+
+    work = logits.to(torch.float32, copy=True)
+    if ban_rows:
+        work[_index(ban_rows, work.device), _index(ban_ids, work.device)] = _NEG_INF
+    if penalty_rows:
+        if len(penalty_rows) == len(requests):
+            work = _penalize(work, requests)
+        else:
+            index = _index(penalty_rows, work.device)
+            work[index] = _penalize(work[index], [requests[i] for i in penalty_rows])
+    return work
+
+
+def compute_prompt_logprobs(logits: torch.Tensor, target_ids: list[int], k: int) -> list[PositionLogprobs]:
+    """Logprobs of ``target_ids[t]`` under row t of ``logits`` [T, V], plus the k most likely tokens.
+
+    Row t is the model's output at prompt position t, so the caller passes the prompt shifted by one.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(target_ids):
+        raise ValueError(f"logits must be [{len(target_ids)}, V], got {tuple(logits.shape)}")
+    if not target_ids:
+        return []
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    targets = torch.tensor(target_ids, device=logits.device)
+    return _position_logprobs(logprobs, targets, [k] * len(target_ids))
+
+
+def _needs_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _penalize(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Apply each row's repetition, frequency and presence penalties; returns a new tensor."""
+    rows, vocab = logits.shape
+    device = logits.device
+    params = [r.sampling_params for r in requests]
+    # Only the repetition penalty looks at the prompt, so other rows skip it.
+    starts = [
+        0 if p.repetition_penalty != 1.0 else r.num_prompt_tokens
+        for r, p in zip(requests, params, strict=True)
+    ]
+    seqs = [r.all_token_ids[s:] for r, s in zip(requests, starts, strict=True)]
+    lengths = torch.tensor([len(s) for s in seqs])
+    output_starts = torch.tensor([r.num_prompt_tokens - s for r, s in zip(requests, starts, strict=True)])
+    width = max(int(lengths.max()), 1)
+    positions = torch.arange(width)
+    valid = positions < lengths[:, None]
+    # Padding points at an extra column V that is dropped after the scatter.
+    ids = torch.full((rows, width), vocab, dtype=torch.long)
+    ids[valid] = torch.tensor(list(itertools.chain.from_iterable(seqs)), dtype=torch.long)
+    in_output = valid & (positions >= output_starts[:, None])
+    ids = ids.to(device)
+    in_output = in_output.to(device, torch.float32)
+
+    seen = torch.zeros(rows, vocab + 1, device=device).scatter_add_(1, ids, torch.ones_like(in_output))
+    counts = torch.zeros(rows, vocab + 1, device=device).scatter_add_(1, ids, in_output)
+    seen = seen[:, :vocab] > 0
+    counts = counts[:, :vocab]
+
+    rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+    freq = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+    presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    out = torch.where(seen, penalized, logits)
+    return out - freq * counts - presence * (counts > 0).float()
+
+
+def _top_k_top_p(x: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf all but each row's top ``ks`` tokens, then all but its smallest top-``ps`` set."""
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    positions = torch.arange(x.shape[1], device=x.device)
+    drop = positions >= ks[:, None]
+    probs = torch.softmax(sorted_x.masked_fill(drop, _NEG_INF), dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # A token is kept while the mass of better tokens is still short of top_p, so the top token always is;
+    # rows with top_p == 1 are exempt so rounding in the cumsum cannot cut their tail.
+    drop |= (mass_before >= ps[:, None]) & (ps < 1.0)[:, None]
+    unsorted_drop = torch.empty_like(drop).scatter_(1, order, drop)
+    return x.masked_fill(unsorted_drop, _NEG_INF)
+
+
+def _position_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, ks: list[int]) -> list[PositionLogprobs]:
+    """For each row, the chosen token's logprob and rank, plus the row's top ``ks[i]`` tokens."""
+    chosen_lp = logprobs.gather(1, chosen[:, None])
+    ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
+    max_k = min(max(ks), logprobs.shape[1])
+    top_lp, top_ids = logprobs.topk(max_k, dim=-1)
+
+    chosen_l, chosen_lp_l, ranks_l = chosen.tolist(), chosen_lp.squeeze(1).tolist(), ranks.tolist()
+    top_lp_l, top_ids_l = top_lp.tolist(), top_ids.tolist()
+    out: list[PositionLogprobs] = []
+    for row, k in enumerate(ks):
+        entry = {chosen_l[row]: Logprob(logprob=chosen_lp_l[row], rank=ranks_l[row])}
+        for j in range(min(k, max_k)):
+            entry[top_ids_l[row][j]] = Logprob(logprob=top_lp_l[row][j], rank=j + 1)
+        out.append(entry)
+    return out
+
+
+def _request_generator(request: Request, device: torch.device) -> torch.Generator:
+    gen: torch.Generator | None = getattr(request, "generator", None)
+    if gen is None:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(request.sampling_params.seed)
+        request.generator = gen  # type: ignore[attr-defined]
+    return gen
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``t[rows]``, without a gather when ``rows`` is every row in order."""
+    return t if len(rows) == t.shape[0] else t[_index(rows, t.device)]

@@ -1,0 +1,187 @@
+"""The Scheduler seam and the default continuous-batching scheduler.
+
+There are no prefill or decode phases: each step, every scheduled request computes its next
+``num_new_tokens`` tokens (a prompt chunk, one decode token, or a recompute after preemption) so that
+``num_computed_tokens`` catches up with ``num_tokens``. Policy only: nothing here touches tensors.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass, field
+
+from pegainfer.buffers import BufferManager
+from pegainfer.config import SchedulerConfig
+from pegainfer.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    start: int = -1  # position of the first token computed this step (set at planning time)
+    samples: bool = False  # the step reaches the request's last known token, so a new token is sampled
+
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            self.start = self.request.num_computed_tokens
+            self.samples = self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan, in the order the executor must lay out the batch."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler(ABC):
+    """Decides each step which requests compute how many tokens, within the buffer manager's memory."""
+
+    @abstractmethod
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (status WAITING)."""
+
+    @abstractmethod
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step; allocates pages through the buffer manager, preempting when short."""
+
+    @abstractmethod
+    def update_after_step(self, output: SchedulerOutput) -> None:
+        """Record that the planned tokens were computed (call before appending sampled tokens)."""
+
+    @abstractmethod
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """End a request (stopped, length, aborted, error) and free its buffers at once."""
+
+    @abstractmethod
+    def get_request(self, request_id: str) -> Request | None:
+        """The live (unfinished) request with this id."""
+
+    @property
+    @abstractmethod
+    def num_running(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def num_waiting(self) -> int: ...
+
+    def has_unfinished_requests(self) -> bool:
+        return self.num_running + self.num_waiting > 0
+
+
+class ContinuousBatchingScheduler(Scheduler):
+    """Running requests first (oldest first), then admissions in arrival order, within a token budget.
+
+    Preemption is by recompute: the most recently admitted running request gives back all its pages and
+    goes to the front of the queue with ``num_computed_tokens = 0``; its generated tokens are kept, so it
+    later resumes by recomputing prompt + output and continues with the same greedy tokens.
+    """
+
+    def __init__(self, config: SchedulerConfig, buffers: BufferManager) -> None:
+        self.config = config
+        self.buffers = buffers
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._requests: dict[str, Request] = {}
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        n = min(request.num_tokens - request.num_computed_tokens, budget)
+        limit = self.config.long_prefill_token_threshold
+        return min(n, limit) if limit else n
+
+    def _preempt(self, victim: Request, output: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        self.buffers.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        output.preempted.append(victim)
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = self._chunk(request, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self.buffers.allocate_slots(request, n):
+                victim = self.running[-1]
+                if victim.request_id in scheduled_ids:
+                    # Never undo work already planned this step: stop scheduling instead.
+                    return output
+                self._preempt(victim, output)
+                if victim is request:
+                    break
+            else:
+                output.scheduled.append(ScheduledRequest(request, n))
+                scheduled_ids.add(request.request_id)
+                budget -= n
+                i += 1
+                continue
+            # ``request`` itself was preempted; the list shifted, so ``i`` already points at the next one.
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if output.preempted:
+                break  # memory is short this step: admitting would only thrash
+            request = self.waiting[0]
+            n = self._chunk(request, budget)
+            if not self.config.enable_chunked_prefill and n < request.num_tokens - request.num_computed_tokens:
+                break
+            if not self.buffers.can_admit(request, n) or not self.buffers.allocate_slots(request, n):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            output.scheduled.append(ScheduledRequest(request, n))
+            budget -= n
+        return output
+
+    def update_after_step(self, output: SchedulerOutput) -> None:
+        for item in output.scheduled:
+            item.request.num_computed_tokens += item.num_new_tokens
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        if request.is_finished:
+            return
+        request.status = status
+        self.buffers.free(request)
+        self._requests.pop(request.request_id, None)
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass

@@ -1,0 +1,1 @@
+"""Helpers for tests: tiny checkpoints and tokenizers that need no downloads."""

@@ -1,0 +1,35 @@
+"""pytest plugin shipped with pegainfer (entry point ``pytest11``): fixtures a plugin author reuses.
+
+Imports stay lazy so that loading this plugin costs nothing in test runs that do not use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``factory(architecture="qwen3", **options)`` writes a tiny random checkpoint once per option set."""
+    from pegainfer.testing.checkpoints import write_tiny_checkpoint
+
+    made: dict[str, Path] = {}
+
+    def factory(architecture: str = "qwen3", **options: Any) -> Path:
+        key = f"{architecture}-{sorted(options.items())!r}"
+        if key not in made:
+            folder = tmp_path_factory.mktemp(f"ckpt-{architecture}")
+            made[key] = write_tiny_checkpoint(folder, architecture, **options)
+        return made[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tiny_checkpoint_factory: Callable[..., Path]) -> Path:
+    """A tiny random Qwen3 checkpoint (float32, untied embeddings)."""
+    return tiny_checkpoint_factory("qwen3")

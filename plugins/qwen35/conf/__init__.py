@@ -1,0 +1,1 @@
+"""Hydra configuration shipped inside the package (found through pkg://)."""

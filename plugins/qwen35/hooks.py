@@ -1,0 +1,36 @@
+"""Plugin hooks for Qwen3.5: the model class is imported only when a Qwen3.5 model is built."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pegainfer.plugins import ModelRegistration, hookimpl
+
+
+@hookimpl
+def pegainfer_plugin_api_version() -> int:
+    return 1
+
+
+@hookimpl
+def register_models(register: Callable[[ModelRegistration], None]) -> None:
+    register(
+        ModelRegistration(
+            name="qwen35",
+            model_class="pegainfer_qwen35.model:Qwen35ForCausalLM",
+            # The published checkpoints are VLMs; the text-only and MoE variants share the decoder.
+            architectures=(
+                "Qwen3_5ForConditionalGeneration",
+                "Qwen3_5ForCausalLM",
+                "Qwen3_5MoeForConditionalGeneration",
+                "Qwen3_5MoeForCausalLM",
+            ),
+            model_types=("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
+            description="Qwen3.5 hybrid (Gated DeltaNet + gated attention), dense and MoE",
+        )
+    )
+
+
+@hookimpl
+def register_config_dirs(register: Callable[[str], None]) -> None:
+    register("pkg://pegainfer_qwen35.conf")

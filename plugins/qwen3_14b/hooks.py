@@ -1,0 +1,30 @@
+"""Plugin hooks for Qwen3 dense: registered through the ``pegainfer`` entry point like any third party's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pegainfer.plugins import ModelRegistration, hookimpl
+
+
+@hookimpl
+def pegainfer_plugin_api_version() -> int:
+    return 1
+
+
+@hookimpl
+def register_models(register: Callable[[ModelRegistration], None]) -> None:
+    register(
+        ModelRegistration(
+            name="qwen3_14b",
+            model_class="pegainfer_qwen3_14b.model:Qwen3ForCausalLM",
+            architectures=("Qwen3ForCausalLM",),
+            model_types=("qwen3",),
+            description="Qwen3 dense (any size; 14B is the flagship)",
+        )
+    )
+
+
+@hookimpl
+def register_config_dirs(register: Callable[[str], None]) -> None:
+    register("pkg://pegainfer_qwen3_14b.conf")

@@ -1,0 +1,204 @@
+"""Qwen3 dense (``Qwen3ForCausalLM``): q/k RMSNorm before rotary, GQA, SwiGLU, tied or untied embeddings.
+
+Any Qwen3 dense size loads (0.6B-32B); 14B is the flagship. q|k|v and gate|up are packed into one
+weight each at load time, so each is one GEMM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pegainfer.buffer_specs import BufferSpec, PagedKVSpec
+from pegainfer.config import ModelConfig
+from pegainfer.errors import CheckpointError
+from pegainfer.layers.attention import paged_attention, write_kv
+from pegainfer.layers.norm import rms_norm
+from pegainfer.layers.rotary import RotaryEmbedding, rope_parameters
+from pegainfer.loader import CheckpointReader
+from pegainfer.model_api import CausalLM, ForwardBatch
+
+
+@dataclass(frozen=True)
+class Qwen3Dims:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_type: str
+    tie_word_embeddings: bool
+    attention_bias: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> Qwen3Dims:
+        def need(key: str) -> Any:
+            if key not in cfg:
+                raise CheckpointError(f"config.json lacks '{key}', which a Qwen3 checkpoint must have")
+            return cfg[key]
+
+        num_heads = need("num_attention_heads")
+        theta, rope_type = rope_parameters(cfg)
+        dims = cls(
+            vocab_size=need("vocab_size"),
+            hidden_size=need("hidden_size"),
+            intermediate_size=need("intermediate_size"),
+            num_layers=need("num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or need("hidden_size") // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_type=rope_type,
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", False),
+            max_position_embeddings=cfg.get("max_position_embeddings", 40960),
+        )
+        if dims.num_heads % dims.num_kv_heads:
+            raise CheckpointError(
+                f"config.json: num_attention_heads ({dims.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({dims.num_kv_heads})"
+            )
+        return dims
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, dims: Qwen3Dims, layer_index: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.dims = dims
+        d, h = dims.head_dim, dims.hidden_size
+        self.q_size, self.kv_size = dims.num_heads * d, dims.num_kv_heads * d
+        self.input_layernorm = _param(h, dtype=dtype)
+        self.qkv_proj = _param(self.q_size + 2 * self.kv_size, h, dtype=dtype)
+        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype) if dims.attention_bias else None
+        self.q_norm = _param(d, dtype=dtype)
+        self.k_norm = _param(d, dtype=dtype)
+        self.o_proj = _param(h, self.q_size, dtype=dtype)
+        self.post_attention_layernorm = _param(h, dtype=dtype)
+        self.gate_up_proj = _param(2 * dims.intermediate_size, h, dtype=dtype)
+        self.down_proj = _param(h, dims.intermediate_size, dtype=dtype)
+        self.scale = d**-0.5
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, cache: torch.Tensor, rotary: RotaryEmbedding
+    ) -> torch.Tensor:
+        dims, eps, t = self.dims, self.dims.rms_norm_eps, x.shape[0]
+        qkv = F.linear(rms_norm(x, self.input_layernorm, eps), self.qkv_proj, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rms_norm(q.reshape(t, dims.num_heads, dims.head_dim), self.q_norm, eps)
+        k = rms_norm(k.reshape(t, dims.num_kv_heads, dims.head_dim), self.k_norm, eps)
+        q, k = rotary(batch.positions, q, k)
+        write_kv(cache, k, v.reshape(t, dims.num_kv_heads, dims.head_dim), batch.attn.slot_mapping)
+        attn = paged_attention(q, cache, batch.attn, self.scale)
+        x = x + F.linear(attn.reshape(t, self.q_size), self.o_proj)
+        gate, up = F.linear(rms_norm(x, self.post_attention_layernorm, eps), self.gate_up_proj).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down_proj)
+
+    def load(self, reader: CheckpointReader, prefix: str) -> None:
+        dims, h, d = self.dims, self.dims.hidden_size, self.dims.head_dim
+        dtype = self.qkv_proj.dtype
+
+        def get(name: str, *shape: int) -> torch.Tensor:
+            return reader.get(prefix + name, shape, dtype)
+
+        with torch.no_grad():
+            self.input_layernorm.copy_(get("input_layernorm.weight", h))
+            self.qkv_proj.copy_(
+                torch.cat(
+                    [
+                        get("self_attn.q_proj.weight", self.q_size, h),
+                        get("self_attn.k_proj.weight", self.kv_size, h),
+                        get("self_attn.v_proj.weight", self.kv_size, h),
+                    ]
+                )
+            )
+            if self.qkv_bias is not None:
+                self.qkv_bias.copy_(
+                    torch.cat(
+                        [
+                            get("self_attn.q_proj.bias", self.q_size),
+                            get("self_attn.k_proj.bias", self.kv_size),
+                            get("self_attn.v_proj.bias", self.kv_size),
+                        ]
+                    )
+                )
+            self.q_norm.copy_(get("self_attn.q_norm.weight", d))
+            self.k_norm.copy_(get("self_attn.k_norm.weight", d))
+            self.o_proj.copy_(get("self_attn.o_proj.weight", h, self.q_size))
+            self.post_attention_layernorm.copy_(get("post_attention_layernorm.weight", h))
+            i = dims.intermediate_size
+            self.gate_up_proj.copy_(
+                torch.cat([get("mlp.gate_proj.weight", i, h), get("mlp.up_proj.weight", i, h)])
+            )
+            self.down_proj.copy_(get("mlp.down_proj.weight", h, i))
+
+
+class Qwen3ForCausalLM(CausalLM):
+    def __init__(self, dims: Qwen3Dims, *, dtype: torch.dtype, max_model_len: int) -> None:
+        super().__init__()
+        self.dims = dims
+        self.dtype = dtype
+        self.embed_tokens = _param(dims.vocab_size, dims.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(dims, i, dtype) for i in range(dims.num_layers))
+        self.norm = _param(dims.hidden_size, dtype=dtype)
+        self.lm_head = None if dims.tie_word_embeddings else _param(dims.vocab_size, dims.hidden_size, dtype=dtype)
+        self.rotary = RotaryEmbedding(dims.head_dim, dims.rope_theta, max_model_len, dims.rope_type)
+
+    @classmethod
+    def from_hf_config(
+        cls, hf_config: dict[str, Any], model_config: ModelConfig, *, dtype: torch.dtype, max_model_len: int
+    ) -> Qwen3ForCausalLM:
+        return cls(Qwen3Dims.from_hf_config(hf_config), dtype=dtype, max_model_len=max_model_len)
+
+    @staticmethod
+    def max_context_length(hf_config: dict[str, Any]) -> int:
+        return int(hf_config.get("max_position_embeddings", 40960))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.dims.vocab_size
+
+    def load_weights(self, reader: CheckpointReader) -> None:
+        dims = self.dims
+        with torch.no_grad():
+            self.embed_tokens.copy_(reader.get("model.embed_tokens.weight", (dims.vocab_size, dims.hidden_size), self.dtype))
+            for layer in self.layers:
+                layer.load(reader, f"model.layers.{layer.layer_index}.")
+            self.norm.copy_(reader.get("model.norm.weight", (dims.hidden_size,), self.dtype))
+            if self.lm_head is not None:
+                self.lm_head.copy_(reader.get("lm_head.weight", (dims.vocab_size, dims.hidden_size), self.dtype))
+
+    def buffer_specs(self) -> list[BufferSpec]:
+        return [
+            PagedKVSpec(layer.layer_index, self.dims.num_kv_heads, self.dims.head_dim, self.dtype)
+            for layer in self.layers
+        ]
+
+    def forward(
+        self, batch: ForwardBatch, caches: dict[int, torch.Tensor], states: dict[int, dict[str, torch.Tensor]]
+    ) -> torch.Tensor:
+        x = F.embedding(batch.token_ids, self.embed_tokens)
+        for layer in self.layers:
+            x = layer(x, batch, caches[layer.layer_index], self.rotary)
+        return rms_norm(x, self.norm, self.dims.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, weight).float()
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self.embed_tokens)

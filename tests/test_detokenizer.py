@@ -1,0 +1,208 @@
+"""IncrementalDetokenizer: streamed text equals a full decode, never shows half a character or a stop string."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import pytest
+
+from pegainfer.detokenizer import IncrementalDetokenizer
+from pegainfer.testing.tiny_tokenizer import write_tiny_tokenizer
+from pegainfer.tokenizer import Tokenizer
+
+PIECES = [
+    "the", " cat", " sat", " on", " mat", ".", ",", " ", "  ", "\n", "\n\n", "!", "?", " 42", "7",
+    "北京", "中国", "首都", "天气", "東京", "ありがとう", "한국", "Straße", " café", " naïve", "Привет",
+    "😀", "🎉", "👍🏽", "🚀", "❤️", "👩‍👩‍👧", "🇫🇷", "€", "→", "∞",
+    "<|im_end|>", "<think>", "</think>",
+]  # fmt: skip
+PROMPT = "<|im_start|>user\nSay something.<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    directory = tmp_path_factory.mktemp("tiny_tokenizer")
+    write_tiny_tokenizer(directory)
+    return Tokenizer.from_pretrained(directory)
+
+
+def _random_text(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice(PIECES) for _ in range(n))
+
+
+def _chunks(rng: random.Random, ids: Sequence[int]) -> list[list[int]]:
+    chunks, i = [], 0
+    while i < len(ids):
+        size = rng.choice([1, 1, 1, 2, 3])
+        chunks.append(list(ids[i : i + size]))
+        i += size
+    return chunks
+
+
+def _stream(detok: IncrementalDetokenizer, chunks: list[list[int]]) -> tuple[list[str], str | None]:
+    """Feed chunks as an engine would; return every delta (the last one with finished=True) and the stop."""
+    deltas, stop = [], None
+    for chunk in chunks:
+        stop = detok.update(chunk)
+        if stop is not None:
+            break
+        deltas.append(detok.get_delta(finished=False))
+    deltas.append(detok.get_delta(finished=True))
+    return deltas, stop
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+@pytest.mark.parametrize("seed", range(20))
+def test_streamed_text_equals_full_decode(tok: Tokenizer, seed: int, skip_special_tokens: bool) -> None:
+    rng = random.Random(seed)
+    ids = tok.encode(_random_text(rng, rng.randint(1, 40)))
+    detok = IncrementalDetokenizer(tok, tok.encode(PROMPT), skip_special_tokens=skip_special_tokens)
+    seen = []
+    for chunk in _chunks(rng, ids):
+        assert detok.update(chunk) is None
+        seen.append(detok.get_delta(finished=False))
+        assert "\ufffd" not in detok.output_text
+    seen.append(detok.get_delta(finished=True))
+    expected = tok.decode(ids, skip_special_tokens=skip_special_tokens)
+    assert detok.output_text == expected
+    assert "".join(seen) == expected
+    assert not any("\ufffd" in delta for delta in seen)
+
+
+def test_multibyte_characters_are_held_until_complete(tok: Tokenizer) -> None:
+    ids = tok.encode("👩‍👩‍👧")
+    assert len(ids) > 3  # the emoji's bytes are spread over several tokens
+    detok = IncrementalDetokenizer(tok, [])
+    for token_id in ids:
+        detok.update([token_id])
+        assert "\ufffd" not in detok.get_delta(finished=False)
+    assert detok.output_text + detok.get_delta(finished=True) == "👩‍👩‍👧"
+
+
+def test_arbitrary_ids_end_equal_to_full_decode(tok: Tokenizer) -> None:
+    # Random ids form invalid UTF-8; whatever a full decode shows, the stream must show in the end too.
+    rng = random.Random(1)
+    for _ in range(30):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 30))]
+        detok = IncrementalDetokenizer(tok, [])
+        deltas, _ = _stream(detok, _chunks(rng, ids))
+        assert detok.output_text == "".join(deltas) == tok.decode(ids)
+
+
+def test_decode_work_per_token_is_bounded(tok: Tokenizer) -> None:
+    widths = []
+
+    class CountingTokenizer:
+        all_special_ids = tok.all_special_ids
+
+        def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+            widths.append(len(ids))
+            return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    ids = tok.encode(_random_text(random.Random(2), 200)) + [tok.pad_token_id] * 100  # e.g. with ignore_eos
+    ids += tok.encode(_random_text(random.Random(3), 200))
+    detok = IncrementalDetokenizer(CountingTokenizer(), tok.encode(PROMPT), stop=["never appears"])
+    for token_id in ids:
+        detok.update([token_id])
+    assert len(ids) > 300 and max(widths) <= 12
+    detok.get_delta(finished=True)
+    assert detok.output_text == tok.decode(ids)
+
+
+def test_invalid_utf8_stream_stays_bounded(tok: Tokenizer) -> None:
+    # Byte tokens that never form a character must not make every later step decode a longer window.
+    broken = [i for i in range(256) if tok.decode([i]) == "\ufffd"]
+    rng = random.Random(3)
+    ids = [rng.choice(broken) for _ in range(300)]
+    widths = []
+
+    class CountingTokenizer:
+        all_special_ids = tok.all_special_ids
+
+        def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+            widths.append(len(ids))
+            return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    detok = IncrementalDetokenizer(CountingTokenizer(), [])
+    for token_id in ids:
+        detok.update([token_id])
+    detok.get_delta(finished=True)
+    assert len(broken) > 100 and max(widths) <= 20
+    # Stray bytes are flushed as U+FFFD; a character completed right after a flush stays U+FFFD.
+    full = tok.decode(ids)
+    assert len(detok.output_text) == len(full)
+    assert all(a in ("\ufffd", b) for a, b in zip(detok.output_text, full, strict=True))
+
+
+def test_first_token_keeps_its_leading_space(tok: Tokenizer) -> None:
+    detok = IncrementalDetokenizer(tok, tok.encode("the cat"))
+    detok.update(tok.encode(" sat"))
+    assert detok.get_delta(finished=True) == " sat"
+
+
+def _expected_cut(text: str, stops: Sequence[str], include: bool) -> tuple[str, str | None]:
+    """Reference: cut the full text at the stop string that is completed first."""
+    found = [(i + len(s), i, s) for s in stops if (i := text.find(s)) != -1]
+    if not found:
+        return text, None
+    end, start, stop = min(found)
+    return text[: end if include else start], stop
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("seed", range(20))
+def test_stop_strings_split_across_tokens(tok: Tokenizer, seed: int, include: bool) -> None:
+    rng = random.Random(100 + seed)
+    stops = ["STOP here", "😀🎉", "北京", "\n\n"]
+    text = _random_text(rng, rng.randint(0, 15)) + rng.choice(stops[:2]) + _random_text(rng, 5)
+    ids = tok.encode(text)
+    expected, expected_stop = _expected_cut(tok.decode(ids), stops, include)
+    detok = IncrementalDetokenizer(tok, [], stop=stops, include_stop_str_in_output=include)
+    streamed = ""
+    stop = None
+    for chunk in _chunks(rng, ids):
+        stop = detok.update(chunk)
+        if stop is not None:
+            break
+        streamed += detok.get_delta(finished=False)
+        # A stop string is never streamed, not even its beginning before it is complete.
+        assert expected.startswith(streamed)
+    streamed += detok.get_delta(finished=True)
+    assert stop == expected_stop
+    assert detok.stop_str == stop
+    assert detok.output_text == streamed == expected
+
+
+def test_partial_stop_string_is_held_back_then_released(tok: Tokenizer) -> None:
+    detok = IncrementalDetokenizer(tok, [], stop=["the end"])
+    assert detok.update(tok.encode("the cat, the")) is None
+    assert detok.get_delta(finished=False) == "the ca"  # "t, the" could still begin "the end"
+    assert detok.update(tok.encode(" mat")) is None
+    assert detok.get_delta(finished=False) == "t, t"
+    assert detok.get_delta(finished=True) == "he mat"
+    assert detok.output_text == "the cat, the mat"
+
+
+def test_stop_string_at_the_very_start(tok: Tokenizer) -> None:
+    for include, expected in [(False, ""), (True, "<think>")]:
+        detok = IncrementalDetokenizer(tok, [], stop=["<think>"], include_stop_str_in_output=include)
+        assert detok.update(tok.encode("<think>\nhmm")) == "<think>"
+        assert detok.get_delta(finished=True) == expected == detok.output_text
+
+
+def test_stop_in_the_middle_of_one_update(tok: Tokenizer) -> None:
+    detok = IncrementalDetokenizer(tok, [], stop=["sat", "cat sat on"])
+    assert detok.update(tok.encode("the cat sat on the mat")) == "sat"
+    assert detok.get_delta(finished=True) == detok.output_text == "the cat "
+    with pytest.raises(RuntimeError, match="stop string"):
+        detok.update(tok.encode("more"))
+
+
+def test_include_stop_str_streams_without_holding_back(tok: Tokenizer) -> None:
+    detok = IncrementalDetokenizer(tok, [], stop=["mat."], include_stop_str_in_output=True)
+    assert detok.update(tok.encode("the cat sat on the ma")) is None
+    assert detok.get_delta(finished=False) == "the cat sat on the ma"
+    assert detok.update(tok.encode("t. And")) == "mat."
+    assert detok.get_delta(finished=True) == "t."
+    assert detok.output_text == "the cat sat on the mat."
