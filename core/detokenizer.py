@@ -73,20 +73,22 @@ class IncrementalDetokenizer:
         text = self._decode_new(final=False)
         return self._commit(text) if text else None
 
-    def get_delta(self, finished: bool) -> str:
-        """Text not returned by earlier calls; holds back a possible stop-string prefix until `finished`.
+    def finish(self) -> None:
+        """The request ended: decode tokens still waiting for the rest of a character as they are (as a
+        full decode would, with U+FFFD) and release the held-back tail. Idempotent."""
+        if self.stop_str is None:
+            text = self._decode_new(final=True)
+            if text:
+                self._commit(text)
+        if self._tail:
+            self._frozen.append(self._tail)
+            self._tail = ""
 
-        With `finished`, tokens still waiting for the rest of a character are decoded as they are (as a
-        full decode would, with U+FFFD), and everything left is returned; make it the last call.
-        """
+    def get_delta(self, finished: bool) -> str:
+        """Text not returned by earlier calls; holds back a possible stop-string prefix until `finished`,
+        which calls ``finish()`` and returns everything left."""
         if finished:
-            if self.stop_str is None:
-                text = self._decode_new(final=True)
-                if text:
-                    self._commit(text)
-            if self._tail:
-                self._frozen.append(self._tail)
-                self._tail = ""
+            self.finish()
         delta = "".join(self._frozen[self._num_streamed :])
         self._num_streamed = len(self._frozen)
         return delta

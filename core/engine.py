@@ -302,6 +302,7 @@ class LLMEngine:
         elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
+            seq.detokenizer.finish()
             self.scheduler.finish_request(request, status)
 
     def _make_output(self, group: _Group) -> RequestOutput:

@@ -1,0 +1,62 @@
+"""Checks a model plugin (ours or a third party's) runs against its reference: HF transformers.
+
+Each helper loads what it needs lazily, so importing this module does not import transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pegainfer.config import EngineConfig, ModelConfig
+from pegainfer.loader import CheckpointReader
+
+
+@lru_cache(maxsize=8)
+def hf_model(folder: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Any:
+    """The transformers implementation of the checkpoint in ``folder``, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
+    return model.eval()
+
+
+def hf_greedy(
+    folder: str | Path, prompts: Sequence[Sequence[int]], max_new_tokens: int, dtype: torch.dtype = torch.float32
+) -> list[list[int]]:
+    """Greedy continuations from transformers, one prompt at a time, never stopping at EOS."""
+    model = hf_model(str(folder), dtype)
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([list(prompt)], device=model.device)
+            gen = model.generate(
+                ids,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            out.append(gen[0, len(prompt) :].tolist())
+    return out
+
+
+def hf_logits(folder: str | Path, prompt: Sequence[int], dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.Tensor:
+    """Logits ``[len(prompt), V]`` (float32) of one teacher-forced forward."""
+    model = hf_model(str(folder), dtype, device)
+    with torch.no_grad():
+        return model(torch.tensor([list(prompt)], device=device)).logits[0].float()
+
+
+def unused_checkpoint_tensors(folder: str | Path, name: str = "auto") -> list[str]:
+    """Tensors of the checkpoint that the plugin's loader never read (an empty list is full coverage)."""
+    from pegainfer.model_loader import load_model
+
+    loaded = load_model(EngineConfig(model=ModelConfig(name=name, path=str(folder)), device="cpu"))
+    reader = CheckpointReader(folder)
+    loaded.model.load_weights(reader)
+    return reader.unused()

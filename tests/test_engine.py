@@ -1,0 +1,174 @@
+"""The engine's request semantics on the tiny Qwen3 model: stops, lengths, n, seeds, logprobs, aborts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pegainfer import LLM, SamplingParams
+from pegainfer.errors import RequestError
+from pegainfer.testing.conformance import hf_logits
+
+PROMPT = [11, 42, 7, 300, 5, 99, 120]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3):
+    return LLM(str(tiny_qwen3), dtype="float32", device="cpu", cpu_kv_cache_bytes=8 << 20, max_model_len=256)
+
+
+def _one(llm: LLM, params: SamplingParams, prompt: list[int] = PROMPT):
+    return llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0]
+
+
+def _greedy(llm: LLM, n: int = 20):
+    return _one(llm, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)).outputs[0]
+
+
+def test_max_tokens_finishes_with_length(llm):
+    out = _greedy(llm, 9)
+    assert len(out.token_ids) == 9 and out.finish_reason == "length"
+    assert out.text == llm.get_tokenizer().decode(out.token_ids)
+
+
+def test_stop_token_id_ends_the_output(llm):
+    ref = _greedy(llm).token_ids
+    stop_at = next(i for i, t in enumerate(ref) if i >= 3 and t not in ref[:i])
+    out = _one(llm, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[ref[stop_at]])).outputs[0]
+    assert out.token_ids == ref[: stop_at + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == ref[stop_at]
+
+
+def test_min_tokens_bans_stop_ids_until_reached(llm):
+    ref = _greedy(llm).token_ids
+    first = ref[0]
+    out = _one(llm, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[first], min_tokens=4)).outputs[0]
+    assert first not in out.token_ids[:4]
+    assert len(out.token_ids) >= 4
+
+
+def test_stop_string_truncates_text(llm):
+    ref = _greedy(llm)
+    text = ref.text
+    stop = next(text[i : i + 3] for i in range(4, len(text) - 3) if "\ufffd" not in text[i : i + 3])
+    out = _one(llm, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop])).outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+    kept = _one(
+        llm, SamplingParams(temperature=0, max_tokens=20, stop=[stop], include_stop_str_in_output=True)
+    ).outputs[0]
+    assert kept.text == text[: text.index(stop) + len(stop)]
+
+
+def test_eos_from_generation_config_stops(tiny_qwen3):
+    llm = LLM(str(tiny_qwen3), device="cpu", cpu_kv_cache_bytes=4 << 20)
+    ref = _greedy(llm).token_ids
+    llm.get_tokenizer().add_eos_token_ids([ref[2]])
+    out = _one(llm, SamplingParams(temperature=0, max_tokens=20)).outputs[0]
+    assert out.token_ids[-1] == ref[2] and out.finish_reason == "stop"
+    ignored = _one(llm, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)).outputs[0]
+    assert ignored.token_ids == ref
+
+
+def test_n_sequences_with_seed_are_distinct_and_reproducible(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
+    first = _one(llm, params)
+    again = _one(llm, params)
+    assert [o.index for o in first.outputs] == [0, 1, 2]
+    seqs = [tuple(o.token_ids) for o in first.outputs]
+    assert len(set(seqs)) == 3
+    assert seqs == [tuple(o.token_ids) for o in again.outputs]
+
+
+def test_seeded_output_does_not_depend_on_the_batch(llm):
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = _one(llm, seeded).outputs[0].token_ids
+    others = [
+        SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+        seeded,
+        SamplingParams(temperature=0.7, seed=9, max_tokens=30, ignore_eos=True),
+    ]
+    prompts = [[5, 6, 7], list(range(40, 70)), PROMPT, [1]]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=others, use_tqdm=False)
+    assert outs[2].outputs[0].token_ids == alone
+
+
+def test_logprobs_match_reference_distribution(llm, tiny_qwen3):
+    out = _one(llm, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2))
+    seq = out.outputs[0]
+    ref = torch.log_softmax(hf_logits(tiny_qwen3, PROMPT + seq.token_ids), dim=-1)
+    assert len(seq.logprobs) == 6
+    for i, (token, entry) in enumerate(zip(seq.token_ids, seq.logprobs)):
+        assert token in entry and entry[token].rank == 1  # greedy picks the most likely token
+        assert len(entry) == 3
+        for tid, lp in entry.items():
+            assert abs(lp.logprob - ref[len(PROMPT) - 1 + i, tid].item()) < 1e-4
+    assert seq.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(seq.token_ids, seq.logprobs)))
+    assert len(out.prompt_logprobs) == len(PROMPT) and out.prompt_logprobs[0] is None
+    for pos in range(1, len(PROMPT)):
+        entry = out.prompt_logprobs[pos]
+        assert PROMPT[pos] in entry
+        assert abs(entry[PROMPT[pos]].logprob - ref[pos - 1, PROMPT[pos]].item()) < 1e-4
+
+
+def test_prompt_logprobs_survive_chunked_prefill(tiny_qwen3):
+    llm = LLM(str(tiny_qwen3), device="cpu", long_prefill_token_threshold=3, cpu_kv_cache_bytes=4 << 20)
+    prompt = list(range(100, 117))
+    out = _one(llm, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1), prompt)
+    ref = torch.log_softmax(hf_logits(tiny_qwen3, prompt), dim=-1)
+    assert len(out.prompt_logprobs) == len(prompt)
+    for pos in range(1, len(prompt)):
+        assert abs(out.prompt_logprobs[pos][prompt[pos]].logprob - ref[pos - 1, prompt[pos]].item()) < 1e-4
+
+
+def test_abort_frees_pages_at_once(llm):
+    engine = llm.engine
+    engine.add_request("x", None, SamplingParams(max_tokens=50, ignore_eos=True), prompt_token_ids=PROMPT)
+    engine.add_request("y", None, SamplingParams(max_tokens=50, ignore_eos=True), prompt_token_ids=PROMPT)
+    engine.step()
+    engine.step()
+    assert engine.buffers.usage() > 0
+    engine.abort_request("x")
+    engine.abort_request("y")
+    assert not engine.has_unfinished_requests()
+    assert engine.buffers.usage() == 0
+    engine.buffers.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "param"),
+    [
+        ([], SamplingParams(), "prompt"),
+        ([10**6], SamplingParams(), "prompt"),
+        ([-1], SamplingParams(), "prompt"),
+        ([1, 2], SamplingParams(max_tokens=10**5), "max_tokens"),
+    ],
+)
+def test_bad_requests_are_request_errors(llm, prompt, params, param):
+    with pytest.raises(RequestError) as info:
+        llm.engine.add_request("bad", None, params, prompt_token_ids=prompt)
+    assert info.value.param == param
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_context_length_message(llm):
+    with pytest.raises(RequestError, match="maximum context length is 256 tokens"):
+        _one(llm, SamplingParams(max_tokens=300))
+
+
+def test_chat_renders_template_once(llm):
+    messages = [{"role": "user", "content": "Hello there"}]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    tok = llm.get_tokenizer()
+    expected = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
+    assert out.prompt_token_ids == expected
+    assert out.prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_text_prompts_and_defaults_from_generation_config(llm):
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_p, defaults.top_k) == (0.6, 0.95, 20)
+    out = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
+    assert out.prompt_token_ids == llm.get_tokenizer().encode("The quick brown fox")
+    assert len(out.outputs[0].token_ids) <= 3

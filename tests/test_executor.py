@@ -1,0 +1,79 @@
+"""Executor capabilities: a model that does not embed on the device gets hidden states from the engine,
+and an executor that needs them but gets none fails with a clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pegainfer_qwen3_14b.model import Qwen3ForCausalLM
+
+from pegainfer import LLM, SamplingParams
+from pegainfer.errors import ExecutorError
+from pegainfer.executor import ModelBatch, SequenceChunk
+from pegainfer.layers.norm import rms_norm
+from pegainfer.request import Request
+
+
+class HostEmbeddedQwen3(Qwen3ForCausalLM):
+    """Qwen3 fed host-prepared hidden states, the contract DeepSeek's executor uses."""
+
+    embeds_on_device = False
+
+    def forward(self, batch, caches, states):
+        x = batch.hidden_states
+        for layer in self.layers:
+            x = layer(x, batch, caches[layer.layer_index], self.rotary)
+        return rms_norm(x, self.norm, self.dims.rms_norm_eps)
+
+
+@pytest.fixture()
+def host_llm(tiny_qwen3, monkeypatch):
+    import pegainfer_qwen3_14b.model as module
+
+    monkeypatch.setattr(module, "Qwen3ForCausalLM", HostEmbeddedQwen3)
+    return LLM(str(tiny_qwen3), device="cpu", cpu_kv_cache_bytes=4 << 20)
+
+
+def test_capability_is_declared(host_llm):
+    assert host_llm.engine.executor.capabilities.device_embedding is False
+
+
+PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+PROMPTS = [[3, 4, 5, 6], [9], list(range(30, 50))]
+
+
+@pytest.fixture(scope="module")
+def device_embedded_tokens(tiny_qwen3):
+    """Module-scoped, so it is built before the function-scoped patch of ``host_llm``."""
+    outs = LLM(str(tiny_qwen3), device="cpu", cpu_kv_cache_bytes=4 << 20).generate(
+        prompt_token_ids=PROMPTS, sampling_params=PARAMS, use_tqdm=False
+    )
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_engine_passes_hidden_states_and_output_is_unchanged(device_embedded_tokens, host_llm):
+    host = host_llm.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in host] == device_embedded_tokens
+
+
+def test_missing_hidden_states_is_a_clear_error(host_llm):
+    engine = host_llm.engine
+    request = Request("r", [1, 2, 3], SamplingParams())
+    assert engine.buffers.allocate_slots(request, 3)
+    chunk = SequenceChunk("r", [1, 2, 3], 0, engine.buffers.block_table("r"), needs_logits=True)
+    with pytest.raises(ExecutorError, match="must carry hidden_states"):
+        engine.executor.execute(ModelBatch([chunk]))
+    engine.buffers.free(request)
+
+
+def test_device_embedding_executor_ignores_hidden_states(tiny_qwen3):
+    llm = LLM(str(tiny_qwen3), device="cpu", cpu_kv_cache_bytes=4 << 20)
+    engine = llm.engine
+    request = Request("r", [1, 2, 3], SamplingParams())
+    assert engine.buffers.allocate_slots(request, 3)
+    chunk = SequenceChunk("r", [1, 2, 3], 0, engine.buffers.block_table("r"), needs_logits=True)
+    assert engine.executor.capabilities.device_embedding
+    junk = torch.full((3, engine.model.dims.hidden_size), float("nan"))
+    logits = engine.executor.execute(ModelBatch([chunk], hidden_states=junk)).logits
+    assert torch.isfinite(logits).all()
+    engine.buffers.free(request)
