@@ -109,7 +109,9 @@ class PagedBufferManager(BufferManager):
                 self.caches[spec.layer_index] = torch.zeros(shape, dtype=spec.dtype, device=self.device)
             elif isinstance(spec, RecurrentStateSpec):
                 self.states[spec.layer_index] = {
-                    name: torch.zeros((self.plan.num_state_slots, *shape), dtype=spec.dtype, device=self.device)
+                    name: torch.zeros(
+                        (self.plan.num_state_slots, *shape), dtype=spec.dtype, device=self.device
+                    )
                     for name, shape in spec.shapes
                 }
 

@@ -118,7 +118,7 @@ def run_generate(cfg: DictConfig) -> None:
     llm = LLM.from_config(engine_config)
     prompts = prompt_config.all_prompts
     if prompt_config.chat:
-        outputs = [llm.chat([{"role": "user", "content": p}], sampling_params)[0] for p in prompts]
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], sampling_params)
     else:
         outputs = llm.generate(prompts, sampling_params)
     several = len(prompts) * sampling_params.n > 1

@@ -28,7 +28,9 @@ def demo_checkpoint() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=DEMO_NAME, dir=target.parent))
     try:
-        write_tiny_checkpoint(tmp, "qwen3", seed=1234, hidden_size=128, intermediate_size=384, num_hidden_layers=4)
+        write_tiny_checkpoint(
+            tmp, "qwen3", seed=1234, hidden_size=128, intermediate_size=384, num_hidden_layers=4
+        )
         try:
             tmp.rename(target)
         except OSError:

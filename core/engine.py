@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pegainfer.buffers import PagedBufferManager
 from pegainfer.buffer_specs import TransientSpec, dtype_size
+from pegainfer.buffers import PagedBufferManager
 from pegainfer.config import EngineConfig
 from pegainfer.detokenizer import IncrementalDetokenizer
 from pegainfer.errors import RequestError
@@ -18,10 +18,10 @@ from pegainfer.executor import Executor, LocalExecutor, ModelBatch, SequenceChun
 from pegainfer.loader import read_generation_config
 from pegainfer.memory_plan import MemoryPlan, plan_memory
 from pegainfer.model_loader import LoadedModel, load_model
-from pegainfer.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from pegainfer.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from pegainfer.request import Request, RequestStatus
 from pegainfer.sampler import Sampler, compute_prompt_logprobs
-from pegainfer.sampling_params import SamplingParams
+from pegainfer.sampling_params import RequestOutputKind, SamplingParams
 from pegainfer.scheduler import ContinuousBatchingScheduler, Scheduler, SchedulerOutput
 from pegainfer.tokenizer import Tokenizer
 
@@ -37,6 +37,7 @@ class _Sequence:
     detokenizer: IncrementalDetokenizer
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
+    num_reported: int = 0  # output tokens already sent in DELTA mode
 
 
 @dataclass
@@ -82,9 +83,11 @@ class LLMEngine:
         if sched.max_num_batched_tokens < sched.max_num_seqs:
             logger.warning("max_num_batched_tokens < max_num_seqs: some running requests wait every step")
         transients = [*self.model.transient_specs(), *self._engine_transients()]
-        budget = _memory_budget(loaded, config, sum(
-            t.bytes_for(sched.max_num_batched_tokens, sched.max_num_seqs) for t in transients
-        ))
+        budget = _memory_budget(
+            loaded,
+            config,
+            sum(t.bytes_for(sched.max_num_batched_tokens, sched.max_num_seqs) for t in transients),
+        )
         self.plan: MemoryPlan = plan_memory(
             budget=budget,
             weight_bytes=loaded.weight_bytes,
@@ -118,8 +121,13 @@ class LLMEngine:
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config.json defaults (temperature, top_p, top_k)."""
         g = self.generation_config
-        keys = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                "repetition_penalty": "repetition_penalty"}
+        keys = {
+            "temperature": "temperature",
+            "top_p": "top_p",
+            "top_k": "top_k",
+            "min_p": "min_p",
+            "repetition_penalty": "repetition_penalty",
+        }
         values = {ours: g[theirs] for theirs, ours in keys.items() if g.get(theirs) is not None}
         if g.get("do_sample") is False:
             values["temperature"] = 0.0
@@ -213,7 +221,9 @@ class LLMEngine:
             req = item.request
             group = self._groups[self._group_id(req)]
             start, end = item.start, item.start + item.num_new_tokens
-            wants_prompt = group.prompt_logprobs is not None and len(group.prompt_logprobs) < req.num_prompt_tokens
+            wants_prompt = (
+                group.prompt_logprobs is not None and len(group.prompt_logprobs) < req.num_prompt_tokens
+            )
             chunks.append(
                 SequenceChunk(
                     request_id=req.request_id,
@@ -247,18 +257,24 @@ class LLMEngine:
         sampling = [item.request for item in plan.scheduled if item.samples]
         sampled = self.sampler(result.logits, sampling) if sampling else None
         touched: dict[str, _Group] = {}
-        for chunk, item in zip(batch.chunks, plan.scheduled):
+        for chunk, item in zip(batch.chunks, plan.scheduled, strict=True):
             if chunk.all_logits:
                 self._add_prompt_logprobs(item.request, chunk, result.all_logits[chunk.request_id])
         for row, request in enumerate(sampling):
             group = self._groups[self._group_id(request)]
             touched[group.request_id] = group
             try:
-                self._append_token(self._sequences[request.request_id], sampled.token_ids[row], sampled.logprobs[row])
+                self._append_token(
+                    self._sequences[request.request_id], sampled.token_ids[row], sampled.logprobs[row]
+                )
             except Exception as exc:  # one broken request must not take the others down
                 logger.exception("request %s failed: %s", request.request_id, exc)
                 self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
-        outputs = [self._make_output(g) for g in touched.values()]
+        outputs = [
+            self._make_output(g)
+            for g in touched.values()
+            if g.finished or g.params.output_kind is not RequestOutputKind.FINAL_ONLY
+        ]
         for group in touched.values():
             if group.finished:
                 self._groups.pop(group.request_id, None)
@@ -306,16 +322,25 @@ class LLMEngine:
             self.scheduler.finish_request(request, status)
 
     def _make_output(self, group: _Group) -> RequestOutput:
+        delta = group.params.output_kind is RequestOutputKind.DELTA
         outputs = []
         for seq in group.sequences:
             req = seq.request
+            if delta:
+                # Only what is new since the last report: streaming stays O(1) per token.
+                start, seq.num_reported = seq.num_reported, req.num_output_tokens
+                token_ids = req.all_token_ids[req.num_prompt_tokens + start :]
+                text = seq.detokenizer.get_delta(req.is_finished)
+                logprobs = None if seq.logprobs is None else seq.logprobs[start:]
+            else:
+                token_ids, text, logprobs = req.output_token_ids, seq.detokenizer.output_text, seq.logprobs
             outputs.append(
                 CompletionOutput(
                     index=seq.index,
-                    text=seq.detokenizer.output_text,
-                    token_ids=req.output_token_ids,
+                    text=text,
+                    token_ids=token_ids,
                     cumulative_logprob=seq.cumulative_logprob,
-                    logprobs=seq.logprobs,
+                    logprobs=logprobs,
                     finish_reason=req.finish_reason,
                     stop_reason=req.stop_reason,
                 )

@@ -66,7 +66,7 @@ class Executor(ABC):
         """Input embeddings for executors without device embedding (the engine calls it for them)."""
         raise ExecutorError("this executor embeds on the device and does not take hidden states")
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 - optional hook: a local executor has nothing to release
         """Release workers and device memory."""
 
 
@@ -86,6 +86,18 @@ class LocalExecutor(Executor):
     def embed(self, token_ids: list[int]) -> torch.Tensor:
         with torch.inference_mode():
             return self.model.embed(torch.tensor(token_ids, dtype=torch.int64, device=self.device))
+
+    def _reorder_hidden_states(self, batch: ModelBatch, first_row: dict[int, int]) -> torch.Tensor:
+        """The batch's hidden states come in chunk order; the device layout is prefills, then decode rows."""
+        order: list[int] = [0] * batch.hidden_states.shape[0]
+        cursor = 0
+        for chunk in batch.chunks:
+            row = first_row[id(chunk)]
+            for j in range(len(chunk.token_ids)):
+                order[row + j] = cursor + j
+            cursor += len(chunk.token_ids)
+        index = torch.tensor(order, dtype=torch.int64, device=batch.hidden_states.device)
+        return batch.hidden_states[index].to(self.device)
 
     def _prefill_inputs(self, prefills: list[SequenceChunk]) -> tuple[list[int], list[int], list[int], list]:
         bs = self.block_size
@@ -116,11 +128,7 @@ class LocalExecutor(Executor):
         num_prefill = len(ids)
         dev = self.device
         # Row of every chunk's first token in the device layout (prefill tokens first, then decode rows).
-        first_row: dict[int, int] = {}
-        offset = 0
-        for chunk, seg in zip(prefills, segments):
-            first_row[id(chunk)] = seg.q_start
-            offset += seg.q_len
+        first_row = {id(chunk): seg.q_start for chunk, seg in zip(prefills, segments, strict=True)}
         meta = AttentionMetadata(
             block_size=self.block_size,
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
@@ -139,7 +147,7 @@ class LocalExecutor(Executor):
                 self.block_size,
             )
             b = len(decodes)
-            for chunk, row in zip(decodes, rows):
+            for chunk, row in zip(decodes, rows, strict=True):
                 first_row[id(chunk)] = num_prefill + row
             token_ids = torch.cat([token_ids, self.decode.token_ids[:b]])
             positions = torch.cat([positions, self.decode.positions[:b]])
@@ -150,29 +158,24 @@ class LocalExecutor(Executor):
             meta.max_decode_seq_len = max(c.start for c in decodes) + 1
         hidden_in = None
         if not self.capabilities.device_embedding:
-            order, cursor = [], 0
-            starts = {}
-            for chunk in batch.chunks:
-                starts[id(chunk)] = cursor
-                cursor += len(chunk.token_ids)
-            device_order = [0] * cursor
-            for chunk in batch.chunks:
-                for j in range(len(chunk.token_ids)):
-                    device_order[first_row[id(chunk)] + j] = starts[id(chunk)] + j
-            order = torch.tensor(device_order, dtype=torch.int64, device=batch.hidden_states.device)
-            hidden_in = batch.hidden_states[order].to(dev)
+            hidden_in = self._reorder_hidden_states(batch, first_row)
         state_slots = None
         if self.buffers.plan.num_state_slots:
             slots_list = [c.state_slot or 0 for c in prefills]
             state_slots = torch.cat(
-                [torch.tensor(slots_list, dtype=torch.int64, device=dev), self.decode.state_slots[: len(decodes)]]
+                [
+                    torch.tensor(slots_list, dtype=torch.int64, device=dev),
+                    self.decode.state_slots[: len(decodes)],
+                ]
             )
         fwd = ForwardBatch(token_ids, positions, meta, state_slots=state_slots, hidden_states=hidden_in)
         hidden = self.model(fwd, self.buffers.caches, self.buffers.states)
         sample_rows = [first_row[id(c)] + len(c.token_ids) - 1 for c in batch.chunks if c.needs_logits]
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.int64, device=dev)])
         all_logits = {
-            c.request_id: self.model.compute_logits(hidden[first_row[id(c)] : first_row[id(c)] + len(c.token_ids)])
+            c.request_id: self.model.compute_logits(
+                hidden[first_row[id(c)] : first_row[id(c)] + len(c.token_ids)]
+            )
             for c in batch.chunks
             if c.all_logits
         }

@@ -24,7 +24,12 @@ from hydra.core.plugins import Plugins
 from hydra.errors import HydraException, MissingConfigException
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+)
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from pegainfer.config import EngineConfig, ModelConfig, validate_section
@@ -98,9 +103,10 @@ def to_container(cfg: DictConfig) -> dict[str, Any]:
         data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as exc:
         key = exc.full_key or "?"
-        raise ConfigError(
-            f"cannot resolve config key '{key}': {' '.join(str(exc.msg or exc).split())}"
-        ) from None
+        if isinstance(exc, MissingMandatoryValue):
+            raise ConfigError(f"config key '{key}' has no value; set it with {key}=VALUE") from None
+        reason = str(exc.msg or exc).splitlines()[0]
+        raise ConfigError(f"cannot resolve config key '{key}': {reason}") from None
     assert isinstance(data, dict)
     return {str(k): v for k, v in data.items()}
 
@@ -152,11 +158,14 @@ def build_engine_config(cfg: DictConfig) -> EngineConfig:
     return validate_section(EngineConfig, engine, "")
 
 
-_SAMPLING_KEYS = [f.name for f in dataclasses.fields(SamplingParams) if f.name != "eos_token_ids"]
+# ``seed`` is the engine's (EngineConfig.seed, which seeds the sampler); eos ids come from the checkpoint.
+_SAMPLING_KEYS = [
+    f.name for f in dataclasses.fields(SamplingParams) if f.name not in ("seed", "eos_token_ids")
+]
 
 
 def build_sampling_params(cfg: DictConfig) -> SamplingParams:
-    """SamplingParams from the top-level sampling keys (``temperature``, ``max_tokens``, ``seed``...)."""
+    """SamplingParams from the top-level sampling keys (``temperature``, ``max_tokens``, ``stop``...)."""
     data = to_container(cfg)
     hints = typing.get_type_hints(SamplingParams)
     kwargs = {}

@@ -8,11 +8,18 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from pegainfer.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, validate_section
+from pegainfer.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    validate_section,
+)
 from pegainfer.engine import LLMEngine
 from pegainfer.errors import RequestError
 from pegainfer.outputs import RequestOutput
-from pegainfer.sampling_params import SamplingParams
+from pegainfer.sampling_params import RequestOutputKind, SamplingParams
 
 Message = dict[str, Any]
 
@@ -42,7 +49,9 @@ class LLM:
     ) -> None:
         config = EngineConfig(
             model=validate_section(
-                ModelConfig, {"path": model, "tokenizer": tokenizer, "dtype": dtype, "max_model_len": max_model_len}, "model"
+                ModelConfig,
+                {"path": model, "tokenizer": tokenizer, "dtype": dtype, "max_model_len": max_model_len},
+                "model",
             ),
             cache=validate_section(
                 CacheConfig,
@@ -63,7 +72,9 @@ class LLM:
                 },
                 "scheduler",
             ),
-            parallel=validate_section(ParallelConfig, {"tensor_parallel_size": tensor_parallel_size}, "parallel"),
+            parallel=validate_section(
+                ParallelConfig, {"tensor_parallel_size": tensor_parallel_size}, "parallel"
+            ),
             device=device,
             seed=seed,
             enforce_eager=enforce_eager,
@@ -138,10 +149,12 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(inputs):
                 raise RequestError(f"got {len(params)} sampling_params for {len(inputs)} prompts")
+        # Offline runs only need each request's final result: no per-step output objects.
+        params = [p.clone(output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         engine = self.engine
         ids = []
         try:
-            for (text, token_ids), p in zip(inputs, params):
+            for (text, token_ids), p in zip(inputs, params, strict=True):
                 rid = str(next(self._ids))
                 engine.add_request(rid, text, p, prompt_token_ids=token_ids)
                 ids.append(rid)

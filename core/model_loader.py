@@ -67,10 +67,14 @@ def load_model(config: EngineConfig) -> LoadedModel:
     folder = checkpoint_folder(config.model)
     hf_config = read_hf_config(folder)
     registry = get_model_registry()
-    registration = registry.resolve(hf_config) if config.model.name == "auto" else registry.get(config.model.name)
+    registration = (
+        registry.resolve(hf_config) if config.model.name == "auto" else registry.get(config.model.name)
+    )
     model_cls = registration.load_model_class()
     if not (isinstance(model_cls, type) and issubclass(model_cls, CausalLM)):
-        raise CheckpointError(f"{registration.origin}: {registration.model_class} is not a pegainfer CausalLM")
+        raise CheckpointError(
+            f"{registration.origin}: {registration.model_class} is not a pegainfer CausalLM"
+        )
     device = pick_device(config.device)
     dtype = pick_dtype(config.model.dtype, hf_config, device)
     limit = model_cls.max_context_length(text_config(hf_config))

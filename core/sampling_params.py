@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, replace
 
 from pegainfer.errors import RequestError
+
+
+class RequestOutputKind(enum.Enum):
+    """What ``LLMEngine.step`` reports for a request: everything so far each step, only what is new
+    (streaming), or only the final result (offline batch runs; keeps per-step work O(1) per request)."""
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
 
 
 @dataclass
@@ -34,6 +44,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine from the tokenizer / generation_config, not by users.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 

@@ -157,7 +157,10 @@ class ContinuousBatchingScheduler(Scheduler):
                 break  # memory is short this step: admitting would only thrash
             request = self.waiting[0]
             n = self._chunk(request, budget)
-            if not self.config.enable_chunked_prefill and n < request.num_tokens - request.num_computed_tokens:
+            if (
+                not self.config.enable_chunked_prefill
+                and n < request.num_tokens - request.num_computed_tokens
+            ):
                 break
             if not self.buffers.can_admit(request, n) or not self.buffers.allocate_slots(request, n):
                 break

@@ -42,7 +42,9 @@ def test_stop_token_id_ends_the_output(llm):
 def test_min_tokens_bans_stop_ids_until_reached(llm):
     ref = _greedy(llm).token_ids
     first = ref[0]
-    out = _one(llm, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[first], min_tokens=4)).outputs[0]
+    out = _one(
+        llm, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[first], min_tokens=4)
+    ).outputs[0]
     assert first not in out.token_ids[:4]
     assert len(out.token_ids) >= 4
 
@@ -95,16 +97,20 @@ def test_seeded_output_does_not_depend_on_the_batch(llm):
 
 
 def test_logprobs_match_reference_distribution(llm, tiny_qwen3):
-    out = _one(llm, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2))
+    out = _one(
+        llm, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    )
     seq = out.outputs[0]
     ref = torch.log_softmax(hf_logits(tiny_qwen3, PROMPT + seq.token_ids), dim=-1)
     assert len(seq.logprobs) == 6
-    for i, (token, entry) in enumerate(zip(seq.token_ids, seq.logprobs)):
+    for i, (token, entry) in enumerate(zip(seq.token_ids, seq.logprobs, strict=True)):
         assert token in entry and entry[token].rank == 1  # greedy picks the most likely token
         assert len(entry) == 3
         for tid, lp in entry.items():
             assert abs(lp.logprob - ref[len(PROMPT) - 1 + i, tid].item()) < 1e-4
-    assert seq.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(seq.token_ids, seq.logprobs)))
+    assert seq.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(seq.token_ids, seq.logprobs, strict=True))
+    )
     assert len(out.prompt_logprobs) == len(PROMPT) and out.prompt_logprobs[0] is None
     for pos in range(1, len(PROMPT)):
         entry = out.prompt_logprobs[pos]
@@ -161,7 +167,9 @@ def test_chat_renders_template_once(llm):
     messages = [{"role": "user", "content": "Hello there"}]
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
     tok = llm.get_tokenizer()
-    expected = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
+    expected = tok.encode(
+        tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False
+    )
     assert out.prompt_token_ids == expected
     assert out.prompt.endswith("<|im_start|>assistant\n")
 
@@ -172,3 +180,27 @@ def test_text_prompts_and_defaults_from_generation_config(llm):
     out = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
     assert out.prompt_token_ids == llm.get_tokenizer().encode("The quick brown fox")
     assert len(out.outputs[0].token_ids) <= 3
+
+
+@pytest.mark.parametrize("kind", ["cumulative", "delta", "final_only"])
+def test_output_kinds_carry_the_same_result(llm, kind):
+    from pegainfer.sampling_params import RequestOutputKind
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    params.output_kind = RequestOutputKind(kind)
+    engine.add_request("kinds", None, params, prompt_token_ids=PROMPT)
+    reports = []
+    while engine.has_unfinished_requests():
+        reports.extend(engine.step())
+    final = reports[-1].outputs[0]
+    assert reports[-1].finished
+    reference = _greedy(llm, 12)
+    if kind == "delta":
+        assert len(reports) == 12
+        assert sum((r.outputs[0].token_ids for r in reports), []) == reference.token_ids
+        assert "".join(r.outputs[0].text for r in reports) == reference.text
+        assert sum(len(r.outputs[0].logprobs) for r in reports) == 12
+    else:
+        assert len(reports) == (12 if kind == "cumulative" else 1)
+        assert final.token_ids == reference.token_ids and final.text == reference.text

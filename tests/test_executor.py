@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pegainfer_qwen3_14b.model import Qwen3ForCausalLM
 
 from pegainfer import LLM, SamplingParams
 from pegainfer.errors import ExecutorError
 from pegainfer.executor import ModelBatch, SequenceChunk
 from pegainfer.layers.norm import rms_norm
 from pegainfer.request import Request
+from pegainfer_qwen3_14b.model import Qwen3ForCausalLM
 
 
 class HostEmbeddedQwen3(Qwen3ForCausalLM):

@@ -76,7 +76,9 @@ def paged_attention(
         q_pos = positions[seg.ctx_len - seg.q_len :]
         mask = positions[None, :] <= q_pos[:, None]
         o = _attend(qs.permute(1, 2, 0, 3), k, v, mask, scale)  # [kv_heads, group, n, D]
-        out[seg.q_start : seg.q_start + seg.q_len] = o.permute(2, 0, 1, 3).reshape(seg.q_len, num_heads, head_dim)
+        out[seg.q_start : seg.q_start + seg.q_len] = o.permute(2, 0, 1, 3).reshape(
+            seg.q_len, num_heads, head_dim
+        )
     if meta.num_decodes:
         start, b = meta.num_prefill_tokens, meta.num_decodes
         positions = torch.arange(meta.max_decode_seq_len, device=q.device)

@@ -26,7 +26,10 @@ def hf_model(folder: str, dtype: torch.dtype = torch.float32, device: str = "cpu
 
 
 def hf_greedy(
-    folder: str | Path, prompts: Sequence[Sequence[int]], max_new_tokens: int, dtype: torch.dtype = torch.float32
+    folder: str | Path,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    dtype: torch.dtype = torch.float32,
 ) -> list[list[int]]:
     """Greedy continuations from transformers, one prompt at a time, never stopping at EOS."""
     model = hf_model(str(folder), dtype)
@@ -45,7 +48,9 @@ def hf_greedy(
     return out
 
 
-def hf_logits(folder: str | Path, prompt: Sequence[int], dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.Tensor:
+def hf_logits(
+    folder: str | Path, prompt: Sequence[int], dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> torch.Tensor:
     """Logits ``[len(prompt), V]`` (float32) of one teacher-forced forward."""
     model = hf_model(str(folder), dtype, device)
     with torch.no_grad():

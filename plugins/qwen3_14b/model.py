@@ -105,7 +105,9 @@ class Qwen3DecoderLayer(nn.Module):
         write_kv(cache, k, v.reshape(t, dims.num_kv_heads, dims.head_dim), batch.attn.slot_mapping)
         attn = paged_attention(q, cache, batch.attn, self.scale)
         x = x + F.linear(attn.reshape(t, self.q_size), self.o_proj)
-        gate, up = F.linear(rms_norm(x, self.post_attention_layernorm, eps), self.gate_up_proj).chunk(2, dim=-1)
+        gate, up = F.linear(rms_norm(x, self.post_attention_layernorm, eps), self.gate_up_proj).chunk(
+            2, dim=-1
+        )
         return x + F.linear(F.silu(gate) * up, self.down_proj)
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
@@ -155,7 +157,9 @@ class Qwen3ForCausalLM(CausalLM):
         self.embed_tokens = _param(dims.vocab_size, dims.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(Qwen3DecoderLayer(dims, i, dtype) for i in range(dims.num_layers))
         self.norm = _param(dims.hidden_size, dtype=dtype)
-        self.lm_head = None if dims.tie_word_embeddings else _param(dims.vocab_size, dims.hidden_size, dtype=dtype)
+        self.lm_head = (
+            None if dims.tie_word_embeddings else _param(dims.vocab_size, dims.hidden_size, dtype=dtype)
+        )
         self.rotary = RotaryEmbedding(dims.head_dim, dims.rope_theta, max_model_len, dims.rope_type)
 
     @classmethod
@@ -175,12 +179,16 @@ class Qwen3ForCausalLM(CausalLM):
     def load_weights(self, reader: CheckpointReader) -> None:
         dims = self.dims
         with torch.no_grad():
-            self.embed_tokens.copy_(reader.get("model.embed_tokens.weight", (dims.vocab_size, dims.hidden_size), self.dtype))
+            self.embed_tokens.copy_(
+                reader.get("model.embed_tokens.weight", (dims.vocab_size, dims.hidden_size), self.dtype)
+            )
             for layer in self.layers:
                 layer.load(reader, f"model.layers.{layer.layer_index}.")
             self.norm.copy_(reader.get("model.norm.weight", (dims.hidden_size,), self.dtype))
             if self.lm_head is not None:
-                self.lm_head.copy_(reader.get("lm_head.weight", (dims.vocab_size, dims.hidden_size), self.dtype))
+                self.lm_head.copy_(
+                    reader.get("lm_head.weight", (dims.vocab_size, dims.hidden_size), self.dtype)
+                )
 
     def buffer_specs(self) -> list[BufferSpec]:
         return [

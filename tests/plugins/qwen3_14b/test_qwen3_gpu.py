@@ -33,8 +33,15 @@ def _logprob_gap(ours: torch.Tensor, ref: torch.Tensor, k: int = 8) -> torch.Ten
 @pytest.mark.parametrize("batched", [False, True], ids=["batch1", "batched"])
 def test_bf16_logits_match_hf_bf16(tiny_checkpoint_factory, batched):
     folder = tiny_checkpoint_factory(
-        "qwen3", seed=3, dtype="bfloat16", hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+        "qwen3",
+        seed=3,
+        dtype="bfloat16",
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
     )
     llm = LLM(str(folder), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, max_model_len=1024)
     engine = llm.engine

@@ -114,9 +114,9 @@ def test_checkpoint_variants_match_hf(tiny_checkpoint_factory, options):
     prompts = _prompts(5, [9, 21])
     # transformers cannot open shards without an index: its reference is the same weights in one file.
     reference = folder if options.get("write_index", True) else tiny_checkpoint_factory("qwen3", seed=7)
-    assert _generate(llm, prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) == hf_greedy(
-        reference, prompts, 12
-    )
+    assert _generate(
+        llm, prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ) == hf_greedy(reference, prompts, 12)
 
 
 def test_decode_rewrites_block_table_rows_only_when_pages_change(tiny_qwen3):

@@ -1,0 +1,104 @@
+"""The conformance suite a model plugin runs with one subclass.
+
+    from pegainfer.testing.suite import PluginConformance
+
+    class TestMyModel(PluginConformance):
+        model_name = "my_model"            # the name the plugin registers (the Hydra model= option)
+        architecture = "qwen3"             # a pegainfer.testing.checkpoints architecture, or override
+                                           # make_checkpoint() to write your own tiny checkpoint
+
+Checks: the model is discovered through its entry point, its Hydra ``model/`` option composes and
+validates, every checkpoint tensor is consumed, a tiny model generates on the CPU, batched generation
+equals one-at-a-time generation, and (``hf_reference = True``) greedy tokens equal transformers'.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+from pegainfer.sampling_params import SamplingParams
+
+
+class PluginConformance:
+    model_name: ClassVar[str]
+    architecture: ClassVar[str] = "qwen3"
+    checkpoint_options: ClassVar[dict[str, Any]] = {}
+    #: Compare greedy tokens with transformers (it must know the checkpoint's architecture).
+    hf_reference: ClassVar[bool] = True
+    max_tokens: ClassVar[int] = 12
+
+    def make_checkpoint(self, folder: Path) -> Path:
+        from pegainfer.testing.checkpoints import write_tiny_checkpoint
+
+        return write_tiny_checkpoint(folder, self.architecture, **self.checkpoint_options)
+
+    @pytest.fixture(scope="class")
+    def checkpoint(self, tmp_path_factory: pytest.TempPathFactory) -> Path:
+        return self.make_checkpoint(tmp_path_factory.mktemp(f"conformance-{self.model_name}"))
+
+    @pytest.fixture(scope="class")
+    def llm(self, checkpoint: Path) -> Any:
+        from pegainfer.hydra_config import build_engine_config, compose
+        from pegainfer.llm import LLM
+
+        cfg = compose(
+            "generate",
+            [
+                f"model={self.model_name}",
+                f"model.path={checkpoint}",
+                "device=cpu",
+                "model.dtype=float32",
+                "cache.cpu_kv_cache_bytes=8388608",
+            ],
+        )
+        return LLM.from_config(build_engine_config(cfg))
+
+    def prompts(self) -> list[list[int]]:
+        rng = random.Random(0)
+        return [[rng.randrange(200) for _ in range(n)] for n in (5, 17, 2)]
+
+    def test_discovered_through_entry_point(self) -> None:
+        from pegainfer.plugins import get_model_registry
+
+        registration = get_model_registry().get(self.model_name)
+        assert registration.plugin and registration.package
+
+    def test_config_composes_with_plugin_schema(self, checkpoint: Path) -> None:
+        from pegainfer.hydra_config import build_engine_config, compose
+
+        config = build_engine_config(
+            compose("generate", [f"model={self.model_name}", f"model.path={checkpoint}"])
+        )
+        assert config.model.name == self.model_name
+        assert Path(config.model.path) == checkpoint
+
+    def test_every_checkpoint_tensor_is_used(self, checkpoint: Path) -> None:
+        from pegainfer.testing.conformance import unused_checkpoint_tensors
+
+        assert unused_checkpoint_tensors(checkpoint, self.model_name) == []
+
+    def test_batched_equals_one_at_a_time(self, llm: Any) -> None:
+        params = SamplingParams(temperature=0, max_tokens=self.max_tokens, ignore_eos=True)
+        batched = llm.generate(prompt_token_ids=self.prompts(), sampling_params=params, use_tqdm=False)
+        single = [
+            llm.generate(prompt_token_ids=[p], sampling_params=params, use_tqdm=False)[0]
+            for p in self.prompts()
+        ]
+        assert [o.outputs[0].token_ids for o in batched] == [o.outputs[0].token_ids for o in single]
+        assert all(len(o.outputs[0].token_ids) == self.max_tokens for o in batched)
+        llm.engine.buffers.check_invariants()
+
+    def test_greedy_matches_transformers(self, llm: Any, checkpoint: Path) -> None:
+        if not self.hf_reference:
+            pytest.skip("this plugin has no transformers reference")
+        from pegainfer.testing.conformance import hf_greedy
+
+        params = SamplingParams(temperature=0, max_tokens=self.max_tokens, ignore_eos=True)
+        outs = llm.generate(prompt_token_ids=self.prompts(), sampling_params=params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(
+            checkpoint, self.prompts(), self.max_tokens
+        )
