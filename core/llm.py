@@ -11,13 +11,13 @@ from tqdm.auto import tqdm
 from pegainfer.config import (
     CacheConfig,
     EngineConfig,
-    ModelConfig,
     ParallelConfig,
     SchedulerConfig,
     validate_section,
 )
 from pegainfer.engine import LLMEngine
 from pegainfer.errors import RequestError
+from pegainfer.hydra_config import build_model_config
 from pegainfer.outputs import RequestOutput
 from pegainfer.sampling_params import RequestOutputKind, SamplingParams
 
@@ -48,10 +48,8 @@ class LLM:
         enforce_eager: bool = False,
     ) -> None:
         config = EngineConfig(
-            model=validate_section(
-                ModelConfig,
-                {"path": model, "tokenizer": tokenizer, "dtype": dtype, "max_model_len": max_model_len},
-                "model",
+            model=build_model_config(
+                {"path": model, "tokenizer": tokenizer, "dtype": dtype, "max_model_len": max_model_len}
             ),
             cache=validate_section(
                 CacheConfig,

@@ -6,6 +6,7 @@ float32 comparison against transformers is decided by the model, not by rounding
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -80,10 +81,23 @@ def qwen3_tensors(cfg: dict[str, Any], gen: torch.Generator) -> dict[str, torch.
     return tensors
 
 
-# architecture name -> (config builder, tensor builder); the next issue adds qwen3_5 and deepseek_v3.
-ARCHITECTURES: dict[str, tuple[Callable[..., dict[str, Any]], Callable[..., dict[str, torch.Tensor]]]] = {
-    "qwen3": (qwen3_config, qwen3_tensors),
+# architecture name -> "module" providing ``config(vocab_size, **overrides)`` and ``tensors(config, gen)``;
+# modules other than this one are imported on first use.
+ARCHITECTURES: dict[str, str] = {
+    "qwen3": __name__,
+    "qwen3_5": "pegainfer.testing.tiny_qwen35",
+    "qwen3_5_moe": "pegainfer.testing.tiny_qwen35",
+    "deepseek_v3": "pegainfer.testing.tiny_deepseek",
 }
+
+
+def _builders(
+    architecture: str,
+) -> tuple[Callable[..., dict[str, Any]], Callable[..., dict[str, torch.Tensor]]]:
+    if architecture == "qwen3":
+        return qwen3_config, qwen3_tensors
+    module = importlib.import_module(ARCHITECTURES[architecture])
+    return getattr(module, f"{architecture}_config"), getattr(module, f"{architecture}_tensors")
 
 
 def _to_legacy_layout(config: dict[str, Any]) -> dict[str, Any]:
@@ -126,7 +140,7 @@ def write_tiny_checkpoint(
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer_vocab = write_tiny_tokenizer(folder)
-    make_config, make_tensors = ARCHITECTURES[architecture]
+    make_config, make_tensors = _builders(architecture)
     vocab = -(-tokenizer_vocab // 64) * 64
     config = make_config(vocab, **config_overrides)
     config["dtype"] = dtype
