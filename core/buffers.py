@@ -98,6 +98,7 @@ class PagedBufferManager(BufferManager):
         self._slots: dict[str, int] = {}
         self._free_slots: list[int] = list(range(plan.num_state_slots - 1, -1, -1))
         self._has_state = plan.num_state_slots > 0
+        self._paged = any(isinstance(spec, (PagedKVSpec, PagedLatentSpec)) for spec in specs)
         self.caches: dict[int, torch.Tensor] = {}
         self.states: dict[int, dict[str, torch.Tensor]] = {}
 
@@ -116,6 +117,8 @@ class PagedBufferManager(BufferManager):
                 }
 
     def _pages_needed(self, request: Request, num_new_tokens: int) -> int:
+        if not self._paged:
+            return 0
         total = request.num_computed_tokens + num_new_tokens
         have = len(self._tables.get(request.request_id, ()))
         return max(0, -(-total // self.block_size) - have)
@@ -170,8 +173,12 @@ class PagedBufferManager(BufferManager):
         free = self.pool.free_ids()
         assert len(owned) == len(set(owned)), "a page is owned by two requests"
         assert not set(owned) & set(free), "a page is both owned and free"
+        assert len(free) == len(set(free)), "a page is on the free list twice"
+        assert all(0 <= p < self.pool.num_blocks for p in owned + free), "a page id is out of range"
         assert len(owned) + len(free) == self.pool.num_blocks, "pages were lost"
         slots = list(self._slots.values())
+        assert len(self._free_slots) == len(set(self._free_slots)), "a state slot is on the free list twice"
+        assert all(0 <= s < self.plan.num_state_slots for s in slots + self._free_slots), "a slot is out of range"
         assert len(slots) == len(set(slots)), "a state slot is owned twice"
         assert not set(slots) & set(self._free_slots), "a state slot is both owned and free"
         assert len(slots) + len(self._free_slots) == self.plan.num_state_slots, "state slots were lost"

@@ -189,6 +189,13 @@ class LLMEngine:
         vocab = getattr(self.model, "vocab_size", None)
         if vocab is not None and (min(ids) < 0 or max(ids) >= vocab):
             raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        sched = self.config.scheduler
+        if not sched.enable_chunked_prefill and len(ids) > sched.max_num_batched_tokens:
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens, more than scheduler.max_num_batched_tokens "
+                f"({sched.max_num_batched_tokens}) allows without chunked prefill",
+                param="prompt",
+            )
         wanted = len(ids) + (params.max_tokens or 1)
         if wanted > self.max_model_len:
             raise RequestError(

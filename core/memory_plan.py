@@ -73,17 +73,18 @@ def plan_memory(
         num_blocks = 0
     else:
         num_blocks = max(free, 0) // page_bytes
+    if num_blocks_override is None and free < 0:
+        raise ConfigError(
+            f"weights ({weight_bytes} B), transients ({sum(reserved.values())} B) and state slots "
+            f"({num_slots * state_per_slot} B) exceed the memory budget ({budget} B); lower "
+            "scheduler.max_num_batched_tokens or scheduler.max_num_seqs, or raise the budget"
+        )
     blocks_for_one = -(-max_model_len // block_size)
     if paged and num_blocks < blocks_for_one:
         raise ConfigError(
             f"the page pool holds {num_blocks} pages of {block_size} tokens, fewer than one request of "
             f"max_model_len={max_model_len} tokens needs ({blocks_for_one}); lower model.max_model_len or "
             "scheduler.max_num_batched_tokens, or raise cache.gpu_memory_utilization / cache.cpu_kv_cache_bytes"
-        )
-    if num_blocks_override is None and free < 0:
-        raise ConfigError(
-            f"weights ({weight_bytes} B) and transients ({sum(reserved.values())} B) exceed the memory budget "
-            f"({budget} B); lower scheduler.max_num_batched_tokens or scheduler.max_num_seqs"
         )
     return MemoryPlan(
         budget=budget,

@@ -157,10 +157,10 @@ class ContinuousBatchingScheduler(Scheduler):
                 break  # memory is short this step: admitting would only thrash
             request = self.waiting[0]
             n = self._chunk(request, budget)
-            if (
-                not self.config.enable_chunked_prefill
-                and n < request.num_tokens - request.num_computed_tokens
-            ):
+            # Without chunked prefill a prompt is admitted whole; a preempted request's recompute may still
+            # be chunked, or one longer than the budget would block the queue forever.
+            whole = request.num_tokens - request.num_computed_tokens
+            if not self.config.enable_chunked_prefill and request.num_output_tokens == 0 and n < whole:
                 break
             if not self.buffers.can_admit(request, n) or not self.buffers.allocate_slots(request, n):
                 break

@@ -1,0 +1,250 @@
+"""DecodeBuffers: persistent decode rows, condensed when requests leave, block tables rewritten minimally."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pegainfer.decode_buffers import DecodeBuffers
+
+BS = 4
+
+
+def make(max_num_seqs: int = 8, max_blocks: int = 8) -> DecodeBuffers:
+    return DecodeBuffers(max_num_seqs, max_blocks, torch.device("cpu"))
+
+
+class Fake:
+    """A decoding request: an append-only page list and a position that advances one token per step."""
+
+    def __init__(self, key: str, pages: list[int], pos: int) -> None:
+        self.key, self.pages, self.pos = key, list(pages), pos
+
+    def advance(self, new_page: int | None = None) -> None:
+        self.pos += 1
+        if self.pos // BS >= len(self.pages):
+            assert new_page is not None
+            self.pages.append(new_page)
+
+    @property
+    def token(self) -> int:
+        return 100 + self.pos
+
+
+def prepare(buf: DecodeBuffers, reqs: list[Fake], state: bool = True) -> list[int]:
+    return buf.prepare(
+        [r.key for r in reqs],
+        [r.token for r in reqs],
+        [r.pos for r in reqs],
+        [r.pages for r in reqs],
+        [7 * i + 1 for i, _ in enumerate(reqs)] if state else None,
+        BS,
+    )
+
+
+def assert_rows(buf: DecodeBuffers, reqs: list[Fake], rows: list[int], state: bool = True) -> None:
+    """Every row holds its request's token, position, length, slot and full block table."""
+    assert sorted(rows) == list(range(len(reqs)))
+    for i, (r, row) in enumerate(zip(reqs, rows, strict=True)):
+        assert buf.token_ids[row].item() == r.token
+        assert buf.positions[row].item() == r.pos
+        assert buf.seq_lens[row].item() == r.pos + 1
+        assert buf.slot_mapping[row].item() == r.pages[r.pos // BS] * BS + r.pos % BS
+        assert buf.block_tables[row, : len(r.pages)].tolist() == r.pages
+        if state:
+            assert buf.state_slots[row].item() == 7 * i + 1
+
+
+def test_first_batch_rows_and_contents() -> None:
+    """A fresh batch takes rows 0..B-1 in order, with every field written."""
+    buf = make()
+    reqs = [Fake("a", [3], 2), Fake("b", [5, 9], 6), Fake("c", [0, 1, 2], 8)]
+    rows = prepare(buf, reqs)
+    assert rows == [0, 1, 2]
+    assert_rows(buf, reqs, rows)
+    assert buf.slot_mapping[:3].tolist() == [3 * 4 + 2, 9 * 4 + 2, 2 * 4 + 0]
+    assert buf.seq_lens.dtype == torch.int32 and buf.block_tables.dtype == torch.int32
+    assert buf.block_entries_written == 1 + 2 + 3
+
+
+def test_rows_stable_for_requests_that_stay() -> None:
+    """A request keeps its row across steps, whatever order the batch lists it in."""
+    buf = make()
+    reqs = [Fake("a", [3], 0), Fake("b", [5], 0), Fake("c", [6], 0)]
+    rows = dict(zip("abc", prepare(buf, reqs), strict=True))
+    for r in reqs:
+        r.advance()
+    shuffled = [reqs[2], reqs[0], reqs[1]]
+    new_rows = prepare(buf, shuffled)
+    assert new_rows == [rows["c"], rows["a"], rows["b"]]
+    assert_rows(buf, shuffled, new_rows)
+
+
+def test_leaving_request_condenses_rows() -> None:
+    """When a request leaves, rows above the batch size move into the holes; the others stay put."""
+    buf = make()
+    reqs = [Fake(k, [i], 0) for i, k in enumerate("abcde")]
+    assert prepare(buf, reqs) == [0, 1, 2, 3, 4]
+    # b (row 1) and d (row 3) leave: e (row 4) moves to row 1; a, c stay.
+    left = [reqs[0], reqs[2], reqs[4]]
+    for r in left:
+        r.advance()
+    rows = prepare(buf, left)
+    assert rows == [0, 2, 1]
+    assert_rows(buf, left, rows)
+    # A newcomer fills the next free row.
+    f = Fake("f", [40, 41], 5)
+    rows = prepare(buf, [*left, f])
+    assert rows == [0, 2, 1, 3]
+    assert_rows(buf, [*left, f], rows)
+
+
+def test_leaving_top_row_moves_nothing() -> None:
+    """When the last row leaves, nothing moves and no block table is rewritten."""
+    buf = make()
+    reqs = [Fake(k, [i, i + 10], 5) for i, k in enumerate("abc")]
+    prepare(buf, reqs)
+    written = buf.block_entries_written
+    rows = prepare(buf, reqs[:2])
+    assert rows == [0, 1] and buf.block_entries_written == written
+
+
+def test_unchanged_tables_are_not_rewritten_over_many_steps() -> None:
+    """Rows whose page list did not change are not rewritten, step after step."""
+    buf = make(max_blocks=16)
+    reqs = [Fake("a", [1, 2], 4), Fake("b", [3], 0), Fake("c", [4, 5, 6], 8)]
+    prepare(buf, reqs)
+    written = buf.block_entries_written
+    next_page = 100
+    grew = 0
+    for _ in range(30):
+        for r in reqs:
+            if (r.pos + 1) // BS >= len(r.pages):
+                r.advance(next_page)
+                next_page += 1
+                grew += 1
+            else:
+                r.advance()
+        before = buf.block_entries_written
+        rows = prepare(buf, reqs)
+        assert_rows(buf, reqs, rows)
+        assert rows == [0, 1, 2]
+        assert buf.block_entries_written - before <= len(reqs)  # at most one new page per row per step
+    # Over the whole run only the new tails were written: one entry per page added.
+    assert buf.block_entries_written - written == grew
+    assert grew > 0
+
+
+def test_table_growth_writes_only_the_tail() -> None:
+    """A table that grew by k pages costs k entries, not its full length."""
+    buf = make()
+    a, b = Fake("a", [1, 2, 3], 11), Fake("b", [7], 0)
+    prepare(buf, [a, b])
+    before = buf.block_entries_written
+    a.advance(9)
+    b.advance()
+    rows = prepare(buf, [a, b])
+    assert buf.block_entries_written - before == 1
+    assert buf.block_tables[rows[0], :4].tolist() == [1, 2, 3, 9]
+
+
+def test_new_owner_of_a_row_gets_its_full_table() -> None:
+    """A request moved into a hole, or new to a freed row, has its whole table written."""
+    buf = make()
+    a, b, c = Fake("a", [1, 2, 3], 9), Fake("b", [4, 5], 5), Fake("c", [6, 7, 8, 9], 13)
+    prepare(buf, [a, b, c])
+    before = buf.block_entries_written
+    rows = prepare(buf, [a, c])  # b leaves: c moves from row 2 to row 1
+    assert rows == [0, 1]
+    assert buf.block_entries_written - before == 4
+    assert buf.block_tables[1, :4].tolist() == [6, 7, 8, 9]
+    # A newcomer in row 2 (the row c left) gets its whole table, not the tail past c's old length.
+    d = Fake("d", [20, 21, 22, 23, 24], 17)
+    before = buf.block_entries_written
+    rows = prepare(buf, [a, c, d])
+    assert rows == [0, 1, 2]
+    assert buf.block_entries_written - before == 5
+    assert buf.block_tables[2, :5].tolist() == [20, 21, 22, 23, 24]
+
+
+def test_new_epoch_is_a_new_owner() -> None:
+    """After a preemption the engine passes 'id#epoch+1': the same row gets the new page list in full."""
+    buf = make()
+    old = Fake("r#0", [1, 2, 3], 10)
+    other = Fake("s#0", [9], 1)
+    rows = prepare(buf, [old, other])
+    # Recomputed with fresh pages: same length, different ids. The key alone tells the buffers.
+    new = Fake("r#1", [4, 5, 6], 10)
+    before = buf.block_entries_written
+    rows = prepare(buf, [new, other])
+    assert buf.block_entries_written - before == 3
+    assert_rows(buf, [new, other], rows)
+
+
+def test_state_slots_optional() -> None:
+    """state_slots=None (no recurrent state) leaves the state column alone."""
+    buf = make()
+    buf.state_slots.fill_(-1)
+    rows = prepare(buf, [Fake("a", [1], 0)], state=False)
+    assert rows == [0] and buf.state_slots[0].item() == -1
+
+
+def test_full_batch_uses_every_row() -> None:
+    """max_num_seqs requests fill every row."""
+    buf = make(max_num_seqs=4)
+    reqs = [Fake(str(i), [i], 1) for i in range(4)]
+    rows = prepare(buf, reqs)
+    assert rows == [0, 1, 2, 3]
+    reqs = [reqs[3], Fake("x", [9], 0), reqs[1], Fake("y", [8], 3)]
+    rows = prepare(buf, reqs)
+    assert rows[0] == 3 and rows[2] == 1 and sorted(rows) == [0, 1, 2, 3]
+    assert_rows(buf, reqs, rows)
+
+
+# -------------------------------------------------------------------------------- property test
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_random_batches_keep_rows_and_tables_consistent(data: st.DataObject) -> None:
+    """Random joins, leaves and growth: rows form range(B), stay put when possible, tables are exact."""
+    max_num_seqs = data.draw(st.integers(1, 6))
+    buf = make(max_num_seqs=max_num_seqs, max_blocks=12)
+    live: dict[str, Fake] = {}
+    prev_rows: dict[str, int] = {}
+    prev_len: dict[str, int] = {}
+    next_id, next_page = 0, 0
+    for _ in range(data.draw(st.integers(1, 25))):
+        for key in [k for k in live if data.draw(st.booleans())]:
+            del live[key]  # finished or preempted
+        while len(live) < max_num_seqs and data.draw(st.booleans()):
+            pos = data.draw(st.integers(0, 3 * BS))
+            n = pos // BS + 1
+            live[f"r{next_id}#0"] = Fake(f"r{next_id}#0", list(range(next_page, next_page + n)), pos)
+            next_id, next_page = next_id + 1, next_page + n
+        # Some live requests skip this step (token budget): they come back later as new row owners.
+        batch_reqs = [r for r in live.values() if data.draw(st.integers(0, 4)) > 0]
+        if not batch_reqs:
+            continue
+        for r in batch_reqs:
+            if r.pos + 1 < 11 * BS:
+                grows = (r.pos + 1) // BS >= len(r.pages)
+                r.advance(next_page if grows else None)
+                next_page += grows
+        order = data.draw(st.permutations(batch_reqs))
+        before = buf.block_entries_written
+        rows = prepare(buf, order)
+        assert_rows(buf, order, rows)
+        batch = len(order)
+        expected = 0
+        for r, row in zip(order, rows, strict=True):
+            kept = prev_rows.get(r.key)
+            if kept is not None and kept < batch:
+                assert row == kept  # stayed in place
+                expected += len(r.pages) - prev_len[r.key]
+            else:
+                expected += len(r.pages)  # new owner of the row: full table
+        assert buf.block_entries_written - before == expected
+        prev_rows = {r.key: row for r, row in zip(order, rows, strict=True)}
+        prev_len = {r.key: len(r.pages) for r in order}
