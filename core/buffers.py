@@ -178,7 +178,9 @@ class PagedBufferManager(BufferManager):
         assert len(owned) + len(free) == self.pool.num_blocks, "pages were lost"
         slots = list(self._slots.values())
         assert len(self._free_slots) == len(set(self._free_slots)), "a state slot is on the free list twice"
-        assert all(0 <= s < self.plan.num_state_slots for s in slots + self._free_slots), "a slot is out of range"
+        assert all(0 <= s < self.plan.num_state_slots for s in slots + self._free_slots), (
+            "a slot is out of range"
+        )
         assert len(slots) == len(set(slots)), "a state slot is owned twice"
         assert not set(slots) & set(self._free_slots), "a state slot is both owned and free"
         assert len(slots) + len(self._free_slots) == self.plan.num_state_slots, "state slots were lost"

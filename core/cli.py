@@ -12,6 +12,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import hydra
 from hydra.core.global_hydra import GlobalHydra
@@ -47,7 +48,7 @@ composed config without running it.
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns the process exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    _setup_logging()
     # A skipped plugin is already reported once through logging; don't print it twice.
     warnings.filterwarnings("ignore", category=PluginWarning)
     if args and args[0] in ("-h", "--help", "help"):
@@ -66,6 +67,29 @@ def main(argv: list[str] | None = None) -> int:
     except PegainferError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+
+
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to the current ``sys.stderr``, which redirections and test runners swap after setup."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
+def _setup_logging() -> None:
+    # Only our own loggers: the root logger stays the embedding program's (and Hydra's, for --info).
+    logger = logging.getLogger("pegainfer")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
 
 
 def generate_command(args: list[str]) -> int:

@@ -238,7 +238,9 @@ class _LoadedPlugins:
 
 
 _state: _LoadedPlugins | None = None
-_lock = threading.Lock()
+# Re-entrant so that a plugin calling back into this module while being imported gets an error, not a hang.
+_lock = threading.RLock()
+_loading = False
 
 
 def load_plugins(extra: Iterable[object] = (), *, entry_points: bool = True) -> pluggy.PluginManager:
@@ -247,10 +249,18 @@ def load_plugins(extra: Iterable[object] = (), *, entry_points: bool = True) -> 
     ``extra`` plugin objects (modules or instances) are registered after the entry points, and
     ``entry_points=False`` skips discovery: both are for tests, after ``reset_plugins()``.
     """
-    global _state
+    global _state, _loading
     with _lock:
+        if _loading:
+            raise PluginError(
+                "a plugin used pegainfer.plugins while being loaded; hook modules must not do work on import"
+            )
         if _state is None:
-            _state = _load(list(extra), entry_points)
+            _loading = True
+            try:
+                _state = _load(list(extra), entry_points)
+            finally:
+                _loading = False
         elif extra:
             raise PluginError("plugins are already loaded; call reset_plugins() before passing extra plugins")
         return _state.manager

@@ -1,0 +1,1 @@
+"""A deliberately broken pegainfer plugin: importing its hook module fails."""

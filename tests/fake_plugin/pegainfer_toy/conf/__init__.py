@@ -1,0 +1,1 @@
+"""Hydra configuration of the toy plugin (found through pkg://pegainfer_toy.conf)."""

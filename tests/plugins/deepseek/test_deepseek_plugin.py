@@ -1,0 +1,42 @@
+"""The deepseek plugin's registration: the checkpoints it claims and its Hydra option.
+
+The model itself lands later; then this folder also runs the conformance suite.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pegainfer.errors import ConfigError
+from pegainfer.hydra_config import build_engine_config, compose
+from pegainfer.plugins import get_model_registry
+
+
+@pytest.mark.parametrize(
+    "hf_config",
+    [
+        {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"},
+        {"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32"},
+    ],
+)
+def test_deepseek_claims_its_checkpoints(hf_config: dict[str, object]) -> None:
+    registration = get_model_registry().resolve(hf_config)
+    assert (registration.name, registration.plugin, registration.package) == (
+        "deepseek",
+        "deepseek",
+        "pegainfer",
+    )
+    assert registration.model_class == "pegainfer_deepseek.model:DeepseekV3ForCausalLM"
+
+
+def test_deepseek_v4_is_not_claimed_yet() -> None:
+    # V4 is a different architecture; claiming it before the model exists would fail at load time.
+    with pytest.raises(ConfigError, match="no installed plugin supports"):
+        get_model_registry().resolve(
+            {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4"}
+        )
+
+
+def test_deepseek_model_option_composes() -> None:
+    config = build_engine_config(compose("generate", ["model=deepseek", "tp=8"]))
+    assert (config.model.name, config.parallel.tensor_parallel_size) == ("deepseek", 8)
