@@ -62,7 +62,8 @@ def _memory_budget(loaded: LoadedModel, config: EngineConfig, transient_bytes: i
     transients + the configured KV budget."""
     if loaded.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(loaded.device)
-        used_by_others = total - free - torch.cuda.memory_allocated(loaded.device)
+        # Memory our allocator holds (weights, its cache) is ours, not another process's.
+        used_by_others = total - free - torch.cuda.memory_reserved(loaded.device)
         return int(total * config.cache.gpu_memory_utilization) - used_by_others
     return loaded.weight_bytes + transient_bytes + config.cache.cpu_kv_cache_bytes
 

@@ -72,7 +72,9 @@ def plan_memory(
     elif page_bytes == 0:
         num_blocks = 0
     else:
-        num_blocks = max(free, 0) // page_bytes
+        # More pages than max_num_seqs full-length requests can use would only cost allocation time.
+        useful = max_num_seqs * -(-max_model_len // block_size)
+        num_blocks = min(max(free, 0) // page_bytes, useful)
     if num_blocks_override is None and free < 0:
         raise ConfigError(
             f"weights ({weight_bytes} B), transients ({sum(reserved.values())} B) and state slots "

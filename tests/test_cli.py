@@ -97,7 +97,20 @@ def test_config_errors_print_one_line_and_exit_2(
 
 
 def test_generate_prints_each_completion(capsys: pytest.CaptureFixture[str], demo_cache: Path) -> None:
-    assert main(["generate", "chat=true", "prompts=[Hi,Hello]", "max_tokens=2", "n=2", "temperature=1"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "device=cpu",
+                "chat=true",
+                "prompts=[Hi,Hello]",
+                "max_tokens=2",
+                "n=2",
+                "temperature=1",
+            ]
+        )
+        == 0
+    )
     headers = [line for line in capsys.readouterr().out.splitlines() if line.startswith("--- prompt")]
     assert headers == [f"--- prompt {p}, completion {c} ---" for p in (0, 1) for c in (0, 1)]
 

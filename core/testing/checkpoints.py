@@ -100,22 +100,41 @@ def _builders(
     return getattr(module, f"{architecture}_config"), getattr(module, f"{architecture}_tensors")
 
 
-def _to_legacy_layout(config: dict[str, Any]) -> dict[str, Any]:
-    """The layout of the Hub files written before transformers 5: top-level rope keys and ``torch_dtype``."""
+def _legacy_rope(config: dict[str, Any]) -> dict[str, Any]:
     config = dict(config)
     params = config.pop("rope_parameters", None) or {}
     config.setdefault("rope_theta", params.get("rope_theta", 10000.0))
     config.setdefault("rope_scaling", None)
+    return config
+
+
+def _new_rope(config: dict[str, Any]) -> dict[str, Any]:
+    config = dict(config)
+    theta = config.pop("rope_theta", 10000.0)
+    scaling = config.pop("rope_scaling", None) or {"rope_type": "default"}
+    config["rope_parameters"] = {**scaling, "rope_theta": theta}
+    # transformers >= 5 keeps the partial rotary factor inside rope_parameters.
+    if "partial_rotary_factor" in config:
+        config["rope_parameters"]["partial_rotary_factor"] = config.pop("partial_rotary_factor")
+    return config
+
+
+def _with_rope_layout(config: dict[str, Any], convert: Callable[..., dict[str, Any]]) -> dict[str, Any]:
+    """Rope keys live in the language-model part: ``text_config`` for multimodal configs, else the top."""
+    if "text_config" in config:
+        return {**config, "text_config": convert(config["text_config"])}
+    return convert(config)
+
+
+def _to_legacy_layout(config: dict[str, Any]) -> dict[str, Any]:
+    """The layout of the Hub files written before transformers 5: top-level rope keys and ``torch_dtype``."""
+    config = _with_rope_layout(config, _legacy_rope)
     config["torch_dtype"] = config.pop("dtype")
     return config
 
 
 def _to_new_layout(config: dict[str, Any]) -> dict[str, Any]:
-    config = dict(config)
-    theta = config.pop("rope_theta", 10000.0)
-    scaling = config.pop("rope_scaling", None) or {"rope_type": "default"}
-    config["rope_parameters"] = {**scaling, "rope_theta": theta}
-    return config
+    return _with_rope_layout(config, _new_rope)
 
 
 def write_tiny_checkpoint(
@@ -150,6 +169,9 @@ def write_tiny_checkpoint(
     eos = ids[tokenizer_config["eos_token"]]
     config.setdefault("bos_token_id", ids.get("<|endoftext|>"))
     config.setdefault("eos_token_id", eos)
+    if "text_config" in config:
+        config["text_config"].setdefault("bos_token_id", config["bos_token_id"])
+        config["text_config"].setdefault("eos_token_id", eos)
 
     gen = torch.Generator().manual_seed(seed)
     tensors = {k: t.to(_DTYPES[dtype]).contiguous() for k, t in make_tensors(config, gen).items()}

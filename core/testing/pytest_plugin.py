@@ -33,3 +33,26 @@ def tiny_checkpoint_factory(tmp_path_factory: pytest.TempPathFactory) -> Callabl
 def tiny_qwen3(tiny_checkpoint_factory: Callable[..., Path]) -> Path:
     """A tiny random Qwen3 checkpoint (float32, untied embeddings)."""
     return tiny_checkpoint_factory("qwen3")
+
+
+@pytest.fixture(scope="class")
+def conformance_checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint of a ``PluginConformance`` subclass (its ``make_checkpoint``), once per class."""
+    suite = request.cls
+    return suite.make_checkpoint(tmp_path_factory.mktemp(f"conformance-{suite.model_name}"))
+
+
+@pytest.fixture(scope="class")
+def conformance_llm(request: pytest.FixtureRequest, conformance_checkpoint: Path) -> Any:
+    """An LLM of the suite's model on the CPU in float32, built through the Hydra config like the CLI."""
+    from pegainfer.hydra_config import build_engine_config, compose
+    from pegainfer.llm import LLM
+
+    overrides = [
+        f"model={request.cls.model_name}",
+        f"model.path={conformance_checkpoint}",
+        "device=cpu",
+        "model.dtype=float32",
+        "cache.cpu_kv_cache_bytes=8388608",
+    ]
+    return LLM.from_config(build_engine_config(compose("generate", overrides)))

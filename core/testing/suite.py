@@ -31,31 +31,11 @@ class PluginConformance:
     hf_reference: ClassVar[bool] = True
     max_tokens: ClassVar[int] = 12
 
-    def make_checkpoint(self, folder: Path) -> Path:
+    @classmethod
+    def make_checkpoint(cls, folder: Path) -> Path:
         from pegainfer.testing.checkpoints import write_tiny_checkpoint
 
-        return write_tiny_checkpoint(folder, self.architecture, **self.checkpoint_options)
-
-    @pytest.fixture(scope="class")
-    def checkpoint(self, tmp_path_factory: pytest.TempPathFactory) -> Path:
-        return self.make_checkpoint(tmp_path_factory.mktemp(f"conformance-{self.model_name}"))
-
-    @pytest.fixture(scope="class")
-    def llm(self, checkpoint: Path) -> Any:
-        from pegainfer.hydra_config import build_engine_config, compose
-        from pegainfer.llm import LLM
-
-        cfg = compose(
-            "generate",
-            [
-                f"model={self.model_name}",
-                f"model.path={checkpoint}",
-                "device=cpu",
-                "model.dtype=float32",
-                "cache.cpu_kv_cache_bytes=8388608",
-            ],
-        )
-        return LLM.from_config(build_engine_config(cfg))
+        return write_tiny_checkpoint(folder, cls.architecture, **cls.checkpoint_options)
 
     def prompts(self) -> list[list[int]]:
         rng = random.Random(0)
@@ -67,38 +47,42 @@ class PluginConformance:
         registration = get_model_registry().get(self.model_name)
         assert registration.plugin and registration.package
 
-    def test_config_composes_with_plugin_schema(self, checkpoint: Path) -> None:
+    def test_config_composes_with_plugin_schema(self, conformance_checkpoint: Path) -> None:
         from pegainfer.hydra_config import build_engine_config, compose
 
         config = build_engine_config(
-            compose("generate", [f"model={self.model_name}", f"model.path={checkpoint}"])
+            compose("generate", [f"model={self.model_name}", f"model.path={conformance_checkpoint}"])
         )
         assert config.model.name == self.model_name
-        assert Path(config.model.path) == checkpoint
+        assert Path(config.model.path) == conformance_checkpoint
 
-    def test_every_checkpoint_tensor_is_used(self, checkpoint: Path) -> None:
+    def test_every_checkpoint_tensor_is_used(self, conformance_checkpoint: Path) -> None:
         from pegainfer.testing.conformance import unused_checkpoint_tensors
 
-        assert unused_checkpoint_tensors(checkpoint, self.model_name) == []
+        assert unused_checkpoint_tensors(conformance_checkpoint, self.model_name) == []
 
-    def test_batched_equals_one_at_a_time(self, llm: Any) -> None:
+    def test_batched_equals_one_at_a_time(self, conformance_llm: Any) -> None:
         params = SamplingParams(temperature=0, max_tokens=self.max_tokens, ignore_eos=True)
-        batched = llm.generate(prompt_token_ids=self.prompts(), sampling_params=params, use_tqdm=False)
+        batched = conformance_llm.generate(
+            prompt_token_ids=self.prompts(), sampling_params=params, use_tqdm=False
+        )
         single = [
-            llm.generate(prompt_token_ids=[p], sampling_params=params, use_tqdm=False)[0]
+            conformance_llm.generate(prompt_token_ids=[p], sampling_params=params, use_tqdm=False)[0]
             for p in self.prompts()
         ]
         assert [o.outputs[0].token_ids for o in batched] == [o.outputs[0].token_ids for o in single]
         assert all(len(o.outputs[0].token_ids) == self.max_tokens for o in batched)
-        llm.engine.buffers.check_invariants()
+        conformance_llm.engine.buffers.check_invariants()
 
-    def test_greedy_matches_transformers(self, llm: Any, checkpoint: Path) -> None:
+    def test_greedy_matches_transformers(self, conformance_llm: Any, conformance_checkpoint: Path) -> None:
         if not self.hf_reference:
             pytest.skip("this plugin has no transformers reference")
         from pegainfer.testing.conformance import hf_greedy
 
         params = SamplingParams(temperature=0, max_tokens=self.max_tokens, ignore_eos=True)
-        outs = llm.generate(prompt_token_ids=self.prompts(), sampling_params=params, use_tqdm=False)
+        outs = conformance_llm.generate(
+            prompt_token_ids=self.prompts(), sampling_params=params, use_tqdm=False
+        )
         assert [o.outputs[0].token_ids for o in outs] == hf_greedy(
-            checkpoint, self.prompts(), self.max_tokens
+            conformance_checkpoint, self.prompts(), self.max_tokens
         )

@@ -55,7 +55,8 @@ class TestToyConformance(PluginConformance):
     model_name = "toy_qwen3"
     hf_reference = False
 
-    def make_checkpoint(self, folder: Path) -> Path:
+    @classmethod
+    def make_checkpoint(cls, folder: Path) -> Path:
         return write_toy_checkpoint(folder)
 
 
@@ -100,7 +101,12 @@ def test_generation_applies_the_plugins_config_key(toy_checkpoint: Path) -> None
     params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=0)
     chosen = {}
     for scale in (1, 3):
-        overrides = ["model=toy_qwen3", f"model.path={toy_checkpoint}", f"model.logit_scale={scale}"]
+        overrides = [
+            "model=toy_qwen3",
+            f"model.path={toy_checkpoint}",
+            f"model.logit_scale={scale}",
+            "device=cpu",
+        ]
         llm = LLM.from_config(build_engine_config(compose("generate", overrides)))
         (output,) = llm.generate(["Hello world"], params, use_tqdm=False)
         completion = output.outputs[0]

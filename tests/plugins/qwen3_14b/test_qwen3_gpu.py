@@ -1,8 +1,10 @@
-"""The Qwen3 reference path on a CUDA GPU in bf16 against HF transformers bf16 (``nox -s gpu``, not CI).
+"""The Qwen3 reference path on a CUDA GPU in bf16 against HF transformers (``nox -s gpu``, not CI).
 
-Gate: over teacher-forced positions, the mean absolute difference of the log-probabilities of the
-reference's top tokens is <= 0.06 and its 99th percentile <= 0.2 (bf16 rounding differs between the two
-implementations; a real bug shows as differences of whole nats).
+Random weights make a chaotic network: bf16 rounding noise grows layer by layer, so two correct bf16
+implementations disagree by more than they would on a trained model. The gate is therefore relative to
+the truth: against HF in float32, our bf16 log-probabilities (of HF's top-8 tokens at every position)
+must be no less accurate than HF's own bf16 ones (mean error within 25% + 0.01 nats), and the direct
+bf16-vs-bf16 gap is reported beside it.
 """
 
 from __future__ import annotations
@@ -23,32 +25,57 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
+SHAPE = {
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+}
 
-def _logprob_gap(ours: torch.Tensor, ref: torch.Tensor, k: int = 8) -> torch.Tensor:
-    ours, ref = torch.log_softmax(ours.float(), -1), torch.log_softmax(ref.float(), -1)
-    top = ref.topk(k, dim=-1).indices
-    return (ours.gather(-1, top) - ref.gather(-1, top)).abs().flatten()
+
+def _gaps(candidate: torch.Tensor, truth: torch.Tensor, k: int = 8) -> torch.Tensor:
+    candidate, truth = torch.log_softmax(candidate.float(), -1), torch.log_softmax(truth.float(), -1)
+    top = truth.topk(k, dim=-1).indices
+    return (candidate.gather(-1, top) - truth.gather(-1, top)).abs().flatten()
+
+
+def _check(folder, prompt: list[int], ours: torch.Tensor, report: list[torch.Tensor]) -> None:
+    """Append (ours vs fp32, HF bf16 vs fp32, ours vs HF bf16) gaps for the teacher-forced ``prompt``."""
+    truth = hf_logits(folder, prompt, dtype=torch.float32, device="cuda")
+    hf16 = hf_logits(folder, prompt, dtype=torch.bfloat16, device="cuda")
+    n = ours.shape[0]
+    report.append(
+        torch.stack([_gaps(ours, truth[-n:]), _gaps(hf16[-n:], truth[-n:]), _gaps(ours, hf16[-n:])])
+    )
+
+
+def _assert_gate(report: list[torch.Tensor], label: str) -> None:
+    gaps = torch.cat(report, dim=1)
+    ours, hf, direct = gaps.mean(dim=1).tolist()
+    p99 = gaps[0].quantile(0.99).item()
+    print(
+        f"{label}: ours-vs-fp32 {ours:.4f} (p99 {p99:.4f}), hf-bf16-vs-fp32 {hf:.4f}, ours-vs-hf-bf16 {direct:.4f}"
+    )
+    assert ours <= 1.25 * hf + 0.01
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_checkpoint_factory):
+    return tiny_checkpoint_factory("qwen3", seed=3, dtype="bfloat16", **SHAPE)
+
+
+@pytest.fixture(scope="module")
+def llm(folder):
+    return LLM(str(folder), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, max_model_len=1024)
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["batch1", "batched"])
-def test_bf16_logits_match_hf_bf16(tiny_checkpoint_factory, batched):
-    folder = tiny_checkpoint_factory(
-        "qwen3",
-        seed=3,
-        dtype="bfloat16",
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=6,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-    )
-    llm = LLM(str(folder), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, max_model_len=1024)
+def test_bf16_prefill_logits_as_accurate_as_hf_bf16(llm, folder, batched):
     engine = llm.engine
     rng = random.Random(0)
-    prompts = [[rng.randrange(990) for _ in range(n)] for n in (97, 64, 150, 33)]
-    if not batched:
-        prompts = prompts[:1]
+    prompts = [[rng.randrange(990) for _ in range(n)] for n in (97, 64, 150, 33)][: 4 if batched else 1]
     chunks, requests = [], []
     for i, prompt in enumerate(prompts):
         request = Request(f"r{i}", prompt, SamplingParams())
@@ -56,13 +83,47 @@ def test_bf16_logits_match_hf_bf16(tiny_checkpoint_factory, batched):
         requests.append(request)
         chunks.append(SequenceChunk(f"r{i}", prompt, 0, engine.buffers.block_table(f"r{i}"), all_logits=True))
     out = engine.executor.execute(ModelBatch(chunks))
-    gaps = []
-    for i, prompt in enumerate(prompts):
-        ref = hf_logits(folder, prompt, dtype=torch.bfloat16, device="cuda")
-        gaps.append(_logprob_gap(out.all_logits[f"r{i}"], ref))
     for request in requests:
         engine.buffers.free(request)
-    gap = torch.cat(gaps)
-    mean, p99 = gap.mean().item(), gap.quantile(0.99).item()
-    print(f"positions={sum(map(len, prompts))} mean|dlogp|={mean:.4f} p99={p99:.4f}")
-    assert mean <= 0.06 and p99 <= 0.2
+    report: list[torch.Tensor] = []
+    for i, prompt in enumerate(prompts):
+        _check(folder, prompt, out.all_logits[f"r{i}"], report)
+    _assert_gate(report, f"prefill {'batched' if batched else 'batch 1'}")
+
+
+def test_bf16_decode_logits_as_accurate_as_hf_bf16(llm, folder):
+    """Batched greedy decode through the paged cache; every step's logits are kept for the comparison."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(990) for _ in range(n)] for n in (40, 7, 120, 65)]
+    engine = llm.engine
+    captured: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(prompts))}
+    execute = engine.executor.execute
+
+    def recording_execute(batch):
+        out = execute(batch)
+        rows = [c for c in batch.chunks if c.needs_logits]
+        for chunk, logits in zip(rows, out.logits, strict=True):
+            captured[int(chunk.request_id)].append(logits.clone())
+        return out
+
+    engine.executor.execute = recording_execute
+    try:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(
+                str(i),
+                None,
+                SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+                prompt_token_ids=prompt,
+            )
+        finals = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                finals[int(out.request_id)] = out.outputs[0].token_ids
+    finally:
+        engine.executor.execute = execute
+    report: list[torch.Tensor] = []
+    for i, prompt in enumerate(prompts):
+        tokens = finals[i]
+        ours = torch.stack(captured[i])  # logits at positions len(prompt)-1 ... len(prompt)+46
+        _check(folder, prompt + tokens[:-1], ours, report)
+    _assert_gate(report, "decode batched")

@@ -1,0 +1,239 @@
+"""Tiny random DeepSeek-V3 checkpoints in the published layout, and their FP8 block-quantized copies.
+
+The config mirrors DeepSeek-V3's config.json at toy size: q and kv LoRA (or a direct ``q_proj`` with
+``q_lora_rank=None``), dense first layers then MoE layers with several expert groups, a routing-bias
+vector, shared experts, YaRN rope written the legacy way (``"type": "yarn"``) and one MTP layer stored as
+``model.layers.{num_hidden_layers}.*``. Weights are scaled so greedy decoding has clear margins.
+
+``write_fp8_copy`` turns such a checkpoint into the FP8 layout DeepSeek ships: ``float8_e4m3fn`` weights
+with a ``weight_scale_inv`` per 128×128 block and a ``quantization_config`` in config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def deepseek_v3_config(vocab_size: int, **overrides: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 3,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 48,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 24,
+        "n_routed_experts": 16,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 3,
+        "n_group": 4,
+        "topk_group": 2,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 256,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "rope_interleave": True,
+        "num_nextn_predict_layers": 1,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+    }
+    config.update(overrides)
+    return config
+
+
+def _lin(gen: torch.Generator, out: int, inp: int) -> torch.Tensor:
+    return torch.randn(out, inp, generator=gen) * inp**-0.5
+
+
+def _norm(gen: torch.Generator, n: int) -> torch.Tensor:
+    return 1.0 + 0.1 * torch.randn(n, generator=gen)
+
+
+def _decoder_layer(
+    cfg: dict[str, Any], gen: torch.Generator, prefix: str, moe: bool
+) -> dict[str, torch.Tensor]:
+    h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
+    dn, dr, dv = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    rq, rkv = cfg["q_lora_rank"], cfg["kv_lora_rank"]
+    a = prefix + "self_attn."
+    t = {prefix + "input_layernorm.weight": _norm(gen, h)}
+    if rq is None:
+        t[a + "q_proj.weight"] = _lin(gen, nh * (dn + dr), h)
+    else:
+        t[a + "q_a_proj.weight"] = _lin(gen, rq, h)
+        t[a + "q_a_layernorm.weight"] = _norm(gen, rq)
+        t[a + "q_b_proj.weight"] = _lin(gen, nh * (dn + dr), rq)
+    t[a + "kv_a_proj_with_mqa.weight"] = _lin(gen, rkv + dr, h)
+    t[a + "kv_a_layernorm.weight"] = _norm(gen, rkv)
+    t[a + "kv_b_proj.weight"] = _lin(gen, nh * (dn + dv), rkv)
+    t[a + "o_proj.weight"] = _lin(gen, h, nh * dv)
+    if cfg.get("attention_bias"):
+        if rq is not None:
+            t[a + "q_a_proj.bias"] = 0.1 * torch.randn(rq, generator=gen)
+        t[a + "kv_a_proj_with_mqa.bias"] = 0.1 * torch.randn(rkv + dr, generator=gen)
+        t[a + "o_proj.bias"] = 0.1 * torch.randn(h, generator=gen)
+    t[prefix + "post_attention_layernorm.weight"] = _norm(gen, h)
+    m = prefix + "mlp."
+
+    def swiglu(p: str, inter: int) -> None:
+        t[p + "gate_proj.weight"] = _lin(gen, inter, h)
+        t[p + "up_proj.weight"] = _lin(gen, inter, h)
+        t[p + "down_proj.weight"] = _lin(gen, h, inter)
+
+    if not moe:
+        swiglu(m, cfg["intermediate_size"])
+        return t
+    experts, inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+    t[m + "gate.weight"] = _lin(gen, experts, h)
+    # Large enough next to the sigmoid scores to change which experts win, so a bias leaking into the
+    # routing weights (it belongs only to the selection) shows in the output.
+    t[m + "gate.e_score_correction_bias"] = 0.2 * torch.randn(experts, generator=gen)
+    for e in range(experts):
+        swiglu(f"{m}experts.{e}.", inter)
+    if cfg.get("n_shared_experts"):
+        swiglu(m + "shared_experts.", inter * cfg["n_shared_experts"])
+    return t
+
+
+def deepseek_v3_tensors(cfg: dict[str, Any], gen: torch.Generator) -> dict[str, torch.Tensor]:
+    h, v, layers = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    first_dense = cfg.get("first_k_dense_replace", 0)
+    tensors = {
+        "model.embed_tokens.weight": torch.randn(v, h, generator=gen),
+        "model.norm.weight": _norm(gen, h),
+    }
+    for layer in range(layers):
+        tensors.update(_decoder_layer(cfg, gen, f"model.layers.{layer}.", moe=layer >= first_dense))
+    if not cfg.get("tie_word_embeddings"):
+        tensors["lm_head.weight"] = torch.randn(v, h, generator=gen) * 0.5
+    head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
+    for k in range(cfg.get("num_nextn_predict_layers", 0)):
+        # As published: MTP module k is an extra layer after the main ones, always an MoE layer, with its
+        # own copies of the embedding and the output head.
+        p = f"model.layers.{layers + k}."
+        tensors.update(_decoder_layer(cfg, gen, p, moe=True))
+        tensors.update(
+            {
+                p + "enorm.weight": _norm(gen, h),
+                p + "hnorm.weight": _norm(gen, h),
+                p + "eh_proj.weight": _lin(gen, h, 2 * h),
+                p + "shared_head.norm.weight": _norm(gen, h),
+                p + "shared_head.head.weight": head.clone(),
+                p + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+            }
+        )
+    return tensors
+
+
+# ---------------------------------------------------------------------------------------------- FP8 copies
+
+
+def fp8_quantized(name: str, tensor: torch.Tensor) -> bool:
+    """Whether DeepSeek ships ``name`` in FP8: the 2-D projections inside decoder layers, except the
+    router, the MTP projection ``eh_proj`` and the MTP copies of embedding and head (those stay bf16)."""
+    if tensor.dim() != 2 or not name.startswith("model.layers.") or not name.endswith(".weight"):
+        return False
+    excluded = ("mlp.gate.weight", "eh_proj.weight", "embed_tokens.weight", "shared_head.head.weight")
+    return not name.endswith(excluded)
+
+
+def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(float8_e4m3fn weight, float32 scale_inv [ceil(out/bo), ceil(in/bi)])``; a block's largest magnitude
+    maps to 448. Edge blocks are partial (as if zero-padded to the full block)."""
+    bo, bi = block
+    out, inp = weight.shape
+    nbo, nbi = -(-out // bo), -(-inp // bi)
+    padded = torch.zeros(nbo * bo, nbi * bi, dtype=torch.float32)
+    padded[:out, :inp] = weight.float()
+    blocks = padded.view(nbo, bo, nbi, bi)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale_inv = amax / FP8_MAX
+    q = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(nbo * bo, nbi * bi)[:out, :inp].contiguous(), scale_inv.contiguous()
+
+
+def dequantize_fp8_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """float32 ``q · scale_inv`` with each scale broadcast over its block."""
+    bo, bi = block
+    out, inp = q.shape
+    scale = scale_inv.repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :inp]
+    return q.float() * scale
+
+
+def write_fp8_copy(
+    source: str | Path,
+    destination: str | Path,
+    *,
+    block_size: tuple[int, int] = (128, 128),
+    dequantized: bool = False,
+) -> Path:
+    """Copy the checkpoint in ``source`` with its projections block-quantized to FP8, as DeepSeek ships V3.
+
+    With ``dequantized=True`` the copy instead holds the dequantized values (float32, no scales, no
+    ``quantization_config``): the same model as the FP8 copy in plain weights, a reference for it.
+    """
+    source, destination = Path(source), Path(destination)
+    destination.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(source.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                tensors[name] = f.get_tensor(name)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if not fp8_quantized(name, tensor):
+            out[name] = tensor
+            continue
+        q, scale_inv = quantize_fp8_blocks(tensor, block_size)
+        if dequantized:
+            out[name] = dequantize_fp8_blocks(q, scale_inv, block_size).to(tensor.dtype)
+        else:
+            out[name] = q
+            out[name + "_scale_inv"] = scale_inv
+    save_file({k: t.contiguous() for k, t in out.items()}, str(destination / "model.safetensors"))
+    for path in source.iterdir():
+        if path.is_file() and not path.name.startswith("model.safetensors") and path.suffix != ".safetensors":
+            shutil.copy(path, destination / path.name)
+    config = json.loads((source / "config.json").read_text())
+    if not dequantized:
+        config["quantization_config"] = {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": list(block_size),
+        }
+    (destination / "config.json").write_text(json.dumps(config, indent=2))
+    return destination
