@@ -55,6 +55,8 @@ class Request:
         self.first_token_time: float | None = None
         # The seeded request's own random stream, created by the sampler on first use.
         self.generator: torch.Generator | None = None
+        # The sampler's running token counts for penalties (created on first use).
+        self.penalty_state: object | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -7,7 +7,6 @@ Seeded requests draw from their own generator, so their tokens do not depend on 
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 
@@ -183,39 +182,46 @@ def _needs_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
+class _PenaltyState:
+    """A request's token statistics for the penalties, kept on the request and updated with only the
+    tokens added since the last step, so a penalized request costs O(V) per step, not O(length)."""
+
+    def __init__(self, request: Request, vocab: int, device: torch.device) -> None:
+        self.in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
+        self.in_prompt[torch.tensor(request.prompt_token_ids, dtype=torch.long, device=device)] = True
+        self.output_counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        self.counted = request.num_prompt_tokens
+
+    def update(self, request: Request) -> None:
+        new = request.all_token_ids[self.counted :]
+        if new:
+            ids = torch.tensor(new, dtype=torch.long, device=self.output_counts.device)
+            self.output_counts.index_add_(0, ids, torch.ones(len(new), device=ids.device))
+            self.counted = request.num_tokens
+
+
+def _penalty_state(request: Request, vocab: int, device: torch.device) -> _PenaltyState:
+    state = request.penalty_state
+    if not isinstance(state, _PenaltyState) or state.output_counts.device != device:
+        state = request.penalty_state = _PenaltyState(request, vocab, device)
+    state.update(request)
+    return state
+
+
 def _penalize(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Apply each row's repetition, frequency and presence penalties; returns a new tensor."""
-    rows, vocab = logits.shape
-    device = logits.device
+    vocab, device = logits.shape[1], logits.device
     params = [r.sampling_params for r in requests]
-    # Only the repetition penalty looks at the prompt, so other rows skip it.
-    starts = [
-        0 if p.repetition_penalty != 1.0 else r.num_prompt_tokens
-        for r, p in zip(requests, params, strict=True)
-    ]
-    seqs = [r.all_token_ids[s:] for r, s in zip(requests, starts, strict=True)]
-    lengths = torch.tensor([len(s) for s in seqs])
-    output_starts = torch.tensor([r.num_prompt_tokens - s for r, s in zip(requests, starts, strict=True)])
-    width = max(int(lengths.max()), 1)
-    positions = torch.arange(width)
-    valid = positions < lengths[:, None]
-    # Padding points at an extra column V that is dropped after the scatter.
-    ids = torch.full((rows, width), vocab, dtype=torch.long)
-    ids[valid] = torch.tensor(list(itertools.chain.from_iterable(seqs)), dtype=torch.long)
-    in_output = valid & (positions >= output_starts[:, None])
-    ids = ids.to(device)
-    in_output = in_output.to(device, torch.float32)
-
-    seen = torch.zeros(rows, vocab + 1, device=device).scatter_add_(1, ids, torch.ones_like(in_output))
-    counts = torch.zeros(rows, vocab + 1, device=device).scatter_add_(1, ids, in_output)
-    seen = seen[:, :vocab] > 0
-    counts = counts[:, :vocab]
+    states = [_penalty_state(r, vocab, device) for r in requests]
+    counts = torch.stack([st.output_counts for st in states])
+    # Only the repetition penalty looks at the prompt.
+    seen = torch.stack([st.in_prompt for st in states]) | (counts > 0)
 
     rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
     freq = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
     presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
-    out = torch.where(seen, penalized, logits)
+    out = torch.where(seen & (rep != 1.0), penalized, logits)
     return out - freq * counts - presence * (counts > 0).float()
 
 

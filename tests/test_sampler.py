@@ -341,3 +341,20 @@ def test_prompt_logprobs() -> None:
     assert compute_prompt_logprobs(logits, targets, 0)[2] == {11: result[2][11]}
     with pytest.raises(ValueError):
         compute_prompt_logprobs(logits, targets[:-1], 2)
+
+
+def test_incremental_penalty_counts_equal_a_fresh_count() -> None:
+    """Penalty statistics are updated with only the new tokens each step; they must equal a recount."""
+    params = SamplingParams(
+        repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2, max_tokens=50
+    )
+    live = Request("live", [1, 2, 3, 3], params)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(6):
+        logits = torch.randn(1, 16, generator=gen)
+        fresh = Request("fresh", live.prompt_token_ids, params)
+        for token in live.output_token_ids:
+            fresh.append_output_token(token)
+        assert torch.equal(apply_penalties(logits, [live]), apply_penalties(logits, [fresh]))
+        for token in [step % 5, 7][: 1 + step % 2]:
+            live.append_output_token(token)

@@ -102,10 +102,19 @@ def test_prompt_logits_within_tolerance(llm, tiny_qwen3):
         {"num_shards": 3},
         {"num_shards": 2, "write_index": False},
         {"dtype": "bfloat16"},
+        {"dtype": "float16"},
         {"tie_word_embeddings": True, "attention_bias": True},
         {"num_key_value_heads": 4, "head_dim": 8, "num_attention_heads": 8},
     ],
-    ids=["legacy-layout", "sharded-indexed", "sharded-no-index", "bf16-on-disk", "tied-bias", "gqa-1"],
+    ids=[
+        "legacy-layout",
+        "sharded-indexed",
+        "sharded-no-index",
+        "bf16-on-disk",
+        "fp16-on-disk",
+        "tied-bias",
+        "gqa-1",
+    ],
 )
 def test_checkpoint_variants_match_hf(tiny_checkpoint_factory, options):
     folder = tiny_checkpoint_factory("qwen3", seed=7, **options)
