@@ -29,6 +29,8 @@ class ModelConfig(_Section):
     tokenizer: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int | None = Field(default=None, ge=1)
+    # "dummy": random weights of the real shapes instead of reading safetensors (benchmarks, smoke tests).
+    load_format: Literal["auto", "dummy"] = "auto"
 
 
 class CacheConfig(_Section):

@@ -84,3 +84,15 @@ class DecodeBuffers:
             st = np.asarray(state_slots, dtype=np.int64)[order]
             self.state_slots[:batch].copy_(torch.from_numpy(st), non_blocking=True)
         return rows
+
+    def pad_rows(self, batch: int, size: int) -> None:
+        """Make rows ``[batch, size)`` copies of row 0, so a graph captured for ``size`` rows reads valid
+        pages and writes only row 0's own slot (with row 0's own values). Rows past the batch have no
+        owner, so their cached block tables need no bookkeeping (a new owner rewrites its row in full)."""
+        if size == batch:
+            return
+        for tensor in (self.token_ids, self.positions, self.seq_lens, self.slot_mapping, self.state_slots):
+            tensor[batch:size] = tensor[0]
+        self.block_tables[batch:size] = self.block_tables[0]
+        for row in range(batch, size):
+            self._blocks_written[row] = 0

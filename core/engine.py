@@ -106,16 +106,35 @@ class LLMEngine:
         self.executor: Executor = LocalExecutor(
             self.model, self.buffers, max_num_seqs=sched.max_num_seqs, max_model_len=self.max_model_len
         )
+        if loaded.device.type == "cuda" and self.model.embeds_on_device:
+            self.executor.capture_decode_graphs(eager=config.enforce_eager)
         self.scheduler: Scheduler = ContinuousBatchingScheduler(sched, self.buffers)
         self.sampler = Sampler(seed=config.seed, device=loaded.device)
         self._groups: dict[str, _Group] = {}
         self._sequences: dict[str, _Sequence] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
 
+    @property
+    def _use_graphs(self) -> bool:
+        return (
+            self.loaded.device.type == "cuda" and not self.config.enforce_eager and self.model.embeds_on_device
+        )
+
     def _engine_transients(self) -> list[TransientSpec]:
         vocab = getattr(self.model, "vocab_size", 0)
-        # Logits of the sampled rows and the sampler's working copies of them (probs, sort, noise).
-        return [TransientSpec("sampler", bytes_per_seq=4 * vocab * dtype_size(torch.float32))]
+        max_blocks = -(-self.max_model_len // self.config.cache.block_size)
+        specs = [
+            # Logits of the sampled rows and the sampler's working copies of them (probs, sort, noise).
+            TransientSpec("sampler", bytes_per_seq=4 * vocab * dtype_size(torch.float32)),
+            # Persistent decode inputs: block-table row plus token, position, length, slot and state slot.
+            TransientSpec("decode_buffers", bytes_per_seq=4 * max_blocks + 5 * 8),
+        ]
+        if self._use_graphs:
+            # The graph pool keeps the largest bucket's activations and its static logits.
+            hidden = getattr(getattr(self.model, "dims", None), "hidden_size", 0)
+            act = 16 * hidden * dtype_size(self.loaded.dtype)
+            specs.append(TransientSpec("cuda_graphs", bytes_fixed=64 << 20, bytes_per_seq=4 * vocab + act))
+        return specs
 
     # ----------------------------------------------------------------------------------------- requests
 

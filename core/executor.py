@@ -8,11 +8,12 @@ the batch's order. Capabilities tell the engine what the executor needs and offe
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from pegainfer.buffers import PagedBufferManager
+from pegainfer.cuda_graphs import DecodeGraphs, graph_buckets
 from pegainfer.decode_buffers import DecodeBuffers
 from pegainfer.errors import ExecutorError
 from pegainfer.layers.attention import AttentionMetadata, PrefillSegment
@@ -82,10 +83,46 @@ class LocalExecutor(Executor):
         self.block_size = buffers.block_size
         self.capabilities = ExecutorCapabilities(device_embedding=model.embeds_on_device)
         self.decode = DecodeBuffers(max_num_seqs, -(-max_model_len // self.block_size), self.device)
+        self.max_model_len = max_model_len
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, *, eager: bool = False) -> None:
+        """Capture CUDA graphs for decode-only steps (needs a CUDA device and device embedding); with
+        ``eager`` decode-only steps run the same bucket-padded forward without graphs."""
+        if self.device.type != "cuda" or not self.capabilities.device_embedding:
+            raise ExecutorError("decode CUDA graphs need a CUDA device and a model that embeds on the device")
+        graphs = DecodeGraphs(
+            self.model,
+            self.decode,
+            self.buffers.caches,
+            self.buffers.states,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            buckets=graph_buckets(self.decode.max_num_seqs),
+            eager=eager,
+        )
+        graphs.capture()
+        self.graphs = graphs
+        self.capabilities = replace(self.capabilities, cuda_graphs=not eager)
 
     def embed(self, token_ids: list[int]) -> torch.Tensor:
         with torch.inference_mode():
             return self.model.embed(torch.tensor(token_ids, dtype=torch.int64, device=self.device))
+
+    def _prepare_decode_rows(self, decodes: list[SequenceChunk]) -> list[int]:
+        return self.decode.prepare(
+            [f"{c.request_id}#{c.epoch}" for c in decodes],
+            [c.token_ids[0] for c in decodes],
+            [c.start for c in decodes],
+            [c.block_table for c in decodes],
+            [c.state_slot or 0 for c in decodes],
+            self.block_size,
+        )
+
+    def _execute_graph(self, decodes: list[SequenceChunk]) -> ExecutorOutput:
+        rows = self._prepare_decode_rows(decodes)
+        logits = self.graphs.run(len(decodes))
+        return ExecutorOutput(logits=logits[torch.tensor(rows, dtype=torch.int64, device=self.device)])
 
     def _reorder_hidden_states(self, batch: ModelBatch, first_row: dict[int, int]) -> torch.Tensor:
         """The batch's hidden states come in chunk order; the device layout is prefills, then decode rows."""
@@ -124,6 +161,9 @@ class LocalExecutor(Executor):
             )
         prefills = [c for c in batch.chunks if len(c.token_ids) > 1]
         decodes = [c for c in batch.chunks if len(c.token_ids) == 1]
+        if self.graphs is not None and not prefills and len(decodes) <= self.graphs.max_batch:
+            if all(c.needs_logits and not c.all_logits for c in decodes):
+                return self._execute_graph(decodes)
         ids, pos, slots, segments = self._prefill_inputs(prefills)
         num_prefill = len(ids)
         dev = self.device
@@ -138,14 +178,7 @@ class LocalExecutor(Executor):
         token_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)
         if decodes:
-            rows = self.decode.prepare(
-                [f"{c.request_id}#{c.epoch}" for c in decodes],
-                [c.token_ids[0] for c in decodes],
-                [c.start for c in decodes],
-                [c.block_table for c in decodes],
-                [c.state_slot or 0 for c in decodes],
-                self.block_size,
-            )
+            rows = self._prepare_decode_rows(decodes)
             b = len(decodes)
             for chunk, row in zip(decodes, rows, strict=True):
                 first_row[id(chunk)] = num_prefill + row

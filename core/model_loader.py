@@ -85,13 +85,27 @@ def load_model(config: EngineConfig) -> LoadedModel:
         )
     with torch.device(device):
         model = model_cls.from_hf_config(hf_config, config.model, dtype=dtype, max_model_len=max_model_len)
-    reader = CheckpointReader(folder)
-    model.load_weights(reader)
-    unused = reader.unused()
-    if unused:
-        logger.warning("%d checkpoint tensors were not used, e.g. %s", len(unused), ", ".join(unused[:3]))
-    reader.close()
+    if config.model.load_format == "dummy":
+        init_dummy_weights(model, seed=config.seed)
+    else:
+        reader = CheckpointReader(folder)
+        model.load_weights(reader)
+        unused = reader.unused()
+        if unused:
+            logger.warning("%d checkpoint tensors were not used, e.g. %s", len(unused), ", ".join(unused[:3]))
+        reader.close()
     model.eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     logger.info("loaded %s from %s (%s, %s)", registration.name, folder, dtype, device)
     return LoadedModel(model, registration, hf_config, folder, device, dtype, max_model_len, weight_bytes)
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights of the real shapes: matrices ~ N(0, 1/fan_in), vectors (norms, biases) ~ 1 + N(0, 0.1²)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for param in model.parameters():
+        if param.dim() >= 2:
+            param.normal_(0.0, param.shape[-1] ** -0.5, generator=gen)
+        else:
+            param.normal_(1.0, 0.1, generator=gen)

@@ -164,3 +164,19 @@ def test_misshaped_tensor_names_tensor_and_file(tmp_path):
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"k_norm\.weight' in model\.safetensors has shape \(3,\)"):
         LLM(str(folder), device="cpu")
+
+
+def test_dummy_load_format_needs_no_weights(tmp_path):
+    """load_format=dummy builds the real shapes with random weights from config.json alone."""
+    folder = write_tiny_checkpoint(tmp_path / "ckpt", "qwen3")
+    for file in folder.glob("*.safetensors"):
+        file.unlink()
+    from pegainfer.config import EngineConfig, ModelConfig
+
+    llm = LLM.from_config(
+        EngineConfig(model=ModelConfig(path=str(folder), load_format="dummy"), device="cpu")
+    )
+    out = llm.generate(
+        prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=4), use_tqdm=False
+    )
+    assert len(out[0].outputs[0].token_ids) == 4
