@@ -1,0 +1,98 @@
+"""Shared pieces of the GPU benchmarks: the ceilings measured in the same run, timing, result records."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def cuda_time_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of ``fn`` on the GPU, timed with CUDA events after warm-up."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def wall_time_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> float:
+    """Median wall-clock milliseconds of ``fn``, synchronising the GPU around each call."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def measure_ceilings() -> dict[str, float]:
+    """HBM copy bandwidth (1 GiB device-to-device, bytes read + written) and the bf16 matmul rate (8192³)."""
+    n = (1 << 30) // 2
+    x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    copy_ms = cuda_time_ms(lambda: y.copy_(x), reps=20)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_ms = cuda_time_ms(lambda: a @ b, reps=10)
+    return {
+        "hbm_bytes_per_s": 2 * (1 << 30) / (copy_ms / 1e3),
+        "bf16_flops_per_s": 2 * 8192**3 / (mm_ms / 1e3),
+    }
+
+
+class Results:
+    """Figures appended to ``bench/results/<benchmark>.jsonl``, one JSON object per figure."""
+
+    def __init__(self, path: Path, command: str, commit: str | None = None) -> None:
+        self.path = path
+        self.command = command
+        self.commit = commit or _git_commit()
+        self.gpu = torch.cuda.get_device_name()
+        self.date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        self.rows: list[dict] = []
+
+    def add(self, figure: str, value: float, unit: str, goal: float | None = None) -> None:
+        row = {
+            "figure": figure,
+            "value": round(value, 6),
+            "unit": unit,
+            "goal": goal,
+            "gpu": self.gpu,
+            "date": self.date,
+            "commit": self.commit,
+            "command": self.command,
+        }
+        self.rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    def write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            for row in self.rows:
+                f.write(json.dumps(row) + "\n")
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        return "unknown"

@@ -1,0 +1,246 @@
+"""Qwen3-14B on one GPU, bf16, random weights in the real shape: decode, prefill, host overhead and the
+HF transformers peer, against the ceilings measured in the same run.
+
+    python bench/qwen3_14b.py --out bench/results/qwen3_14b.jsonl
+
+Figures are appended to the JSONL file (one object per figure) and a short table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import Results, cuda_time_ms, measure_ceilings
+
+from pegainfer.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pegainfer.llm import LLM
+from pegainfer.sampling_params import RequestOutputKind, SamplingParams
+from pegainfer.testing.tiny_tokenizer import write_tiny_tokenizer
+
+QWEN3_14B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 5120,
+    "intermediate_size": 17408,
+    "num_hidden_layers": 40,
+    "num_attention_heads": 40,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "torch_dtype": "bfloat16",
+    "hidden_act": "silu",
+}
+
+
+def checkpoint_folder(layers: int) -> Path:
+    """config.json (the real shape) and a tokenizer; weights come from load_format=dummy."""
+    folder = Path(tempfile.mkdtemp(prefix="qwen3-14b-"))
+    write_tiny_tokenizer(folder)
+    (folder / "config.json").write_text(json.dumps({**QWEN3_14B, "num_hidden_layers": layers}))
+    return folder
+
+
+def build(folder: Path, max_num_seqs: int, max_model_len: int, enforce_eager: bool = False) -> LLM:
+    return LLM.from_config(
+        EngineConfig(
+            model=ModelConfig(
+                path=str(folder), load_format="dummy", dtype="bfloat16", max_model_len=max_model_len
+            ),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=16384),
+            cache=CacheConfig(gpu_memory_utilization=0.9),
+            device="cuda",
+            enforce_eager=enforce_eager,
+        )
+    )
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+    )
+
+
+def random_prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(QWEN3_14B["vocab_size"]) for _ in range(n)]
+
+
+def bench_decode(llm: LLM, batch: int, ctx: int, steps: int, rng: random.Random) -> dict[str, float]:
+    """Wall time of engine steps with ``batch`` running requests at ``ctx`` tokens, and their GPU part."""
+    engine = llm.engine
+    for i in range(batch):
+        engine.add_request(f"d{batch}-{i}", None, greedy(steps + 8), prompt_token_ids=random_prompt(rng, ctx))
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - t0) * 1e3 / steps
+    graphs = engine.executor.graphs
+    gpu_ms = cuda_time_ms(lambda: graphs.run(batch), reps=10) if graphs is not None else float("nan")
+    for i in range(batch):
+        engine.abort_request(f"d{batch}-{i}")
+    return {"step_ms": step_ms, "gpu_ms": gpu_ms, "ctx": ctx + 3 + steps / 2}
+
+
+def bench_prefill(llm: LLM, requests: int, length: int, rng: random.Random) -> float:
+    """Milliseconds of the one step that prefills ``requests`` prompts of ``length`` tokens (median of 3)."""
+    engine = llm.engine
+    times = []
+    for rep in range(4):
+        for i in range(requests):
+            engine.add_request(f"p{rep}-{i}", None, greedy(1), prompt_token_ids=random_prompt(rng, length))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return sorted(times[1:])[1]  # the first repetition warms up
+
+
+def bench_peer(layers: int, batches: list[int], ctx: int, steps: int) -> dict[int, float]:
+    """HF transformers eager, bf16, same shape: milliseconds per decode step after a ``ctx`` prefill."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**{**QWEN3_14B, "num_hidden_layers": layers})
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
+    out = {}
+    with torch.no_grad():
+        for batch in batches:
+            ids = torch.randint(0, config.vocab_size, (batch, ctx), device="cuda")
+            result = model(ids, use_cache=True)
+            cache, token = result.past_key_values, result.logits[:, -1:].argmax(-1)
+            for _ in range(3):
+                result = model(token, past_key_values=cache, use_cache=True)
+                token = result.logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                result = model(token, past_key_values=cache, use_cache=True)
+                token = result.logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            out[batch] = (time.perf_counter() - t0) * 1e3 / steps
+            del cache, result
+            torch.cuda.empty_cache()
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/results/qwen3_14b.jsonl"))
+    parser.add_argument("--layers", type=int, default=40, help="fewer layers for a quick smoke run")
+    parser.add_argument("--batches", default="1,8,16,32,64,128")
+    parser.add_argument("--ctx", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--skip-peer", action="store_true")
+    parser.add_argument("--skip-prefill", action="store_true")
+    parser.add_argument("--commit", default=None)
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    results = Results(args.out, "python " + " ".join(sys.argv), args.commit)
+    ceil = measure_ceilings()
+    torch.cuda.empty_cache()
+    bw, flops_rate = ceil["hbm_bytes_per_s"], ceil["bf16_flops_per_s"]
+    results.add("h200.hbm_copy_bandwidth", bw / 1e12, "TB/s")
+    results.add("h200.bf16_matmul", flops_rate / 1e12, "TFLOP/s")
+
+    rng = random.Random(0)
+    folder = checkpoint_folder(args.layers)
+    llm = build(folder, max_num_seqs=max(batches), max_model_len=args.ctx + args.steps + 64)
+    model = llm.engine.model
+    cfg = {**QWEN3_14B, "num_hidden_layers": args.layers}
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed_bytes = model.embed_tokens.numel() * model.embed_tokens.element_size()
+    kv_per_token = args.layers * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    table = []
+    decode = {}
+    for batch in batches:
+        d = bench_decode(llm, batch, args.ctx, args.steps, rng)
+        decode[batch] = d
+        # Each step reads every weight once (the embedding table only for the batch's rows) and the KV.
+        read = weight_bytes - embed_bytes + batch * d["ctx"] * kv_per_token
+        util = read / (d["step_ms"] / 1e3) / bw
+        goal = {1: 0.9, 64: 0.8}.get(batch)
+        results.add(f"qwen3_14b.decode.bs{batch}.step_ms", d["step_ms"], "ms")
+        results.add(f"qwen3_14b.decode.bs{batch}.gpu_ms", d["gpu_ms"], "ms")
+        results.add(f"qwen3_14b.decode.bs{batch}.tok_per_s", batch * 1e3 / d["step_ms"], "tok/s")
+        results.add(f"qwen3_14b.decode.bs{batch}.bandwidth_utilization", util, "fraction", goal)
+        table.append(
+            f"decode bs{batch:<4} {d['step_ms']:8.2f} ms/step (GPU {d['gpu_ms']:6.2f})  "
+            f"{batch * 1e3 / d['step_ms']:9.1f} tok/s  bandwidth {util:6.1%}"
+        )
+    host_batch = 64 if 64 in decode else batches[-1]
+    host_ms = decode[host_batch]["step_ms"] - decode[host_batch]["gpu_ms"]
+    results.add(f"qwen3_14b.host.bs{host_batch}.cpu_ms_per_step", host_ms, "ms", 1.0)
+    table.append(f"host overhead at bs{host_batch}: {host_ms:.2f} ms/step (step minus GPU replay)")
+
+    if not args.skip_prefill:
+        params = (
+            weight_bytes / 2 - cfg["vocab_size"] * cfg["hidden_size"] * 2
+        )  # matmul weights, no embeddings
+        for requests, length in ((1, 8192), (8, 1024), (32, 512)):
+            ms = bench_prefill(llm, requests, length, rng)
+            tokens = requests * length
+            attn = (
+                4
+                * args.layers
+                * cfg["num_attention_heads"]
+                * cfg["head_dim"]
+                * requests
+                * length
+                * length
+                / 2
+            )
+            flops = 2 * params * tokens + attn + 2 * cfg["vocab_size"] * cfg["hidden_size"] * requests
+            mfu = flops / (ms / 1e3) / flops_rate
+            name = f"{requests}x{length}"
+            results.add(f"qwen3_14b.prefill.{name}.tok_per_s", tokens * 1e3 / ms, "tok/s")
+            results.add(f"qwen3_14b.prefill.{name}.mfu", mfu, "fraction", 0.65 if name == "8x1024" else None)
+            table.append(f"prefill {name:<8} {ms:8.1f} ms  {tokens * 1e3 / ms:9.0f} tok/s  MFU {mfu:6.1%}")
+    del llm, model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    if not args.skip_peer:
+        peer = bench_peer(args.layers, [1, 16], args.ctx, 16)
+        for batch, ms in peer.items():
+            results.add(f"qwen3_14b.peer_hf.bs{batch}.step_ms", ms, "ms")
+            ours = decode.get(batch)
+            if ours is None and batch == 16:
+                continue
+            speedup = ms / ours["step_ms"]
+            results.add(f"qwen3_14b.peer_hf.bs{batch}.speedup", speedup, "x", {1: 10.0, 16: 3.0}[batch])
+            table.append(f"HF eager bs{batch}: {ms:.1f} ms/step -> pegainfer {speedup:.1f}x faster")
+    results.write()
+    print(
+        f"\nceilings: HBM {bw / 1e12:.2f} TB/s, bf16 {flops_rate / 1e12:.0f} TFLOP/s; "
+        f"weights read per step {(weight_bytes - embed_bytes) / 1e9:.2f} GB "
+        f"(floor {(weight_bytes - embed_bytes) / bw * 1e3:.2f} ms)"
+    )
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()
