@@ -14,7 +14,7 @@ import torch
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's magnitude correction ``0.1 · mscale · ln(factor) + 1`` (1 when the context is not stretched)."""
+    """YaRN's magnitude correction ``0.1 · mscale · ln(factor) + 1`` (1 for an unstretched context)."""
     if factor <= 1:
         return 1.0
     return 0.1 * mscale * math.log(factor) + 1.0

@@ -35,7 +35,6 @@ def deepseek_v3_config(vocab_size: int, **overrides: Any) -> dict[str, Any]:
         "first_k_dense_replace": 1,
         "moe_layer_freq": 1,
         "num_attention_heads": 4,
-        "num_key_value_heads": 4,
         "q_lora_rank": 48,
         "kv_lora_rank": 32,
         "qk_nope_head_dim": 16,
@@ -71,6 +70,8 @@ def deepseek_v3_config(vocab_size: int, **overrides: Any) -> dict[str, Any]:
         "initializer_range": 0.02,
     }
     config.update(overrides)
+    # Nominal in MLA (there are no KV heads), but transformers repeats keys by heads / kv_heads: keep equal.
+    config.setdefault("num_key_value_heads", config["num_attention_heads"])
     return config
 
 

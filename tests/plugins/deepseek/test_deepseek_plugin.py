@@ -1,7 +1,4 @@
-"""The deepseek plugin's registration: the checkpoints it claims and its Hydra option.
-
-The model itself lands later; then this folder also runs the conformance suite.
-"""
+"""The deepseek plugin's registration: the checkpoints it claims and its Hydra option."""
 
 from __future__ import annotations
 

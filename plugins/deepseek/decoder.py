@@ -1,0 +1,49 @@
+"""One DeepSeek-V3 decoder layer: ``h = x + MLA(norm(x))``, then ``x = h + FFN(norm(h))``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pegainfer.layers.norm import rms_norm
+from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding
+from pegainfer.model_api import ForwardBatch
+from pegainfer_deepseek.config import DeepseekV3Dims
+from pegainfer_deepseek.fp8 import WeightReader
+from pegainfer_deepseek.mla import MLAttention
+from pegainfer_deepseek.moe import MoE, SwiGLU
+from pegainfer_deepseek.params import param
+
+
+class DecoderLayer(nn.Module):
+    """Dense SwiGLU below ``first_k_dense_replace``, routed MoE from there on (MTP layers included)."""
+
+    def __init__(self, dims: DeepseekV3Dims, layer_index: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dims = dims
+        self.layer_index = layer_index
+        self.input_layernorm = param(dims.hidden_size, dtype=dtype)
+        self.self_attn = MLAttention(dims, dtype)
+        self.post_attention_layernorm = param(dims.hidden_size, dtype=dtype)
+        self.mlp: nn.Module = (
+            MoE(dims, dtype)
+            if dims.is_moe_layer(layer_index)
+            else SwiGLU(dims.hidden_size, dims.intermediate_size, dtype)
+        )
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, cache: torch.Tensor, rotary: PairedRotaryEmbedding
+    ) -> torch.Tensor:
+        eps = self.dims.rms_norm_eps
+        x = x + self.self_attn(rms_norm(x, self.input_layernorm, eps), batch, cache, rotary)
+        return x + self.mlp(rms_norm(x, self.post_attention_layernorm, eps))
+
+    def load(self, reader: WeightReader, prefix: str) -> None:
+        h, dtype = self.dims.hidden_size, self.input_layernorm.dtype
+        with torch.no_grad():
+            self.input_layernorm.copy_(reader.get(prefix + "input_layernorm.weight", (h,), dtype))
+            self.post_attention_layernorm.copy_(
+                reader.get(prefix + "post_attention_layernorm.weight", (h,), dtype)
+            )
+        self.self_attn.load(reader, prefix)
+        self.mlp.load(reader, prefix + "mlp.")

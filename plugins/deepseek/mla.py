@@ -1,0 +1,156 @@
+"""Multi-head latent attention (MLA), torch reference over a paged latent cache.
+
+Per token the cache holds the compressed latent ``c = kv_a_layernorm(kv_a(x)[:rkv])`` and the roped
+shared key ``k_pe`` (``rkv + dr`` values, the page tensor ``[blocks, block_size, rkv + dr]``), never
+per-head K/V. Prefill segments expand the latents of their context into per-head keys and values through
+``kv_b_proj``; decode rows use the absorbed form: the query's no-rope part goes through W_UK into latent
+space, attention runs over the latents directly (an MQA with head size rkv + dr), and W_UV maps the
+result back to per-head values.
+
+The rope channels stay in the checkpoint's pairing (interleaved by default) for q and k alike.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pegainfer.layers.attention import AttentionMetadata
+from pegainfer.layers.norm import rms_norm
+from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding
+from pegainfer.model_api import ForwardBatch
+from pegainfer_deepseek.config import DeepseekV3Dims
+from pegainfer_deepseek.fp8 import WeightReader
+from pegainfer_deepseek.params import param
+
+
+def write_latent(cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store ``latent`` ``[T, rkv + dr]`` into ``cache`` ``[blocks, block_size, rkv + dr]`` at the slots."""
+    cache.flatten(0, 1).index_copy_(0, slot_mapping, latent.to(cache.dtype))
+
+
+def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    return block_table[..., positions // block_size].long() * block_size + positions % block_size
+
+
+class MLAttention(nn.Module):
+    def __init__(self, dims: DeepseekV3Dims, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dims = dims
+        h, nh = dims.hidden_size, dims.num_heads
+        rq, rkv, dr = dims.q_lora_rank, dims.kv_lora_rank, dims.qk_rope_head_dim
+        q_out = nh * dims.qk_head_dim
+        if rq is None:
+            self.q_proj = param(q_out, h, dtype=dtype)
+        else:
+            self.q_a_proj = param(rq, h, dtype=dtype)
+            self.q_a_layernorm = param(rq, dtype=dtype)
+            self.q_b_proj = param(q_out, rq, dtype=dtype)
+        self.kv_a_proj_with_mqa = param(rkv + dr, h, dtype=dtype)
+        self.kv_a_layernorm = param(rkv, dtype=dtype)
+        self.kv_b_proj = param(nh * (dims.qk_nope_head_dim + dims.v_head_dim), rkv, dtype=dtype)
+        self.o_proj = param(h, nh * dims.v_head_dim, dtype=dtype)
+        biased = dims.attention_bias
+        self.q_a_bias = param(rq, dtype=dtype) if biased and rq is not None else None
+        self.kv_a_bias = param(rkv + dr, dtype=dtype) if biased else None
+        self.o_bias = param(h, dtype=dtype) if biased else None
+        self.scale = dims.softmax_scale
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, cache: torch.Tensor, rotary: PairedRotaryEmbedding
+    ) -> torch.Tensor:
+        """Attention output ``[T, H]`` for the normed input ``x``; writes the tokens' latents to ``cache``."""
+        dims, eps, t = self.dims, self.dims.rms_norm_eps, x.shape[0]
+        dn, dr, rkv = dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.kv_lora_rank
+        if dims.q_lora_rank is None:
+            q = F.linear(x, self.q_proj)
+        else:
+            cq = rms_norm(F.linear(x, self.q_a_proj, self.q_a_bias), self.q_a_layernorm, eps)
+            q = F.linear(cq, self.q_b_proj)
+        q_nope, q_pe = q.view(t, dims.num_heads, dims.qk_head_dim).split([dn, dr], dim=-1)
+        c, k_pe = F.linear(x, self.kv_a_proj_with_mqa, self.kv_a_bias).split([rkv, dr], dim=-1)
+        c = rms_norm(c, self.kv_a_layernorm, eps)
+        q_pe, k_pe = rotary(batch.positions, q_pe, k_pe.unsqueeze(1))
+        write_latent(cache, torch.cat([c, k_pe.squeeze(1)], dim=-1), batch.attn.slot_mapping)
+        out = q.new_empty(t, dims.num_heads, dims.v_head_dim)
+        self._prefill(q_nope, q_pe, cache, batch.attn, out)
+        self._decode(q_nope, q_pe, cache, batch.attn, out)
+        return F.linear(out.flatten(1), self.o_proj, self.o_bias)
+
+    def _prefill(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        """Expanded form: per-head keys ``[k_nope | k_pe]`` and values from each segment's cached latents."""
+        dims = self.dims
+        nh, dn, rkv = dims.num_heads, dims.qk_nope_head_dim, dims.kv_lora_rank
+        flat = cache.flatten(0, 1)
+        for seg in meta.prefills:
+            positions = torch.arange(seg.ctx_len, device=q_nope.device)
+            latent = flat[_slots(seg.block_table, positions, meta.block_size)]  # [L, rkv + dr]
+            c, k_pe = latent[:, :rkv], latent[:, rkv:]
+            kv = F.linear(c, self.kv_b_proj).view(seg.ctx_len, nh, dn + dims.v_head_dim)
+            k_nope, v = kv.split([dn, dims.v_head_dim], dim=-1)
+            keys = torch.cat([k_nope, k_pe[:, None, :].expand(-1, nh, -1)], dim=-1)  # [L, nh, dn + dr]
+            rows = slice(seg.q_start, seg.q_start + seg.q_len)
+            queries = torch.cat([q_nope[rows], q_pe[rows]], dim=-1)  # [n, nh, dn + dr]
+            scores = torch.einsum("qhd,khd->hqk", queries, keys) * self.scale
+            q_pos = positions[seg.ctx_len - seg.q_len :]
+            causal = positions[None, :] <= q_pos[:, None]
+            scores = scores.masked_fill(~causal, float("-inf"))
+            probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+            out[rows] = torch.einsum("hqk,khd->qhd", probs, v)
+
+    def _decode(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        """Absorbed form: scores ``(W_UKᵀ q_nope)·c + q_pe·k_pe`` over the latents, output ``W_UV p·c``."""
+        if not meta.num_decodes:
+            return
+        dims = self.dims
+        nh, dn, rkv = dims.num_heads, dims.qk_nope_head_dim, dims.kv_lora_rank
+        rows = slice(meta.num_prefill_tokens, meta.num_prefill_tokens + meta.num_decodes)
+        w_kv = self.kv_b_proj.view(nh, dn + dims.v_head_dim, rkv)
+        w_uk, w_uv = w_kv[:, :dn], w_kv[:, dn:]
+        q_latent = torch.einsum("bhd,hdr->bhr", q_nope[rows], w_uk)
+        queries = torch.cat([q_latent, q_pe[rows]], dim=-1)  # [B, nh, rkv + dr]
+        positions = torch.arange(meta.max_decode_seq_len, device=q_nope.device)
+        latent = cache.flatten(0, 1)[
+            _slots(meta.decode_block_tables, positions, meta.block_size)
+        ]  # [B, L, .]
+        scores = torch.einsum("bhr,blr->bhl", queries, latent) * self.scale
+        valid = positions[None, :] < meta.decode_seq_lens[:, None]  # [B, L]
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(latent.dtype)
+        o_latent = torch.einsum("bhl,blr->bhr", probs, latent[..., :rkv])
+        out[rows] = torch.einsum("bhr,hvr->bhv", o_latent, w_uv)
+
+    def load(self, reader: WeightReader, prefix: str) -> None:
+        p = prefix + "self_attn."
+        named = [
+            ("q_proj.weight", getattr(self, "q_proj", None)),
+            ("q_a_proj.weight", getattr(self, "q_a_proj", None)),
+            ("q_a_proj.bias", self.q_a_bias),
+            ("q_a_layernorm.weight", getattr(self, "q_a_layernorm", None)),
+            ("q_b_proj.weight", getattr(self, "q_b_proj", None)),
+            ("kv_a_proj_with_mqa.weight", self.kv_a_proj_with_mqa),
+            ("kv_a_proj_with_mqa.bias", self.kv_a_bias),
+            ("kv_a_layernorm.weight", self.kv_a_layernorm),
+            ("kv_b_proj.weight", self.kv_b_proj),
+            ("o_proj.weight", self.o_proj),
+            ("o_proj.bias", self.o_bias),
+        ]
+        with torch.no_grad():
+            for name, target in named:
+                if target is not None:
+                    target.copy_(reader.get(p + name, tuple(target.shape), target.dtype))

@@ -1,0 +1,177 @@
+"""DeepSeek-V3 / R1 (``DeepseekV3ForCausalLM``): MLA attention over a compressed latent cache, dense first
+layers then group-routed MoE layers with shared experts, YaRN rope, an optional MTP draft module, and
+block-FP8 checkpoints (dequantized at load on the reference path).
+
+The model does not embed on the device: the engine calls ``embed`` on the host side and passes the
+result as ``batch.hidden_states`` (already in the device layout: prefill segments, then decode rows).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pegainfer.buffer_specs import BufferSpec, PagedLatentSpec, TransientSpec, dtype_size
+from pegainfer.config import ModelConfig
+from pegainfer.errors import CheckpointError, ExecutorError
+from pegainfer.layers.norm import rms_norm
+from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding, default_inv_freq, yarn_inv_freq
+from pegainfer.loader import CheckpointReader
+from pegainfer.model_api import CausalLM, ForwardBatch
+from pegainfer_deepseek.config import DeepseekV3Dims
+from pegainfer_deepseek.decoder import DecoderLayer
+from pegainfer_deepseek.fp8 import WeightReader
+from pegainfer_deepseek.mtp import MultiTokenPredictor
+from pegainfer_deepseek.params import param
+
+logger = logging.getLogger(__name__)
+
+
+def build_rotary(dims: DeepseekV3Dims, max_positions: int) -> PairedRotaryEmbedding:
+    rope, dim = dims.rope, dims.qk_rope_head_dim
+    if rope.yarn is None:
+        return PairedRotaryEmbedding(
+            default_inv_freq(dim, rope.theta), max_positions, interleaved=rope.interleaved
+        )
+    return PairedRotaryEmbedding(
+        yarn_inv_freq(dim, rope.theta, rope.yarn),
+        max_positions,
+        cos_sin_factor=rope.yarn.cos_sin_factor(),
+        interleaved=rope.interleaved,
+    )
+
+
+class DeepseekV3ForCausalLM(CausalLM):
+    embeds_on_device = False
+
+    def __init__(self, dims: DeepseekV3Dims, *, dtype: torch.dtype, max_model_len: int) -> None:
+        super().__init__()
+        self.dims = dims
+        self.dtype = dtype
+        h, v = dims.hidden_size, dims.vocab_size
+        self.embed_tokens = param(v, h, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(dims, i, dtype) for i in range(dims.num_layers))
+        self.norm = param(h, dtype=dtype)
+        self.lm_head = None if dims.tie_word_embeddings else param(v, h, dtype=dtype)
+        self.mtp = nn.ModuleList(
+            MultiTokenPredictor(dims, dims.num_layers + k, dtype) for k in range(dims.num_mtp_layers)
+        )
+        self.rotary = build_rotary(dims, max_model_len)
+
+    @classmethod
+    def from_hf_config(
+        cls, hf_config: dict[str, Any], model_config: ModelConfig, *, dtype: torch.dtype, max_model_len: int
+    ) -> DeepseekV3ForCausalLM:
+        if hf_config.get("model_type") == "deepseek_v32" or "index_topk" in hf_config:
+            raise CheckpointError(
+                "DeepSeek-V3.2 checkpoints need the DSA lightning indexer, which the deepseek plugin does "
+                "not implement yet; only DeepSeek-V3 / R1 (model_type 'deepseek_v3') can be served"
+            )
+        return cls(DeepseekV3Dims.from_hf_config(hf_config), dtype=dtype, max_model_len=max_model_len)
+
+    @staticmethod
+    def max_context_length(hf_config: dict[str, Any]) -> int:
+        return int(hf_config.get("max_position_embeddings", 4096))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.dims.vocab_size
+
+    def load_weights(self, reader: CheckpointReader) -> None:
+        dims = self.dims
+        weights = WeightReader(reader, dims.fp8.block if dims.fp8 else None)
+        shape = (dims.vocab_size, dims.hidden_size)
+        with torch.no_grad():
+            self.embed_tokens.copy_(weights.get("model.embed_tokens.weight", shape, self.dtype))
+            self.norm.copy_(weights.get("model.norm.weight", (dims.hidden_size,), self.dtype))
+            if self.lm_head is not None:
+                self.lm_head.copy_(weights.get("lm_head.weight", shape, self.dtype))
+        for layer in self.layers:
+            layer.load(weights, f"model.layers.{layer.layer_index}.")
+        if self.mtp and f"model.layers.{dims.num_layers}.eh_proj.weight" not in reader:
+            # Some re-published checkpoints strip the MTP layer the config still announces: serve without it.
+            logger.info(
+                "the checkpoint has no MTP layer (model.layers.%d.*): drafting is off", dims.num_layers
+            )
+            self.mtp = nn.ModuleList()
+        for module in self.mtp:
+            module.load(weights, f"model.layers.{module.layer_index}.")
+
+    def _latent_spec(self, layer_index: int) -> PagedLatentSpec:
+        return PagedLatentSpec(layer_index, self.dims.kv_lora_rank, self.dims.qk_rope_head_dim, self.dtype)
+
+    def buffer_specs(self) -> list[BufferSpec]:
+        """One latent cache (``kv_lora_rank + qk_rope_head_dim`` per token) per main layer."""
+        return [self._latent_spec(layer.layer_index) for layer in self.layers]
+
+    def mtp_buffer_specs(self) -> list[BufferSpec]:
+        """The latent caches of the MTP modules (layer ``num_hidden_layers + k``), for speculative decoding;
+        not part of ``buffer_specs`` so a run without drafting does not pay for them."""
+        return [self._latent_spec(module.layer_index) for module in self.mtp]
+
+    def transient_specs(self) -> list[TransientSpec]:
+        """Activations per scheduled token (attention projections, expanded prefill keys and values, MoE
+        intermediates), in the compute dtype. The reference path's score matrices are not counted."""
+        d = self.dims
+        per_head = d.qk_head_dim * 2 + d.v_head_dim * 2 + d.qk_nope_head_dim
+        widths = (
+            6 * d.hidden_size
+            + (d.q_lora_rank or 0)
+            + d.kv_lora_rank * 2
+            + d.num_heads * per_head
+            + 3 * max(d.intermediate_size, d.moe_intermediate_size * max(1, d.n_shared_experts))
+        )
+        return [TransientSpec("deepseek_activations", bytes_per_token=widths * dtype_size(self.dtype))]
+
+    def forward(
+        self, batch: ForwardBatch, caches: dict[int, torch.Tensor], states: dict[int, dict[str, torch.Tensor]]
+    ) -> torch.Tensor:
+        if batch.hidden_states is None:
+            raise ExecutorError(
+                "DeepseekV3ForCausalLM does not embed on the device: the batch must carry hidden_states "
+                "(the engine fills them through embed())"
+            )
+        x = batch.hidden_states.to(self.dtype)
+        for layer in self.layers:
+            x = layer(x, batch, caches[layer.layer_index], self.rotary)
+        return rms_norm(x, self.norm, self.dims.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, weight).float()
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self.embed_tokens)
+
+    def mtp_forward(
+        self,
+        hidden_states: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        batch: ForwardBatch,
+        caches: dict[int, torch.Tensor],
+        *,
+        depth: int = 0,
+        return_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Draft logits ``[T, V]`` (float32) of MTP module ``depth`` for the tokens after next.
+
+        Row r pairs ``hidden_states[r]``, the main model's output (``forward``'s, after the final norm) at
+        position ``batch.positions[r]``, with ``next_token_ids[r]``, the token at the following position;
+        its logits predict the token one further. ``batch`` addresses the module's own latent cache
+        (``caches[num_hidden_layers + depth]``, see ``mtp_buffer_specs``) at the same positions and slots
+        as the main model's step, so the main step's ForwardBatch can be reused as it is
+        (``batch.hidden_states`` is ignored). With ``return_hidden`` the module's output hidden states
+        (the ``h`` of a further drafting step) come back too.
+        """
+        if not 0 <= depth < len(self.mtp):
+            raise ValueError(
+                f"this checkpoint has {len(self.mtp)} MTP module(s); depth {depth} does not exist"
+            )
+        module = self.mtp[depth]
+        hidden = module(hidden_states, next_token_ids, batch, caches[module.layer_index], self.rotary)
+        logits = module.compute_logits(hidden)
+        return (logits, hidden) if return_hidden else logits

@@ -1,0 +1,115 @@
+"""DeepSeek-V3 feed-forward blocks: the dense SwiGLU of the first layers and the routed MoE of the rest.
+
+Routing ("noaux_tc"): sigmoid scores per expert; the selection adds ``e_score_correction_bias`` and is
+group-limited (rank groups by the sum of their two best biased scores, keep ``topk_group`` groups, then
+take the top ``num_experts_per_tok`` experts inside them); the weights are the *unbiased* scores of the
+chosen experts, renormalised when ``norm_topk_prob`` and multiplied by ``routed_scaling_factor``. The
+router runs in fp32 whatever the model dtype (its weights are fp32 in the real checkpoint).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pegainfer_deepseek.config import DeepseekV3Dims
+from pegainfer_deepseek.fp8 import WeightReader
+from pegainfer_deepseek.params import param
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up packed into one weight (gate rows first)."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = param(2 * intermediate, hidden, dtype=dtype)
+        self.down_proj = param(hidden, intermediate, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj)
+
+    def load(self, reader: WeightReader, prefix: str) -> None:
+        i, h, dtype = self.intermediate, self.down_proj.shape[0], self.down_proj.dtype
+        with torch.no_grad():
+            self.gate_up_proj[:i].copy_(reader.get(prefix + "gate_proj.weight", (i, h), dtype))
+            self.gate_up_proj[i:].copy_(reader.get(prefix + "up_proj.weight", (i, h), dtype))
+            self.down_proj.copy_(reader.get(prefix + "down_proj.weight", (h, i), dtype))
+
+
+class GroupLimitedRouter(nn.Module):
+    def __init__(self, dims: DeepseekV3Dims) -> None:
+        super().__init__()
+        self.dims = dims
+        self.weight = param(dims.n_routed_experts, dims.hidden_size, dtype=torch.float32)
+        self.e_score_correction_bias = param(dims.n_routed_experts, dtype=torch.float32)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights ``[T, k]`` fp32, expert ids ``[T, k]``) for the tokens ``x`` ``[T, H]``."""
+        dims = self.dims
+        scores = F.linear(x.float(), self.weight).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        if dims.n_group > 1:
+            per_group = dims.n_routed_experts // dims.n_group
+            grouped = choice.view(-1, dims.n_group, per_group)
+            group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(dim=-1)
+            kept = group_scores.topk(dims.topk_group, dim=-1).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
+        ids = choice.topk(dims.num_experts_per_tok, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if dims.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * dims.routed_scaling_factor, ids
+
+    def load(self, reader: WeightReader, prefix: str) -> None:
+        with torch.no_grad():
+            self.weight.copy_(reader.get(prefix + "weight", tuple(self.weight.shape), torch.float32))
+            self.e_score_correction_bias.copy_(
+                reader.get(prefix + "e_score_correction_bias", tuple(self.weight.shape[:1]), torch.float32)
+            )
+
+
+class MoE(nn.Module):
+    """Routed experts (stacked: gate|up ``[E, 2Ie, H]``, down ``[E, H, Ie]``) plus the shared experts."""
+
+    def __init__(self, dims: DeepseekV3Dims, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dims = dims
+        e, h, i = dims.n_routed_experts, dims.hidden_size, dims.moe_intermediate_size
+        self.gate = GroupLimitedRouter(dims)
+        self.experts_gate_up = param(e, 2 * i, h, dtype=dtype)
+        self.experts_down = param(e, h, i, dtype=dtype)
+        self.shared_experts = SwiGLU(h, i * dims.n_shared_experts, dtype) if dims.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = torch.zeros_like(x)
+        k = ids.shape[1]
+        flat_ids, flat_weights = ids.flatten(), weights.flatten()
+        token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(k)
+        # Reference loop over the experts that received tokens, in expert order.
+        for expert in torch.unique(flat_ids).tolist():
+            picks = (flat_ids == expert).nonzero().squeeze(1)
+            tokens = token_of[picks]
+            gate, up = F.linear(x[tokens], self.experts_gate_up[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.experts_down[expert])
+            out.index_add_(0, tokens, (y * flat_weights[picks, None]).to(out.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def load(self, reader: WeightReader, prefix: str) -> None:
+        dims, dtype = self.dims, self.experts_down.dtype
+        h, i = dims.hidden_size, dims.moe_intermediate_size
+        self.gate.load(reader, prefix + "gate.")
+        with torch.no_grad():
+            for e in range(dims.n_routed_experts):
+                p = f"{prefix}experts.{e}."
+                self.experts_gate_up[e, :i].copy_(reader.get(p + "gate_proj.weight", (i, h), dtype))
+                self.experts_gate_up[e, i:].copy_(reader.get(p + "up_proj.weight", (i, h), dtype))
+                self.experts_down[e].copy_(reader.get(p + "down_proj.weight", (h, i), dtype))
+        if self.shared_experts is not None:
+            self.shared_experts.load(reader, prefix + "shared_experts.")

@@ -1,0 +1,177 @@
+"""Qwen3.5 config.json parsing: the text part of the VLM config (or a text-only config), both rope layouts.
+
+Accepted layouts:
+- the published VLM file (``model_type`` ``qwen3_5`` / ``qwen3_5_moe``) with the language model's keys
+  under ``text_config``; or a flat text-only file (``qwen3_5_text`` / ``qwen3_5_moe_text``);
+- rope settings as ``rope_parameters`` (transformers >= 5, ``partial_rotary_factor`` inside it) or as the
+  legacy top-level ``rope_theta`` + ``rope_scaling`` + ``partial_rotary_factor``.
+
+``layer_types`` wins over ``full_attention_interval`` (which is only the fallback transformers uses).
+For text-only input mRoPE's three position streams are equal, so it is plain partial rotary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pegainfer.errors import CheckpointError
+
+LINEAR = "linear_attention"
+FULL = "full_attention"
+
+
+def text_part(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The language-model section of a (possibly multimodal) config."""
+    text = hf_config.get("text_config")
+    return text if isinstance(text, dict) else hf_config
+
+
+@dataclass(frozen=True)
+class Qwen35Config:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    layer_types: tuple[str, ...]
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    # Gated full attention.
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    # Gated DeltaNet.
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    conv_kernel: int
+    # Feed-forward: dense (intermediate_size) or MoE (num_experts > 0) in every layer.
+    intermediate_size: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    def layers_of(self, kind: str) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == kind]
+
+    @classmethod
+    def from_hf_config(cls, hf_config: dict[str, Any]) -> Qwen35Config:
+        cfg = text_part(hf_config)
+
+        def need(key: str) -> Any:
+            if key not in cfg:
+                raise CheckpointError(f"config.json lacks '{key}', which a Qwen3.5 checkpoint must have")
+            return cfg[key]
+
+        num_layers = need("num_hidden_layers")
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise CheckpointError(f"config.json: hidden_act '{act}' is not supported (Qwen3.5 uses 'silu')")
+        if cfg.get("attention_bias"):
+            raise CheckpointError("config.json: attention_bias=true is not supported by the qwen35 plugin")
+        moe = int(cfg.get("num_experts") or 0)
+        num_heads = need("num_attention_heads")
+        head_dim = cfg.get("head_dim") or need("hidden_size") // num_heads
+        theta, rotary_factor = _rope(cfg)
+        tie = cfg.get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False))
+        config = cls(
+            vocab_size=need("vocab_size"),
+            hidden_size=need("hidden_size"),
+            num_layers=num_layers,
+            layer_types=_layer_types(cfg, num_layers),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(tie),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rotary_dim=int(head_dim * rotary_factor),
+            rope_theta=theta,
+            linear_num_key_heads=need("linear_num_key_heads"),
+            linear_num_value_heads=need("linear_num_value_heads"),
+            linear_key_head_dim=need("linear_key_head_dim"),
+            linear_value_head_dim=need("linear_value_head_dim"),
+            conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+            intermediate_size=0 if moe else need("intermediate_size"),
+            num_experts=moe,
+            num_experts_per_tok=need("num_experts_per_tok") if moe else 0,
+            moe_intermediate_size=need("moe_intermediate_size") if moe else 0,
+            shared_expert_intermediate_size=need("shared_expert_intermediate_size") if moe else 0,
+        )
+        config._check()
+        return config
+
+    def _check(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise CheckpointError(
+                f"config.json: num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise CheckpointError(
+                f"config.json: linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                f"linear_num_key_heads ({self.linear_num_key_heads})"
+            )
+        if self.conv_kernel < 2:
+            raise CheckpointError(f"config.json: linear_conv_kernel_dim must be >= 2, got {self.conv_kernel}")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise CheckpointError(
+                f"config.json: partial_rotary_factor gives a rotary dim of {self.rotary_dim} for head_dim "
+                f"{self.head_dim}; it must be even and in (0, head_dim]"
+            )
+        if self.is_moe and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise CheckpointError(
+                f"config.json: num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, num_experts]"
+            )
+
+
+def _layer_types(cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = int(cfg.get("full_attention_interval", 4))
+        types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers)]
+    if len(types) != num_layers:
+        raise CheckpointError(
+            f"config.json: layer_types has {len(types)} entries but num_hidden_layers is {num_layers}"
+        )
+    unknown = sorted({t for t in types if t not in (LINEAR, FULL)})
+    if unknown:
+        raise CheckpointError(
+            f"config.json: unknown layer_types {unknown}; Qwen3.5 has '{LINEAR}' and '{FULL}' layers"
+        )
+    return tuple(types)
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, float]:
+    """(theta, partial_rotary_factor) from ``rope_parameters`` or the legacy top-level keys."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    # "mrope" is the older spelling of the multimodal rope; with text positions it is the default rope.
+    if rope_type not in ("default", "mrope"):
+        raise CheckpointError(
+            f"config.json: rope_type '{rope_type}' is not supported by the qwen35 plugin (only 'default')"
+        )
+    return float(theta), float(factor)

@@ -1,0 +1,201 @@
+"""Qwen3.5 hybrid (dense and MoE): Gated DeltaNet and gated full attention layers, per ``layer_types``.
+
+Each layer: ``h = x + Mixer(norm1(x)); x = h + FFN(norm2(h))`` with zero-centred ``(1 + w)`` RMSNorms;
+the mixer is a Gated DeltaNet (``linear_attention``) or gated softmax attention (``full_attention``), the
+FFN a SwiGLU MLP or the sparse MoE block. Then the final zero-centred norm and ``lm_head``.
+
+Memory: full-attention layers use the paged KV cache; each GDN layer keeps its conv window and delta-rule
+state in the request's state slot (``RecurrentStateSpec``). A forward allocates its pass buffers once
+(``pass_buffers.py``) and every layer reuses them. Only the language model is loaded: the vision tower and
+the MTP head of the published checkpoints are skipped with a log line.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pegainfer.buffer_specs import BufferSpec, TransientSpec
+from pegainfer.config import ModelConfig
+from pegainfer.layers.rotary import RotaryEmbedding
+from pegainfer.loader import CheckpointReader
+from pegainfer.model_api import CausalLM, ForwardBatch
+from pegainfer_qwen35 import pass_buffers
+from pegainfer_qwen35.attention import GatedAttention
+from pegainfer_qwen35.config import FULL, LINEAR, Qwen35Config, text_part
+from pegainfer_qwen35.gated_deltanet import GatedDeltaNet, RecurrentRows
+from pegainfer_qwen35.mlp import DenseMLP
+from pegainfer_qwen35.moe import SparseMoE
+from pegainfer_qwen35.norms import rms_norm_zero_centred
+from pegainfer_qwen35.pass_buffers import PassBuffers
+
+logger = logging.getLogger(__name__)
+
+#: Checkpoint parts a text engine does not run: (name prefix, what it is).
+SKIPPED_PARTS = (("model.visual.", "vision-tower"), ("mtp.", "MTP-head"))
+
+
+class Qwen35DecoderLayer(nn.Module):
+    def __init__(self, config: Qwen35Config, layer_index: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_index = layer_index
+        self.kind = config.layer_types[layer_index]
+        h = config.hidden_size
+        self.input_layernorm = nn.Parameter(torch.empty(h, dtype=dtype), requires_grad=False)
+        self.post_attention_layernorm = nn.Parameter(torch.empty(h, dtype=dtype), requires_grad=False)
+        self.mixer: GatedDeltaNet | GatedAttention = (
+            GatedDeltaNet(config, layer_index, dtype)
+            if self.kind == LINEAR
+            else GatedAttention(config, layer_index, dtype)
+        )
+        self.mlp: SparseMoE | DenseMLP = (
+            SparseMoE(config, dtype) if config.is_moe else DenseMLP(h, config.intermediate_size, dtype)
+        )
+
+    def buffer_spec(self) -> BufferSpec:
+        if isinstance(self.mixer, GatedDeltaNet):
+            return self.mixer.state_spec()
+        return self.mixer.cache_spec()
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        batch: ForwardBatch,
+        rows: RecurrentRows | None,
+        cache: torch.Tensor | None,
+        state: dict[str, torch.Tensor] | None,
+        rotary: RotaryEmbedding | None,
+        bufs: PassBuffers,
+    ) -> None:
+        """Reads hidden block ``x``, writes this layer's output into block ``y``."""
+        eps = self.config.rms_norm_eps
+        normed = rms_norm_zero_centred(x, self.input_layernorm, eps, out=bufs.normed)
+        if isinstance(self.mixer, GatedDeltaNet):
+            mixed = self.mixer(normed, rows, state, bufs)
+        else:
+            mixed = self.mixer(normed, batch, cache, rotary, bufs)
+        torch.add(x, mixed, out=y)
+        normed = rms_norm_zero_centred(y, self.post_attention_layernorm, eps, out=bufs.normed)
+        # Decode-only steps run inside CUDA graphs: the FFN must not sync with the host there.
+        y.add_(self.mlp(normed, bufs, static_shapes=not batch.attn.prefills))
+
+    def load(self, reader: CheckpointReader, prefix: str) -> None:
+        h, dtype = self.config.hidden_size, self.input_layernorm.dtype
+        with torch.no_grad():
+            self.input_layernorm.copy_(reader.get(prefix + "input_layernorm.weight", (h,), dtype))
+            self.post_attention_layernorm.copy_(
+                reader.get(prefix + "post_attention_layernorm.weight", (h,), dtype)
+            )
+        mixer = "linear_attn." if self.kind == LINEAR else "self_attn."
+        self.mixer.load(reader, prefix + mixer)
+        self.mlp.load(reader, prefix + "mlp.")
+
+
+class Qwen35ForCausalLM(CausalLM):
+    def __init__(self, config: Qwen35Config, *, dtype: torch.dtype, max_model_len: int) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        h, v = config.hidden_size, config.vocab_size
+        self.embed_tokens = nn.Parameter(torch.empty(v, h, dtype=dtype), requires_grad=False)
+        self.layers = nn.ModuleList(Qwen35DecoderLayer(config, i, dtype) for i in range(config.num_layers))
+        self.norm = nn.Parameter(torch.empty(h, dtype=dtype), requires_grad=False)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Parameter(torch.empty(v, h, dtype=dtype), requires_grad=False)
+        )
+        self.rotary = (
+            RotaryEmbedding(config.rotary_dim, config.rope_theta, max_model_len)
+            if config.layers_of(FULL)
+            else None
+        )
+        self.pass_buffer_roles = pass_buffers.pass_buffer_roles(config, dtype)
+
+    @classmethod
+    def from_hf_config(
+        cls, hf_config: dict[str, Any], model_config: ModelConfig, *, dtype: torch.dtype, max_model_len: int
+    ) -> Qwen35ForCausalLM:
+        return cls(Qwen35Config.from_hf_config(hf_config), dtype=dtype, max_model_len=max_model_len)
+
+    @staticmethod
+    def max_context_length(hf_config: dict[str, Any]) -> int:
+        return int(text_part(hf_config).get("max_position_embeddings", 32768))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    # ------------------------------------------------------------------------------------------ weights
+
+    def load_weights(self, reader: CheckpointReader) -> None:
+        c = self.config
+        # The published VLM files nest the language model; text-only files keep it at ``model.``.
+        prefix = "model.language_model." if "model.language_model.embed_tokens.weight" in reader else "model."
+        with torch.no_grad():
+            self.embed_tokens.copy_(
+                reader.get(prefix + "embed_tokens.weight", (c.vocab_size, c.hidden_size), self.dtype)
+            )
+            for layer in self.layers:
+                layer.load(reader, f"{prefix}layers.{layer.layer_index}.")
+            self.norm.copy_(reader.get(prefix + "norm.weight", (c.hidden_size,), self.dtype))
+            if self.lm_head is not None:
+                self.lm_head.copy_(reader.get("lm_head.weight", (c.vocab_size, c.hidden_size), self.dtype))
+        self._skip_unused_parts(reader)
+
+    def _skip_unused_parts(self, reader: CheckpointReader) -> None:
+        """Mark the vision tower and MTP head as handled (deliberately not loaded), saying so once each."""
+        names = reader.names()
+        for part, what in SKIPPED_PARTS:
+            skipped = sorted(n for n in names if n.startswith(part))
+            if skipped:
+                logger.info(
+                    "skipping %d %s tensors (%s*): pegainfer runs the language model only",
+                    len(skipped),
+                    what,
+                    part,
+                )
+                reader.consumed.update(skipped)
+        if self.lm_head is None and "lm_head.weight" in names:
+            logger.info("tie_word_embeddings is set: the checkpoint's lm_head.weight is not used")
+            reader.consumed.add("lm_head.weight")
+
+    # ----------------------------------------------------------------------------------------- buffers
+
+    def buffer_specs(self) -> list[BufferSpec]:
+        return [layer.buffer_spec() for layer in self.layers]
+
+    def transient_specs(self) -> list[TransientSpec]:
+        return pass_buffers.transient_specs(self.config, self.dtype)
+
+    def allocate_pass_buffers(self, num_tokens: int) -> PassBuffers:
+        """The buffers one forward of ``num_tokens`` rows uses (what ``transient_specs`` reserves)."""
+        return PassBuffers(self.pass_buffer_roles, num_tokens, self.embed_tokens.device)
+
+    # ----------------------------------------------------------------------------------------- forward
+
+    def forward(
+        self, batch: ForwardBatch, caches: dict[int, torch.Tensor], states: dict[int, dict[str, torch.Tensor]]
+    ) -> torch.Tensor:
+        bufs = self.allocate_pass_buffers(batch.token_ids.shape[0])
+        x, y = bufs.hidden_a, bufs.hidden_b
+        torch.index_select(self.embed_tokens, 0, batch.token_ids, out=x)
+        rows = RecurrentRows.from_batch(batch) if self.config.layers_of(LINEAR) else None
+        for layer in self.layers:
+            i = layer.layer_index
+            layer(x, y, batch, rows, caches.get(i), states.get(i), self.rotary, bufs)
+            x, y = y, x
+        return rms_norm_zero_centred(x, self.norm, self.config.rms_norm_eps, out=bufs.normed)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, weight).float()
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self.embed_tokens)

@@ -1,0 +1,153 @@
+"""Qwen3.5-MoE's sparse block: softmax router, top-k renormalised, SwiGLU experts, gated shared expert.
+
+1. ``p = softmax(x Wg^T)`` over all experts in fp32; the top-k by p, renormalised to sum to 1 (always:
+   Qwen3.5 has no ``norm_topk_prob`` switch), cast to the model dtype.
+2. Each chosen expert runs on its tokens; its output is scaled by the token's weight and summed per token.
+3. ``sigmoid(shared_expert_gate(x)) * SharedExpert(x)`` is added (one scalar gate per token).
+
+The checkpoint stores experts one by one; they are stacked at load time (``[E, 2Ie, H]``, gate rows first,
+and ``[E, H, Ie]``). The reference forward has two schedules with the same sums (in ascending expert order,
+as transformers adds them):
+- grouped (steps with prefill tokens): the (token, expert) pairs are sorted by expert and each expert
+  runs one GEMM over its rows; the row counts are read on the host.
+- static (decode-only steps, which the engine captures in CUDA graphs): no host sync and shapes fixed by
+  T; every expert runs on every row and rows that did not choose it are weighted by zero.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pegainfer.loader import CheckpointReader
+from pegainfer_qwen35.config import Qwen35Config
+from pegainfer_qwen35.pass_buffers import PassBuffers
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, config: Qwen35Config, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        h, e = config.hidden_size, config.num_experts
+        ie, is_ = config.moe_intermediate_size, config.shared_expert_intermediate_size
+        self.router = _param(e, h, dtype=dtype)
+        self.experts_gate_up = _param(e, 2 * ie, h, dtype=dtype)
+        self.experts_down = _param(e, h, ie, dtype=dtype)
+        self.shared_gate_up = _param(2 * is_, h, dtype=dtype)
+        self.shared_down = _param(h, is_, dtype=dtype)
+        self.shared_gate = _param(1, h, dtype=dtype)
+
+    def route(self, x: torch.Tensor, bufs: PassBuffers) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights ``[T, k]`` in the model dtype, expert ids ``[T, k]``) for the normed rows ``x``."""
+        logits = torch.matmul(x, self.router.t(), out=bufs.moe_router)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = probs.topk(self.config.num_experts_per_tok, dim=-1)
+        return (weights / weights.sum(-1, keepdim=True)).to(x.dtype), experts
+
+    def forward(self, x: torch.Tensor, bufs: PassBuffers, *, static_shapes: bool = False) -> torch.Tensor:
+        """Block output of the normed rows ``x`` ``[T, H]`` into ``bufs.mlp_down``.
+
+        ``static_shapes``: no host sync and no data-dependent shapes (the schedule for CUDA graphs).
+        """
+        weights, experts = self.route(x, bufs)
+        y = bufs.mlp_down.zero_()
+        if static_shapes:
+            self._experts_static(x, weights, experts, bufs, y)
+        else:
+            self._experts_grouped(x, weights, experts, bufs, y)
+        gate, up = torch.matmul(x, self.shared_gate_up.t(), out=bufs.shared_gate_up).chunk(2, -1)
+        shared_act = torch.mul(F.silu(gate), up, out=bufs.shared_act)
+        shared = torch.matmul(shared_act, self.shared_down.t(), out=bufs.shared_out)
+        shared.mul_(torch.sigmoid(torch.matmul(x, self.shared_gate.t(), out=bufs.shared_gate)))
+        return y.add_(shared)
+
+    def _expert(
+        self, expert: int, rows: torch.Tensor, gate_up: torch.Tensor, act: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        gate, up = torch.matmul(rows, self.experts_gate_up[expert].t(), out=gate_up).chunk(2, -1)
+        torch.mul(F.silu(gate), up, out=act)
+        torch.matmul(act, self.experts_down[expert].t(), out=out)
+
+    def _experts_grouped(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        experts: torch.Tensor,
+        bufs: PassBuffers,
+        y: torch.Tensor,
+    ) -> None:
+        c, (t, h) = self.config, x.shape
+        k, ie = c.num_experts_per_tok, c.moe_intermediate_size
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
+        token_of = order // k
+        rows = torch.index_select(x, 0, token_of, out=bufs.moe_rows.view(t * k, h))
+        gate_up = bufs.moe_gate_up.view(t * k, 2 * ie)
+        act = bufs.moe_act.view(t * k, ie)
+        out = bufs.moe_out.view(t * k, h)
+        start = 0
+        # The per-expert row counts decide the GEMM shapes: the host sync of this schedule.
+        for expert, n in enumerate(torch.bincount(flat, minlength=c.num_experts).tolist()):
+            if n:
+                rs = slice(start, start + n)
+                self._expert(expert, rows[rs], gate_up[rs], act[rs], out[rs])
+                start += n
+        out.mul_(weights.flatten()[order].unsqueeze(-1))
+        y.index_add_(0, token_of, out)
+
+    def _experts_static(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        experts: torch.Tensor,
+        bufs: PassBuffers,
+        y: torch.Tensor,
+    ) -> None:
+        c, (t, h) = self.config, x.shape
+        ie = c.moe_intermediate_size
+        shape, dev = (t, c.num_experts), x.device
+        dense = torch.zeros(shape, dtype=weights.dtype, device=dev).scatter_(1, experts, weights)
+        skipped = torch.ones(shape, dtype=torch.bool, device=dev).scatter_(1, experts, False)
+        gate_up = bufs.moe_gate_up.view(-1, 2 * ie)[:t]
+        act = bufs.moe_act.view(-1, ie)[:t]
+        out = bufs.moe_out.view(-1, h)[:t]
+        for expert in range(c.num_experts):
+            self._expert(expert, x, gate_up, act, out)
+            # Masked, not only weighted by 0: an unchosen row's output may be inf, and inf * 0 is NaN.
+            y.add_(out.mul_(dense[:, expert : expert + 1]).masked_fill_(skipped[:, expert : expert + 1], 0.0))
+
+    def load(self, reader: CheckpointReader, prefix: str) -> None:
+        c, dtype = self.config, self.router.dtype
+        h, e = c.hidden_size, c.num_experts
+        ie, is_ = c.moe_intermediate_size, c.shared_expert_intermediate_size
+
+        def get(name: str, *shape: int) -> torch.Tensor:
+            return reader.get(prefix + name, shape, dtype)
+
+        with torch.no_grad():
+            self.router.copy_(get("gate.weight", e, h))
+            if prefix + "experts.gate_up_proj" in reader:  # stacked already (transformers' in-memory layout)
+                self.experts_gate_up.copy_(get("experts.gate_up_proj", e, 2 * ie, h))
+                self.experts_down.copy_(get("experts.down_proj", e, h, ie))
+            else:  # one expert at a time, as the published checkpoints store them
+                for i in range(e):
+                    p = f"experts.{i}."
+                    self.experts_gate_up[i].copy_(
+                        torch.cat([get(p + "gate_proj.weight", ie, h), get(p + "up_proj.weight", ie, h)])
+                    )
+                    self.experts_down[i].copy_(get(p + "down_proj.weight", h, ie))
+            self.shared_gate_up.copy_(
+                torch.cat(
+                    [
+                        get("shared_expert.gate_proj.weight", is_, h),
+                        get("shared_expert.up_proj.weight", is_, h),
+                    ]
+                )
+            )
+            self.shared_down.copy_(get("shared_expert.down_proj.weight", h, is_))
+            self.shared_gate.copy_(get("shared_expert_gate.weight", 1, h))

@@ -1,0 +1,37 @@
+"""The two RMSNorms of Qwen3.5, each in transformers' exact cast order.
+
+- zero-centred ``(1 + w)``: the layer norms, the final norm and the attention q/k norms. The multiply
+  happens in fp32 and the cast comes last. Loading these weights as a plain scale nearly zeroes every
+  activation.
+- gated (the GDN output norm): a plain norm with weight around 1, then ``* silu(z)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _normalise(x32: torch.Tensor, eps: float) -> torch.Tensor:
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_norm_zero_centred(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``(norm(x32) * (1 + w32)).to(x.dtype)``, written into ``out`` when given."""
+    y = _normalise(x.float(), eps) * (1.0 + weight.float())
+    if out is None:
+        return y.to(x.dtype)
+    return out.copy_(y)
+
+
+def gated_rms_norm(
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``((w * norm(x32).to(dtype)) * silu(z32)).to(dtype)`` over the last dim (one value head)."""
+    y = weight * _normalise(x.float(), eps).to(x.dtype)
+    y = y * F.silu(z.float())
+    if out is None:
+        return y.to(x.dtype)
+    return out.copy_(y)

@@ -1,0 +1,131 @@
+"""Block-FP8 checkpoints (DeepSeek's release format) load and dequantize correctly on the reference path.
+
+The checkpoint is wide enough that projections span several 128×128 blocks, with partial edge blocks in
+both directions. Its dequantized weights must equal a block-by-block hand computation, and the model
+must generate exactly what the same model generates from the dequantized weights stored in float32.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from pegainfer import LLM, SamplingParams
+from pegainfer.testing.conformance import hf_greedy, unused_checkpoint_tensors
+from pegainfer.testing.tiny_deepseek import write_fp8_copy
+
+WIDE = {
+    "hidden_size": 160,
+    "intermediate_size": 288,
+    "moe_intermediate_size": 48,
+    "q_lora_rank": 144,
+    "kv_lora_rank": 136,
+    "num_hidden_layers": 2,
+}
+PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def folders(tiny_checkpoint_factory, tmp_path_factory):
+    source = tiny_checkpoint_factory("deepseek_v3", seed=5, **WIDE)
+    root = tmp_path_factory.mktemp("fp8")
+    return write_fp8_copy(source, root / "fp8"), write_fp8_copy(
+        source, root / "dequantized", dequantized=True
+    )
+
+
+@pytest.fixture(scope="module")
+def fp8_llm(folders):
+    return LLM(str(folders[0]), dtype="float32", device="cpu", cpu_kv_cache_bytes=4 << 20)
+
+
+def _hand_dequantize(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for i in range(scale_inv.shape[0]):
+        for j in range(scale_inv.shape[1]):
+            rows, cols = slice(128 * i, 128 * (i + 1)), slice(128 * j, 128 * (j + 1))
+            out[rows, cols] = q[rows, cols].float() * scale_inv[i, j]
+    return out
+
+
+def test_checkpoint_is_in_deepseeks_fp8_layout(folders):
+    fp8 = folders[0]
+    config = json.loads((fp8 / "config.json").read_text())
+    assert config["quantization_config"] == {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    }
+    with safe_open(str(fp8 / "model.safetensors"), framework="pt") as f:
+        w = f.get_tensor("model.layers.0.mlp.gate_proj.weight")
+        s = f.get_tensor("model.layers.0.mlp.gate_proj.weight_scale_inv")
+        assert (w.dtype, tuple(w.shape), s.dtype, tuple(s.shape)) == (
+            torch.float8_e4m3fn,
+            (288, 160),
+            torch.float32,
+            (3, 2),
+        )
+        assert (
+            f.get_tensor("model.layers.1.mlp.gate.weight").dtype == torch.float32
+        )  # the router stays unquantized
+        assert "model.layers.2.eh_proj.weight_scale_inv" not in f.keys()  # so does the MTP projection
+
+
+def test_every_tensor_and_scale_is_consumed(folders):
+    assert unused_checkpoint_tensors(folders[0]) == []
+
+
+@pytest.mark.parametrize(
+    "name, loaded",
+    [
+        ("model.layers.0.mlp.gate_proj.weight", lambda m: m.layers[0].mlp.gate_up_proj[:288]),
+        ("model.layers.0.self_attn.kv_b_proj.weight", lambda m: m.layers[0].self_attn.kv_b_proj),
+        ("model.layers.1.self_attn.q_b_proj.weight", lambda m: m.layers[1].self_attn.q_b_proj),
+        ("model.layers.1.mlp.experts.5.down_proj.weight", lambda m: m.layers[1].mlp.experts_down[5]),
+        (
+            "model.layers.1.mlp.shared_experts.up_proj.weight",
+            lambda m: m.layers[1].mlp.shared_experts.gate_up_proj[48:],
+        ),
+        ("model.layers.2.self_attn.o_proj.weight", lambda m: m.mtp[0].block.self_attn.o_proj),
+    ],
+)
+def test_dequantized_weights_equal_hand_reference(fp8_llm, folders, name, loaded):
+    with safe_open(str(folders[0] / "model.safetensors"), framework="pt") as f:
+        expected = _hand_dequantize(f.get_tensor(name), f.get_tensor(name + "_scale_inv"))
+    assert torch.equal(loaded(fp8_llm.engine.model), expected)
+
+
+def test_greedy_equals_the_dequantized_model(fp8_llm, folders):
+    rng = random.Random(3)
+    prompts = [[rng.randrange(990) for _ in range(n)] for n in (7, 19, 30)]
+    fp8 = [
+        o.outputs[0].token_ids
+        for o in fp8_llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS, use_tqdm=False)
+    ]
+    dense_llm = LLM(str(folders[1]), dtype="float32", device="cpu", cpu_kv_cache_bytes=4 << 20)
+    dense = [
+        o.outputs[0].token_ids
+        for o in dense_llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS, use_tqdm=False)
+    ]
+    assert fp8 == dense
+    assert dense == hf_greedy(folders[1], prompts, 16)
+
+
+def test_scales_without_quantization_config_are_refused(folders, tmp_path):
+    from pegainfer.errors import CheckpointError
+
+    broken = Path(shutil.copytree(folders[0], tmp_path / "broken"))
+    config = json.loads((broken / "config.json").read_text())
+    del config["quantization_config"]
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        CheckpointError, match="weight_scale_inv' is in the checkpoint but config.json has no FP8"
+    ):
+        LLM(str(broken), dtype="float32", device="cpu")

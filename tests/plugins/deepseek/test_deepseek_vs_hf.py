@@ -1,0 +1,239 @@
+"""DeepSeek-V3 on the reference path against HF transformers, float32: greedy tokens identical, logits close.
+
+Prefill runs the expanded MLA form, decode the absorbed form over the latent cache; both are compared
+with transformers' teacher-forced logits. The model takes host hidden states (``embeds_on_device`` False):
+through ``LLM`` the engine provides them, a bare executor call without them fails clearly.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pegainfer import LLM, SamplingParams
+from pegainfer.errors import ExecutorError
+from pegainfer.executor import ModelBatch, SequenceChunk
+from pegainfer.request import Request
+from pegainfer.testing.conformance import hf_greedy, hf_logits, unused_checkpoint_tensors
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def _prompts(seed: int, lengths: list[int], vocab: int = 990) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return (torch.linalg.vector_norm(ours - ref) / torch.linalg.vector_norm(ref)).item()
+
+
+def test_single_prompt_matches_hf(llm, tiny_deepseek):
+    prompts = _prompts(0, [11])
+    assert _generate(llm, prompts) == hf_greedy(tiny_deepseek, prompts, 24)
+
+
+def test_batch_of_mixed_lengths_matches_hf(llm, tiny_deepseek):
+    prompts = _prompts(1, [1, 5, 17, 33, 2, 64])
+    assert _generate(llm, prompts) == hf_greedy(tiny_deepseek, prompts, 24)
+
+
+def test_chunked_prefill_matches_hf(tiny_deepseek):
+    # Chunks of at most 5 tokens and a 12-token step budget: prompts span many steps and page boundaries,
+    # and later chunks attend to the latents earlier chunks cached.
+    llm = LLM(
+        str(tiny_deepseek),
+        dtype="float32",
+        device="cpu",
+        long_prefill_token_threshold=5,
+        max_num_batched_tokens=12,
+        cpu_kv_cache_bytes=8 << 20,
+    )
+    prompts = _prompts(2, [45, 30, 9])
+    assert _generate(llm, prompts) == hf_greedy(tiny_deepseek, prompts, 24)
+
+
+def test_preempted_run_matches_hf(tiny_deepseek):
+    # 24 pages of 4 tokens cannot hold four 40-token sequences at once: the scheduler must preempt.
+    llm = LLM(
+        str(tiny_deepseek),
+        dtype="float32",
+        device="cpu",
+        block_size=4,
+        num_gpu_blocks_override=24,
+        max_model_len=64,
+    )
+    prompts = _prompts(3, [16, 12, 15, 14])
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_deepseek, prompts, 24)
+    llm.engine.buffers.check_invariants()
+    assert llm.engine.buffers.pool.num_free == 24
+
+
+def test_cache_holds_the_compressed_latent_only(llm):
+    dims = llm.engine.model.dims
+    caches = llm.engine.buffers.caches
+    assert sorted(caches) == list(range(dims.num_layers))
+    for cache in caches.values():
+        assert cache.shape[-1] == dims.kv_lora_rank + dims.qk_rope_head_dim
+        assert cache.dim() == 3  # [blocks, block_size, latent + rope]: no per-head K/V
+
+
+def test_cached_latents_equal_transformers_cache(llm, tiny_deepseek):
+    """Per token and layer: transformers' cached ``kv_a_layernorm`` output and roped shared key (which it
+    writes de-interleaved), against the page slots the engine wrote."""
+    from pegainfer.testing.conformance import hf_model
+
+    prompt = _prompts(9, [13])[0]
+    request, _ = _prefill(llm, "cache-probe", prompt, all_logits=False)
+    engine, dims = llm.engine, llm.engine.model.dims
+    table = torch.tensor(engine.buffers.block_table("cache-probe"))
+    positions = torch.arange(len(prompt))
+    slots = (
+        table[positions // engine.buffers.block_size] * engine.buffers.block_size
+        + positions % engine.buffers.block_size
+    )
+    with torch.no_grad():
+        hf_cache = hf_model(str(tiny_deepseek))(torch.tensor([prompt]), use_cache=True).cache
+    try:
+        for layer in range(dims.num_layers):
+            ours = engine.buffers.caches[layer].flatten(0, 1)[slots]
+            latent, k_pe = ours[:, : dims.kv_lora_rank], ours[:, dims.kv_lora_rank :]
+            k_pe = torch.cat([k_pe[:, 0::2], k_pe[:, 1::2]], dim=-1)
+            torch.testing.assert_close(latent, hf_cache.layers[layer].keys[0, 0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(k_pe, hf_cache.layers[layer].values[0, 0], rtol=1e-5, atol=1e-5)
+    finally:
+        engine.buffers.free(request)
+
+
+def _prefill(llm: LLM, rid: str, tokens: list[int], all_logits: bool = True):
+    engine = llm.engine
+    request = Request(rid, tokens, GREEDY)
+    assert engine.buffers.allocate_slots(request, len(tokens))
+    chunk = SequenceChunk(
+        rid, tokens, 0, engine.buffers.block_table(rid), needs_logits=True, all_logits=all_logits
+    )
+    out = engine.executor.execute(ModelBatch([chunk], hidden_states=engine.executor.embed(tokens)))
+    return request, out
+
+
+def test_prompt_logits_within_tolerance(llm, tiny_deepseek):
+    prompt = _prompts(4, [29])[0]
+    request, out = _prefill(llm, "logits-probe", prompt)
+    llm.engine.buffers.free(request)
+    ref = hf_logits(tiny_deepseek, prompt)
+    last, full = _rel(out.logits[0], ref[-1]), _rel(out.all_logits["logits-probe"], ref)
+    print(f"prefill logits rel err: last={last:.2e} all={full:.2e}")
+    assert last < 1e-4 and full < 1e-4
+
+
+def test_decode_logits_within_tolerance(llm, tiny_deepseek):
+    """Teacher-forced decode steps (absorbed MLA over the cached latents) against transformers' logits."""
+    engine, executor = llm.engine, llm.engine.executor
+    tokens = _prompts(5, [27])[0]
+    start = 19
+    request, out = _prefill(llm, "decode-probe", tokens[:start], all_logits=False)
+    engine.buffers.free(request)
+    request = Request("decode-probe", tokens, GREEDY)
+    assert engine.buffers.allocate_slots(request, len(tokens))
+    table = engine.buffers.block_table("decode-probe")
+    _, out = _prefill(llm, "other", _prompts(6, [7])[0])  # unrelated pages in between
+    ours = []
+    chunk = SequenceChunk("decode-probe", tokens[:start], 0, table, needs_logits=True)
+    ours.append(executor.execute(ModelBatch([chunk], hidden_states=executor.embed(tokens[:start]))).logits[0])
+    for pos in range(start, len(tokens)):
+        chunk = SequenceChunk("decode-probe", [tokens[pos]], pos, table, needs_logits=True)
+        ours.append(
+            executor.execute(ModelBatch([chunk], hidden_states=executor.embed([tokens[pos]]))).logits[0]
+        )
+    engine.buffers.free(request)
+    engine.buffers.free(Request("other", [0], GREEDY))
+    ref = hf_logits(tiny_deepseek, tokens)[start - 1 :]
+    err = _rel(torch.stack(ours), ref)
+    print(f"decode logits rel err over {len(ours) - 1} steps: {err:.2e}")
+    assert err < 1e-4
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"q_lora_rank": None},
+        {"layout": "legacy"},
+        {"rope_scaling": None, "rope_interleave": False},
+        {
+            "rope_scaling": {
+                "type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 512,
+                "beta_fast": 16,
+                "beta_slow": 2,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.8,
+            }
+        },
+        {"rope_scaling": {"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 128}},
+        {"norm_topk_prob": False, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0},
+        {"n_shared_experts": 2, "num_experts_per_tok": 5, "n_group": 8, "topk_group": 3},
+        {"attention_bias": True, "tie_word_embeddings": True},
+        {"dtype": "bfloat16", "num_shards": 3},
+    ],
+    ids=[
+        "no-q-lora",
+        "legacy-layout",
+        "plain-rope-half-split",
+        "yarn-mscale-differs",
+        "yarn-no-mscale-keys",
+        "ungrouped-unnormalised",
+        "two-shared-8-groups",
+        "bias-tied",
+        "bf16-sharded",
+    ],
+)
+def test_checkpoint_variants_match_hf(tiny_checkpoint_factory, options):
+    folder = tiny_checkpoint_factory("deepseek_v3", seed=7, **options)
+    assert unused_checkpoint_tensors(folder) == []
+    llm = LLM(str(folder), dtype="float32", device="cpu", cpu_kv_cache_bytes=4 << 20)
+    prompts = _prompts(7, [9, 21])
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert _generate(llm, prompts, params) == hf_greedy(folder, prompts, 12)
+    _, out = _prefill(llm, "probe", prompts[1])
+    assert _rel(out.all_logits["probe"], hf_logits(folder, prompts[1])) < 1e-4
+
+
+def test_executor_declares_host_embedding(llm):
+    assert llm.engine.model.embeds_on_device is False
+    assert llm.engine.executor.capabilities.device_embedding is False
+
+
+def test_missing_hidden_states_is_a_clear_error(llm):
+    engine = llm.engine
+    request = Request("r", [1, 2, 3], GREEDY)
+    assert engine.buffers.allocate_slots(request, 3)
+    chunk = SequenceChunk("r", [1, 2, 3], 0, engine.buffers.block_table("r"), needs_logits=True)
+    try:
+        with pytest.raises(ExecutorError, match="must carry hidden_states"):
+            engine.executor.execute(ModelBatch([chunk]))
+    finally:
+        engine.buffers.free(request)
+
+
+def test_forward_reads_the_hidden_states_not_the_token_ids(llm, tiny_deepseek):
+    # Token ids say one prompt, hidden states another: the logits follow the hidden states.
+    engine = llm.engine
+    said, meant = _prompts(8, [6, 6])
+    request = Request("r", said, GREEDY)
+    assert engine.buffers.allocate_slots(request, len(said))
+    chunk = SequenceChunk("r", said, 0, engine.buffers.block_table("r"), needs_logits=True)
+    try:
+        out = engine.executor.execute(ModelBatch([chunk], hidden_states=engine.executor.embed(meant)))
+    finally:
+        engine.buffers.free(request)
+    assert _rel(out.logits[0], hf_logits(tiny_deepseek, meant)[-1]) < 1e-4

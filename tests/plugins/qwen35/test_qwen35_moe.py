@@ -1,0 +1,59 @@
+"""The sparse MoE block against transformers' block, in both schedules (grouped by expert for prefill
+steps; static shapes without host syncs for decode steps, which run inside CUDA graphs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pegainfer_qwen35.config import Qwen35Config
+from pegainfer_qwen35.moe import SparseMoE
+from pegainfer_qwen35.pass_buffers import PassBuffers, pass_buffer_roles
+
+H, E, K, IE, IS = 32, 8, 3, 16, 24
+
+
+def _config() -> Qwen35Config:
+    return Qwen35Config(
+        vocab_size=64, hidden_size=H, num_layers=1, layer_types=("linear_attention",), rms_norm_eps=1e-6,
+        tie_word_embeddings=False, max_position_embeddings=64, num_heads=2, num_kv_heads=1, head_dim=8,
+        rotary_dim=2, rope_theta=1e4, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, conv_kernel=4, num_experts=E, num_experts_per_tok=K, moe_intermediate_size=IE,
+        shared_expert_intermediate_size=IS,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def blocks():
+    from transformers import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
+
+    gen = torch.Generator().manual_seed(0)
+    ours = SparseMoE(_config(), torch.float32)
+    for p in ours.parameters():
+        p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    hf_config = Qwen3_5MoeTextConfig(
+        hidden_size=H, num_experts=E, num_experts_per_tok=K, moe_intermediate_size=IE,
+        shared_expert_intermediate_size=IS,
+    )  # fmt: skip
+    ref = Qwen3_5MoeSparseMoeBlock(hf_config).eval()
+    with torch.no_grad():
+        ref.gate.weight.copy_(ours.router)
+        ref.experts.gate_up_proj.copy_(ours.experts_gate_up)
+        ref.experts.down_proj.copy_(ours.experts_down)
+        ref.shared_expert.gate_proj.weight.copy_(ours.shared_gate_up[:IS])
+        ref.shared_expert.up_proj.weight.copy_(ours.shared_gate_up[IS:])
+        ref.shared_expert.down_proj.weight.copy_(ours.shared_down)
+        ref.shared_expert_gate.weight.copy_(ours.shared_gate)
+    return ours, ref
+
+
+@pytest.mark.parametrize("static_shapes", [False, True], ids=["grouped", "static"])
+def test_moe_block_matches_transformers(blocks, static_shapes):
+    ours, ref = blocks
+    x = torch.randn(13, H, generator=torch.Generator().manual_seed(1))
+    bufs = PassBuffers(pass_buffer_roles(_config(), torch.float32), 13, torch.device("cpu"))
+    with torch.no_grad():
+        out = ours(x, bufs, static_shapes=static_shapes)
+        expected = ref(x[None])[0]
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)

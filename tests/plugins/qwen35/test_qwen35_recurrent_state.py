@@ -1,0 +1,166 @@
+"""The Gated DeltaNet state: its math (chunked form = step form = transformers), and the engine's handling
+of it (one chunk = several chunks = prefill + decode, read from the BufferManager's slot pools; decode
+rows of a step batched into one recurrent update)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pegainfer import LLM, SamplingParams
+from pegainfer.executor import ModelBatch, SequenceChunk
+from pegainfer.request import Request
+from pegainfer_qwen35 import gated_deltanet
+from pegainfer_qwen35.delta_rule import (
+    causal_conv_prefill,
+    causal_conv_step,
+    chunked_delta_rule,
+    l2_normalise,
+    recurrent_delta_rule,
+)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def _inputs(seed: int, t: int, hk: int = 2, hv: int = 4, dk: int = 16, dv: int = 24):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(t, hk, dk, generator=gen), torch.randn(t, hk, dk, generator=gen)
+    v = torch.randn(t, hv, dv, generator=gen)
+    g = -torch.rand(t, hv, generator=gen) * 0.8
+    beta = torch.rand(t, hv, generator=gen)
+    state = 0.3 * torch.randn(hv, dk, dv, generator=gen)
+    return q, k, v, g, beta, state
+
+
+def _expand(q: torch.Tensor, k: torch.Tensor, hv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    r = hv // q.shape[1]
+    q = l2_normalise(q) * q.shape[-1] ** -0.5
+    return q.repeat_interleave(r, dim=1), l2_normalise(k).repeat_interleave(r, dim=1)
+
+
+@pytest.mark.parametrize("t", [1, 37, 64, 150])
+def test_chunked_delta_rule_equals_step_by_step_and_transformers(t):
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    q, k, v, g, beta, state = _inputs(t, t)
+    qe, ke = _expand(q, k, v.shape[1])
+    o, final = chunked_delta_rule(qe, ke, v, g, beta, state)
+    o_steps, final_steps = recurrent_delta_rule(qe, ke, v, g, beta, state)
+    torch.testing.assert_close(o, o_steps, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(final, final_steps, atol=2e-6, rtol=1e-5)
+    o_hf, final_hf = torch_chunk_gated_delta_rule(
+        q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=state[None],
+        output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    torch.testing.assert_close(o, o_hf[0], atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(final, final_hf[0], atol=2e-6, rtol=1e-5)
+
+
+def test_chunked_delta_rule_carries_state_across_calls():
+    q, k, v, g, beta, state = _inputs(1, 100)
+    qe, ke = _expand(q, k, v.shape[1])
+    whole, final = chunked_delta_rule(qe, ke, v, g, beta, state)
+    parts, s = [], state
+    for a, b in ((0, 3), (3, 70), (70, 71), (71, 100)):
+        o, s = chunked_delta_rule(qe[a:b], ke[a:b], v[a:b], g[a:b], beta[a:b], s)
+        parts.append(o)
+    torch.testing.assert_close(torch.cat(parts), whole, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(s, final, atol=2e-6, rtol=1e-5)
+
+
+def test_causal_conv_window_rolls_across_chunks_and_steps():
+    gen = torch.Generator().manual_seed(0)
+    channels, kernel, t = 6, 4, 11
+    x, weight = torch.randn(t, channels, generator=gen), torch.randn(channels, kernel, generator=gen)
+    reference = F.conv1d(x.t()[None], weight[:, None], padding=kernel - 1, groups=channels)[0, :, :t].t()
+    window = torch.zeros(channels, kernel - 1)
+    outs = []
+    for a, b in ((0, 2), (2, 3), (3, 9)):  # chunks shorter than the window keep old inputs in it
+        y, window = causal_conv_prefill(x[a:b], weight, window)
+        outs.append(y)
+    for i in (9, 10):  # then single steps of a batch of one
+        y, windows = causal_conv_step(x[i : i + 1], weight, window[None])
+        outs.append(y)
+        window = windows[0]
+    torch.testing.assert_close(torch.cat(outs), reference)
+    torch.testing.assert_close(window, x[-(kernel - 1) :].t())
+
+
+# ------------------------------------------------------------------------------------ through the engine
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint_factory):
+    return LLM(
+        str(tiny_checkpoint_factory("qwen3_5")), dtype="float32", device="cpu", cpu_kv_cache_bytes=4 << 20
+    )
+
+
+def _prefill_in_chunks(
+    llm: LLM, rid: str, prompt: list[int], sizes: list[int]
+) -> dict[int, dict[str, torch.Tensor]]:
+    """Runs ``prompt`` through the executor in chunks of ``sizes`` (1 = a decode row); returns the slot state."""
+    engine = llm.engine
+    buffers = engine.buffers
+    request = Request(rid, prompt, GREEDY)
+    start = 0
+    try:
+        for n in sizes:
+            assert buffers.allocate_slots(request, n)
+            chunk = SequenceChunk(
+                rid,
+                prompt[start : start + n],
+                start,
+                buffers.block_table(rid),
+                state_slot=buffers.state_slot(rid),
+                needs_logits=True,
+            )
+            engine.executor.execute(ModelBatch([chunk]))
+            request.num_computed_tokens += n
+            start += n
+        assert start == len(prompt)
+        slot = buffers.state_slot(rid)
+        return {
+            layer: {name: pool[slot].clone() for name, pool in pools.items()}
+            for layer, pools in buffers.states.items()
+        }
+    finally:
+        buffers.free(request)
+
+
+def test_state_after_one_chunk_equals_several_chunks_and_decode(llm):
+    prompt = random.Random(5).choices(range(990), k=40)
+    one = _prefill_in_chunks(llm, "one", prompt, [40])
+    chunks = _prefill_in_chunks(llm, "chunks", prompt, [3, 5, 1, 7, 24])
+    decoded = _prefill_in_chunks(llm, "decoded", prompt, [30] + [1] * 10)
+    config = llm.engine.model.config
+    gdn_layers = [i for i, t in enumerate(config.layer_types) if t == "linear_attention"]
+    assert sorted(one) == gdn_layers  # only GDN layers hold slot state
+    for layer in gdn_layers:
+        assert one[layer]["conv"].shape == (config.conv_dim, config.conv_kernel - 1)
+        assert one[layer]["ssm"].abs().max() > 0.01  # the state is not trivially zero
+        for other in (chunks, decoded):
+            for name in ("conv", "ssm"):
+                torch.testing.assert_close(other[layer][name], one[layer][name], atol=1e-5, rtol=1e-5)
+
+
+def test_decode_rows_update_their_slots_in_one_batched_step(llm, monkeypatch):
+    calls: list[int] = []
+    step = gated_deltanet.delta_rule_step
+
+    def counting(q, *args):
+        calls.append(q.shape[0])
+        return step(q, *args)
+
+    monkeypatch.setattr(gated_deltanet, "delta_rule_step", counting)
+    prompts = [random.Random(i).choices(range(990), k=n) for i, n in enumerate((6, 9, 13))]
+    single = [llm.generate(prompt_token_ids=[p], sampling_params=GREEDY, use_tqdm=False)[0] for p in prompts]
+    calls.clear()
+    batched = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in batched] == [o.outputs[0].token_ids for o in single]
+    gdn_layers = llm.engine.model.config.layer_types.count("linear_attention")
+    # One prefill step, then 7 decode steps of all three rows: one batched update per GDN layer per step.
+    assert calls == [3] * (7 * gdn_layers)
