@@ -130,10 +130,10 @@ class LLMEngine:
             TransientSpec("decode_buffers", bytes_per_seq=4 * max_blocks + 5 * 8),
         ]
         if self._use_graphs:
-            # The graph pool keeps the largest bucket's activations and its static logits.
-            hidden = getattr(getattr(self.model, "dims", None), "hidden_size", 0)
-            act = 16 * hidden * dtype_size(self.loaded.dtype)
-            specs.append(TransientSpec("cuda_graphs", bytes_fixed=64 << 20, bytes_per_seq=4 * vocab + act))
+            # The graph pool keeps the largest bucket's activations (one token per row, as the model
+            # declares them per token) and its static logits.
+            per_row = sum(t.bytes_per_token for t in self.model.transient_specs())
+            specs.append(TransientSpec("cuda_graphs", bytes_fixed=64 << 20, bytes_per_seq=4 * vocab + per_row))
         return specs
 
     # ----------------------------------------------------------------------------------------- requests

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pegainfer.buffer_specs import TransientSpec
+
 
 @dataclass
 class PrefillSegment:
@@ -32,6 +34,30 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
     decode_seq_lens: torch.Tensor | None = None  # [num_decodes], context length including the new token
     max_decode_seq_len: int = 0
+
+
+#: Queries per block in the reference prefill attention.
+QUERY_BLOCK = 256
+
+
+def reference_scratch_bytes(
+    num_heads: int, kv_heads: int, head_dim: int, max_model_len: int, dtype_bytes: int
+) -> int:
+    """Worst-case scratch of one reference prefill attention call: the gathered K/V of a full context and
+    the fp32 scores, masked scores and probabilities of one query block over it."""
+    kv = 2 * max_model_len * kv_heads * head_dim * dtype_bytes
+    return kv + 3 * 4 * num_heads * QUERY_BLOCK * max_model_len
+
+
+def attention_scratch(
+    num_heads: int, kv_heads: int, head_dim: int, max_model_len: int, dtype: torch.dtype, device: torch.device
+) -> TransientSpec:
+    """The attention backend's scratch on ``device``, for the memory plan."""
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    return TransientSpec(
+        "attention_scratch",
+        bytes_fixed=reference_scratch_bytes(num_heads, kv_heads, head_dim, max_model_len, dtype_bytes),
+    )
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -72,13 +98,15 @@ def paged_attention(
         idx = _slots(seg.block_table, positions, meta.block_size)
         k = k_flat[idx].transpose(0, 1)  # [kv_heads, L, D]
         v = v_flat[idx].transpose(0, 1)
-        qs = q[seg.q_start : seg.q_start + seg.q_len].view(seg.q_len, kv_heads, group, head_dim)
-        q_pos = positions[seg.ctx_len - seg.q_len :]
-        mask = positions[None, :] <= q_pos[:, None]
-        o = _attend(qs.permute(1, 2, 0, 3), k, v, mask, scale)  # [kv_heads, group, n, D]
-        out[seg.q_start : seg.q_start + seg.q_len] = o.permute(2, 0, 1, 3).reshape(
-            seg.q_len, num_heads, head_dim
-        )
+        first = seg.ctx_len - seg.q_len
+        # Query blocks bound the fp32 score matrix to QUERY_BLOCK x context (see reference_scratch_bytes).
+        for lo in range(0, seg.q_len, QUERY_BLOCK):
+            n = min(QUERY_BLOCK, seg.q_len - lo)
+            rows = slice(seg.q_start + lo, seg.q_start + lo + n)
+            qs = q[rows].view(n, kv_heads, group, head_dim)
+            mask = positions[None, :] <= positions[first + lo : first + lo + n, None]
+            o = _attend(qs.permute(1, 2, 0, 3), k, v, mask, scale)  # [kv_heads, group, n, D]
+            out[rows] = o.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
     if meta.num_decodes:
         start, b = meta.num_prefill_tokens, meta.num_decodes
         positions = torch.arange(meta.max_decode_seq_len, device=q.device)

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pegainfer.buffer_specs import BufferSpec, PagedKVSpec
+from pegainfer.buffer_specs import BufferSpec, PagedKVSpec, TransientSpec, dtype_size
 from pegainfer.config import ModelConfig
 from pegainfer.errors import CheckpointError
-from pegainfer.layers.attention import paged_attention, write_kv
+from pegainfer.layers.attention import attention_scratch, paged_attention, write_kv
 from pegainfer.layers.norm import rms_norm
 from pegainfer.layers.rotary import RotaryEmbedding, rope_parameters
 from pegainfer.loader import CheckpointReader
@@ -161,6 +161,7 @@ class Qwen3ForCausalLM(CausalLM):
             None if dims.tie_word_embeddings else _param(dims.vocab_size, dims.hidden_size, dtype=dtype)
         )
         self.rotary = RotaryEmbedding(dims.head_dim, dims.rope_theta, max_model_len, dims.rope_type)
+        self.max_model_len = max_model_len
 
     @classmethod
     def from_hf_config(
@@ -195,6 +196,22 @@ class Qwen3ForCausalLM(CausalLM):
             PagedKVSpec(layer.layer_index, self.dims.num_kv_heads, self.dims.head_dim, self.dtype)
             for layer in self.layers
         ]
+
+    def transient_specs(self) -> list[TransientSpec]:
+        d = self.dims
+        q, kv, h, i = (
+            d.num_heads * d.head_dim,
+            d.num_kv_heads * d.head_dim,
+            d.hidden_size,
+            d.intermediate_size,
+        )
+        # Live at once inside a layer: the residual stream and its normed copy, q|k|v and the rotated q, k,
+        # the attention output, gate|up with silu(gate)*up, and the fp32 temporaries of RMSNorm.
+        per_token = dtype_size(self.dtype) * (6 * h + 3 * q + 4 * kv + 4 * i) + 4 * 2 * h
+        scratch = attention_scratch(
+            d.num_heads, d.num_kv_heads, d.head_dim, self.max_model_len, self.dtype, self.embed_tokens.device
+        )
+        return [TransientSpec("activations", bytes_per_token=per_token), scratch]
 
     def forward(
         self, batch: ForwardBatch, caches: dict[int, torch.Tensor], states: dict[int, dict[str, torch.Tensor]]
