@@ -1,7 +1,8 @@
 """The ``pegainfer`` console script: ``pegainfer <command> [key=value ...]``.
 
-``generate`` runs through ``hydra.main`` so Hydra's own flags (``--help``, ``--cfg job``, ``--info``,
-shell completion) work; the primary configs keep Hydra from writing files or changing directory.
+``generate`` and ``serve`` run through ``hydra.main`` so Hydra's own flags (``--help``, ``--cfg job``,
+``--info``, shell completion) work; the primary configs keep Hydra from writing files or changing directory.
+``bench serve`` is argparse-style: it drives any OpenAI-compatible server, not a config of ours.
 Errors pegainfer raises on purpose print as one line: exit 2 for configuration errors, 1 otherwise.
 """
 
@@ -27,6 +28,7 @@ from pegainfer.hydra_config import (
     build_engine_config,
     build_prompt_config,
     build_sampling_params,
+    build_server_config,
     hydra_error,
     install_search_path,
 )
@@ -38,10 +40,13 @@ usage: pegainfer <command> [key=value ...]
 commands:
   generate   generate text for a prompt; no arguments runs the embedded demo model
              (pegainfer generate model.path=DIR prompt="..." max_tokens=32)
+  serve      serve the OpenAI-compatible HTTP API; no arguments serves the embedded demo model
+             (pegainfer serve model.path=DIR server.host=127.0.0.1 server.port=8000)
+  bench      `pegainfer bench serve --url URL`: load-test a running OpenAI-compatible server
   models     list the installed models and the plugins that provide them (alias: plugins)
 
-`pegainfer generate --help` lists every config key; `pegainfer generate --cfg job` prints the
-composed config without running it.
+`pegainfer generate --help` (or `serve --help`) lists every config key; `--cfg job` prints the
+composed config without running it; `pegainfer bench serve --help` lists the load client's options.
 """
 
 
@@ -94,13 +99,37 @@ def _setup_logging() -> None:
 
 def generate_command(args: list[str]) -> int:
     """``pegainfer generate [overrides]``: compose ``generate.yaml`` through hydra.main and run it."""
+    return _hydra_command("generate", args, run_generate)
+
+
+def serve_command(args: list[str]) -> int:
+    """``pegainfer serve [overrides]``: compose ``serve.yaml`` and serve it until SIGTERM (exit 0)."""
+    return _hydra_command("serve", args, run_serve)
+
+
+def bench_command(args: list[str]) -> int:
+    """``pegainfer bench serve --url URL ...``: the load client (argparse-style: it drives any server)."""
+    if not args or args[0] in ("-h", "--help"):
+        usage = "usage: pegainfer bench serve [--help] [options]\n\n  serve   load-test an OpenAI server"
+        print(usage, file=sys.stdout if args else sys.stderr)
+        return 0 if args else 2
+    if args[0] != "serve":
+        raise ConfigError(f"unknown bench command '{args[0]}'; the only one is 'serve'")
+    from pegainfer.bench_serve import main as bench_serve_main
+
+    return bench_serve_main(args[1:])
+
+
+def _hydra_command(command: str, args: list[str], run: Callable[[DictConfig], None]) -> int:
+    """Compose ``<command>.yaml`` through hydra.main (so --help, --cfg job and completion work) and run it."""
     if "-m" in args or "--multirun" in args:
-        raise ConfigError("pegainfer generate does not support --multirun; give 'prompts=[...]' instead")
+        hint = "; give 'prompts=[...]' instead" if command == "generate" else ""
+        raise ConfigError(f"pegainfer {command} does not support --multirun{hint}")
     install_search_path()
     saved_argv, saved_full_error = sys.argv, os.environ.get("HYDRA_FULL_ERROR")
     # hydra.main reads sys.argv; HYDRA_FULL_ERROR makes it raise instead of printing its own report,
     # so a composition error reaches us and prints as one line.
-    sys.argv = ["pegainfer generate", *args]
+    sys.argv = [f"pegainfer {command}", *args]
     os.environ["HYDRA_FULL_ERROR"] = "1"
     GlobalHydra.instance().clear()
     # An exception leaving the task makes Hydra print its own report line, so the task hands errors back.
@@ -108,13 +137,13 @@ def generate_command(args: list[str]) -> int:
 
     def task(cfg: DictConfig) -> None:
         try:
-            run_generate(cfg)
+            run(cfg)
         except PegainferError as exc:
             errors.append(exc)
 
     try:
         hydra.main(
-            version_base=HYDRA_VERSION_BASE, config_path=f"pkg://{CONFIG_MODULE}", config_name="generate"
+            version_base=HYDRA_VERSION_BASE, config_path=f"pkg://{CONFIG_MODULE}", config_name=command
         )(task)()
     except (HydraException, OmegaConfBaseException) as exc:
         if saved_full_error == "1":
@@ -130,6 +159,15 @@ def generate_command(args: list[str]) -> int:
     if errors:
         raise errors[0]
     return 0
+
+
+def run_serve(cfg: DictConfig) -> None:
+    """Serve the engine of a composed ``serve`` config over HTTP."""
+    engine_config = build_engine_config(cfg)
+    server_config = build_server_config(cfg)
+    from pegainfer.server.app import run_server  # heavy (torch, FastAPI): imported only when serving
+
+    run_server(engine_config, server_config)
 
 
 def run_generate(cfg: DictConfig) -> None:
@@ -177,6 +215,8 @@ def models_command(args: list[str]) -> int:
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "generate": generate_command,
+    "serve": serve_command,
+    "bench": bench_command,
     "models": models_command,
     "plugins": models_command,
 }

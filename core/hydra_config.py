@@ -202,3 +202,11 @@ def build_prompt_config(cfg: DictConfig) -> PromptConfig:
     """The validated prompt keys of a ``generate`` config."""
     data = to_container(cfg)
     return validate_section(PromptConfig, {k: data[k] for k in PromptConfig.model_fields if k in data}, "")
+
+
+def build_server_config(cfg: DictConfig) -> Any:
+    """The validated ``server`` section of a ``serve`` config (a ``pegainfer.server.config.ServerConfig``)."""
+    from pegainfer.server.config import ServerConfig
+
+    data = to_container(cfg)
+    return validate_section(ServerConfig, data.get("server") or {}, "server")

@@ -54,6 +54,16 @@ def attention_scratch(
 ) -> TransientSpec:
     """The attention backend's scratch on ``device``, for the memory plan."""
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    if device.type == "cuda":
+        # The split-K decode partials; the flash-style prefill kernel needs no scratch. Sized for a
+        # generous row count (the plan reserves, it does not allocate).
+        from pegainfer.kernels.paged_decode_attention import decode_num_splits, decode_workspace_bytes
+
+        rows = 1024
+        splits = decode_num_splits(rows, kv_heads, max_model_len)
+        return TransientSpec(
+            "attention_scratch", bytes_fixed=decode_workspace_bytes(rows, num_heads, head_dim, splits)
+        )
     return TransientSpec(
         "attention_scratch",
         bytes_fixed=reference_scratch_bytes(num_heads, kv_heads, head_dim, max_model_len, dtype_bytes),
@@ -86,8 +96,18 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal GQA attention of q ``[T, heads, D]`` over the paged cache; returns ``[T, heads, D]``.
 
-    Query head h reads KV head ``h // (heads / kv_heads)``. Softmax runs in fp32.
+    Query head h reads KV head ``h // (heads / kv_heads)``. Triton kernels on CUDA, the torch reference
+    (``paged_attention_reference``) elsewhere.
     """
+    if q.is_cuda:
+        return _paged_attention_kernels(q, cache, meta, scale)
+    return paged_attention_reference(q, cache, meta, scale)
+
+
+def paged_attention_reference(
+    q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """The torch oracle of ``paged_attention``; softmax runs in fp32."""
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = cache.shape[-2]
     group = num_heads // kv_heads
@@ -117,4 +137,28 @@ def paged_attention(
         qd = q[start : start + b].view(b, kv_heads, group, 1, head_dim)
         o = _attend(qd, k, v, mask, scale)  # [B, kv_heads, group, 1, D]
         out[start : start + b] = o.reshape(b, num_heads, head_dim)
+    return out
+
+
+def _paged_attention_kernels(
+    q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """The Triton path: one varlen launch for the prefill segments, one split-K launch for decode rows."""
+    from pegainfer.kernels.paged_decode_attention import paged_decode_attention
+    from pegainfer.kernels.paged_prefill_attention import paged_prefill_attention, prefill_tensors
+
+    out = torch.empty_like(q)
+    if meta.prefills:
+        paged_prefill_attention(q, cache, prefill_tensors(meta.prefills, q.device), scale, out=out)
+    if meta.num_decodes:
+        rows = slice(meta.num_prefill_tokens, meta.num_prefill_tokens + meta.num_decodes)
+        paged_decode_attention(
+            q[rows],
+            cache,
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            scale,
+            out=out[rows],
+            max_seq_len=meta.max_decode_seq_len,
+        )
     return out

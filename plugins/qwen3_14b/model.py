@@ -16,8 +16,8 @@ from torch import nn
 from pegainfer.buffer_specs import BufferSpec, PagedKVSpec, TransientSpec, dtype_size
 from pegainfer.config import ModelConfig
 from pegainfer.errors import CheckpointError
-from pegainfer.layers.attention import attention_scratch, paged_attention, write_kv
-from pegainfer.layers.norm import rms_norm
+from pegainfer.layers import ops
+from pegainfer.layers.attention import attention_scratch, paged_attention
 from pegainfer.layers.rotary import RotaryEmbedding, rope_parameters
 from pegainfer.loader import CheckpointReader
 from pegainfer.model_api import CausalLM, ForwardBatch
@@ -97,18 +97,25 @@ class Qwen3DecoderLayer(nn.Module):
         self, x: torch.Tensor, batch: ForwardBatch, cache: torch.Tensor, rotary: RotaryEmbedding
     ) -> torch.Tensor:
         dims, eps, t = self.dims, self.dims.rms_norm_eps, x.shape[0]
-        qkv = F.linear(rms_norm(x, self.input_layernorm, eps), self.qkv_proj, self.qkv_bias)
+        qkv = F.linear(ops.rms_norm(x, self.input_layernorm, eps), self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rms_norm(q.reshape(t, dims.num_heads, dims.head_dim), self.q_norm, eps)
-        k = rms_norm(k.reshape(t, dims.num_kv_heads, dims.head_dim), self.k_norm, eps)
-        q, k = rotary(batch.positions, q, k)
-        write_kv(cache, k, v.reshape(t, dims.num_kv_heads, dims.head_dim), batch.attn.slot_mapping)
-        attn = paged_attention(q, cache, batch.attn, self.scale)
-        x = x + F.linear(attn.reshape(t, self.q_size), self.o_proj)
-        gate, up = F.linear(rms_norm(x, self.post_attention_layernorm, eps), self.gate_up_proj).chunk(
-            2, dim=-1
+        q, k = ops.qk_norm_rope_write_kv(
+            q.view(t, dims.num_heads, dims.head_dim),
+            k.view(t, dims.num_kv_heads, dims.head_dim),
+            v.view(t, dims.num_kv_heads, dims.head_dim),
+            self.q_norm,
+            self.k_norm,
+            rotary,
+            batch.positions,
+            eps,
+            cache,
+            batch.attn.slot_mapping,
         )
-        return x + F.linear(F.silu(gate) * up, self.down_proj)
+        attn = paged_attention(q, cache, batch.attn, self.scale)
+        h, x = ops.add_rms_norm(
+            F.linear(attn.reshape(t, self.q_size), self.o_proj), x, self.post_attention_layernorm, eps
+        )
+        return x + F.linear(ops.silu_mul(F.linear(h, self.gate_up_proj)), self.down_proj)
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         dims, h, d = self.dims, self.dims.hidden_size, self.dims.head_dim
@@ -219,7 +226,7 @@ class Qwen3ForCausalLM(CausalLM):
         x = F.embedding(batch.token_ids, self.embed_tokens)
         for layer in self.layers:
             x = layer(x, batch, caches[layer.layer_index], self.rotary)
-        return rms_norm(x, self.norm, self.dims.rms_norm_eps)
+        return ops.rms_norm(x, self.norm, self.dims.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens if self.lm_head is None else self.lm_head

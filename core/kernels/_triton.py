@@ -1,0 +1,109 @@
+"""Triton import shim and launch helpers shared by the kernels of this package.
+
+Triton is a Linux-only dependency; elsewhere the kernels stay defined (as plain functions) and every
+wrapper takes its torch reference, so importing ``pegainfer.kernels`` never fails.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - non-Linux hosts
+    HAS_TRITON = False
+
+    class _NoTriton:
+        @staticmethod
+        def jit(fn=None, **_kwargs):
+            return fn if fn is not None else (lambda f: f)
+
+        @staticmethod
+        def next_power_of_2(n: int) -> int:
+            return 1 << max(0, int(n) - 1).bit_length()
+
+        @staticmethod
+        def cdiv(a: int, b: int) -> int:
+            return -(-a // b)
+
+    triton = _NoTriton()
+    tl = None
+
+__all__ = [
+    "HAS_TRITON",
+    "triton",
+    "tl",
+    "use_kernel",
+    "next_pow2",
+    "dot_precision",
+    "interp_bf16",
+    "cast_to",
+    "num_sms",
+    "mma",
+]
+
+
+def use_kernel(t: torch.Tensor) -> bool:
+    """The dispatch rule of every wrapper: the Triton kernel for CUDA tensors, the torch reference otherwise."""
+    return HAS_TRITON and t.is_cuda
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs multiply in full precision (tf32 would cost ~3e-4 relative error); 16-bit ignore it."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def interp_bf16(dtype: torch.dtype) -> bool:
+    """True when bf16 data meets the interpreter, whose bf16 support is partial: it multiplies bf16
+    blocks as their raw uint16 bits and truncates fp32 -> bf16 casts. Kernels take this as a constexpr
+    and route dots through :func:`mma` and narrowing casts through :func:`cast_to`, so the interpreter
+    computes what the GPU computes (compiled kernels never take that branch)."""
+    return dtype == torch.bfloat16 and interpreting()
+
+
+@triton.jit
+def mma(a, b, FIX: tl.constexpr, PREC: tl.constexpr):
+    """``tl.dot(a, b)`` with an fp32 result. With ``FIX`` the operands are upcast first: exact for bf16
+    values, and the products accumulate in fp32 as on the tensor cores."""
+    if FIX:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def cast_to(x, dtype: tl.constexpr, FIX: tl.constexpr):
+    """``x.to(dtype)``, rounding to nearest even; with ``FIX`` (fp32 -> bf16 in the interpreter) the
+    rounding is done on the bits."""
+    if FIX:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessor count of ``device`` (cached); 132 off CUDA so the heuristics stay deterministic."""
+    if device.type != "cuda":
+        return 132
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]

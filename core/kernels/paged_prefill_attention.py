@@ -1,0 +1,324 @@
+"""Prefill and chunked-prefill attention over the paged KV cache, several segments in one launch.
+
+Segment ``s`` owns queries ``[q_start[s], q_start[s] + q_len[s])`` of the batch; they are the last
+``q_len`` of its ``ctx_len`` tokens, whose K/V (the chunk's own included, written beforehand) sit in
+the pages of ``block_tables[s]``. Query ``i`` of the chunk sits at position ``ctx_len - q_len + i`` and
+attends to every key at or before it: the cached prefix in full, the chunk causally.
+
+One program owns ``BLOCK_M`` queries of one head of one segment and runs a flash-attention online
+softmax (fp32, base 2) over key tiles gathered through the block table: first the tiles wholly before
+its first query, with no mask, then the diagonal tiles with the causal mask. Programs of one tile of
+all heads are adjacent in launch order so the query heads sharing a KV head read its pages while they
+are in L2.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from pegainfer.kernels._triton import (
+    cast_to,
+    dot_precision,
+    interp_bf16,
+    mma,
+    next_pow2,
+    tl,
+    triton,
+    use_kernel,
+)
+from pegainfer.layers.attention import AttentionMetadata, PrefillSegment, paged_attention_reference
+
+
+@dataclass
+class PrefillTensors:
+    """Device metadata of the prefill segments: int32 ``[S]`` vectors, block tables int32
+    ``[S, max_blocks]`` (zero-padded), and ``max_q_len`` on the host (it sizes the grid)."""
+
+    q_start: torch.Tensor
+    q_len: torch.Tensor
+    ctx_len: torch.Tensor
+    block_tables: torch.Tensor
+    max_q_len: int
+
+
+def prefill_tensors(segments: list[PrefillSegment], device: torch.device | str) -> PrefillTensors:
+    """Pack :class:`PrefillSegment` s into :class:`PrefillTensors` (one host-to-device copy each)."""
+    count = len(segments)
+    width = max((seg.block_table.numel() for seg in segments), default=1)
+    tables = torch.zeros(count, max(1, width), dtype=torch.int32)
+    for i, seg in enumerate(segments):
+        tables[i, : seg.block_table.numel()] = seg.block_table.to("cpu", torch.int32)
+    ints = torch.tensor(
+        [[seg.q_start, seg.q_len, seg.ctx_len] for seg in segments] or [[0, 0, 0]], dtype=torch.int32
+    )[:count]
+    ints = ints.t().contiguous().to(device, non_blocking=True)
+    return PrefillTensors(
+        q_start=ints[0],
+        q_len=ints[1],
+        ctx_len=ints[2],
+        block_tables=tables.to(device, non_blocking=True),
+        max_q_len=max((seg.q_len for seg in segments), default=0),
+    )
+
+
+@triton.jit
+def _prefill_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    k_ptr,
+    v_ptr,
+    table,
+    head_off,
+    q_pos,
+    n0,
+    last_pos,
+    scale_log2,
+    stride_cblk,
+    stride_ctok,
+    offs_d,
+    mask_d,
+    MASKED: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    FIX: tl.constexpr,
+):
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        mask_n = offs_n <= last_pos
+        block = tl.load(table + offs_n // PAGE, mask=mask_n, other=0).to(tl.int64)
+        tok = block * stride_cblk + (offs_n % PAGE) * stride_ctok + head_off
+        k = tl.load(k_ptr + tok[None, :] + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        v = tl.load(v_ptr + tok[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+    else:
+        block = tl.load(table + offs_n // PAGE).to(tl.int64)
+        tok = block * stride_cblk + (offs_n % PAGE) * stride_ctok + head_off
+        k = tl.load(k_ptr + tok[None, :] + offs_d[:, None], mask=mask_d[:, None], other=0.0)
+        v = tl.load(v_ptr + tok[:, None] + offs_d[None, :], mask=mask_d[None, :], other=0.0)
+    s = mma(q, k, FIX, DOT_PREC) * scale_log2
+    if MASKED:
+        s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + mma(cast_to(p, v.dtype, FIX), v, FIX, DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    q_start_ptr,
+    q_len_ptr,
+    ctx_len_ptr,
+    block_tables_ptr,
+    scale_log2,
+    num_tiles,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cblk,
+    stride_ctok,
+    stride_chead,
+    stride_bt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    FIX: tl.constexpr,
+):
+    head = tl.program_id(0)
+    tile = num_tiles - 1 - tl.program_id(1)  # the longest rows of keys start first
+    seg = tl.program_id(2)
+    q_len = tl.load(q_len_ptr + seg)
+    if tile * BLOCK_M < q_len:
+        q_start = tl.load(q_start_ptr + seg).to(tl.int64)
+        ctx_len = tl.load(ctx_len_ptr + seg)
+        offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_m = offs_m < q_len
+        mask_d = offs_d < HEAD_DIM
+        rows = q_start + offs_m
+        q = tl.load(
+            q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+            mask=mask_m[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        first_pos = ctx_len - q_len + tile * BLOCK_M
+        last_pos = tl.minimum(first_pos + BLOCK_M, ctx_len) - 1
+        q_pos = first_pos + tl.arange(0, BLOCK_M)
+        # Keys before this bound precede every query of the tile: no mask needed.
+        full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+        table = block_tables_ptr + seg.to(tl.int64) * stride_bt
+        head_off = (head // GROUP).to(tl.int64) * stride_chead
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for n0 in range(0, full_end, BLOCK_N):
+            m_i, l_i, acc = _prefill_tile(
+                q, m_i, l_i, acc, k_ptr, v_ptr, table, head_off, q_pos, n0, last_pos, scale_log2,
+                stride_cblk, stride_ctok, offs_d, mask_d, False, PAGE, BLOCK_N, DOT_PREC, FIX,
+            )  # fmt: skip
+        for n0 in range(full_end, last_pos + 1, BLOCK_N):
+            m_i, l_i, acc = _prefill_tile(
+                q, m_i, l_i, acc, k_ptr, v_ptr, table, head_off, q_pos, n0, last_pos, scale_log2,
+                stride_cblk, stride_ctok, offs_d, mask_d, True, PAGE, BLOCK_N, DOT_PREC, FIX,
+            )  # fmt: skip
+        o = acc / l_i[:, None]
+        tl.store(
+            out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+            cast_to(o, out_ptr.dtype.element_ty, FIX),
+            mask=mask_m[:, None] & mask_d[None, :],
+        )
+
+
+def _check(q: torch.Tensor, cache: torch.Tensor) -> None:
+    if q.dim() != 3 or cache.dim() != 5 or cache.shape[0] != 2:
+        raise ValueError(
+            f"expected q [T, heads, D] and cache [2, blocks, block_size, kv_heads, D]; got q {tuple(q.shape)}, "
+            f"cache {tuple(cache.shape)}"
+        )
+    if q.shape[1] % cache.shape[3] or q.shape[2] != cache.shape[4]:
+        raise ValueError(
+            f"q {tuple(q.shape)} does not fit a cache of {cache.shape[3]} KV heads of dim {cache.shape[4]}"
+        )
+
+
+def default_prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for Hopper; the benchmark sweeps alternatives. fp32
+    (full-precision dots on the FMA units) takes smaller tiles to stay clear of register spills."""
+    if dtype == torch.float32:
+        return (64, 32, 4, 2) if head_dim <= 64 else (32, 32, 4, 2)
+    if head_dim <= 64:
+        return 128, 64, 4, 3
+    if head_dim <= 128:
+        return 128, 64, 8, 3
+    return 64, 32, 8, 2
+
+
+def paged_prefill_attention_triton(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    meta: PrefillTensors,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """The Triton path of :func:`paged_prefill_attention`; the keyword knobs override
+    :func:`default_prefill_config`."""
+    _check(q, cache)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    page, kv_heads = cache.shape[2], cache.shape[3]
+    if q.stride(-1) != 1 or cache.stride(-1) != 1 or meta.block_tables.stride(-1) != 1:
+        raise ValueError("q, cache and block_tables need a contiguous last dimension")
+    if out is None:
+        out = torch.empty_like(q)
+    num_segments = meta.q_len.shape[0]
+    if num_segments == 0 or meta.max_q_len == 0:
+        return out
+    bm, bn, warps, stages = default_prefill_config(head_dim, q.dtype)
+    bm, bn = block_m or bm, block_n or bn
+    num_tiles = triton.cdiv(meta.max_q_len, bm)
+    k_cache, v_cache = cache[0], cache[1]
+    _prefill_kernel[(num_heads, num_tiles, num_segments)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        meta.q_start,
+        meta.q_len,
+        meta.ctx_len,
+        meta.block_tables,
+        scale * math.log2(math.e),
+        num_tiles,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        meta.block_tables.stride(0),
+        GROUP=num_heads // kv_heads,
+        HEAD_DIM=head_dim,
+        PAGE=page,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_D=next_pow2(head_dim),
+        DOT_PREC=dot_precision(q.dtype),
+        FIX=interp_bf16(q.dtype),
+        num_warps=num_warps or warps,
+        num_stages=num_stages or stages,
+    )
+    return out
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    meta: PrefillTensors,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The torch reference: :func:`pegainfer.layers.attention.paged_attention_reference` over the segments (it
+    reads the metadata back to the host)."""
+    _check(q, cache)
+    starts, lens, ctxs = meta.q_start.tolist(), meta.q_len.tolist(), meta.ctx_len.tolist()
+    segments = [
+        PrefillSegment(q_start=s, q_len=n, ctx_len=c, block_table=meta.block_tables[i])
+        for i, (s, n, c) in enumerate(zip(starts, lens, ctxs, strict=True))
+        if n > 0
+    ]
+    attn = AttentionMetadata(
+        block_size=cache.shape[2],
+        slot_mapping=torch.empty(0, dtype=torch.long, device=q.device),
+        prefills=segments,
+        num_prefill_tokens=q.shape[0],
+    )
+    result = paged_attention_reference(q.contiguous(), cache, attn, scale)
+    if out is None:
+        return result
+    for seg in segments:
+        rows = slice(seg.q_start, seg.q_start + seg.q_len)
+        out[rows] = result[rows]
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    meta: PrefillTensors,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal GQA attention of the prefill segments' queries over the paged cache.
+
+    q ``[T, heads, D]`` (bf16/fp16/fp32, last dim contiguous; head ``h`` reads KV head
+    ``h // (heads / kv_heads)``), cache ``[2, blocks, block_size, kv_heads, D]`` of q's dtype holding
+    every segment's K/V up to ``ctx_len`` (write the chunk first), ``meta`` from :func:`prefill_tensors`.
+    Returns ``out`` (``[T, heads, D]``, allocated when None) with the segments' rows written and every
+    other row (e.g. decode rows) left as it was. fp32 softmax and accumulation. Triton on CUDA, the
+    torch reference elsewhere."""
+    if use_kernel(q):
+        return paged_prefill_attention_triton(q, cache, meta, scale, out=out)
+    return paged_prefill_attention_ref(q, cache, meta, scale, out=out)

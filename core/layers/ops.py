@@ -1,0 +1,66 @@
+"""Device dispatch for the small fused ops: Triton kernels on CUDA, the torch reference elsewhere.
+
+The kernels are imported on first CUDA use only, so CPU runs (and the Triton interpreter tests, which
+must set their environment before Triton is imported) never load them early.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pegainfer.layers.attention import write_kv
+from pegainfer.layers.norm import rms_norm as rms_norm_ref
+from pegainfer.layers.rotary import RotaryEmbedding
+
+
+def _kernels():
+    from pegainfer.kernels import fused_ops
+
+    return fused_ops
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.is_cuda:
+        return _kernels().rms_norm(x, weight, eps)
+    return rms_norm_ref(x, weight, eps)
+
+
+def add_rms_norm(
+    delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual += delta`` then its RMSNorm; returns (normed, residual). On CUDA one kernel, in place."""
+    if delta.is_cuda:
+        return _kernels().fused_add_rms_norm(delta, residual, weight, eps)
+    residual = residual + delta
+    return rms_norm_ref(residual, weight, eps), residual
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a packed ``[..., 2I]`` gate|up projection."""
+    if gate_up.is_cuda:
+        return _kernels().silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def qk_norm_rope_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    rotary: RotaryEmbedding,
+    positions: torch.Tensor,
+    eps: float,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q ``[T, H, D]`` and k ``[T, KVH, D]``, rotary at ``positions``, and k, v written
+    into the pages at ``slot_mapping``; returns the rotated (q, k)."""
+    if q.is_cuda:
+        return _kernels().qk_norm_rope(
+            q, k, q_weight, k_weight, rotary, positions, eps, kv_cache=cache, v=v, slot_mapping=slot_mapping
+        )
+    q, k = rotary(positions, rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps))
+    write_kv(cache, k, v, slot_mapping)
+    return q, k

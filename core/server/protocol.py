@@ -1,0 +1,208 @@
+"""Request bodies of the OpenAI API (completions, chat completions) plus vLLM's extras, as pydantic models.
+
+Types are strict (``"5"`` is not a number, ``true`` is not an integer); unknown fields are accepted and
+ignored, as OpenAI clients add new ones all the time. Range checks that SamplingParams already makes are
+repeated here only where they shape the OpenAPI schema; ``to_sampling_params`` applies the checkpoint's
+generation_config defaults and SamplingParams' own validation.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pegainfer.errors import RequestError
+from pegainfer.sampling_params import RequestOutputKind, SamplingParams
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+NonNegInt = Annotated[int, Field(ge=0)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Body):
+    """Fields shared by completions and chat completions. ``None`` means the checkpoint's default."""
+
+    model: str | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extras (clients send them through extra_body).
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    ignore_eos: bool = False
+    min_tokens: NonNegInt = 0
+    stop_token_ids: list[NonNegInt] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def check_supported(self) -> None:
+        """400 for fields that are valid OpenAI but that pegainfer does not implement."""
+        if self.logit_bias:
+            raise RequestError("logit_bias is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options is only allowed when stream is true", param="stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(
+        self, defaults: SamplingParams, *, max_tokens: int | None, logprobs: int | None, vocab_size: int
+    ) -> SamplingParams:
+        """SamplingParams for this request: unset fields take the checkpoint's defaults."""
+        for token_id in self.stop_token_ids or ():
+            if token_id >= vocab_size:
+                raise RequestError(f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stop):
+            raise RequestError("stop strings must not be empty", param="stop")
+        values: dict[str, Any] = {
+            "n": self.n,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "seed": self.seed,
+            "max_tokens": max_tokens,
+            "min_tokens": self.min_tokens,
+            "stop": stop,
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "ignore_eos": self.ignore_eos,
+            "logprobs": logprobs,
+            "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+        }
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            values[name] = getattr(defaults, name) if value is None else value
+        if values["top_k"] > vocab_size:
+            values["top_k"] = -1  # the same filter, and no huge integer reaches the sampler's tensors
+        return SamplingParams(**values)
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. ``prompt``: a string, strings, token ids, or lists of token ids."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix:
+            raise RequestError("suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestError("best_of other than n is not supported", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise RequestError("echo together with logprobs is not supported", param="echo")
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompts as a list of strings or a list of token-id lists; 400 when empty."""
+        p = self.prompt
+        if isinstance(p, str):
+            prompts: list[Any] = [p]
+        elif not p:
+            raise RequestError("the prompt is empty", param="prompt")
+        elif isinstance(p[0], int):
+            prompts = [p]
+        else:
+            prompts = list(p)
+        if len(prompts) > MAX_N:
+            raise RequestError(f"at most {MAX_N} prompts are allowed in one request", param="prompt")
+        if any(len(x) == 0 for x in prompts):
+            raise RequestError("the prompt is empty", param="prompt")
+        return prompts
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    reasoning_content: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template sees it: text parts joined into one string."""
+        data = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            data["content"] = "".join(part.text for part in self.content)
+        return data
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # vLLM extras.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise RequestError("only response_format type 'text' is supported", param="response_format")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise RequestError(
+                "tool_choice other than 'none' or 'auto' is not supported", param="tool_choice"
+            )
+        if self.continue_final_message and self.add_generation_prompt:
+            raise RequestError(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                param="continue_final_message",
+            )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise RequestError(
+                "continue_final_message needs the last message to be the assistant's", param="messages"
+            )
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

@@ -1,0 +1,202 @@
+"""What the endpoints share: model-name checks, prompt encoding, submission, usage and logprobs formats."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+
+from pegainfer.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineStoppedError,
+    PromptInput,
+    RequestStream,
+)
+from pegainfer.errors import RequestError
+from pegainfer.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pegainfer.sampling_params import SamplingParams
+from pegainfer.server.errors import APIError, to_api_error
+from pegainfer.server.protocol import _SamplingFields
+from pegainfer.server.streaming import DONE, ClientDisconnected, collect_until_disconnect, sse
+
+# JSON has no -inf; OpenAI-compatible servers report impossible tokens with this floor instead.
+_LOGPROB_FLOOR = -9999.0
+
+
+def finite(logprob: float) -> float:
+    return logprob if logprob > _LOGPROB_FLOOR else _LOGPROB_FLOOR
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def top_entries(entry: PositionLogprobs, k: int) -> list[tuple[int, Any]]:
+    """The ``k`` most likely (id, Logprob) pairs of one position, best first."""
+    return sorted(entry.items(), key=lambda item: -item[1].logprob)[:k]
+
+
+def completion_logprobs(
+    token_ids: list[int], entries: list[PositionLogprobs], k: int, offset: int
+) -> dict[str, Any]:
+    """The completions API's logprobs object for ``token_ids``; text offsets start at ``offset``."""
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    tops: list[dict[str, float]] = []
+    offsets: list[int] = []
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        chosen = entry[token_id]
+        text = chosen.decoded_token or ""
+        tokens.append(text)
+        token_logprobs.append(finite(chosen.logprob))
+        top = {lp.decoded_token or "": finite(lp.logprob) for _, lp in top_entries(entry, k)}
+        top.setdefault(text, finite(chosen.logprob))
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(token_ids: list[int], entries: list[PositionLogprobs], k: int) -> dict[str, Any]:
+    """The chat API's logprobs object (``{"content": [...]}``) for ``token_ids``."""
+
+    def item(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8", "replace"))}
+
+    content = []
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        chosen = entry[token_id]
+        record = item(chosen.decoded_token or "", chosen.logprob)
+        record["top_logprobs"] = [item(lp.decoded_token or "", lp.logprob) for _, lp in top_entries(entry, k)]
+        content.append(record)
+    return {"content": content, "refusal": None}
+
+
+class ServingBase:
+    """Turns validated request bodies into engine submissions, for one served model."""
+
+    id_prefix = "req"
+
+    def __init__(self, engine: AsyncLLMEngine, model_names: list[str]) -> None:
+        self.engine = engine
+        llm = engine.engine
+        self.tokenizer = llm.tokenizer
+        self.defaults: SamplingParams = llm.default_sampling_params()
+        self.max_model_len = llm.max_model_len
+        self.vocab_size = int(getattr(llm.model, "vocab_size", None) or self.tokenizer.vocab_size)
+        self.model_names = model_names
+        self.model_name = model_names[0]
+
+    def new_id(self) -> str:
+        return f"{self.id_prefix}-{uuid.uuid4().hex}"
+
+    def check_request(self, body: _SamplingFields) -> None:
+        if body.model is not None and body.model not in self.model_names:
+            raise APIError(
+                400,
+                f"the model '{body.model}' does not exist; this server serves '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+        try:
+            body.check_supported()
+        except RequestError as exc:
+            raise to_api_error(exc) from None
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except Exception:  # e.g. lone surrogates, which JSON can carry but text cannot
+            raise APIError(400, "the prompt could not be tokenized", param="prompt") from None
+
+    def sampling_params(
+        self, body: _SamplingFields, max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams:
+        try:
+            return body.sampling_params(
+                self.defaults, max_tokens=max_tokens, logprobs=logprobs, vocab_size=self.vocab_size
+            )
+        except RequestError as exc:
+            raise to_api_error(exc) from None
+
+    async def submit(
+        self, request_id: str, inputs: list[PromptInput], params: SamplingParams
+    ) -> RequestStream:
+        try:
+            return await self.engine.submit(request_id, inputs, params)
+        except Exception as exc:
+            raise to_api_error(exc) from None
+
+    async def collect(self, stream: RequestStream, raw: Request) -> dict[int, RequestOutput]:
+        """Final outputs by prompt index; 500 when a sequence failed inside the engine."""
+        try:
+            finals = await collect_until_disconnect(stream, raw)
+        except ClientDisconnected:
+            raise APIError(499, "the client closed the connection", code="client_closed") from None
+        except Exception as exc:
+            raise _in_flight_error(exc) from None
+        for output in finals.values():
+            if any(c.finish_reason == "error" for c in output.outputs):
+                raise APIError(500, "the request failed inside the engine", code="internal_error")
+        return finals
+
+    async def stream_events(
+        self,
+        stream: RequestStream,
+        chunks: Any,
+        usage_chunk: Any | None,
+    ) -> AsyncIterator[str]:
+        """SSE events: ``chunks(index, completion, output)`` gives each output's chunk dicts, then a usage
+        chunk when asked, then ``[DONE]``. An engine failure becomes an error event; leaving aborts."""
+        n = stream.params.n
+        sent_finish: set[int] = set()
+        prompt_tokens: dict[int, int] = {}
+        completion_tokens = 0
+        try:
+            async for index, output in stream:
+                prompt_tokens.setdefault(index, len(output.prompt_token_ids))
+                for completion in output.outputs:
+                    choice = index * n + completion.index
+                    if choice in sent_finish:
+                        continue
+                    if completion.finish_reason == "error":
+                        error = APIError(500, "the request failed inside the engine", code="internal_error")
+                        yield sse(error.body())
+                        return
+                    completion_tokens += len(completion.token_ids)
+                    if completion.finish_reason is not None:
+                        sent_finish.add(choice)
+                    for chunk in chunks(choice, completion, output):
+                        yield sse(chunk)
+            if usage_chunk is not None:
+                yield sse(usage_chunk(usage(sum(prompt_tokens.values()), completion_tokens)))
+            yield DONE
+        except (EngineDeadError, EngineStoppedError) as exc:
+            yield sse(_in_flight_error(exc).body())
+        finally:
+            stream.abort()
+
+
+def _in_flight_error(exc: BaseException) -> APIError:
+    """An admitted request cut by the engine dying or the server stopping is a server error (500)."""
+    if isinstance(exc, (EngineDeadError, EngineStoppedError)):
+        return APIError(
+            500, str(exc), code="engine_dead" if isinstance(exc, EngineDeadError) else "shutting_down"
+        )
+    return to_api_error(exc)
+
+
+def created() -> int:
+    return int(time.time())
+
+
+def has_news(completion: CompletionOutput) -> bool:
+    return bool(completion.text or completion.finish_reason or completion.logprobs)

@@ -1,0 +1,138 @@
+"""POST /v1/chat/completions: messages rendered with the checkpoint's chat template, then generated."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pegainfer.async_engine import PromptInput, RequestStream
+from pegainfer.errors import RequestError
+from pegainfer.outputs import CompletionOutput, RequestOutput
+from pegainfer.server.errors import APIError, to_api_error
+from pegainfer.server.protocol import ChatCompletionRequest
+from pegainfer.server.serving import ServingBase, chat_logprobs, created, has_news, usage
+from pegainfer.server.streaming import sse, sse_response
+
+# Names apply_chat_template takes itself; chat_template_kwargs may not override them.
+_RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "chat_template"}
+
+
+class ChatServing(ServingBase):
+    id_prefix = "chatcmpl"
+
+    async def create(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        self.check_request(body)
+        text = self.render(body)
+        inputs = [PromptInput(self.encode(text, add_special_tokens=False), text)]
+        params = self.sampling_params(body, body.requested_max_tokens, body.num_logprobs)
+        request_id = self.new_id()
+        stream = await self.submit(request_id, inputs, params)
+        if body.stream:
+            return sse_response(self._events(body, request_id, stream))
+        finals = await self.collect(stream, raw)
+        return JSONResponse(self._response(body, request_id, finals[0]))
+
+    def render(self, body: ChatCompletionRequest) -> str:
+        """The prompt text, rendered as transformers renders it (the template adds the special tokens)."""
+        kwargs = dict(body.chat_template_kwargs or {})
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+        if reserved:
+            raise APIError(
+                400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs"
+            )
+        messages = [m.for_template() for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt, tools=body.tools, **kwargs
+            )
+        except RequestError as exc:
+            raise to_api_error(exc) from None
+        except Exception:  # a template that breaks on unusual input is a bad request, not a crash
+            raise APIError(
+                400, "the chat template could not render these messages", param="messages"
+            ) from None
+        if body.continue_final_message:
+            # Cut after the final message's text, so the model continues it instead of closing the turn.
+            final = messages[-1].get("content") or ""
+            cut = text.rfind(final) if final else -1
+            if cut >= 0:
+                text = text[: cut + len(final)]
+        return text
+
+    def _response(
+        self, body: ChatCompletionRequest, request_id: str, output: RequestOutput
+    ) -> dict[str, Any]:
+        choices = []
+        for completion in output.outputs:
+            choices.append(
+                {
+                    "index": completion.index,
+                    "message": {"role": "assistant", "content": completion.text},
+                    "logprobs": self._logprobs(body, completion),
+                    "finish_reason": completion.finish_reason,
+                    "stop_reason": completion.stop_reason,
+                }
+            )
+        completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+        return {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": created(),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": usage(len(output.prompt_token_ids), completion_tokens),
+        }
+
+    @staticmethod
+    def _logprobs(body: ChatCompletionRequest, completion: CompletionOutput) -> dict[str, Any] | None:
+        k = body.num_logprobs
+        if k is None or completion.logprobs is None:
+            return None
+        return chat_logprobs(completion.token_ids, completion.logprobs, k)
+
+    async def _events(
+        self, body: ChatCompletionRequest, request_id: str, stream: RequestStream
+    ) -> AsyncIterator[str]:
+        stamp = created()
+        include_usage = body.include_usage
+
+        def base(choices: list[dict[str, Any]]) -> dict[str, Any]:
+            chunk = {
+                "id": request_id,
+                "object": "chat.completion.chunk",
+                "created": stamp,
+                "model": self.model_name,
+                "choices": choices,
+            }
+            if include_usage:
+                chunk["usage"] = None
+            return chunk
+
+        def chunks(choice: int, completion: CompletionOutput, output: RequestOutput) -> list[dict[str, Any]]:
+            if not has_news(completion):
+                return []
+            delta = {"content": completion.text} if completion.text else {}
+            item = {
+                "index": choice,
+                "delta": delta,
+                "logprobs": self._logprobs(body, completion),
+                "finish_reason": completion.finish_reason,
+                "stop_reason": completion.stop_reason,
+            }
+            return [base([item])]
+
+        def usage_chunk(counts: dict[str, int]) -> dict[str, Any]:
+            return {**base([]), "usage": counts}
+
+        # Every choice opens with the assistant role, before any content (as OpenAI streams it).
+        try:
+            for i in range(body.n):
+                role = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+                yield sse(base([{**role, "finish_reason": None}]))
+            async for event in self.stream_events(stream, chunks, usage_chunk if include_usage else None):
+                yield event
+        finally:
+            stream.abort()  # a no-op once finished; frees the pages at once when the client left

@@ -1,0 +1,113 @@
+"""Compile every kernel for Hopper (sm_90) on a machine without a GPU; report registers, spills, loads.
+
+    python tests/kernels/compile_report.py
+
+The wrappers run on CPU tensors of the real Qwen3-14B shapes, but ``JITFunction.run`` is replaced by a
+compile-only stand-in that specialises arguments as a real launch does (16-byte-aligned pointers and
+multiples of 16 get ``tt.divisibility``, ints equal to 1 become constants) and compiles through the
+ptxas bundled with Triton. A codegen error surfaces here without GPU time; the table shows registers,
+stack bytes (spills), whether global loads are 16-byte (``v4`` / ``cp.async``) and the MMA flavour.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile, never interpret
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+_TYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.int32: "i32",
+    torch.int64: "i64",
+}
+_SHOWN = ("GROUP", "HEAD_DIM", "BLOCK_M", "BLOCK_N", "SPLIT", "DOT_PREC", "HAS_RES", "WRITE_CACHE")
+rows: list[tuple[str, ...]] = []
+
+
+def _compile_only(self: JITFunction, *args, grid, warmup, **kwargs):
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    bound = dict(zip(self.arg_names, args, strict=False)) | kwargs
+    signature, constants, attrs = {}, {}, {}
+    for i, param in enumerate(self.params):
+        value = bound[param.name]
+        if param.is_constexpr or (type(value) is int and value == 1):
+            signature[param.name], constants[param.name] = "constexpr", value
+            continue
+        if isinstance(value, torch.Tensor):
+            signature[param.name] = "*" + _TYPES[value.dtype]
+            aligned = value.data_ptr() % 16 == 0
+        elif isinstance(value, bool):
+            signature[param.name], aligned = "i1", False
+        elif isinstance(value, int):
+            signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            aligned = value % 16 == 0 and value != 0
+        else:
+            signature[param.name], aligned = "fp32", False
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    kernel = triton.compile(ASTSource(self, signature, constants, attrs), target=TARGET, options=options)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True)
+    res = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
+    ptx = kernel.asm["ptx"]
+    wide = bool(re.search(r"ld\.global(\.\w+)*\.v4|cp\.async\.cg", ptx))
+    mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "-"
+    shown = {k: v for k, v in constants.items() if k in _SHOWN}
+    rows.append(
+        (self.__name__, str(shown), str(options), *(res.groups() if res else ("?", "?")), str(wide), mma)
+    )
+
+
+def main() -> None:
+    JITFunction.run = _compile_only
+    from pegainfer.kernels import fused_ops as ops
+    from pegainfer.kernels.paged_decode_attention import paged_decode_attention_triton
+    from pegainfer.kernels.paged_prefill_attention import PrefillTensors, paged_prefill_attention_triton
+    from pegainfer.layers.rotary import RotaryEmbedding
+
+    heads, kv_heads, d = 40, 8, 128
+    ints = torch.zeros(3, dtype=torch.int32)
+    for dtype in (torch.bfloat16, torch.float32):
+        cache = torch.empty(2, 64, 16, kv_heads, d, dtype=dtype)
+        q = torch.empty(8, heads, d, dtype=dtype)
+        tables, lens = torch.zeros(8, 64, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
+        for splits in (1, 4):
+            paged_decode_attention_triton(q, cache, tables, lens, 0.1, num_splits=splits)
+        meta = PrefillTensors(ints, ints, ints, torch.zeros(3, 64, dtype=torch.int32), 100)
+        paged_prefill_attention_triton(torch.empty(100, heads, d, dtype=dtype), cache, meta, 0.1)
+        x, w = torch.empty(4, 5120, dtype=dtype), torch.empty(5120, dtype=dtype)
+        ops.rms_norm_triton(x, w, 1e-6)
+        ops.fused_add_rms_norm_triton(x, x.clone(), w, 1e-6)
+        ops.silu_mul_triton(torch.empty(4, 2 * 17408, dtype=dtype))
+        qkv = torch.empty(4, (heads + 2 * kv_heads) * d, dtype=dtype)
+        qv, kv, vv = (t.view(4, -1, d) for t in qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1))
+        pos = torch.zeros(4, dtype=torch.int64)
+        rotary = RotaryEmbedding(d, 1e6, 64)
+        ops.qk_norm_rope_triton(qv, kv, w[:d], w[:d], rotary, pos, 1e-6)
+        ops.qk_norm_rope_triton(
+            qv, kv, w[:d], w[:d], rotary, pos, 1e-6, kv_cache=cache, v=vv, slot_mapping=pos
+        )
+        ops.write_kv_triton(cache, kv, vv, pos)
+    header = ("kernel", "constants", "options", "regs", "stack", "16B loads", "mma")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+
+
+if __name__ == "__main__":
+    main()
