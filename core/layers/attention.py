@@ -6,6 +6,7 @@ decode row. Decode rows read their metadata from the persistent decode buffers.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,11 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
     decode_seq_lens: torch.Tensor | None = None  # [num_decodes], context length including the new token
     max_decode_seq_len: int = 0
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Triton kernels for CUDA tensors unless ``PEGAINFER_DISABLE_TRITON=1`` asks for the torch reference."""
+    return t.is_cuda and os.environ.get("PEGAINFER_DISABLE_TRITON", "0") != "1"
 
 
 #: Queries per block in the reference prefill attention.
@@ -99,7 +105,7 @@ def paged_attention(
     Query head h reads KV head ``h // (heads / kv_heads)``. Triton kernels on CUDA, the torch reference
     (``paged_attention_reference``) elsewhere.
     """
-    if q.is_cuda:
+    if use_triton(q):
         return _paged_attention_kernels(q, cache, meta, scale)
     return paged_attention_reference(q, cache, meta, scale)
 

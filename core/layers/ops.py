@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pegainfer.layers.attention import write_kv
+from pegainfer.layers.attention import use_triton, write_kv
 from pegainfer.layers.norm import rms_norm as rms_norm_ref
 from pegainfer.layers.rotary import RotaryEmbedding
 
@@ -20,7 +20,7 @@ def _kernels():
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.is_cuda:
+    if use_triton(x):
         return _kernels().rms_norm(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
 
@@ -29,7 +29,7 @@ def add_rms_norm(
     delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual += delta`` then its RMSNorm; returns (normed, residual). On CUDA one kernel, in place."""
-    if delta.is_cuda:
+    if use_triton(delta):
         return _kernels().fused_add_rms_norm(delta, residual, weight, eps)
     residual = residual + delta
     return rms_norm_ref(residual, weight, eps), residual
@@ -37,7 +37,7 @@ def add_rms_norm(
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of a packed ``[..., 2I]`` gate|up projection."""
-    if gate_up.is_cuda:
+    if use_triton(gate_up):
         return _kernels().silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
@@ -57,7 +57,7 @@ def qk_norm_rope_write_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm of q ``[T, H, D]`` and k ``[T, KVH, D]``, rotary at ``positions``, and k, v written
     into the pages at ``slot_mapping``; returns the rotated (q, k)."""
-    if q.is_cuda:
+    if use_triton(q):
         return _kernels().qk_norm_rope(
             q, k, q_weight, k_weight, rotary, positions, eps, kv_cache=cache, v=v, slot_mapping=slot_mapping
         )
