@@ -27,7 +27,9 @@ def assert_ulp_close(got: torch.Tensor, ref: torch.Tensor) -> None:
     assert torch.isfinite(got).all()
     tol = ULP[got.dtype]
     torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
-    if got.dtype != torch.float32:
+    # The interpreter rounds exactly like the reference; compiled GPU code contracts multiply-adds (FMA),
+    # so there only the one-ulp bound holds.
+    if got.dtype != torch.float32 and DEVICE == "cpu":
         assert (got != ref).float().mean().item() <= 0.01
 
 
