@@ -54,11 +54,22 @@ class ParallelConfig(_Section):
     tensor_parallel_size: int = Field(default=1, ge=1)
 
 
+class SpeculativeConfig(_Section):
+    """Speculative decoding with the model's own draft layers (e.g. DeepSeek's MTP module).
+
+    ``num_tokens``: draft tokens proposed per step for each greedy request (0: off). Greedy output is
+    identical with and without it; sampled requests decode normally.
+    """
+
+    num_tokens: int = Field(default=0, ge=0, le=16)
+
+
 class EngineConfig(_Section):
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
     device: str = "auto"
     seed: int = 0
     enforce_eager: bool = False

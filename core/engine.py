@@ -23,9 +23,13 @@ from pegainfer.request import Request, RequestStatus
 from pegainfer.sampler import Sampler, compute_prompt_logprobs
 from pegainfer.sampling_params import RequestOutputKind, SamplingParams
 from pegainfer.scheduler import ContinuousBatchingScheduler, Scheduler, SchedulerOutput
+from pegainfer.speculative import SpeculativeDecoder, draft_buffer_specs, sample_and_verify
 from pegainfer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+#: ``LLMEngine.stats`` counters (the spec_* ones: draft tokens verified and accepted, all requests).
+STAT_KEYS = ("prompt_tokens", "generation_tokens", "steps", "spec_draft_tokens", "spec_accepted_tokens")
 
 
 @dataclass
@@ -83,6 +87,9 @@ class LLMEngine:
         sched = config.scheduler
         if sched.max_num_batched_tokens < sched.max_num_seqs:
             logger.warning("max_num_batched_tokens < max_num_seqs: some running requests wait every step")
+        num_spec = config.speculative.num_tokens
+        # Drafting adds the draft layers' caches to the pages (same block table as the main layers).
+        specs = [*self.model.buffer_specs(), *draft_buffer_specs(self.model, num_spec)]
         transients = [*self.model.transient_specs(), *self._engine_transients()]
         budget = _memory_budget(
             loaded,
@@ -92,7 +99,7 @@ class LLMEngine:
         self.plan: MemoryPlan = plan_memory(
             budget=budget,
             weight_bytes=loaded.weight_bytes,
-            specs=self.model.buffer_specs(),
+            specs=specs,
             transients=transients,
             block_size=config.cache.block_size,
             max_num_seqs=sched.max_num_seqs,
@@ -101,31 +108,43 @@ class LLMEngine:
             num_blocks_override=config.cache.num_gpu_blocks_override,
         )
         logger.info(self.plan.describe())
-        self.buffers = PagedBufferManager(self.model.buffer_specs(), self.plan, loaded.device)
+        self.buffers = PagedBufferManager(specs, self.plan, loaded.device)
         self.buffers.allocate_device_buffers()
         self.executor: Executor = LocalExecutor(
-            self.model, self.buffers, max_num_seqs=sched.max_num_seqs, max_model_len=self.max_model_len
+            self.model,
+            self.buffers,
+            max_num_seqs=sched.max_num_seqs,
+            max_model_len=self.max_model_len,
+            num_speculative_tokens=num_spec,
         )
         if loaded.device.type == "cuda" and self.model.embeds_on_device:
             self.executor.capture_decode_graphs(eager=config.enforce_eager)
         self.scheduler: Scheduler = ContinuousBatchingScheduler(sched, self.buffers)
         self.sampler = Sampler(seed=config.seed, device=loaded.device)
+        self.speculative = (
+            SpeculativeDecoder(num_spec, self.executor, self.buffers, self.scheduler, self.max_model_len)
+            if num_spec
+            else None
+        )
         self._groups: dict[str, _Group] = {}
         self._sequences: dict[str, _Sequence] = {}
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        self.stats = dict.fromkeys(STAT_KEYS, 0)
 
     @property
     def _use_graphs(self) -> bool:
         return (
-            self.loaded.device.type == "cuda" and not self.config.enforce_eager and self.model.embeds_on_device
+            self.loaded.device.type == "cuda"
+            and not self.config.enforce_eager
+            and self.model.embeds_on_device
         )
 
     def _engine_transients(self) -> list[TransientSpec]:
         vocab = getattr(self.model, "vocab_size", 0)
+        num_spec = self.config.speculative.num_tokens
         max_blocks = -(-self.max_model_len // self.config.cache.block_size)
         specs = [
-            # Logits of the sampled rows and the sampler's working copies of them (probs, sort, noise).
-            TransientSpec("sampler", bytes_per_seq=4 * vocab * dtype_size(torch.float32)),
+            # Logits of the sampled rows (1 + drafts per request) and the sampler's working copies of them.
+            TransientSpec("sampler", bytes_per_seq=(4 + num_spec) * vocab * dtype_size(torch.float32)),
             # Persistent decode inputs: block-table row plus token, position, length, slot and state slot.
             TransientSpec("decode_buffers", bytes_per_seq=4 * max_blocks + 5 * 8),
         ]
@@ -133,7 +152,9 @@ class LLMEngine:
             # The graph pool keeps the largest bucket's activations (one token per row, as the model
             # declares them per token) and its static logits.
             per_row = sum(t.bytes_per_token for t in self.model.transient_specs())
-            specs.append(TransientSpec("cuda_graphs", bytes_fixed=64 << 20, bytes_per_seq=4 * vocab + per_row))
+            specs.append(
+                TransientSpec("cuda_graphs", bytes_fixed=64 << 20, bytes_per_seq=4 * vocab + per_row)
+            )
         return specs
 
     # ----------------------------------------------------------------------------------------- requests
@@ -247,18 +268,19 @@ class LLMEngine:
         for item in plan.scheduled:
             req = item.request
             group = self._groups[self._group_id(req)]
-            start, end = item.start, item.start + item.num_new_tokens
+            start, end = item.start, item.start + item.num_new_tokens - len(item.spec_token_ids)
             wants_prompt = (
                 group.prompt_logprobs is not None and len(group.prompt_logprobs) < req.num_prompt_tokens
             )
             chunks.append(
                 SequenceChunk(
                     request_id=req.request_id,
-                    token_ids=req.all_token_ids[start:end],
+                    token_ids=req.all_token_ids[start:end] + item.spec_token_ids,
                     start=start,
                     block_table=self.buffers.block_table(req.request_id),
                     state_slot=self.buffers.state_slot(req.request_id),
-                    needs_logits=item.samples,
+                    num_logits=(1 + len(item.spec_token_ids)) if item.samples else 0,
+                    keep_hidden=self.speculative is not None and self.speculative.drafts_for(req),
                     all_logits=wants_prompt and start < req.num_prompt_tokens,
                     epoch=req.num_preemptions,
                 )
@@ -281,22 +303,18 @@ class LLMEngine:
         result = self.executor.execute(batch)
         self.scheduler.update_after_step(plan)
         self.stats["steps"] += 1
-        sampling = [item.request for item in plan.scheduled if item.samples]
-        sampled = self.sampler(result.logits, sampling) if sampling else None
+        sampling = [item for item in plan.scheduled if item.samples]
         touched: dict[str, _Group] = {}
         for chunk, item in zip(batch.chunks, plan.scheduled, strict=True):
             if chunk.all_logits:
                 self._add_prompt_logprobs(item.request, chunk, result.all_logits[chunk.request_id])
-        for row, request in enumerate(sampling):
-            group = self._groups[self._group_id(request)]
+        for item in sampling:
+            group = self._groups[self._group_id(item.request)]
             touched[group.request_id] = group
-            try:
-                self._append_token(
-                    self._sequences[request.request_id], sampled.token_ids[row], sampled.logprobs[row]
-                )
-            except Exception as exc:  # one broken request must not take the others down
-                logger.exception("request %s failed: %s", request.request_id, exc)
-                self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
+        # One sampler call over the sampled rows, then one more per verified draft (speculative decoding).
+        accepted = sample_and_verify(self.sampler, result.logits, sampling, self._append) if sampling else []
+        if self.speculative is not None:
+            self.speculative.after_step(plan, sampling, accepted, self.stats)
         outputs = [
             self._make_output(g)
             for g in touched.values()
@@ -326,6 +344,15 @@ class LLMEngine:
             if lp.decoded_token is None:
                 lp.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return entry
+
+    def _append(self, request: Request, token: int, logprobs: PositionLogprobs | None) -> bool:
+        """Append one sampled token; False once the request finished (stopped, length, or failed)."""
+        try:
+            self._append_token(self._sequences[request.request_id], token, logprobs)
+        except Exception as exc:  # one broken request must not take the others down
+            logger.exception("request %s failed: %s", request.request_id, exc)
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
+        return not request.is_finished
 
     def _append_token(self, seq: _Sequence, token: int, logprobs: PositionLogprobs | None) -> None:
         request, params = seq.request, seq.request.sampling_params
@@ -378,6 +405,8 @@ class LLMEngine:
             first_token_time=min(first) if first else None,
             finished_time=time.monotonic() if group.finished else None,
             num_preemptions=sum(s.request.num_preemptions for s in group.sequences),
+            spec_draft_tokens=sum(s.request.num_draft_tokens for s in group.sequences),
+            spec_accepted_tokens=sum(s.request.num_accepted_tokens for s in group.sequences),
         )
         return RequestOutput(
             request_id=group.request_id,

@@ -38,9 +38,30 @@ class SequenceChunk:
     start: int  # position of token_ids[0]
     block_table: list[int]
     state_slot: int | None = None
-    needs_logits: bool = False  # the last position is sampled
+    needs_logits: bool = False  # the last position is sampled (``num_logits`` 1 unless given)
     all_logits: bool = False  # logits of every position (prompt logprobs)
     epoch: int = 0  # bumps when the request was preempted: its pages are new
+    #: How many trailing positions get logits: 1 to sample, ``1 + drafts`` to verify drafts.
+    num_logits: int | None = None
+    #: Keep this chunk's final hidden states for ``Executor.propose`` (the request drafts).
+    keep_hidden: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_logits is None:
+            self.num_logits = int(self.needs_logits)
+        self.needs_logits = self.num_logits > 0
+
+
+@dataclass
+class DraftInput:
+    """One request's drafter input after a step: the positions ``start .. start + n - 1`` it computed and
+    kept (``n = len(next_token_ids)``, the accepted ones only) paired with the token after each."""
+
+    request_id: str
+    start: int
+    next_token_ids: list[int]  # tokens at positions start + 1 .. start + n; the last one is the newest
+    block_table: list[int]  # must hold pages up to position start + n + num_drafts - 3 (the chained drafts)
+    num_drafts: int = 0  # 0: only fill the drafter's cache (a prefill chunk that did not sample)
 
 
 @dataclass
@@ -52,7 +73,7 @@ class ModelBatch:
 
 @dataclass
 class ExecutorOutput:
-    logits: torch.Tensor  # [number of chunks with needs_logits, V], in chunk order
+    logits: torch.Tensor  # [sum of chunks' num_logits, V]: each chunk's trailing rows, in chunk order
     all_logits: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> [len, V]
 
 
@@ -67,6 +88,11 @@ class Executor(ABC):
         """Input embeddings for executors without device embedding (the engine calls it for them)."""
         raise ExecutorError("this executor embeds on the device and does not take hidden states")
 
+    def propose(self, inputs: list[DraftInput]) -> list[list[int]]:
+        """Greedy drafts (``num_drafts`` each) from the model's draft layers, after the step whose chunks
+        had ``keep_hidden``; also fills the draft layers' caches at the inputs' positions."""
+        raise ExecutorError("this executor does not draft (capabilities.max_speculative_tokens is 0)")
+
     def shutdown(self) -> None:  # noqa: B027 - optional hook: a local executor has nothing to release
         """Release workers and device memory."""
 
@@ -75,13 +101,25 @@ class LocalExecutor(Executor):
     """Single-process executor: one model on one device, decode rows through persistent buffers."""
 
     def __init__(
-        self, model: CausalLM, buffers: PagedBufferManager, *, max_num_seqs: int, max_model_len: int
+        self,
+        model: CausalLM,
+        buffers: PagedBufferManager,
+        *,
+        max_num_seqs: int,
+        max_model_len: int,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.model = model
         self.buffers = buffers
         self.device = buffers.device
         self.block_size = buffers.block_size
-        self.capabilities = ExecutorCapabilities(device_embedding=model.embeds_on_device)
+        if num_speculative_tokens and not getattr(model, "num_mtp_layers", 0):
+            raise ExecutorError(f"{type(model).__name__} has no draft (MTP) layers to speculate with")
+        self.capabilities = ExecutorCapabilities(
+            device_embedding=model.embeds_on_device, max_speculative_tokens=num_speculative_tokens
+        )
+        # Request id -> (first position, final hidden states) of its last chunk, for ``propose``.
+        self._kept_hidden: dict[str, tuple[int, torch.Tensor]] = {}
         self.decode = DecodeBuffers(max_num_seqs, -(-max_model_len // self.block_size), self.device)
         self.max_model_len = max_model_len
         self.graphs: DecodeGraphs | None = None
@@ -161,8 +199,9 @@ class LocalExecutor(Executor):
             )
         prefills = [c for c in batch.chunks if len(c.token_ids) > 1]
         decodes = [c for c in batch.chunks if len(c.token_ids) == 1]
+        self._kept_hidden.clear()
         if self.graphs is not None and not prefills and len(decodes) <= self.graphs.max_batch:
-            if all(c.needs_logits and not c.all_logits for c in decodes):
+            if all(c.needs_logits and not c.all_logits and not c.keep_hidden for c in decodes):
                 return self._execute_graph(decodes)
         ids, pos, slots, segments = self._prefill_inputs(prefills)
         num_prefill = len(ids)
@@ -203,7 +242,17 @@ class LocalExecutor(Executor):
             )
         fwd = ForwardBatch(token_ids, positions, meta, state_slots=state_slots, hidden_states=hidden_in)
         hidden = self.model(fwd, self.buffers.caches, self.buffers.states)
-        sample_rows = [first_row[id(c)] + len(c.token_ids) - 1 for c in batch.chunks if c.needs_logits]
+        sample_rows = [
+            first_row[id(c)] + j
+            for c in batch.chunks
+            for j in range(len(c.token_ids) - c.num_logits, len(c.token_ids))
+        ]
+        for c in batch.chunks:
+            if c.keep_hidden:
+                self._kept_hidden[c.request_id] = (
+                    c.start,
+                    hidden[first_row[id(c)] : first_row[id(c)] + len(c.token_ids)],
+                )
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.int64, device=dev)])
         all_logits = {
             c.request_id: self.model.compute_logits(
@@ -213,3 +262,102 @@ class LocalExecutor(Executor):
             if c.all_logits
         }
         return ExecutorOutput(logits=logits, all_logits=all_logits)
+
+    def _eager_batch(self, chunks: list[SequenceChunk]) -> tuple[ForwardBatch, list[int]]:
+        """A ForwardBatch of ``chunks`` built from scratch (the persistent decode rows are the main step's:
+        they are left alone), and the first row of each chunk in its layout (prefills, then decode rows)."""
+        bs, dev = self.block_size, self.device
+        prefills = [c for c in chunks if len(c.token_ids) > 1]
+        decodes = [c for c in chunks if len(c.token_ids) == 1]
+        ids, pos, slots, segments = self._prefill_inputs(prefills)
+        first_row = {id(c): seg.q_start for c, seg in zip(prefills, segments, strict=True)}
+        num_prefill = len(ids)
+        for row, c in enumerate(decodes, start=num_prefill):
+            first_row[id(c)] = row
+            ids.append(c.token_ids[0])
+            pos.append(c.start)
+            slots.append(c.block_table[c.start // bs] * bs + c.start % bs)
+        meta = AttentionMetadata(
+            bs, torch.tensor(slots, dtype=torch.int64, device=dev), segments, num_prefill
+        )
+        if decodes:
+            width = max(c.start // bs + 1 for c in decodes)
+            tables = torch.zeros(len(decodes), width, dtype=torch.int32)
+            for row, c in enumerate(decodes):
+                n = c.start // bs + 1
+                tables[row, :n] = torch.tensor(c.block_table[:n], dtype=torch.int32)
+            meta.num_decodes = len(decodes)
+            meta.decode_block_tables = tables.to(dev)
+            meta.decode_seq_lens = torch.tensor([c.start + 1 for c in decodes], dtype=torch.int32, device=dev)
+            meta.max_decode_seq_len = max(c.start for c in decodes) + 1
+        fwd = ForwardBatch(
+            torch.tensor(ids, dtype=torch.int64, device=dev),
+            torch.tensor(pos, dtype=torch.int64, device=dev),
+            meta,
+        )
+        return fwd, [first_row[id(c)] for c in chunks]
+
+    @torch.inference_mode()
+    def propose(self, inputs: list[DraftInput]) -> list[list[int]]:
+        """Run the draft module (depth 0, chained for further drafts) over the last step's kept hidden
+        states. Pass 1 covers every input's positions ``start .. start + n - 1`` (hidden state at p, token
+        at p + 1), which writes the module's cache there and drafts from the last row; each further draft
+        is one row at the next position, fed the module's own output hidden state and the previous draft.
+        Those chained rows write the cache beyond the accepted positions: garbage that the next step's
+        pass 1 overwrites before anything reads it."""
+        if not self.capabilities.max_speculative_tokens:
+            return super().propose(inputs)
+        drafts: list[list[int]] = [[] for _ in inputs]
+        if not inputs:
+            return drafts
+        chunks, hidden = [], []
+        for inp in inputs:
+            start, kept = self._kept_hidden.get(inp.request_id, (-1, None))
+            n = len(inp.next_token_ids)
+            if start != inp.start or kept is None or not 0 < n <= kept.shape[0]:
+                raise ExecutorError(
+                    f"no kept hidden states for {n} positions from {inp.start} of {inp.request_id!r}"
+                )
+            last_position = inp.start + n - 1 + max(inp.num_drafts - 1, 0)
+            if last_position // self.block_size >= len(inp.block_table):
+                raise ExecutorError(f"{inp.request_id!r} has no page for its draft position {last_position}")
+            chunks.append(SequenceChunk(inp.request_id, inp.next_token_ids, inp.start, inp.block_table))
+            hidden.append(kept[:n])
+        self._kept_hidden.clear()
+        fwd, rows = self._eager_batch(chunks)
+        order = torch.tensor(
+            [r + j for r, c in zip(rows, chunks, strict=True) for j in range(len(c.token_ids))],
+            device=self.device,
+        )
+        h = torch.empty(len(order), hidden[0].shape[1], dtype=hidden[0].dtype, device=self.device)
+        h[order] = torch.cat(hidden)
+        live = [i for i, inp in enumerate(inputs) if inp.num_drafts > 0]
+        last = torch.tensor(
+            [rows[i] + len(chunks[i].token_ids) - 1 for i in live], dtype=torch.int64, device=self.device
+        )
+        caches = self.buffers.caches
+        logits, h = self.model.mtp_forward(h, fwd.token_ids, fwd, caches, return_hidden=True, logit_rows=last)
+        h = h[last]
+        step = 0
+        while live:
+            tokens = logits.argmax(dim=-1).tolist()
+            for i, token in zip(live, tokens, strict=True):
+                drafts[i].append(token)
+            step += 1
+            keep = [j for j, i in enumerate(live) if inputs[i].num_drafts > step]
+            if not keep:
+                break
+            live = [live[j] for j in keep]
+            h = h[torch.tensor(keep, dtype=torch.int64, device=self.device)]
+            chunks = [
+                SequenceChunk(
+                    inputs[i].request_id,
+                    [drafts[i][-1]],
+                    inputs[i].start + len(inputs[i].next_token_ids) - 1 + step,
+                    inputs[i].block_table,
+                )
+                for i in live
+            ]
+            fwd, _ = self._eager_batch(chunks)
+            logits, h = self.model.mtp_forward(h, fwd.token_ids, fwd, caches, return_hidden=True)
+        return drafts

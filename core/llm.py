@@ -13,6 +13,7 @@ from pegainfer.config import (
     EngineConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     validate_section,
 )
 from pegainfer.engine import LLMEngine
@@ -26,7 +27,8 @@ Message = dict[str, Any]
 
 class LLM:
     """Generate from prompts offline. ``model`` is a checkpoint folder (None: the embedded demo model);
-    the plugin is found from its config.json. Keyword arguments use vLLM's names."""
+    the plugin is found from its config.json. Keyword arguments use vLLM's names (``speculative_num_tokens``
+    is ``speculative.num_tokens``: drafts per step from the model's MTP layers)."""
 
     def __init__(
         self,
@@ -46,6 +48,7 @@ class LLM:
         device: str = "auto",
         seed: int = 0,
         enforce_eager: bool = False,
+        speculative_num_tokens: int = 0,
     ) -> None:
         config = EngineConfig(
             model=build_model_config(
@@ -72,6 +75,9 @@ class LLM:
             ),
             parallel=validate_section(
                 ParallelConfig, {"tensor_parallel_size": tensor_parallel_size}, "parallel"
+            ),
+            speculative=validate_section(
+                SpeculativeConfig, {"num_tokens": speculative_num_tokens}, "speculative"
             ),
             device=device,
             seed=seed,

@@ -2,7 +2,9 @@
 
 The scheduler works in token counts only: ``num_computed_tokens`` catches up with ``num_tokens``
 (prompt + generated). A prefill chunk, a decode step and a recompute after preemption are the same
-thing — computing the next tokens whose KV is not yet cached.
+thing — computing the next tokens whose KV is not yet cached. With speculative decoding a decoding
+request also carries ``spec_token_ids``, drafts for the positions after its last token: a step computes
+the last token and the drafts together, and only the accepted drafts count as computed afterwards.
 """
 
 from __future__ import annotations
@@ -50,6 +52,11 @@ class Request:
         # prompt + output in one list, appended in place, so nothing per step is O(length).
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Speculative decoding: draft tokens for the positions after the last one, verified next step
+        # (never part of ``all_token_ids``), and this request's draft/accept counts for its metrics.
+        self.spec_token_ids: list[int] = []
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.first_token_time: float | None = None
@@ -65,6 +72,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

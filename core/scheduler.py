@@ -2,7 +2,9 @@
 
 There are no prefill or decode phases: each step, every scheduled request computes its next
 ``num_new_tokens`` tokens (a prompt chunk, one decode token, or a recompute after preemption) so that
-``num_computed_tokens`` catches up with ``num_tokens``. Policy only: nothing here touches tensors.
+``num_computed_tokens`` catches up with ``num_tokens``. A decoding request with drafts (speculative
+decoding) computes its last token plus the drafts, ``1 + len(spec_token_ids)`` tokens, when the budget
+and the page pool allow. Policy only: nothing here touches tensors.
 """
 
 from __future__ import annotations
@@ -19,14 +21,17 @@ from pegainfer.request import Request, RequestStatus
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # the drafts included
     start: int = -1  # position of the first token computed this step (set at planning time)
     samples: bool = False  # the step reaches the request's last known token, so a new token is sampled
+    #: Drafts verified this step (positions after the last known token); the last ``len`` of the tokens.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.start < 0:
             self.start = self.request.num_computed_tokens
-            self.samples = self.start + self.num_new_tokens == self.request.num_tokens
+            known = self.num_new_tokens - len(self.spec_token_ids)
+            self.samples = self.start + known == self.request.num_tokens
 
 
 @dataclass
@@ -58,7 +63,14 @@ class Scheduler(ABC):
 
     @abstractmethod
     def update_after_step(self, output: SchedulerOutput) -> None:
-        """Record that the planned tokens were computed (call before appending sampled tokens)."""
+        """Record that the planned tokens were computed (call before appending sampled tokens). Drafts
+        are not counted: the engine reports the accepted ones through ``accept_spec_tokens``."""
+
+    @abstractmethod
+    def accept_spec_tokens(self, item: ScheduledRequest, num_accepted: int) -> None:
+        """Count the first ``num_accepted`` drafts of ``item`` as computed (after their tokens were
+        appended). The rejected ones are rolled back: their KV lies beyond ``num_computed_tokens`` and is
+        overwritten later; their pages stay allocated."""
 
     @abstractmethod
     def finish_request(self, request: Request, status: RequestStatus) -> None:
@@ -116,11 +128,22 @@ class ContinuousBatchingScheduler(Scheduler):
         limit = self.config.long_prefill_token_threshold
         return min(n, limit) if limit else n
 
+    def _spec_fits(self, request: Request, budget: int) -> list[int]:
+        """The drafts of a decoding ``request`` that fit this step: as many as the budget leaves room for,
+        all of them with pages, or none (drafts never preempt anyone)."""
+        spec = request.spec_token_ids[: budget - 1]
+        if request.num_tokens - request.num_computed_tokens != 1 or not spec:
+            return []
+        if not self.buffers.allocate_slots(request, 1 + len(spec)):
+            return []
+        return spec
+
     def _preempt(self, victim: Request, output: SchedulerOutput) -> None:
         self.running.remove(victim)
         self.buffers.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
         victim.num_preemptions += 1
         self.waiting.appendleft(victim)
         output.preempted.append(victim)
@@ -132,6 +155,14 @@ class ContinuousBatchingScheduler(Scheduler):
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            spec = self._spec_fits(request, budget) if request.spec_token_ids else []
+            request.spec_token_ids = spec  # drafts that do not fit are dropped: the row decodes normally
+            if spec:
+                output.scheduled.append(ScheduledRequest(request, 1 + len(spec), spec_token_ids=spec))
+                scheduled_ids.add(request.request_id)
+                budget -= 1 + len(spec)
+                i += 1
+                continue
             n = self._chunk(request, budget)
             if n <= 0:
                 i += 1
@@ -173,7 +204,17 @@ class ContinuousBatchingScheduler(Scheduler):
 
     def update_after_step(self, output: SchedulerOutput) -> None:
         for item in output.scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
+            item.request.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids)
+
+    def accept_spec_tokens(self, item: ScheduledRequest, num_accepted: int) -> None:
+        request = item.request
+        if not 0 <= num_accepted <= len(item.spec_token_ids):
+            raise ValueError(f"{num_accepted} accepted of {len(item.spec_token_ids)} drafts")
+        if request.is_finished:
+            return
+        request.num_computed_tokens = (
+            item.start + item.num_new_tokens - len(item.spec_token_ids) + num_accepted
+        )
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         if request.is_finished:

@@ -81,6 +81,12 @@ class DeepseekV3ForCausalLM(CausalLM):
     def vocab_size(self) -> int:
         return self.dims.vocab_size
 
+    @property
+    def num_mtp_layers(self) -> int:
+        """MTP modules loaded (0 when the config has none or the checkpoint stripped them): the engine
+        speculates only when this is > 0."""
+        return len(self.mtp)
+
     def load_weights(self, reader: CheckpointReader) -> None:
         dims = self.dims
         weights = WeightReader(reader, dims.fp8.block if dims.fp8 else None)
@@ -156,6 +162,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         *,
         depth: int = 0,
         return_hidden: bool = False,
+        logit_rows: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Draft logits ``[T, V]`` (float32) of MTP module ``depth`` for the tokens after next.
 
@@ -165,7 +172,8 @@ class DeepseekV3ForCausalLM(CausalLM):
         (``caches[num_hidden_layers + depth]``, see ``mtp_buffer_specs``) at the same positions and slots
         as the main model's step, so the main step's ForwardBatch can be reused as it is
         (``batch.hidden_states`` is ignored). With ``return_hidden`` the module's output hidden states
-        (the ``h`` of a further drafting step) come back too.
+        (the ``h`` of a further drafting step) come back too, for every row. ``logit_rows`` limits the
+        logits to those rows (the drafting ones: a prefill chunk only fills the cache).
         """
         if not 0 <= depth < len(self.mtp):
             raise ValueError(
@@ -173,5 +181,5 @@ class DeepseekV3ForCausalLM(CausalLM):
             )
         module = self.mtp[depth]
         hidden = module(hidden_states, next_token_ids, batch, caches[module.layer_index], self.rotary)
-        logits = module.compute_logits(hidden)
+        logits = module.compute_logits(hidden if logit_rows is None else hidden[logit_rows])
         return (logits, hidden) if return_hidden else logits

@@ -1,0 +1,328 @@
+"""MTP speculative decoding end to end on the tiny DeepSeek-V3 (float32, CPU).
+
+The invariant: greedy output with ``speculative.num_tokens=k`` is token for token the output without it —
+single, batched with mixed lengths, with chunked prefill, with preemption, with a stop in the middle of
+the accepted drafts. The tiny checkpoint's MTP layer is random, so its drafts are nearly always wrong
+(every step rolls back). Three ways make drafts right: an "aligned" checkpoint (the main model made
+nearly a bigram model and the MTP layer its copy, so the real MTP path drafts the target most of the
+time), and a drafter patched to return the target's own continuation (all right) or a wrong token
+(all wrong), which prove accepted drafts are used and steps drop accordingly. The drafts the engine
+proposes equal those of the MTP module run from scratch over the whole sequence, so its cache is whole.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pegainfer import LLM, SamplingParams
+from pegainfer.errors import ConfigError
+from pegainfer.hydra_config import build_engine_config, compose
+from pegainfer.layers.attention import AttentionMetadata, PrefillSegment
+from pegainfer.model_api import ForwardBatch
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def _prompts(seed: int, lengths: list[int], vocab: int = 990) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def _llm(folder: Path, k: int = 0, **kw: object) -> LLM:
+    kw.setdefault("cpu_kv_cache_bytes", 8 << 20)
+    return LLM(str(folder), dtype="float32", device="cpu", speculative_num_tokens=k, **kw)
+
+
+def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY):
+    return llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _steps(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY):
+    before = dict(llm.engine.stats)
+    outs = _run(llm, prompts, params)
+    return outs, {key: llm.engine.stats[key] - before[key] for key in before}
+
+
+@pytest.fixture(scope="module")
+def aligned_deepseek(tiny_deepseek: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint made nearly a bigram model (every o_proj and down projection scaled by 0.1, so
+    the next token depends mostly on the current one) whose MTP layer is that bigram: it reads only the
+    embedding half of ``eh_proj`` and shares the main embedding, final norm and head."""
+    folder = Path(shutil.copytree(tiny_deepseek, tmp_path_factory.mktemp("aligned") / "ckpt"))
+    tensors = load_file(str(folder / "model.safetensors"))
+    for name in list(tensors):
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[name] = tensors[name] * 0.1
+    mtp = "model.layers.3."
+    h = tensors["model.norm.weight"].shape[0]
+    tensors[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors[mtp + "enorm.weight"] = torch.ones(h)
+    tensors[mtp + "eh_proj.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+    tensors[mtp + "shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
+    tensors[mtp + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def base(tiny_deepseek: Path) -> LLM:
+    return _llm(tiny_deepseek)
+
+
+# ------------------------------------------------------------------------------------ configuration
+
+
+def test_speculative_num_tokens_composes_from_the_cli() -> None:
+    assert build_engine_config(compose("generate", ["speculative.num_tokens=2"])).speculative.num_tokens == 2
+    with pytest.raises(ConfigError, match="speculative.num_tokens"):
+        build_engine_config(compose("generate", ["speculative.num_tokens=-1"]))
+
+
+def test_model_without_mtp_is_a_config_error(tiny_checkpoint_factory, tiny_qwen3) -> None:
+    no_mtp = tiny_checkpoint_factory("deepseek_v3", num_nextn_predict_layers=0)
+    for folder in (no_mtp, tiny_qwen3):
+        with pytest.raises(ConfigError, match=r"speculative\.num_tokens=2 needs a model with draft \(MTP\)"):
+            _llm(folder, 2)
+
+
+def test_off_allocates_nothing_for_drafting(base: LLM) -> None:
+    engine = base.engine
+    assert engine.speculative is None and engine.executor.capabilities.max_speculative_tokens == 0
+    assert sorted(engine.buffers.caches) == [0, 1, 2]
+
+
+def test_on_adds_the_mtp_cache_to_the_pages(tiny_deepseek: Path, base: LLM) -> None:
+    engine = _llm(tiny_deepseek, 2).engine
+    assert engine.executor.capabilities.max_speculative_tokens == 2
+    assert sorted(engine.buffers.caches) == [0, 1, 2, 3]
+    assert engine.plan.page_bytes == base.engine.plan.page_bytes * 4 // 3
+
+
+# --------------------------------------------------------------------------------- output invariance
+
+
+@pytest.fixture(scope="module", params=[1, 2])
+def spec(request: pytest.FixtureRequest, tiny_deepseek: Path) -> LLM:
+    return _llm(tiny_deepseek, request.param)
+
+
+def test_single_prompt_output_unchanged(base: LLM, spec: LLM) -> None:
+    prompts = _prompts(0, [11])
+    outs, stats = _steps(spec, prompts)
+    assert _tokens(outs) == _tokens(_run(base, prompts))
+    k = spec.engine.config.speculative.num_tokens
+    assert stats["spec_draft_tokens"] == outs[0].metrics.spec_draft_tokens > 0
+    assert outs[0].metrics.spec_acceptance_rate is not None
+    if stats["spec_accepted_tokens"] == 0:  # random MTP weights: every draft is rejected
+        # After output token n the request drafts min(k, 23 - n) tokens (never past max_tokens).
+        assert stats["spec_draft_tokens"] == sum(min(k, 23 - n) for n in range(1, 24))
+
+
+def test_batch_of_mixed_lengths_output_unchanged(base: LLM, spec: LLM) -> None:
+    prompts = _prompts(1, [1, 5, 17, 33, 2, 64])
+    assert _tokens(_run(spec, prompts)) == _tokens(_run(base, prompts))
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_chunked_prefill_output_unchanged(tiny_deepseek: Path, base: LLM, k: int) -> None:
+    # Chunks of at most 5 tokens, 8 tokens a step: drafts are cut or dropped when the budget is short.
+    llm = _llm(tiny_deepseek, k, long_prefill_token_threshold=5, max_num_batched_tokens=8)
+    prompts = _prompts(2, [45, 30, 9])
+    assert _tokens(_run(llm, prompts)) == _tokens(_run(base, prompts))
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_preempted_output_unchanged(tiny_deepseek: Path, base: LLM, k: int) -> None:
+    llm = _llm(tiny_deepseek, k, block_size=4, num_gpu_blocks_override=24, max_model_len=64)
+    prompts = _prompts(3, [16, 12, 15, 14])
+    outs = _run(llm, prompts)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    assert _tokens(outs) == _tokens(_run(base, prompts))
+    llm.engine.buffers.check_invariants()
+    assert llm.engine.buffers.pool.num_free == 24
+
+
+def test_logprobs_and_sampled_requests_unchanged(base: LLM, spec: LLM) -> None:
+    """Greedy rows with logprobs draft and report the same logprobs; seeded sampled rows do not draft and
+    draw the same tokens."""
+    prompts = _prompts(4, [7, 13])
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    sampled = SamplingParams(temperature=0.9, top_k=50, seed=7, max_tokens=12, ignore_eos=True)
+    ours = spec.generate(prompt_token_ids=prompts, sampling_params=[greedy, sampled], use_tqdm=False)
+    ref = base.generate(prompt_token_ids=prompts, sampling_params=[greedy, sampled], use_tqdm=False)
+    assert _tokens(ours) == _tokens(ref)
+    assert ours[0].metrics.spec_draft_tokens > 0 and ours[1].metrics.spec_draft_tokens == 0
+    for a, b in zip(ours[0].outputs[0].logprobs, ref[0].outputs[0].logprobs, strict=True):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 and a[t].rank == b[t].rank for t in a)
+
+
+# ---------------------------------------------------------------------- drafts that are (partly) right
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_aligned_mtp_drafts_are_accepted(aligned_deepseek: Path, k: int) -> None:
+    prompts = _prompts(5, [5, 17, 3, 30])
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    ref, ref_stats = _steps(_llm(aligned_deepseek), prompts, params)
+    outs, stats = _steps(_llm(aligned_deepseek, k), prompts, params)
+    assert _tokens(outs) == _tokens(ref)
+    rate = stats["spec_accepted_tokens"] / stats["spec_draft_tokens"]
+    print(
+        f"aligned MTP, k={k}: acceptance {rate:.2f}, steps {stats['steps']} (without drafts {ref_stats['steps']})"
+    )
+    assert rate > 0.25
+    assert stats["steps"] < ref_stats["steps"] - 3
+    accepted = sum(o.metrics.spec_accepted_tokens for o in outs)
+    assert accepted == stats["spec_accepted_tokens"]
+
+
+def _patch_drafter(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch, truth: dict[tuple[int, ...], list[int]], mode: str
+):
+    """Keep the real ``propose`` (it fills the MTP cache) but replace its drafts: the target's own next
+    tokens ("right"), wrong ones ("wrong"), or the first right and the rest wrong ("first")."""
+    engine = llm.engine
+    real = engine.executor.propose
+    vocab = engine.model.vocab_size
+
+    def propose(inputs):
+        drafts = real(inputs)
+        out = []
+        for inp, made in zip(inputs, drafts, strict=True):
+            req = engine.scheduler.get_request(inp.request_id)
+            seq = truth[tuple(req.prompt_token_ids)]
+            right = seq[req.num_tokens : req.num_tokens + len(made)]
+            assert len(right) == len(made)  # drafts never run past max_tokens
+            if mode == "wrong":
+                right = [(t + 1) % vocab for t in right]
+            elif mode == "first":
+                right = right[:1] + [(t + 1) % vocab for t in right[1:]]
+            out.append(right)
+        return out
+
+    monkeypatch.setattr(engine.executor, "propose", propose)
+
+
+@pytest.mark.parametrize(
+    ("mode", "k", "rate", "steps"),
+    [
+        ("right", 1, 1.0, 1 + 23 // 2 + 1),  # 1 prefill step + ceil(23 / 2)
+        ("right", 3, 1.0, 1 + 23 // 4 + 1),  # 1 + ceil(23 / 4)
+        ("wrong", 3, 0.0, 24),
+        ("first", 3, None, 1 + 23 // 2 + 1),  # one accepted + the bonus each step
+    ],
+)
+def test_forced_drafts_set_the_steps(
+    tiny_deepseek: Path, base: LLM, monkeypatch: pytest.MonkeyPatch, mode: str, k: int, rate, steps: int
+) -> None:
+    prompts = _prompts(6, [9])
+    ref = _run(base, prompts)
+    truth = {tuple(prompts[0]): prompts[0] + ref[0].outputs[0].token_ids}
+    llm = _llm(tiny_deepseek, k)
+    _patch_drafter(llm, monkeypatch, truth, mode)
+    outs, stats = _steps(llm, prompts)
+    assert _tokens(outs) == _tokens(ref)
+    assert stats["steps"] == steps
+    measured = outs[0].metrics.spec_acceptance_rate
+    print(f"forced {mode} drafts, k={k}: acceptance {measured:.2f}, {stats['steps']} steps for 24 tokens")
+    if rate is not None:
+        assert measured == rate
+    else:
+        assert stats["spec_accepted_tokens"] == stats["steps"] - 2  # one per verifying step
+
+
+def test_stop_token_in_the_middle_of_accepted_drafts(tiny_deepseek: Path, base: LLM, monkeypatch) -> None:
+    prompts = _prompts(7, [6])
+    ref = _tokens(_run(base, prompts))[0]
+    truth = {tuple(prompts[0]): prompts[0] + ref}
+    # The first token that has not occurred before position 6 of the output stops the request there.
+    cut = next(i for i in range(6, len(ref)) if ref[i] not in ref[:i])
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[ref[cut]])
+    llm = _llm(tiny_deepseek, 4)
+    _patch_drafter(llm, monkeypatch, truth, "right")
+    outs = _run(llm, prompts, params)
+    assert _tokens(outs) == _tokens(_run(base, prompts, params)) == [ref[: cut + 1]]
+    assert outs[0].outputs[0].finish_reason == "stop"
+    llm.engine.buffers.check_invariants()
+    assert llm.engine.buffers.pool.num_free == llm.engine.buffers.pool.num_blocks
+
+
+# ------------------------------------------------------------------------------ the MTP cache is whole
+
+
+def _batch(positions: list[int], block_size: int, decode: bool = False) -> ForwardBatch:
+    """One prefill segment over pages 0, 1, 2, ... (or one decode row) at ``positions``."""
+    pos = torch.tensor(positions)
+    table = torch.arange(64)
+    slots = table[pos // block_size] * block_size + pos % block_size
+    if not decode:
+        segment = PrefillSegment(0, len(positions), positions[-1] + 1, table)
+        return ForwardBatch(pos, pos, AttentionMetadata(block_size, slots, [segment], len(positions)))
+    meta = AttentionMetadata(block_size, slots, [], 0, 1, table[None], pos + 1, positions[-1] + 1)
+    return ForwardBatch(pos, pos, meta)
+
+
+@torch.no_grad()
+def _reference_drafts(model, tokens: list[int], k: int) -> tuple[list[int], float]:
+    """The drafts after ``tokens`` from scratch: the main model over all but the last token, the MTP module
+    over every position, then chained; and the smallest top-1/top-2 logit gap met on the way."""
+    bs, last = 4, len(tokens) - 1
+    specs = [*model.buffer_specs(), *model.mtp_buffer_specs()]
+    caches = {s.layer_index: torch.zeros(s.page_shape(64, bs)) for s in specs}
+    batch = _batch(list(range(last)), bs)
+    batch.hidden_states = model.embed(torch.tensor(tokens[:last]))
+    hidden = model(batch, caches, {})
+    logits, h = model.mtp_forward(hidden, torch.tensor(tokens[1:]), batch, caches, return_hidden=True)
+    logits, h = logits[-1:], h[-1:]
+    drafts, gap = [], float("inf")
+    for j in range(k):
+        top = logits[0].topk(2).values
+        gap = min(gap, (top[0] - top[1]).item())
+        drafts.append(int(logits[0].argmax()))
+        if j + 1 < k:
+            step = _batch([last + j], bs, decode=True)
+            logits, h = model.mtp_forward(h, torch.tensor(drafts[-1:]), step, caches, return_hidden=True)
+    return drafts, gap
+
+
+@pytest.mark.parametrize("checkpoint", ["tiny_deepseek", "aligned_deepseek"])
+def test_proposed_drafts_match_the_mtp_run_from_scratch(checkpoint: str, request, monkeypatch) -> None:
+    """Across chunked prefill, accepted and rejected drafts, every draft the engine proposes is the one
+    the MTP module gives when run over the whole sequence at once: no position of its cache is missing
+    or stale."""
+    folder = request.getfixturevalue(checkpoint)
+    llm = _llm(folder, 3, long_prefill_token_threshold=7, max_num_batched_tokens=16)
+    engine = llm.engine
+    real = engine.executor.propose
+    seen: list[tuple[list[int], list[int]]] = []
+
+    def propose(inputs):
+        drafts = real(inputs)
+        for inp, made in zip(inputs, drafts, strict=True):
+            if made:
+                seen.append((list(engine.scheduler.get_request(inp.request_id).all_token_ids), made))
+        return drafts
+
+    monkeypatch.setattr(engine.executor, "propose", propose)
+    outs = _run(
+        llm, _prompts(8, [19, 4, 11]), SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    )
+    assert sum(o.metrics.spec_draft_tokens for o in outs) > 0
+    compared = 0
+    for tokens, made in seen:
+        ref, gap = _reference_drafts(engine.model, tokens, len(made))
+        if gap > 1e-3:  # a near tie may flip under a different summation order
+            assert made == ref, f"after {len(tokens)} tokens"
+            compared += 1
+    assert compared >= 0.9 * len(seen) and compared > 20
