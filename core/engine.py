@@ -13,7 +13,7 @@ from pegainfer.buffer_specs import TransientSpec, dtype_size
 from pegainfer.buffers import PagedBufferManager
 from pegainfer.config import EngineConfig
 from pegainfer.detokenizer import IncrementalDetokenizer
-from pegainfer.errors import RequestError
+from pegainfer.errors import ConfigError, RequestError
 from pegainfer.executor import Executor, LocalExecutor, ModelBatch, SequenceChunk
 from pegainfer.loader import read_generation_config
 from pegainfer.memory_plan import MemoryPlan, plan_memory
@@ -74,6 +74,8 @@ def _memory_budget(loaded: LoadedModel, config: EngineConfig, transient_bytes: i
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        if config.parallel.tensor_parallel_size != 1:
+            raise ConfigError("parallel.tensor_parallel_size (tp) > 1 is not implemented yet; run with tp=1")
         self.config = config
         loaded = load_model(config)
         self.loaded = loaded

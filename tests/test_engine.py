@@ -204,3 +204,10 @@ def test_output_kinds_carry_the_same_result(llm, kind):
     else:
         assert len(reports) == (12 if kind == "cumulative" else 1)
         assert final.token_ids == reference.token_ids and final.text == reference.text
+
+
+def test_tensor_parallel_is_refused_until_it_exists(tiny_qwen3):
+    from pegainfer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        LLM(str(tiny_qwen3), device="cpu", tensor_parallel_size=2)
