@@ -31,6 +31,16 @@ class Fp8Config:
 
 
 @dataclass(frozen=True)
+class IndexerConfig:
+    """DeepSeek-V3.2's DSA lightning indexer: ``n_heads`` query heads of ``head_dim`` scoring every cached
+    position, of which the ``topk`` best (per query token) are the only keys MLA attends to."""
+
+    n_heads: int
+    head_dim: int
+    topk: int
+
+
+@dataclass(frozen=True)
 class DeepseekV3Dims:
     vocab_size: int
     hidden_size: int
@@ -58,6 +68,7 @@ class DeepseekV3Dims:
     max_position_embeddings: int
     num_mtp_layers: int
     fp8: Fp8Config | None
+    indexer: IndexerConfig | None = None  # set for DeepSeek-V3.2 (every layer has one)
 
     @property
     def qk_head_dim(self) -> int:
@@ -83,6 +94,7 @@ class DeepseekV3Dims:
             return cfg[key]
 
         _check_supported(cfg)
+        indexer = parse_indexer(cfg)
         experts = int(cfg.get("n_routed_experts", 256))
         n_group = int(cfg.get("n_group") or 1)
         topk_group = int(cfg.get("topk_group") or n_group)
@@ -107,12 +119,13 @@ class DeepseekV3Dims:
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
             routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.5)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=parse_rope(cfg),
+            rope=parse_rope(cfg, force_interleaved=indexer is not None),
             attention_bias=bool(cfg.get("attention_bias", False)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             num_mtp_layers=int(cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers", 0)) or 0),
             fp8=parse_quantization(cfg.get("quantization_config")),
+            indexer=indexer,
         )
         if experts % n_group or not 0 < topk_group <= n_group:
             raise CheckpointError(
@@ -124,7 +137,48 @@ class DeepseekV3Dims:
                 f"config.json: num_experts_per_tok ({dims.num_experts_per_tok}) exceeds the experts of the "
                 f"topk_group ({topk_group}) selected groups"
             )
+        if indexer is not None:
+            _check_v32(cfg, dims)
         return dims
+
+
+def is_v32(cfg: dict[str, Any]) -> bool:
+    return cfg.get("model_type") == "deepseek_v32" or "index_topk" in cfg
+
+
+def parse_indexer(cfg: dict[str, Any]) -> IndexerConfig | None:
+    """The DSA indexer of a V3.2 config (transformers' ``DeepseekV32Config`` defaults), None for V3."""
+    if not is_v32(cfg):
+        return None
+    indexer = IndexerConfig(
+        n_heads=int(cfg.get("index_n_heads") or 64),
+        head_dim=int(cfg.get("index_head_dim") or 128),
+        topk=int(cfg.get("index_topk") or 2048),
+    )
+    if min(indexer.n_heads, indexer.head_dim, indexer.topk) <= 0:
+        raise CheckpointError(f"config.json: invalid DSA indexer settings {indexer}")
+    return indexer
+
+
+def _check_v32(cfg: dict[str, Any], dims: DeepseekV3Dims) -> None:
+    """V3.2's indexer reads MLA's ``q_a_layernorm`` output and ropes its first ``qk_rope_head_dim``
+    channels; its MLP pattern must be the first-k-dense one the decoder builds."""
+    assert dims.indexer is not None
+    if dims.q_lora_rank is None:
+        raise CheckpointError("config.json: DeepSeek-V3.2 needs q_lora_rank (the DSA indexer reads the q LoRA)")
+    if dims.qk_rope_head_dim > dims.indexer.head_dim:
+        raise CheckpointError(
+            f"config.json: qk_rope_head_dim ({dims.qk_rope_head_dim}) exceeds index_head_dim "
+            f"({dims.indexer.head_dim})"
+        )
+    types = cfg.get("mlp_layer_types")
+    if types is not None:
+        expected = ["dense" if layer < dims.first_k_dense_replace else "sparse" for layer in range(dims.num_layers)]
+        if list(types) != expected:
+            raise CheckpointError(
+                f"config.json: mlp_layer_types {types!r} is not supported (the DeepSeek plugin builds "
+                f"first_k_dense_replace={dims.first_k_dense_replace} dense layers, then MoE: {expected!r})"
+            )
 
 
 def _check_supported(cfg: dict[str, Any]) -> None:
@@ -144,14 +198,17 @@ def _check_supported(cfg: dict[str, Any]) -> None:
             )
 
 
-def parse_rope(cfg: dict[str, Any]) -> RopeConfig:
-    """Theta and scaling from ``rope_parameters`` (new) or ``rope_theta`` + ``rope_scaling`` (legacy)."""
+def parse_rope(cfg: dict[str, Any], *, force_interleaved: bool = False) -> RopeConfig:
+    """Theta and scaling from ``rope_parameters`` (new) or ``rope_theta`` + ``rope_scaling`` (legacy).
+
+    ``force_interleaved``: V3.2's MLA always uses interleaved rope (transformers ignores
+    ``rope_interleave`` there)."""
     params = dict(cfg.get("rope_parameters") or {})
     scaling = dict(cfg.get("rope_scaling") or {})
     merged = {**scaling, **params}
     theta = float(merged.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = merged.get("rope_type") or merged.get("type") or "default"
-    interleaved = bool(cfg.get("rope_interleave", True))
+    interleaved = force_interleaved or bool(cfg.get("rope_interleave", True))
     if rope_type == "default":
         return RopeConfig(theta, "default", None, interleaved)
     if rope_type != "yarn":
