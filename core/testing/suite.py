@@ -9,7 +9,8 @@
 
 Checks: the model is discovered through its entry point, its Hydra ``model/`` option composes and
 validates, every checkpoint tensor is consumed, a tiny model generates on the CPU, batched generation
-equals one-at-a-time generation, and (``hf_reference = True``) greedy tokens equal transformers'.
+equals one-at-a-time generation, chunked prefill and a preempted run equal a plain run, and
+(``hf_reference = True``) greedy tokens equal transformers'.
 """
 
 from __future__ import annotations
@@ -73,6 +74,49 @@ class PluginConformance:
         assert [o.outputs[0].token_ids for o in batched] == [o.outputs[0].token_ids for o in single]
         assert all(len(o.outputs[0].token_ids) == self.max_tokens for o in batched)
         conformance_llm.engine.buffers.check_invariants()
+
+    def _variant(self, checkpoint: Path, *overrides: str) -> Any:
+        from pegainfer.hydra_config import build_engine_config, compose
+        from pegainfer.llm import LLM
+
+        base = [f"model={self.model_name}", f"model.path={checkpoint}", "device=cpu", "model.dtype=float32"]
+        return LLM.from_config(build_engine_config(compose("generate", [*base, *overrides])))
+
+    def _greedy(self, llm: Any) -> list[list[int]]:
+        params = SamplingParams(temperature=0, max_tokens=self.max_tokens, ignore_eos=True)
+        outs = llm.generate(prompt_token_ids=self.prompts(), sampling_params=params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    def test_chunked_prefill_equals_one_pass(
+        self, conformance_llm: Any, conformance_checkpoint: Path
+    ) -> None:
+        """Prompts split into 3-token chunks over 8-token steps give the tokens of whole-prompt prefill."""
+        chunked = self._variant(
+            conformance_checkpoint,
+            "scheduler.long_prefill_token_threshold=3",
+            "scheduler.max_num_batched_tokens=8",
+            "cache.cpu_kv_cache_bytes=8388608",
+        )
+        assert self._greedy(chunked) == self._greedy(conformance_llm)
+
+    def test_preempted_run_equals_unpreempted(
+        self, conformance_llm: Any, conformance_checkpoint: Path
+    ) -> None:
+        """A page pool too small for all requests forces preemption; recompute gives the same tokens."""
+        longest = max(len(p) for p in self.prompts()) + self.max_tokens
+        pages = -(-longest // 4) + 1
+        small = self._variant(
+            conformance_checkpoint,
+            "cache.block_size=4",
+            f"cache.num_gpu_blocks_override={pages}",
+            f"model.max_model_len={longest}",
+        )
+        params = SamplingParams(temperature=0, max_tokens=self.max_tokens, ignore_eos=True)
+        outs = small.generate(prompt_token_ids=self.prompts(), sampling_params=params, use_tqdm=False)
+        assert sum(o.metrics.num_preemptions for o in outs) > 0
+        assert [o.outputs[0].token_ids for o in outs] == self._greedy(conformance_llm)
+        small.engine.buffers.check_invariants()
+        assert small.engine.buffers.pool.num_free == pages
 
     def test_greedy_matches_transformers(self, conformance_llm: Any, conformance_checkpoint: Path) -> None:
         if not self.hf_reference:
