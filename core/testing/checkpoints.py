@@ -88,6 +88,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3_5": "pegainfer.testing.tiny_qwen35",
     "qwen3_5_moe": "pegainfer.testing.tiny_qwen35",
     "deepseek_v3": "pegainfer.testing.tiny_deepseek",
+    "deepseek_v32": "pegainfer.testing.tiny_deepseek",
 }
 
 

@@ -75,6 +75,39 @@ def deepseek_v3_config(vocab_size: int, **overrides: Any) -> dict[str, Any]:
     return config
 
 
+def deepseek_v32_config(vocab_size: int, **overrides: Any) -> dict[str, Any]:
+    """DeepSeek-V3.2 at toy size: the V3 config plus the DSA indexer, without an MTP layer. ``index_topk``
+    is small so the indexer's selection matters beyond the first few positions."""
+    config = deepseek_v3_config(
+        vocab_size,
+        architectures=["DeepseekV32ForCausalLM"],
+        model_type="deepseek_v32",
+        num_nextn_predict_layers=0,
+        index_n_heads=8,
+        index_head_dim=32,
+        index_topk=4,
+    )
+    config.pop("rope_interleave")  # V3.2 always interleaves MLA's rope
+    config.update(overrides)
+    return config
+
+
+def deepseek_v32_tensors(cfg: dict[str, Any], gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """V3 tensors plus each layer's ``self_attn.indexer.*`` (``weights_proj`` is float32 in the published
+    checkpoint; here it takes the checkpoint dtype like the rest)."""
+    tensors = deepseek_v3_tensors(cfg, gen)
+    h, rq = cfg["hidden_size"], cfg["q_lora_rank"]
+    ni, di = cfg["index_n_heads"], cfg["index_head_dim"]
+    for layer in range(cfg["num_hidden_layers"] + cfg.get("num_nextn_predict_layers", 0)):
+        p = f"model.layers.{layer}.self_attn.indexer."
+        tensors[p + "wq_b.weight"] = _lin(gen, ni * di, rq)
+        tensors[p + "wk.weight"] = _lin(gen, di, h)
+        tensors[p + "k_norm.weight"] = _norm(gen, di)
+        tensors[p + "k_norm.bias"] = 0.1 * torch.randn(di, generator=gen)
+        tensors[p + "weights_proj.weight"] = _lin(gen, ni, h)
+    return tensors
+
+
 def _lin(gen: torch.Generator, out: int, inp: int) -> torch.Tensor:
     return torch.randn(out, inp, generator=gen) * inp**-0.5
 

@@ -165,7 +165,9 @@ def _check_v32(cfg: dict[str, Any], dims: DeepseekV3Dims) -> None:
     channels; its MLP pattern must be the first-k-dense one the decoder builds."""
     assert dims.indexer is not None
     if dims.q_lora_rank is None:
-        raise CheckpointError("config.json: DeepSeek-V3.2 needs q_lora_rank (the DSA indexer reads the q LoRA)")
+        raise CheckpointError(
+            "config.json: DeepSeek-V3.2 needs q_lora_rank (the DSA indexer reads the q LoRA)"
+        )
     if dims.qk_rope_head_dim > dims.indexer.head_dim:
         raise CheckpointError(
             f"config.json: qk_rope_head_dim ({dims.qk_rope_head_dim}) exceeds index_head_dim "
@@ -173,7 +175,9 @@ def _check_v32(cfg: dict[str, Any], dims: DeepseekV3Dims) -> None:
         )
     types = cfg.get("mlp_layer_types")
     if types is not None:
-        expected = ["dense" if layer < dims.first_k_dense_replace else "sparse" for layer in range(dims.num_layers)]
+        expected = [
+            "dense" if layer < dims.first_k_dense_replace else "sparse" for layer in range(dims.num_layers)
+        ]
         if list(types) != expected:
             raise CheckpointError(
                 f"config.json: mlp_layer_types {types!r} is not supported (the DeepSeek plugin builds "

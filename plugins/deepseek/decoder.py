@@ -32,10 +32,20 @@ class DecoderLayer(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, cache: torch.Tensor, rotary: PairedRotaryEmbedding
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cache: torch.Tensor,
+        rotary: PairedRotaryEmbedding,
+        index_cache: torch.Tensor | None = None,
+        index_rotary: PairedRotaryEmbedding | None = None,
     ) -> torch.Tensor:
+        """``index_cache`` / ``index_rotary``: the V3.2 indexer's key cache and half-split rope."""
         eps = self.dims.rms_norm_eps
-        x = x + self.self_attn(rms_norm(x, self.input_layernorm, eps), batch, cache, rotary)
+        attn = self.self_attn(
+            rms_norm(x, self.input_layernorm, eps), batch, cache, rotary, index_cache, index_rotary
+        )
+        x = x + attn
         return x + self.mlp(rms_norm(x, self.post_attention_layernorm, eps))
 
     def load(self, reader: WeightReader, prefix: str) -> None:

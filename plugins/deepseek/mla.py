@@ -8,6 +8,9 @@ space, attention runs over the latents directly (an MQA with head size rkv + dr)
 result back to per-head values.
 
 The rope channels stay in the checkpoint's pairing (interleaved by default) for q and k alike.
+
+DeepSeek-V3.2 adds a DSA lightning indexer (``indexer.py``) to every layer: it selects, per query, the
+cached positions attention may use, and both forms mask every other key.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding
 from pegainfer.model_api import ForwardBatch
 from pegainfer_deepseek.config import DeepseekV3Dims
 from pegainfer_deepseek.fp8 import WeightReader
+from pegainfer_deepseek.indexer import IndexSelection, LightningIndexer
 from pegainfer_deepseek.params import param
 
 
@@ -56,26 +60,40 @@ class MLAttention(nn.Module):
         self.kv_a_bias = param(rkv + dr, dtype=dtype) if biased else None
         self.o_bias = param(h, dtype=dtype) if biased else None
         self.scale = dims.softmax_scale
+        self.indexer = LightningIndexer(dims, dtype) if dims.indexer is not None else None
 
     def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, cache: torch.Tensor, rotary: PairedRotaryEmbedding
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cache: torch.Tensor,
+        rotary: PairedRotaryEmbedding,
+        index_cache: torch.Tensor | None = None,
+        index_rotary: PairedRotaryEmbedding | None = None,
     ) -> torch.Tensor:
-        """Attention output ``[T, H]`` for the normed input ``x``; writes the tokens' latents to ``cache``."""
+        """Attention output ``[T, H]`` for the normed input ``x``; writes the tokens' latents to ``cache``.
+
+        With an indexer (V3.2), ``index_cache`` is its key cache and ``index_rotary`` its half-split rope."""
         dims, eps, t = self.dims, self.dims.rms_norm_eps, x.shape[0]
         dn, dr, rkv = dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.kv_lora_rank
+        selection = None
         if dims.q_lora_rank is None:
             q = F.linear(x, self.q_proj)
         else:
             cq = rms_norm(F.linear(x, self.q_a_proj, self.q_a_bias), self.q_a_layernorm, eps)
             q = F.linear(cq, self.q_b_proj)
+            if self.indexer is not None:
+                if index_cache is None or index_rotary is None:
+                    raise ValueError("a DeepSeek-V3.2 layer needs its indexer cache and half-split rope")
+                selection = self.indexer(x, cq, batch, index_cache, index_rotary)
         q_nope, q_pe = q.view(t, dims.num_heads, dims.qk_head_dim).split([dn, dr], dim=-1)
         c, k_pe = F.linear(x, self.kv_a_proj_with_mqa, self.kv_a_bias).split([rkv, dr], dim=-1)
         c = rms_norm(c, self.kv_a_layernorm, eps)
         q_pe, k_pe = rotary(batch.positions, q_pe, k_pe.unsqueeze(1))
         write_latent(cache, torch.cat([c, k_pe.squeeze(1)], dim=-1), batch.attn.slot_mapping)
         out = q.new_empty(t, dims.num_heads, dims.v_head_dim)
-        self._prefill(q_nope, q_pe, cache, batch.attn, out)
-        self._decode(q_nope, q_pe, cache, batch.attn, out)
+        self._prefill(q_nope, q_pe, cache, batch.attn, out, selection)
+        self._decode(q_nope, q_pe, cache, batch.attn, out, selection)
         return F.linear(out.flatten(1), self.o_proj, self.o_bias)
 
     def _prefill(
@@ -85,12 +103,13 @@ class MLAttention(nn.Module):
         cache: torch.Tensor,
         meta: AttentionMetadata,
         out: torch.Tensor,
+        selection: IndexSelection | None = None,
     ) -> None:
         """Expanded form: per-head keys ``[k_nope | k_pe]`` and values from each segment's cached latents."""
         dims = self.dims
         nh, dn, rkv = dims.num_heads, dims.qk_nope_head_dim, dims.kv_lora_rank
         flat = cache.flatten(0, 1)
-        for seg in meta.prefills:
+        for i, seg in enumerate(meta.prefills):
             positions = torch.arange(seg.ctx_len, device=q_nope.device)
             latent = flat[_slots(seg.block_table, positions, meta.block_size)]  # [L, rkv + dr]
             c, k_pe = latent[:, :rkv], latent[:, rkv:]
@@ -101,8 +120,10 @@ class MLAttention(nn.Module):
             queries = torch.cat([q_nope[rows], q_pe[rows]], dim=-1)  # [n, nh, dn + dr]
             scores = torch.einsum("qhd,khd->hqk", queries, keys) * self.scale
             q_pos = positions[seg.ctx_len - seg.q_len :]
-            causal = positions[None, :] <= q_pos[:, None]
-            scores = scores.masked_fill(~causal, float("-inf"))
+            allowed = positions[None, :] <= q_pos[:, None]
+            if selection is not None:
+                allowed = allowed & selection.prefill[i]
+            scores = scores.masked_fill(~allowed, float("-inf"))
             probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
             out[rows] = torch.einsum("hqk,khd->qhd", probs, v)
 
@@ -113,6 +134,7 @@ class MLAttention(nn.Module):
         cache: torch.Tensor,
         meta: AttentionMetadata,
         out: torch.Tensor,
+        selection: IndexSelection | None = None,
     ) -> None:
         """Absorbed form: scores ``(W_UKᵀ q_nope)·c + q_pe·k_pe`` over the latents, output ``W_UV p·c``."""
         if not meta.num_decodes:
@@ -130,6 +152,8 @@ class MLAttention(nn.Module):
         ]  # [B, L, .]
         scores = torch.einsum("bhr,blr->bhl", queries, latent) * self.scale
         valid = positions[None, :] < meta.decode_seq_lens[:, None]  # [B, L]
+        if selection is not None and selection.decode is not None:
+            valid = valid & selection.decode
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(latent.dtype)
         o_latent = torch.einsum("bhl,blr->bhr", probs, latent[..., :rkv])
@@ -154,3 +178,5 @@ class MLAttention(nn.Module):
             for name, target in named:
                 if target is not None:
                     target.copy_(reader.get(p + name, tuple(target.shape), target.dtype))
+        if self.indexer is not None:
+            self.indexer.load(reader, prefix)

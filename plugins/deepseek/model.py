@@ -2,6 +2,10 @@
 layers then group-routed MoE layers with shared experts, YaRN rope, an optional MTP draft module, and
 block-FP8 checkpoints (dequantized at load on the reference path).
 
+DeepSeek-V3.2 (``DeepseekV32ForCausalLM``) is the same model with a DSA lightning indexer in every layer
+(``indexer.py``): a second paged cache per layer, ``caches[INDEXER_CACHE_OFFSET + layer]``, holds its keys.
+Its MTP layer is not served (drafting would need the MTP layer's indexer cache too).
+
 The model does not embed on the device: the engine calls ``embed`` on the host side and passes the
 result as ``batch.hidden_states`` (already in the device layout: prefill segments, then decode rows).
 """
@@ -17,7 +21,7 @@ from torch import nn
 
 from pegainfer.buffer_specs import BufferSpec, PagedLatentSpec, TransientSpec, dtype_size
 from pegainfer.config import ModelConfig
-from pegainfer.errors import CheckpointError, ExecutorError
+from pegainfer.errors import ExecutorError
 from pegainfer.layers.norm import rms_norm
 from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding, default_inv_freq, yarn_inv_freq
 from pegainfer.loader import CheckpointReader
@@ -25,23 +29,27 @@ from pegainfer.model_api import CausalLM, ForwardBatch
 from pegainfer_deepseek.config import DeepseekV3Dims
 from pegainfer_deepseek.decoder import DecoderLayer
 from pegainfer_deepseek.fp8 import WeightReader
+from pegainfer_deepseek.indexer import INDEXER_CACHE_OFFSET
 from pegainfer_deepseek.mtp import MultiTokenPredictor
 from pegainfer_deepseek.params import param
 
 logger = logging.getLogger(__name__)
 
 
-def build_rotary(dims: DeepseekV3Dims, max_positions: int) -> PairedRotaryEmbedding:
+def build_rotary(
+    dims: DeepseekV3Dims, max_positions: int, *, interleaved: bool | None = None
+) -> PairedRotaryEmbedding:
+    """MLA's rope over ``qk_rope_head_dim`` channels, in the checkpoint's pairing unless ``interleaved``
+    says otherwise (V3.2's indexer uses the same frequencies half-split)."""
     rope, dim = dims.rope, dims.qk_rope_head_dim
+    paired = rope.interleaved if interleaved is None else interleaved
     if rope.yarn is None:
-        return PairedRotaryEmbedding(
-            default_inv_freq(dim, rope.theta), max_positions, interleaved=rope.interleaved
-        )
+        return PairedRotaryEmbedding(default_inv_freq(dim, rope.theta), max_positions, interleaved=paired)
     return PairedRotaryEmbedding(
         yarn_inv_freq(dim, rope.theta, rope.yarn),
         max_positions,
         cos_sin_factor=rope.yarn.cos_sin_factor(),
-        interleaved=rope.interleaved,
+        interleaved=paired,
     )
 
 
@@ -57,20 +65,22 @@ class DeepseekV3ForCausalLM(CausalLM):
         self.layers = nn.ModuleList(DecoderLayer(dims, i, dtype) for i in range(dims.num_layers))
         self.norm = param(h, dtype=dtype)
         self.lm_head = None if dims.tie_word_embeddings else param(v, h, dtype=dtype)
+        # V3.2's MTP layer would need its own indexer cache among the draft caches: not served.
+        num_mtp = 0 if dims.indexer is not None else dims.num_mtp_layers
+        if dims.indexer is not None and dims.num_mtp_layers:
+            logger.info("DeepSeek-V3.2: the MTP layer is not served (no drafting with the DSA indexer yet)")
         self.mtp = nn.ModuleList(
-            MultiTokenPredictor(dims, dims.num_layers + k, dtype) for k in range(dims.num_mtp_layers)
+            MultiTokenPredictor(dims, dims.num_layers + k, dtype) for k in range(num_mtp)
         )
         self.rotary = build_rotary(dims, max_model_len)
+        self.index_rotary = (
+            build_rotary(dims, max_model_len, interleaved=False) if dims.indexer is not None else None
+        )
 
     @classmethod
     def from_hf_config(
         cls, hf_config: dict[str, Any], model_config: ModelConfig, *, dtype: torch.dtype, max_model_len: int
     ) -> DeepseekV3ForCausalLM:
-        if hf_config.get("model_type") == "deepseek_v32" or "index_topk" in hf_config:
-            raise CheckpointError(
-                "DeepSeek-V3.2 checkpoints need the DSA lightning indexer, which the deepseek plugin does "
-                "not implement yet; only DeepSeek-V3 / R1 (model_type 'deepseek_v3') can be served"
-            )
         return cls(DeepseekV3Dims.from_hf_config(hf_config), dtype=dtype, max_model_len=max_model_len)
 
     @staticmethod
@@ -111,8 +121,16 @@ class DeepseekV3ForCausalLM(CausalLM):
         return PagedLatentSpec(layer_index, self.dims.kv_lora_rank, self.dims.qk_rope_head_dim, self.dtype)
 
     def buffer_specs(self) -> list[BufferSpec]:
-        """One latent cache (``kv_lora_rank + qk_rope_head_dim`` per token) per main layer."""
-        return [self._latent_spec(layer.layer_index) for layer in self.layers]
+        """One latent cache (``kv_lora_rank + qk_rope_head_dim`` per token) per main layer; for V3.2 also
+        one indexer key cache (``index_head_dim`` per token) per layer, at ``INDEXER_CACHE_OFFSET + layer``."""
+        specs: list[BufferSpec] = [self._latent_spec(layer.layer_index) for layer in self.layers]
+        if self.dims.indexer is not None:
+            dim = self.dims.indexer.head_dim
+            specs += [
+                PagedLatentSpec(INDEXER_CACHE_OFFSET + layer.layer_index, dim, 0, self.dtype)
+                for layer in self.layers
+            ]
+        return specs
 
     def mtp_buffer_specs(self) -> list[BufferSpec]:
         """The latent caches of the MTP modules (layer ``num_hidden_layers + k``), for speculative decoding;
@@ -131,6 +149,8 @@ class DeepseekV3ForCausalLM(CausalLM):
             + d.num_heads * per_head
             + 3 * max(d.intermediate_size, d.moe_intermediate_size * max(1, d.n_shared_experts))
         )
+        if d.indexer is not None:  # indexer queries, key, head weights (float32: counted twice)
+            widths += d.indexer.n_heads * (d.indexer.head_dim + 2) + d.indexer.head_dim
         return [TransientSpec("deepseek_activations", bytes_per_token=widths * dtype_size(self.dtype))]
 
     def forward(
@@ -142,8 +162,10 @@ class DeepseekV3ForCausalLM(CausalLM):
                 "(the engine fills them through embed())"
             )
         x = batch.hidden_states.to(self.dtype)
+        indexed = self.dims.indexer is not None
         for layer in self.layers:
-            x = layer(x, batch, caches[layer.layer_index], self.rotary)
+            index_cache = caches[INDEXER_CACHE_OFFSET + layer.layer_index] if indexed else None
+            x = layer(x, batch, caches[layer.layer_index], self.rotary, index_cache, self.index_rotary)
         return rms_norm(x, self.norm, self.dims.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
