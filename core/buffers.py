@@ -131,6 +131,8 @@ class PagedBufferManager(BufferManager):
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         rid = request.request_id
         need = self._pages_needed(request, num_new_tokens)
+        if need == 0 and (not self._has_state or rid in self._slots) and rid in self._tables:
+            return True  # the common decode step: the last page still has room
         if self._has_state and rid not in self._slots and not self._free_slots:
             return False
         pages = self.pool.allocate(need)

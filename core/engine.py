@@ -19,7 +19,7 @@ from pegainfer.loader import read_generation_config
 from pegainfer.memory_plan import MemoryPlan, plan_memory
 from pegainfer.model_loader import LoadedModel, load_model
 from pegainfer.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
-from pegainfer.request import Request, RequestStatus
+from pegainfer.request import FINISHED_STATUSES, Request, RequestStatus
 from pegainfer.sampler import Sampler, compute_prompt_logprobs
 from pegainfer.sampling_params import RequestOutputKind, SamplingParams
 from pegainfer.scheduler import ContinuousBatchingScheduler, Scheduler, SchedulerOutput
@@ -58,7 +58,10 @@ class _Group:
 
     @property
     def finished(self) -> bool:
-        return all(s.request.is_finished for s in self.sequences)
+        for seq in self.sequences:  # a plain loop: this runs for every row of every step
+            if seq.request.status not in FINISHED_STATUSES:
+                return False
+        return True
 
 
 def _memory_budget(loaded: LoadedModel, config: EngineConfig, transient_bytes: int) -> int:

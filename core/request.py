@@ -28,7 +28,10 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.name.startswith("FINISHED")
+        return self in FINISHED_STATUSES
+
+
+FINISHED_STATUSES = frozenset(s for s in RequestStatus if s.name.startswith("FINISHED"))
 
 
 class Request:

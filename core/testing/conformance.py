@@ -5,6 +5,7 @@ Each helper loads what it needs lazily, so importing this module does not import
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -31,20 +32,29 @@ def hf_greedy(
     max_new_tokens: int,
     dtype: torch.dtype = torch.float32,
 ) -> list[list[int]]:
-    """Greedy continuations from transformers, one prompt at a time, never stopping at EOS."""
+    """Greedy continuations from transformers, one prompt at a time, with its KV cache and no stopping.
+
+    A plain argmax loop rather than ``generate``: ``generate``'s ``min_new_tokens`` would suppress EOS
+    tokens, which our ``ignore_eos`` (like vLLM's) does not, so the two could disagree on a correct model.
+    """
     model = hf_model(str(folder), dtype)
+    # transformers >= 5.24 names the cache argument ``cache`` (``past_key_values`` is deprecated).
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out = []
     with torch.no_grad():
         for prompt in prompts:
             ids = torch.tensor([list(prompt)], device=model.device)
-            gen = model.generate(
-                ids,
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            out.append(gen[0, len(prompt) :].tolist())
+            result = model(ids, use_cache=True)
+            tokens: list[int] = []
+            while True:
+                token = result.logits[0, -1].argmax().item()
+                tokens.append(token)
+                if len(tokens) == max_new_tokens:
+                    break
+                next_ids = torch.tensor([[token]], device=model.device)
+                cache = getattr(result, "cache", None) or result.past_key_values
+                result = model(next_ids, use_cache=True, **{cache_kw: cache})
+            out.append(tokens)
     return out
 
 

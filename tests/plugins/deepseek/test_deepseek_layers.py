@@ -15,7 +15,7 @@ from pegainfer.testing.checkpoints import _to_legacy_layout, _to_new_layout
 from pegainfer.testing.tiny_deepseek import deepseek_v3_config
 from pegainfer_deepseek.config import DeepseekV3Dims
 from pegainfer_deepseek.mla import MLAttention
-from pegainfer_deepseek.model import DeepseekV3ForCausalLM, build_rotary
+from pegainfer_deepseek.model import build_rotary
 from pegainfer_deepseek.moe import GroupLimitedRouter
 
 
@@ -70,14 +70,6 @@ def test_derived_head_dim_is_not_the_attention_head_size():
 def test_unsupported_settings_are_refused_by_name(override, message):
     with pytest.raises(CheckpointError, match=message):
         _dims(**override)
-
-
-def test_v32_checkpoint_is_refused_until_the_indexer_exists():
-    from pegainfer.config import ModelConfig
-
-    cfg = _to_new_layout(deepseek_v3_config(1024, model_type="deepseek_v32", index_topk=8))
-    with pytest.raises(CheckpointError, match="DSA lightning indexer"):
-        DeepseekV3ForCausalLM.from_hf_config(cfg, ModelConfig(), dtype=torch.float32, max_model_len=64)
 
 
 # -------------------------------------------------------------------------------------------------- rope

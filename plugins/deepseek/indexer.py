@@ -1,0 +1,146 @@
+"""DeepSeek-V3.2's DSA lightning indexer, torch reference over its own paged key cache.
+
+Per layer the indexer keeps one key per token, ``kI = LayerNorm(wk(x))`` with its first
+``qk_rope_head_dim`` channels roped half-split (pairs (i, i + d/2), unlike MLA's interleaved pairs), in a
+paged cache ``[blocks, block_size, index_head_dim]`` addressed by the same block table and slots as the
+layer's MLA latents. Each query token t scores every cached position s it may see,
+
+    I[t, s] = sum_h  w[t, h] * nI^-0.5 * ReLU(qI[t, h] . kI[s]) * dI^-0.5,   w = weights_proj(x) (fp32),
+
+with ``qI = wq_b(cq)`` (cq the MLA q-LoRA output), and keeps the ``index_topk`` best; MLA attends only to
+those. When a query sees at most ``index_topk`` positions it keeps them all (dense attention).
+
+The reference implementation's Hadamard rotation (dot products unchanged) and FP8 rounding of the
+scores are not applied, as in transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pegainfer.layers.attention import QUERY_BLOCK, AttentionMetadata
+from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding
+from pegainfer.model_api import ForwardBatch
+from pegainfer_deepseek.config import DeepseekV3Dims
+from pegainfer_deepseek.fp8 import WeightReader
+from pegainfer_deepseek.params import param
+
+#: The indexer cache of layer ``l`` is ``caches[INDEXER_CACHE_OFFSET + l]`` (MLA's is ``caches[l]``).
+INDEXER_CACHE_OFFSET = 100_000
+
+K_NORM_EPS = 1e-6
+
+
+@dataclass
+class IndexSelection:
+    """Which cached positions each query of a batch may attend to (True = selected; causality and
+    sequence length are already folded in). ``prefill[i]`` is ``[q_len, ctx_len]`` for the batch's i-th
+    prefill segment, ``decode`` is ``[num_decodes, max_decode_seq_len]`` (None without decode rows)."""
+
+    prefill: list[torch.Tensor] = field(default_factory=list)
+    decode: torch.Tensor | None = None
+
+
+def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    return block_table[..., positions // block_size].long() * block_size + positions % block_size
+
+
+def _top_k_mask(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+    """``visible`` restricted to the ``k`` best-scored visible positions of each row (all when fewer)."""
+    scores = scores.masked_fill(~visible, float("-inf"))
+    k = min(k, scores.shape[-1])
+    picked = torch.zeros_like(visible).scatter_(-1, scores.topk(k, dim=-1).indices, True)
+    return picked & visible
+
+
+class LightningIndexer(nn.Module):
+    def __init__(self, dims: DeepseekV3Dims, dtype: torch.dtype) -> None:
+        super().__init__()
+        assert dims.indexer is not None and dims.q_lora_rank is not None
+        self.dims = dims
+        cfg = dims.indexer
+        self.n_heads, self.head_dim, self.topk = cfg.n_heads, cfg.head_dim, cfg.topk
+        self.wq_b = param(cfg.n_heads * cfg.head_dim, dims.q_lora_rank, dtype=dtype)
+        self.wk = param(cfg.head_dim, dims.hidden_size, dtype=dtype)
+        self.k_norm_weight = param(cfg.head_dim, dtype=dtype)
+        self.k_norm_bias = param(cfg.head_dim, dtype=dtype)
+        # Kept in float32, as DeepSeek and transformers do.
+        self.weights_proj = param(cfg.n_heads, dims.hidden_size, dtype=torch.float32)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cq: torch.Tensor,
+        batch: ForwardBatch,
+        cache: torch.Tensor,
+        rotary: PairedRotaryEmbedding,
+    ) -> IndexSelection:
+        """Write the batch's indexer keys into ``cache`` and select, per query, the keys MLA may use.
+
+        ``x`` is the layer's normed input ``[T, H]``, ``cq`` MLA's ``q_a_layernorm`` output ``[T, rq]``;
+        ``rotary`` is the half-split rope over ``qk_rope_head_dim`` channels."""
+        t, dr = x.shape[0], self.dims.qk_rope_head_dim
+        q = F.linear(cq, self.wq_b).view(t, self.n_heads, self.head_dim)
+        k = F.layer_norm(
+            F.linear(x, self.wk), (self.head_dim,), self.k_norm_weight, self.k_norm_bias, K_NORM_EPS
+        )
+        q_rot, k_rot = rotary(batch.positions, q[..., :dr], k[:, None, :dr])
+        q = torch.cat([q_rot, q[..., dr:]], dim=-1).float()
+        k = torch.cat([k_rot[:, 0], k[:, dr:]], dim=-1)
+        cache.flatten(0, 1).index_copy_(0, batch.attn.slot_mapping, k.to(cache.dtype))
+        # Head weights with both scales folded in: I = sum_h w_h * ReLU(q_h . k).
+        weights = F.linear(x.float(), self.weights_proj) * (self.n_heads**-0.5 * self.head_dim**-0.5)
+        meta = batch.attn
+        return IndexSelection(
+            prefill=self._prefill(q, weights, cache, meta), decode=self._decode(q, weights, cache, meta)
+        )
+
+    def _prefill(
+        self, q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata
+    ) -> list[torch.Tensor]:
+        flat, masks = cache.flatten(0, 1), []
+        for seg in meta.prefills:
+            positions = torch.arange(seg.ctx_len, device=q.device)
+            keys = flat[_slots(seg.block_table, positions, meta.block_size)].float()  # [L, dI]
+            first = seg.ctx_len - seg.q_len
+            mask = torch.empty(seg.q_len, seg.ctx_len, dtype=torch.bool, device=q.device)
+            # Query blocks bound the fp32 [n, nI, L] score tensor.
+            for lo in range(0, seg.q_len, QUERY_BLOCK):
+                n = min(QUERY_BLOCK, seg.q_len - lo)
+                rows = slice(seg.q_start + lo, seg.q_start + lo + n)
+                scores = torch.relu(torch.einsum("qhd,ld->qhl", q[rows], keys))
+                index = torch.einsum("qh,qhl->ql", weights[rows], scores)
+                causal = positions[None, :] <= positions[first + lo : first + lo + n, None]
+                mask[lo : lo + n] = _top_k_mask(index, causal, self.topk)
+            masks.append(mask)
+        return masks
+
+    def _decode(
+        self, q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        if not meta.num_decodes:
+            return None
+        rows = slice(meta.num_prefill_tokens, meta.num_prefill_tokens + meta.num_decodes)
+        positions = torch.arange(meta.max_decode_seq_len, device=q.device)
+        keys = cache.flatten(0, 1)[_slots(meta.decode_block_tables, positions, meta.block_size)].float()
+        scores = torch.relu(torch.einsum("bhd,bld->bhl", q[rows], keys))  # [B, nI, L]
+        index = torch.einsum("bh,bhl->bl", weights[rows], scores)
+        valid = positions[None, :] < meta.decode_seq_lens[:, None]  # [B, L]
+        return _top_k_mask(index, valid, self.topk)
+
+    def load(self, reader: WeightReader, prefix: str) -> None:
+        p = prefix + "self_attn.indexer."
+        named = [
+            ("wq_b.weight", self.wq_b),
+            ("wk.weight", self.wk),
+            ("k_norm.weight", self.k_norm_weight),
+            ("k_norm.bias", self.k_norm_bias),
+            ("weights_proj.weight", self.weights_proj),
+        ]
+        with torch.no_grad():
+            for name, target in named:
+                target.copy_(reader.get(p + name, tuple(target.shape), target.dtype))

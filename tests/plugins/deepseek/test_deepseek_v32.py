@@ -1,0 +1,250 @@
+"""DeepSeek-V3.2 (MLA + DSA lightning indexer) on the reference path against transformers, float32.
+
+The tiny checkpoint's ``index_topk`` is 4, so past the fourth position every query attends to a selected
+subset of its context and a wrong indexer (rope pairing, scales, causal mask, cache) changes the tokens.
+With ``index_topk`` at least the context the model must equal DeepSeek-V3 on the same weights.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from pegainfer import LLM, SamplingParams
+from pegainfer.errors import CheckpointError
+from pegainfer.executor import ModelBatch, SequenceChunk
+from pegainfer.request import Request
+from pegainfer.testing.checkpoints import _to_new_layout
+from pegainfer.testing.conformance import hf_greedy, hf_logits, hf_model, unused_checkpoint_tensors
+from pegainfer.testing.tiny_deepseek import deepseek_v32_config
+from pegainfer_deepseek.config import DeepseekV3Dims
+from pegainfer_deepseek.indexer import INDEXER_CACHE_OFFSET
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_v32(tiny_checkpoint_factory: Callable[..., Path]) -> Path:
+    return tiny_checkpoint_factory("deepseek_v32")
+
+
+@pytest.fixture(scope="module")
+def llm_v32(tiny_v32: Path) -> LLM:
+    return LLM(str(tiny_v32), dtype="float32", device="cpu", cpu_kv_cache_bytes=8 << 20)
+
+
+def _prompts(seed: int, lengths: list[int], vocab: int = 990) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return (torch.linalg.vector_norm(ours - ref) / torch.linalg.vector_norm(ref)).item()
+
+
+def _prefill(llm: LLM, rid: str, tokens: list[int], all_logits: bool = True):
+    engine = llm.engine
+    request = Request(rid, tokens, GREEDY)
+    assert engine.buffers.allocate_slots(request, len(tokens))
+    chunk = SequenceChunk(
+        rid, tokens, 0, engine.buffers.block_table(rid), needs_logits=True, all_logits=all_logits
+    )
+    out = engine.executor.execute(ModelBatch([chunk], hidden_states=engine.executor.embed(tokens)))
+    return request, out
+
+
+# ------------------------------------------------------------------------------------------------ config
+
+
+def _v32_dims(**overrides) -> DeepseekV3Dims:
+    return DeepseekV3Dims.from_hf_config(_to_new_layout(deepseek_v32_config(1024, **overrides)))
+
+
+def test_config_parses_the_indexer():
+    dims = _v32_dims(rope_interleave=False)
+    assert dims.indexer is not None
+    assert (dims.indexer.n_heads, dims.indexer.head_dim, dims.indexer.topk) == (8, 32, 4)
+    assert dims.rope.interleaved  # V3.2's MLA always interleaves, whatever rope_interleave says
+    assert _v32_dims(mlp_layer_types=["dense", "sparse", "sparse"]).indexer is not None
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"q_lora_rank": None}, "needs q_lora_rank"),
+        ({"index_head_dim": 8}, "exceeds index_head_dim"),
+        ({"mlp_layer_types": ["sparse", "sparse", "sparse"]}, "mlp_layer_types"),
+    ],
+)
+def test_unsupported_v32_settings_are_refused(override, message):
+    with pytest.raises(CheckpointError, match=message):
+        _v32_dims(**override)
+
+
+# -------------------------------------------------------------------------------------------- the caches
+
+
+def test_every_layer_has_a_latent_and_an_indexer_cache(llm_v32):
+    dims = llm_v32.engine.model.dims
+    caches = llm_v32.engine.buffers.caches
+    layers = list(range(dims.num_layers))
+    assert sorted(caches) == layers + [INDEXER_CACHE_OFFSET + layer for layer in layers]
+    for layer in layers:
+        assert caches[layer].shape[-1] == dims.kv_lora_rank + dims.qk_rope_head_dim
+        index_cache = caches[INDEXER_CACHE_OFFSET + layer]
+        assert index_cache.shape == (*caches[layer].shape[:2], dims.indexer.head_dim)
+    assert llm_v32.engine.model.num_mtp_layers == 0
+
+
+def test_checkpoint_tensors_are_all_read(tiny_v32):
+    assert unused_checkpoint_tensors(tiny_v32) == []
+
+
+def test_cached_indexer_keys_equal_transformers_cache(llm_v32, tiny_v32):
+    """The roped (half-split) and normed indexer keys per token and layer, against transformers' cache."""
+    prompt = _prompts(9, [13])[0]
+    request, _ = _prefill(llm_v32, "cache-probe", prompt, all_logits=False)
+    engine, dims = llm_v32.engine, llm_v32.engine.model.dims
+    bs = engine.buffers.block_size
+    table = torch.tensor(engine.buffers.block_table("cache-probe"))
+    positions = torch.arange(len(prompt))
+    slots = table[positions // bs] * bs + positions % bs
+    with torch.no_grad():
+        hf_cache = hf_model(str(tiny_v32))(torch.tensor([prompt]), use_cache=True).cache
+    try:
+        for layer in range(dims.num_layers):
+            ours = engine.buffers.caches[INDEXER_CACHE_OFFSET + layer].flatten(0, 1)[slots]
+            ref = hf_cache.layers[layer].indexer_keys[0]
+            torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    finally:
+        engine.buffers.free(request)
+
+
+# -------------------------------------------------------------------------------- against transformers
+
+
+def test_single_prompt_matches_hf(llm_v32, tiny_v32):
+    prompts = _prompts(0, [11])
+    assert _generate(llm_v32, prompts) == hf_greedy(tiny_v32, prompts, 24)
+
+
+def test_batch_of_mixed_lengths_matches_hf(llm_v32, tiny_v32):
+    prompts = _prompts(1, [1, 5, 17, 33, 2, 64])
+    assert _generate(llm_v32, prompts) == hf_greedy(tiny_v32, prompts, 24)
+
+
+def test_chunked_prefill_matches_hf(tiny_v32):
+    # Chunks of at most 5 tokens and a 12-token step budget: later chunks select among the indexer keys
+    # earlier chunks cached, across page boundaries.
+    llm = LLM(
+        str(tiny_v32),
+        dtype="float32",
+        device="cpu",
+        long_prefill_token_threshold=5,
+        max_num_batched_tokens=12,
+        cpu_kv_cache_bytes=8 << 20,
+    )
+    prompts = _prompts(2, [45, 30, 9])
+    assert _generate(llm, prompts) == hf_greedy(tiny_v32, prompts, 24)
+
+
+def test_preempted_run_matches_hf(tiny_v32):
+    llm = LLM(
+        str(tiny_v32),
+        dtype="float32",
+        device="cpu",
+        block_size=4,
+        num_gpu_blocks_override=24,
+        max_model_len=64,
+    )
+    prompts = _prompts(3, [16, 12, 15, 14])
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_v32, prompts, 24)
+    llm.engine.buffers.check_invariants()
+    assert llm.engine.buffers.pool.num_free == 24
+
+
+def test_prompt_logits_within_tolerance(llm_v32, tiny_v32):
+    prompt = _prompts(4, [29])[0]
+    request, out = _prefill(llm_v32, "logits-probe", prompt)
+    llm_v32.engine.buffers.free(request)
+    ref = hf_logits(tiny_v32, prompt)
+    last, full = _rel(out.logits[0], ref[-1]), _rel(out.all_logits["logits-probe"], ref)
+    print(f"prefill logits rel err: last={last:.2e} all={full:.2e}")
+    assert last < 1e-4 and full < 1e-4
+
+
+def test_decode_logits_within_tolerance(llm_v32, tiny_v32):
+    """Teacher-forced decode steps (the indexer's decode selection, absorbed MLA) against transformers."""
+    engine, executor = llm_v32.engine, llm_v32.engine.executor
+    tokens = _prompts(5, [27])[0]
+    start = 9
+    request = Request("decode-probe", tokens, GREEDY)
+    assert engine.buffers.allocate_slots(request, len(tokens))
+    table = engine.buffers.block_table("decode-probe")
+    ours = []
+    chunk = SequenceChunk("decode-probe", tokens[:start], 0, table, needs_logits=True)
+    ours.append(executor.execute(ModelBatch([chunk], hidden_states=executor.embed(tokens[:start]))).logits[0])
+    for pos in range(start, len(tokens)):
+        chunk = SequenceChunk("decode-probe", [tokens[pos]], pos, table, needs_logits=True)
+        ours.append(
+            executor.execute(ModelBatch([chunk], hidden_states=executor.embed([tokens[pos]]))).logits[0]
+        )
+    engine.buffers.free(request)
+    ref = hf_logits(tiny_v32, tokens)[start - 1 :]
+    err = _rel(torch.stack(ours), ref)
+    print(f"decode logits rel err over {len(ours) - 1} steps: {err:.2e}")
+    assert err < 1e-4
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"layout": "legacy"},
+        {"rope_scaling": None},
+        {"index_topk": 1, "index_n_heads": 4, "index_head_dim": 16},
+        {"index_topk": 7, "attention_bias": True, "first_k_dense_replace": 0},
+    ],
+    ids=["legacy-layout", "plain-rope", "topk-1", "topk-7-bias-all-moe"],
+)
+def test_checkpoint_variants_match_hf(tiny_checkpoint_factory, options):
+    folder = tiny_checkpoint_factory("deepseek_v32", seed=7, **options)
+    assert unused_checkpoint_tensors(folder) == []
+    llm = LLM(str(folder), dtype="float32", device="cpu", cpu_kv_cache_bytes=4 << 20)
+    prompts = _prompts(7, [9, 21])
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert _generate(llm, prompts, params) == hf_greedy(folder, prompts, 12)
+    _, out = _prefill(llm, "probe", prompts[1])
+    assert _rel(out.all_logits["probe"], hf_logits(folder, prompts[1])) < 1e-4
+
+
+# ------------------------------------------------------------------------------------- dense equivalence
+
+
+def test_topk_covering_the_context_is_dense_v3_and_a_small_topk_is_not(tiny_checkpoint_factory):
+    """Same seed, same V3 weights: with ``index_topk`` above the context V3.2 is V3 exactly; with the
+    tiny checkpoint's ``index_topk`` of 4 the selection changes the logits."""
+    v3 = tiny_checkpoint_factory("deepseek_v3", seed=11, num_nextn_predict_layers=0)
+    dense = tiny_checkpoint_factory("deepseek_v32", seed=11, index_topk=512)
+    sparse = tiny_checkpoint_factory("deepseek_v32", seed=11)
+    prompt = _prompts(10, [40])[0]
+    logits = {}
+    for name, folder in (("v3", v3), ("dense", dense), ("sparse", sparse)):
+        llm = LLM(str(folder), dtype="float32", device="cpu", cpu_kv_cache_bytes=4 << 20)
+        request, out = _prefill(llm, name, prompt)
+        llm.engine.buffers.free(request)
+        logits[name] = out.all_logits[name]
+    assert _rel(logits["dense"], logits["v3"]) < 1e-6
+    # The first 4 positions see at most 4 keys: identical; later ones attend to a subset.
+    assert _rel(logits["sparse"][:4], logits["v3"][:4]) < 1e-6
+    assert _rel(logits["sparse"][4:], logits["v3"][4:]) > 1e-2
