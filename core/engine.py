@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -18,8 +17,9 @@ from pegainfer.executor import Executor, LocalExecutor, ModelBatch, SequenceChun
 from pegainfer.loader import read_generation_config
 from pegainfer.memory_plan import MemoryPlan, plan_memory
 from pegainfer.model_loader import LoadedModel, load_model
-from pegainfer.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
-from pegainfer.request import FINISHED_STATUSES, Request, RequestStatus
+from pegainfer.outputs import PositionLogprobs, RequestOutput
+from pegainfer.request import Request, RequestStatus
+from pegainfer.request_group import RequestGroup, SequenceState
 from pegainfer.sampler import Sampler, compute_prompt_logprobs
 from pegainfer.sampling_params import RequestOutputKind, SamplingParams
 from pegainfer.scheduler import ContinuousBatchingScheduler, Scheduler, SchedulerOutput
@@ -30,38 +30,6 @@ logger = logging.getLogger(__name__)
 
 #: ``LLMEngine.stats`` counters (the spec_* ones: draft tokens verified and accepted, all requests).
 STAT_KEYS = ("prompt_tokens", "generation_tokens", "steps", "spec_draft_tokens", "spec_accepted_tokens")
-
-
-@dataclass
-class _Sequence:
-    """Engine-side state of one generated sequence (one of a parent's ``n``)."""
-
-    request: Request
-    index: int
-    detokenizer: IncrementalDetokenizer
-    logprobs: list[PositionLogprobs] | None = None
-    cumulative_logprob: float | None = None
-    num_reported: int = 0  # output tokens already sent in DELTA mode
-
-
-@dataclass
-class _Group:
-    """A user request: its ``n`` sequences and the prompt logprobs they share."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-    sequences: list[_Sequence] = field(default_factory=list)
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
-
-    @property
-    def finished(self) -> bool:
-        for seq in self.sequences:  # a plain loop: this runs for every row of every step
-            if seq.request.status not in FINISHED_STATUSES:
-                return False
-        return True
 
 
 def _memory_budget(loaded: LoadedModel, config: EngineConfig, transient_bytes: int) -> int:
@@ -131,8 +99,8 @@ class LLMEngine:
             if num_spec
             else None
         )
-        self._groups: dict[str, _Group] = {}
-        self._sequences: dict[str, _Sequence] = {}
+        self._groups: dict[str, RequestGroup] = {}
+        self._sequences: dict[str, SequenceState] = {}
         self.stats = dict.fromkeys(STAT_KEYS, 0)
 
     @property
@@ -202,12 +170,12 @@ class LLMEngine:
             params = params.clone(max_tokens=self.max_model_len - len(prompt_token_ids))
         params = params.clone(eos_token_ids=self.tokenizer.eos_token_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        group = _Group(request_id, prompt, prompt_token_ids, params, arrival)
+        group = RequestGroup(request_id, prompt, prompt_token_ids, params, arrival)
         for i in range(params.n):
             child_params = params if params.seed is None else params.clone(seed=params.seed + i)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             request = Request(child_id, prompt_token_ids, child_params, arrival_time=arrival, prompt=prompt)
-            seq = _Sequence(
+            seq = SequenceState(
                 request,
                 i,
                 IncrementalDetokenizer(
@@ -309,7 +277,7 @@ class LLMEngine:
         self.scheduler.update_after_step(plan)
         self.stats["steps"] += 1
         sampling = [item for item in plan.scheduled if item.samples]
-        touched: dict[str, _Group] = {}
+        touched: dict[str, RequestGroup] = {}
         for chunk, item in zip(batch.chunks, plan.scheduled, strict=True):
             if chunk.all_logits:
                 self._add_prompt_logprobs(item.request, chunk, result.all_logits[chunk.request_id])
@@ -321,7 +289,7 @@ class LLMEngine:
         if self.speculative is not None:
             self.speculative.after_step(plan, sampling, accepted, self.stats)
         outputs = [
-            self._make_output(g)
+            g.to_output()
             for g in touched.values()
             if g.finished or g.params.output_kind is not RequestOutputKind.FINAL_ONLY
         ]
@@ -359,7 +327,7 @@ class LLMEngine:
             self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
         return not request.is_finished
 
-    def _append_token(self, seq: _Sequence, token: int, logprobs: PositionLogprobs | None) -> None:
+    def _append_token(self, seq: SequenceState, token: int, logprobs: PositionLogprobs | None) -> None:
         request, params = seq.request, seq.request.sampling_params
         request.append_output_token(token)
         self.stats["generation_tokens"] += 1
@@ -379,53 +347,6 @@ class LLMEngine:
         if status is not None:
             seq.detokenizer.finish()
             self.scheduler.finish_request(request, status)
-
-    def _make_output(self, group: _Group) -> RequestOutput:
-        delta = group.params.output_kind is RequestOutputKind.DELTA
-        outputs = []
-        for seq in group.sequences:
-            req = seq.request
-            if delta:
-                # Only what is new since the last report: streaming stays O(1) per token.
-                start, seq.num_reported = seq.num_reported, req.num_output_tokens
-                token_ids = req.all_token_ids[req.num_prompt_tokens + start :]
-                text = seq.detokenizer.get_delta(req.is_finished)
-                logprobs = None if seq.logprobs is None else seq.logprobs[start:]
-            else:
-                token_ids, text, logprobs = req.output_token_ids, seq.detokenizer.output_text, seq.logprobs
-            outputs.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=text,
-                    token_ids=token_ids,
-                    cumulative_logprob=seq.cumulative_logprob,
-                    logprobs=logprobs,
-                    finish_reason=req.finish_reason,
-                    stop_reason=req.stop_reason,
-                )
-            )
-        first = [s.request.first_token_time for s in group.sequences if s.request.first_token_time]
-        metrics = RequestMetrics(
-            arrival_time=group.arrival_time,
-            first_token_time=min(first) if first else None,
-            finished_time=time.monotonic() if group.finished else None,
-            num_preemptions=sum(s.request.num_preemptions for s in group.sequences),
-            spec_draft_tokens=sum(s.request.num_draft_tokens for s in group.sequences),
-            spec_accepted_tokens=sum(s.request.num_accepted_tokens for s in group.sequences),
-        )
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            outputs=outputs,
-            finished=group.finished,
-            prompt_logprobs=group.prompt_logprobs,
-            metrics=metrics,
-        )
-
-    def sequence_detokenizer(self, request_id: str, index: int = 0) -> IncrementalDetokenizer:
-        """The detokenizer of one sequence, for streaming deltas."""
-        return self._groups[request_id].sequences[index].detokenizer
 
     def shutdown(self) -> None:
         self.executor.shutdown()
