@@ -9,7 +9,6 @@ import torch
 from pegainfer import LLM, SamplingParams
 from pegainfer.errors import ExecutorError
 from pegainfer.executor import ModelBatch, SequenceChunk
-from pegainfer.layers.norm import rms_norm
 from pegainfer.request import Request
 from pegainfer_qwen3_14b.model import Qwen3ForCausalLM
 
@@ -20,10 +19,7 @@ class HostEmbeddedQwen3(Qwen3ForCausalLM):
     embeds_on_device = False
 
     def forward(self, batch, caches, states):
-        x = batch.hidden_states
-        for layer in self.layers:
-            x = layer(x, batch, caches[layer.layer_index], self.rotary)
-        return rms_norm(x, self.norm, self.dims.rms_norm_eps)
+        return self.run_layers(batch.hidden_states, batch, caches)
 
 
 @pytest.fixture()

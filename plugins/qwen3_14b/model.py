@@ -94,10 +94,21 @@ class Qwen3DecoderLayer(nn.Module):
         self.scale = d**-0.5
 
     def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, cache: torch.Tensor, rotary: RotaryEmbedding
-    ) -> torch.Tensor:
-        dims, eps, t = self.dims, self.dims.rms_norm_eps, x.shape[0]
-        qkv = F.linear(ops.rms_norm(x, self.input_layernorm, eps), self.qkv_proj, self.qkv_bias)
+        self,
+        residual: torch.Tensor,
+        delta: torch.Tensor | None,
+        batch: ForwardBatch,
+        cache: torch.Tensor,
+        rotary: RotaryEmbedding,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual + delta`` is the layer's input (``delta`` is the previous layer's MLP output, added
+        here so the add and this layer's first norm are one fused op); returns (residual, MLP output)."""
+        dims, eps, t = self.dims, self.dims.rms_norm_eps, residual.shape[0]
+        if delta is None:
+            h = ops.rms_norm(residual, self.input_layernorm, eps)
+        else:
+            h, residual = ops.add_rms_norm(delta, residual, self.input_layernorm, eps)
+        qkv = F.linear(h, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = ops.qk_norm_rope_write_kv(
             q.view(t, dims.num_heads, dims.head_dim),
@@ -112,10 +123,10 @@ class Qwen3DecoderLayer(nn.Module):
             batch.attn.slot_mapping,
         )
         attn = paged_attention(q, cache, batch.attn, self.scale)
-        h, x = ops.add_rms_norm(
-            F.linear(attn.reshape(t, self.q_size), self.o_proj), x, self.post_attention_layernorm, eps
+        h, residual = ops.add_rms_norm(
+            F.linear(attn.reshape(t, self.q_size), self.o_proj), residual, self.post_attention_layernorm, eps
         )
-        return x + F.linear(ops.silu_mul(F.linear(h, self.gate_up_proj)), self.down_proj)
+        return residual, F.linear(ops.silu_mul(F.linear(h, self.gate_up_proj)), self.down_proj)
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         dims, h, d = self.dims, self.dims.hidden_size, self.dims.head_dim
@@ -223,10 +234,18 @@ class Qwen3ForCausalLM(CausalLM):
     def forward(
         self, batch: ForwardBatch, caches: dict[int, torch.Tensor], states: dict[int, dict[str, torch.Tensor]]
     ) -> torch.Tensor:
-        x = F.embedding(batch.token_ids, self.embed_tokens)
+        return self.run_layers(F.embedding(batch.token_ids, self.embed_tokens), batch, caches)
+
+    def run_layers(
+        self, x: torch.Tensor, batch: ForwardBatch, caches: dict[int, torch.Tensor]
+    ) -> torch.Tensor:
+        """The decoder stack and the final norm over input embeddings ``x``."""
+        delta = None
         for layer in self.layers:
-            x = layer(x, batch, caches[layer.layer_index], self.rotary)
-        return ops.rms_norm(x, self.norm, self.dims.rms_norm_eps)
+            x, delta = layer(x, delta, batch, caches[layer.layer_index], self.rotary)
+        if delta is None:  # a model without layers
+            return ops.rms_norm(x, self.norm, self.dims.rms_norm_eps)
+        return ops.add_rms_norm(delta, x, self.norm, self.dims.rms_norm_eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
