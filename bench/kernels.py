@@ -35,7 +35,7 @@ if "--smoke" in sys.argv:
 import torch
 import torch.nn.functional as F
 
-from pegainfer.kernels import fused_ops as ops
+from pegainfer.kernels import activations, norms, rope_kv
 from pegainfer.kernels.paged_decode_attention import (
     decode_num_splits,
     paged_decode_attention_ref,
@@ -377,32 +377,32 @@ def _fused_tokens(b: Bench, shape: dict, t: int, rotary: RotaryEmbedding, bw: fl
     e = 2  # bytes per element
 
     def qk_ref():  # the reference sequence without its negative-slot filter (a host sync)
-        q2, k2 = rotary(pos, ops.rms_norm_ref(q, qw, eps), ops.rms_norm_ref(k, kw, eps))
-        ops.write_kv_ref(cache, k2, v, slots)
+        q2, k2 = rotary(pos, norms.rms_norm_ref(q, qw, eps), norms.rms_norm_ref(k, kw, eps))
+        rope_kv.write_kv_ref(cache, k2, v, slots)
 
     cases = [
         (
             "rms_norm",
             2 * t * hidden * e,
-            lambda: ops.rms_norm_triton(x, w, eps),
-            lambda: ops.rms_norm_ref(x, w, eps),
+            lambda: norms.rms_norm_triton(x, w, eps),
+            lambda: norms.rms_norm_ref(x, w, eps),
         ),
         (
             "add_rms_norm",
             4 * t * hidden * e,
-            lambda: ops.fused_add_rms_norm_triton(x, res, w, eps),
-            lambda: ops.fused_add_rms_norm_ref(x, res, w, eps),
+            lambda: norms.fused_add_rms_norm_triton(x, res, w, eps),
+            lambda: norms.fused_add_rms_norm_ref(x, res, w, eps),
         ),
         (
             "silu_mul",
             3 * t * inter * e,
-            lambda: ops.silu_mul_triton(gate_up),
-            lambda: ops.silu_mul_ref(gate_up),
+            lambda: activations.silu_mul_triton(gate_up),
+            lambda: activations.silu_mul_ref(gate_up),
         ),
         (
             "qk_norm_rope_kv_write",
             t * d * e * (2 * (heads + kv_heads) + 3 * kv_heads),
-            lambda: ops.qk_norm_rope_triton(
+            lambda: rope_kv.qk_norm_rope_triton(
                 q, k, qw, kw, rotary, pos, eps, kv_cache=cache, v=v, slot_mapping=slots
             ),
             qk_ref,
@@ -410,8 +410,8 @@ def _fused_tokens(b: Bench, shape: dict, t: int, rotary: RotaryEmbedding, bw: fl
         (
             "write_kv",
             4 * t * kv_heads * d * e,
-            lambda: ops.write_kv_triton(cache, k, v, slots),
-            lambda: ops.write_kv_ref(cache, k, v, slots),
+            lambda: rope_kv.write_kv_triton(cache, k, v, slots),
+            lambda: rope_kv.write_kv_ref(cache, k, v, slots),
         ),
     ]
     for name, nbytes, kern, ref in cases:

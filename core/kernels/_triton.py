@@ -40,6 +40,8 @@ __all__ = [
     "tl",
     "use_kernel",
     "next_pow2",
+    "warps_for",
+    "as_rows",
     "dot_precision",
     "interp_bf16",
     "cast_to",
@@ -55,6 +57,23 @@ def use_kernel(t: torch.Tensor) -> bool:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def warps_for(n: int) -> int:
+    """Warps for a program that handles ``n`` elements of a row (a launch heuristic of the row kernels)."""
+    return 1 if n <= 256 else 2 if n <= 1024 else 4 if n <= 4096 else 8 if n <= 16384 else 16
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[rows, N]`` with a contiguous last dim (a view whenever the layout allows)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dim() == 2:
+        return x
+    try:
+        return x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return x.reshape(-1, x.shape[-1])
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -13,15 +13,11 @@ from pegainfer.layers.norm import rms_norm as rms_norm_ref
 from pegainfer.layers.rotary import RotaryEmbedding
 
 
-def _kernels():
-    from pegainfer.kernels import fused_ops
-
-    return fused_ops
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if use_triton(x):
-        return _kernels().rms_norm(x, weight, eps)
+        from pegainfer.kernels import norms
+
+        return norms.rms_norm(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
 
 
@@ -30,7 +26,9 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual += delta`` then its RMSNorm; returns (normed, residual). On CUDA one kernel, in place."""
     if use_triton(delta):
-        return _kernels().fused_add_rms_norm(delta, residual, weight, eps)
+        from pegainfer.kernels import norms
+
+        return norms.fused_add_rms_norm(delta, residual, weight, eps)
     residual = residual + delta
     return rms_norm_ref(residual, weight, eps), residual
 
@@ -38,7 +36,9 @@ def add_rms_norm(
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of a packed ``[..., 2I]`` gate|up projection."""
     if use_triton(gate_up):
-        return _kernels().silu_mul(gate_up)
+        from pegainfer.kernels import activations
+
+        return activations.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
 
@@ -58,7 +58,9 @@ def qk_norm_rope_write_kv(
     """Per-head RMSNorm of q ``[T, H, D]`` and k ``[T, KVH, D]``, rotary at ``positions``, and k, v written
     into the pages at ``slot_mapping``; returns the rotated (q, k)."""
     if use_triton(q):
-        return _kernels().qk_norm_rope(
+        from pegainfer.kernels import rope_kv
+
+        return rope_kv.qk_norm_rope(
             q, k, q_weight, k_weight, rotary, positions, eps, kv_cache=cache, v=v, slot_mapping=slot_mapping
         )
     q, k = rotary(positions, rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps))

@@ -12,8 +12,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pegainfer.async_engine import EngineDeadError, EngineOverloadedError, EngineStoppedError
 from pegainfer.errors import RequestError
+from pegainfer.request_stream import EngineDeadError, EngineOverloadedError, EngineStoppedError
 
 logger = logging.getLogger(__name__)
 

@@ -9,15 +9,10 @@ from typing import Any
 
 from fastapi import Request
 
-from pegainfer.async_engine import (
-    AsyncLLMEngine,
-    EngineDeadError,
-    EngineStoppedError,
-    PromptInput,
-    RequestStream,
-)
+from pegainfer.async_engine import AsyncLLMEngine
 from pegainfer.errors import RequestError
 from pegainfer.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pegainfer.request_stream import EngineDeadError, EngineStoppedError, PromptInput, RequestStream
 from pegainfer.sampling_params import SamplingParams
 from pegainfer.server.errors import APIError, to_api_error
 from pegainfer.server.protocol import _SamplingFields

@@ -75,7 +75,7 @@ def _compile_only(self: JITFunction, *args, grid, warmup, **kwargs):
 
 def main() -> None:
     JITFunction.run = _compile_only
-    from pegainfer.kernels import fused_ops as ops
+    from pegainfer.kernels import activations, norms, rope_kv
     from pegainfer.kernels.paged_decode_attention import paged_decode_attention_triton
     from pegainfer.kernels.paged_prefill_attention import PrefillTensors, paged_prefill_attention_triton
     from pegainfer.layers.rotary import RotaryEmbedding
@@ -91,18 +91,18 @@ def main() -> None:
         meta = PrefillTensors(ints, ints, ints, torch.zeros(3, 64, dtype=torch.int32), 100)
         paged_prefill_attention_triton(torch.empty(100, heads, d, dtype=dtype), cache, meta, 0.1)
         x, w = torch.empty(4, 5120, dtype=dtype), torch.empty(5120, dtype=dtype)
-        ops.rms_norm_triton(x, w, 1e-6)
-        ops.fused_add_rms_norm_triton(x, x.clone(), w, 1e-6)
-        ops.silu_mul_triton(torch.empty(4, 2 * 17408, dtype=dtype))
+        norms.rms_norm_triton(x, w, 1e-6)
+        norms.fused_add_rms_norm_triton(x, x.clone(), w, 1e-6)
+        activations.silu_mul_triton(torch.empty(4, 2 * 17408, dtype=dtype))
         qkv = torch.empty(4, (heads + 2 * kv_heads) * d, dtype=dtype)
         qv, kv, vv = (t.view(4, -1, d) for t in qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1))
         pos = torch.zeros(4, dtype=torch.int64)
         rotary = RotaryEmbedding(d, 1e6, 64)
-        ops.qk_norm_rope_triton(qv, kv, w[:d], w[:d], rotary, pos, 1e-6)
-        ops.qk_norm_rope_triton(
+        rope_kv.qk_norm_rope_triton(qv, kv, w[:d], w[:d], rotary, pos, 1e-6)
+        rope_kv.qk_norm_rope_triton(
             qv, kv, w[:d], w[:d], rotary, pos, 1e-6, kv_cache=cache, v=vv, slot_mapping=pos
         )
-        ops.write_kv_triton(cache, kv, vv, pos)
+        rope_kv.write_kv_triton(cache, kv, vv, pos)
     header = ("kernel", "constants", "options", "regs", "stack", "16B loads", "mma")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:

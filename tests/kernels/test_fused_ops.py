@@ -11,7 +11,7 @@ import pytest
 import torch
 from kernel_helpers import DEVICE
 
-from pegainfer.kernels import fused_ops as ops
+from pegainfer.kernels import activations, norms, rope_kv
 from pegainfer.layers.rotary import RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -38,10 +38,10 @@ def assert_ulp_close(got: torch.Tensor, ref: torch.Tensor) -> None:
 def test_rms_norm(dtype, shape):
     gen = torch.Generator().manual_seed(1)
     x, w = _rand(gen, *shape, dtype=dtype, scale=3.0), _rand(gen, shape[-1], dtype=dtype)
-    assert_ulp_close(ops.rms_norm_triton(x, w, 1e-6), ops.rms_norm_ref(x, w, 1e-6))
+    assert_ulp_close(norms.rms_norm_triton(x, w, 1e-6), norms.rms_norm_ref(x, w, 1e-6))
     out = x.clone()
-    assert ops.rms_norm_triton(out, w, 1e-6, out=out) is out, "out may alias x"
-    assert_ulp_close(out, ops.rms_norm_ref(x, w, 1e-6))
+    assert norms.rms_norm_triton(out, w, 1e-6, out=out) is out, "out may alias x"
+    assert_ulp_close(out, norms.rms_norm_ref(x, w, 1e-6))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -53,14 +53,14 @@ def test_fused_add_rms_norm_updates_residual_in_place(dtype):
         _rand(gen, 192, dtype=dtype),
     )
     res_k, res_r = res.clone(), res.clone()
-    out, new_res = ops.fused_add_rms_norm_triton(x.clone(), res_k, w, 1e-5)
-    ref_out, ref_res = ops.fused_add_rms_norm_ref(x.clone(), res_r, w, 1e-5)
+    out, new_res = norms.fused_add_rms_norm_triton(x.clone(), res_k, w, 1e-5)
+    ref_out, ref_res = norms.fused_add_rms_norm_ref(x.clone(), res_r, w, 1e-5)
     assert new_res is res_k
     assert torch.equal(res_k, ref_res), "the residual sum rounds exactly as torch's add"
     assert_ulp_close(out, ref_out)
     # The normed output may overwrite x (the attention/MLP output buffer).
     x2, res2 = x.clone(), res.clone()
-    out2, _ = ops.fused_add_rms_norm_triton(x2, res2, w, 1e-5, out=x2)
+    out2, _ = norms.fused_add_rms_norm_triton(x2, res2, w, 1e-5, out=x2)
     assert out2 is x2 and torch.equal(out2, out)
 
 
@@ -79,12 +79,12 @@ def test_qk_norm_rope(dtype, heads, kv_heads, head_dim, rotary_dim):
     qw, kw = _rand(gen, head_dim, dtype=dtype), _rand(gen, head_dim, dtype=dtype)
     rotary = RotaryEmbedding(rotary_dim, 1e6, 4096).to(DEVICE)
     pos = torch.randint(0, 4096, (t,), generator=gen).to(DEVICE)
-    got_q, got_k = ops.qk_norm_rope_triton(q, k, qw, kw, rotary, pos, 1e-6)
-    ref_q, ref_k = ops.qk_norm_rope_ref(q, k, qw, kw, rotary, pos, 1e-6)
+    got_q, got_k = rope_kv.qk_norm_rope_triton(q, k, qw, kw, rotary, pos, 1e-6)
+    ref_q, ref_k = rope_kv.qk_norm_rope_ref(q, k, qw, kw, rotary, pos, 1e-6)
     assert_ulp_close(got_q, ref_q)
     assert_ulp_close(got_k, ref_k)
     before = qkv.clone()
-    in_q, in_k = ops.qk_norm_rope_triton(q, k, qw, kw, rotary, pos, 1e-6, inplace=True)
+    in_q, in_k = rope_kv.qk_norm_rope_triton(q, k, qw, kw, rotary, pos, 1e-6, inplace=True)
     assert in_q.data_ptr() == q.data_ptr() and torch.equal(in_q, got_q) and torch.equal(in_k, got_k)
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], before[:, (heads + kv_heads) * head_dim :])
 
@@ -101,8 +101,10 @@ def test_qk_norm_rope_writes_cache_and_skips_negative_slots():
     slots = torch.tensor([3, 40, -1, 17, 63]).to(DEVICE)
     cache_k = _rand(gen, 2, 4, 16, kv_heads, d, dtype=dtype)
     cache_r = cache_k.clone()
-    got = ops.qk_norm_rope_triton(q, k, qw, kw, rotary, pos, 1e-6, kv_cache=cache_k, v=v, slot_mapping=slots)
-    ref = ops.qk_norm_rope_ref(q, k, qw, kw, rotary, pos, 1e-6, kv_cache=cache_r, v=v, slot_mapping=slots)
+    got = rope_kv.qk_norm_rope_triton(
+        q, k, qw, kw, rotary, pos, 1e-6, kv_cache=cache_k, v=v, slot_mapping=slots
+    )
+    ref = rope_kv.qk_norm_rope_ref(q, k, qw, kw, rotary, pos, 1e-6, kv_cache=cache_r, v=v, slot_mapping=slots)
     assert_ulp_close(got[0], ref[0])
     assert_ulp_close(cache_k, cache_r)  # also proves slot -1 wrote nothing: cache_r skipped it
 
@@ -112,10 +114,10 @@ def test_qk_norm_rope_writes_cache_and_skips_negative_slots():
 def test_silu_mul(dtype, shape):
     gen = torch.Generator().manual_seed(5)
     x = _rand(gen, *shape, dtype=dtype, scale=3.0)
-    assert_ulp_close(ops.silu_mul_triton(x, block=256), ops.silu_mul_ref(x))
+    assert_ulp_close(activations.silu_mul_triton(x, block=256), activations.silu_mul_ref(x))
     out = torch.full((*shape[:-1], shape[-1] // 2), float("nan"), dtype=dtype, device=DEVICE)
-    assert ops.silu_mul_triton(x, out=out) is out
-    assert_ulp_close(out, ops.silu_mul_ref(x))
+    assert activations.silu_mul_triton(x, out=out) is out
+    assert_ulp_close(out, activations.silu_mul_ref(x))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -129,17 +131,17 @@ def test_write_kv(dtype, kv_heads, head_dim):
     slots = torch.randperm(6 * 16, generator=gen)[:t].to(DEVICE)
     cache_k = _rand(gen, 2, 6, 16, kv_heads, head_dim, dtype=dtype)
     cache_r = cache_k.clone()
-    ops.write_kv_triton(cache_k, k, v, slots)
-    ops.write_kv_ref(cache_r, k, v, slots)
+    rope_kv.write_kv_triton(cache_k, k, v, slots)
+    rope_kv.write_kv_ref(cache_r, k, v, slots)
     assert torch.equal(cache_k, cache_r)
     before = cache_k.clone()
-    ops.write_kv_triton(cache_k, k, v, torch.full_like(slots, -1))
+    rope_kv.write_kv_triton(cache_k, k, v, torch.full_like(slots, -1))
     assert torch.equal(cache_k, before), "negative slots (padding rows) are skipped"
 
 
 def test_dispatch_takes_reference_off_cuda():
     gen = torch.Generator().manual_seed(7)
     x, w = torch.randn(3, 32, generator=gen), torch.randn(32, generator=gen)
-    assert torch.equal(ops.rms_norm(x, w, 1e-6), ops.rms_norm_ref(x, w, 1e-6))
+    assert torch.equal(norms.rms_norm(x, w, 1e-6), norms.rms_norm_ref(x, w, 1e-6))
     g = torch.randn(3, 64, generator=gen)
-    assert torch.equal(ops.silu_mul(g), ops.silu_mul_ref(g))
+    assert torch.equal(activations.silu_mul(g), activations.silu_mul_ref(g))

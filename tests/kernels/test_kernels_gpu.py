@@ -13,7 +13,7 @@ import torch
 from kernel_helpers import PagedKV, rel_err
 from test_fused_ops import assert_ulp_close
 
-from pegainfer.kernels import fused_ops as ops
+from pegainfer.kernels import activations, norms, rope_kv
 from pegainfer.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
 from pegainfer.kernels.paged_prefill_attention import (
     paged_prefill_attention,
@@ -109,14 +109,14 @@ def test_fused_ops_qwen3_14b_shapes():
         return (torch.randn(*shape, generator=gen) * scale).to(BF16).cuda()
 
     x, res, w = rand(t, hidden), rand(t, hidden, scale=4.0), rand(hidden)
-    assert_ulp_close(ops.rms_norm(x, w, 1e-6), ops.rms_norm_ref(x, w, 1e-6))
+    assert_ulp_close(norms.rms_norm(x, w, 1e-6), norms.rms_norm_ref(x, w, 1e-6))
     res_k, res_r = res.clone(), res.clone()
-    out_k, _ = ops.fused_add_rms_norm(x, res_k, w, 1e-6)
-    out_r, _ = ops.fused_add_rms_norm_ref(x, res_r, w, 1e-6)
+    out_k, _ = norms.fused_add_rms_norm(x, res_k, w, 1e-6)
+    out_r, _ = norms.fused_add_rms_norm_ref(x, res_r, w, 1e-6)
     assert torch.equal(res_k, res_r)
     assert_ulp_close(out_k, out_r)
     gate_up = rand(t, 2 * inter, scale=3.0)
-    assert_ulp_close(ops.silu_mul(gate_up), ops.silu_mul_ref(gate_up))
+    assert_ulp_close(activations.silu_mul(gate_up), activations.silu_mul_ref(gate_up))
 
     qkv = rand(t, (HEADS + 2 * KV_HEADS) * D, scale=2.0)
     q, k, v = qkv.split([HEADS * D, KV_HEADS * D, KV_HEADS * D], dim=-1)
@@ -126,15 +126,15 @@ def test_fused_ops_qwen3_14b_shapes():
     slots = torch.randperm(64 * BLOCK, generator=gen)[:t].cuda()
     cache_k = rand(2, 64, BLOCK, KV_HEADS, D)
     cache_r = cache_k.clone()
-    got = ops.qk_norm_rope(q, k, rand(D), rand(D), rotary, pos, 1e-6)
+    got = rope_kv.qk_norm_rope(q, k, rand(D), rand(D), rotary, pos, 1e-6)
     assert got[0].shape == q.shape
     qw, kw = rand(D), rand(D)
-    got = ops.qk_norm_rope(q, k, qw, kw, rotary, pos, 1e-6, kv_cache=cache_k, v=v, slot_mapping=slots)
-    ref = ops.qk_norm_rope_ref(q, k, qw, kw, rotary, pos, 1e-6, kv_cache=cache_r, v=v, slot_mapping=slots)
+    got = rope_kv.qk_norm_rope(q, k, qw, kw, rotary, pos, 1e-6, kv_cache=cache_k, v=v, slot_mapping=slots)
+    ref = rope_kv.qk_norm_rope_ref(q, k, qw, kw, rotary, pos, 1e-6, kv_cache=cache_r, v=v, slot_mapping=slots)
     assert_ulp_close(got[0], ref[0])
     assert_ulp_close(got[1], ref[1])
     assert_ulp_close(cache_k, cache_r)
     cache_w, cache_wr = cache_k.clone(), cache_k.clone()
-    ops.write_kv(cache_w, k, v, slots)
-    ops.write_kv_ref(cache_wr, k, v, slots)
+    rope_kv.write_kv(cache_w, k, v, slots)
+    rope_kv.write_kv_ref(cache_wr, k, v, slots)
     assert torch.equal(cache_w, cache_wr)

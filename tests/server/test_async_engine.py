@@ -8,15 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from pegainfer.async_engine import (
-    AsyncLLMEngine,
-    EngineOverloadedError,
-    EngineStoppedError,
-    PromptInput,
-)
+from pegainfer.async_engine import AsyncLLMEngine
 from pegainfer.engine import LLMEngine
 from pegainfer.errors import RequestError
 from pegainfer.hydra_config import build_engine_config, compose
+from pegainfer.request_stream import EngineOverloadedError, EngineStoppedError, PromptInput
 from pegainfer.sampling_params import RequestOutputKind, SamplingParams
 
 PROMPT = PromptInput([11, 42, 7, 300, 5])

@@ -1,9 +1,7 @@
-"""Fused elementwise kernels of a decoder layer, each beside its torch reference.
+"""Attention-input kernels of a decoder layer, each beside its torch reference.
 
-- :func:`rms_norm` and :func:`fused_add_rms_norm` (residual add + norm, residual updated in place);
 - :func:`qk_norm_rope`: per-head q/k RMSNorm then rotary (half-split), optionally also storing the
   rotated k and v into the paged cache;
-- :func:`silu_mul`: ``silu(gate) * up`` over a packed ``[T, 2I]`` gate|up;
 - :func:`write_kv`: k, v into the pages by slot mapping (reshape-and-cache).
 
 The kernels round where the torch reference rounds (every op of the reference returns the input dtype),
@@ -14,170 +12,11 @@ before writing it, so outputs may alias inputs where a docstring says so.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from pegainfer.kernels._triton import cast_to, interp_bf16, next_pow2, tl, triton, use_kernel
+from pegainfer.kernels._triton import cast_to, interp_bf16, next_pow2, tl, triton, use_kernel, warps_for
 from pegainfer.layers.attention import write_kv as write_kv_ref
 from pegainfer.layers.norm import rms_norm as rms_norm_ref
 from pegainfer.layers.rotary import RotaryEmbedding
-
-
-def _warps(n: int) -> int:
-    return 1 if n <= 256 else 2 if n <= 1024 else 4 if n <= 4096 else 8 if n <= 16384 else 16
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as ``[rows, N]`` with a contiguous last dim (a view whenever the layout allows)."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if x.dim() == 2:
-        return x
-    try:
-        return x.view(-1, x.shape[-1])
-    except RuntimeError:
-        return x.reshape(-1, x.shape[-1])
-
-
-# --------------------------------------------------------------------------------------------- RMSNorm
-
-
-@triton.jit
-def _rms_norm_kernel(
-    x_ptr,
-    res_ptr,
-    w_ptr,
-    out_ptr,
-    stride_x,
-    stride_r,
-    stride_o,
-    n_cols,
-    eps,
-    BLOCK: tl.constexpr,
-    HAS_RES: tl.constexpr,
-    FIX: tl.constexpr,
-    FIX_OUT: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    dtype = x.dtype
-    x = x.to(tl.float32)
-    if HAS_RES:
-        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-        s = cast_to(x + r, dtype, FIX)
-        tl.store(res_ptr + row * stride_r + cols, s, mask=mask)
-        x = s.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
-    y = cast_to(x * rstd, dtype, FIX).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, cast_to(y * w, out_ptr.dtype.element_ty, FIX_OUT), mask=mask)
-
-
-def _rms_norm_launch(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, out: torch.Tensor
-) -> None:
-    n = x.shape[-1]
-    if n > 65536:
-        raise ValueError(f"rms_norm kernel handles rows of at most 65536 elements, got {n}")
-    x2, o2 = _rows(x), _rows(out)
-    r2 = _rows(residual) if residual is not None else x2
-    if residual is not None and r2.data_ptr() != residual.data_ptr():
-        raise ValueError(
-            "residual must be a tensor with a contiguous last dimension (it is updated in place)"
-        )
-    if o2.data_ptr() != out.data_ptr() or (out.stride(-1) != 1):
-        raise ValueError("out must have a contiguous last dimension")
-    if x2.shape[0] == 0:
-        return
-    _rms_norm_kernel[(x2.shape[0],)](
-        x2,
-        r2,
-        weight,
-        o2,
-        x2.stride(0),
-        r2.stride(0),
-        o2.stride(0),
-        n,
-        eps,
-        BLOCK=next_pow2(n),
-        HAS_RES=residual is not None,
-        FIX=interp_bf16(x.dtype),
-        FIX_OUT=interp_bf16(out.dtype),
-        num_warps=_warps(n),
-    )
-
-
-def rms_norm_triton(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The Triton path of :func:`rms_norm`."""
-    if out is None:
-        out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    _rms_norm_launch(x, None, weight, eps, out)
-    return out
-
-
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """:func:`pegainfer.layers.norm.rms_norm` over the last dim of x ``[..., N]`` (fp32 statistics, cast
-    to x's dtype, then times ``weight [N]``); the result has the promoted dtype of x and weight and is
-    written into ``out`` when given (``out`` may be ``x``)."""
-    if use_kernel(x):
-        return rms_norm_triton(x, weight, eps, out=out)
-    y = rms_norm_ref(x, weight, eps)
-    return y if out is None else out.copy_(y)
-
-
-def fused_add_rms_norm_triton(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    *,
-    out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton path of :func:`fused_add_rms_norm`."""
-    if residual.shape != x.shape or residual.dtype != x.dtype:
-        raise ValueError(
-            f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}"
-        )
-    if out is None:
-        out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    _rms_norm_launch(x, residual, weight, eps, out)
-    return out, residual
-
-
-def fused_add_rms_norm_ref(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    *,
-    out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    residual.copy_(residual + x)
-    y = rms_norm_ref(residual, weight, eps)
-    return (y if out is None else out.copy_(y)), residual
-
-
-def fused_add_rms_norm(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    *,
-    out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``residual += x`` (rounded to the dtype, as torch's add), then ``rms_norm(residual)``; returns
-    ``(normed, residual)``. x and residual share shape ``[..., N]`` and dtype; ``residual`` is updated in
-    place; ``out`` (default: a new tensor) may be ``x``, so a layer's attention or MLP output buffer can
-    hold the next normed input."""
-    if use_kernel(x):
-        return fused_add_rms_norm_triton(x, residual, weight, eps, out=out)
-    return fused_add_rms_norm_ref(x, residual, weight, eps, out=out)
-
 
 # ---------------------------------------------------------------------- per-head q/k RMSNorm + rotary
 
@@ -486,54 +325,6 @@ def qk_norm_rope(
     )  # fmt: skip
 
 
-# -------------------------------------------------------------------------------------------- SiLU·mul
-
-
-@triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, FIX: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    u = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    dtype = g.dtype
-    g = g.to(tl.float32)
-    s = cast_to(g / (1.0 + tl.exp(-g)), dtype, FIX).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, cast_to(s * u, dtype, FIX), mask=mask)
-
-
-def silu_mul_triton(x: torch.Tensor, *, out: torch.Tensor | None = None, block: int = 1024) -> torch.Tensor:
-    """The Triton path of :func:`silu_mul`."""
-    if x.shape[-1] % 2:
-        raise ValueError(f"silu_mul needs an even last dim (gate | up), got {x.shape[-1]}")
-    n = x.shape[-1] // 2
-    if out is None:
-        out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    x2, o2 = _rows(x), _rows(out)
-    if o2.data_ptr() != out.data_ptr():
-        raise ValueError("out must have a contiguous last dimension")
-    if x2.shape[0]:
-        block = min(block, next_pow2(n))
-        _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
-            x2, o2, x2.stride(0), o2.stride(0), n, BLOCK=block, FIX=interp_bf16(x.dtype), num_warps=4
-        )
-    return out
-
-
-def silu_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    y = F.silu(gate) * up
-    return y if out is None else out.copy_(y)
-
-
-def silu_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu(gate) * up`` of x ``[..., 2I]`` = gate | up (the packed gate_up GEMM output); returns
-    ``[..., I]`` in x's dtype (into ``out`` when given)."""
-    if use_kernel(x):
-        return silu_mul_triton(x, out=out)
-    return silu_mul_ref(x, out=out)
-
-
 # ---------------------------------------------------------------------------------- KV write by slot
 
 
@@ -589,7 +380,7 @@ def write_kv_triton(
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
         kv_heads,
         HEAD_DIM=head_dim, PAGE=cache.shape[2], BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=_warps(block_h * block_d),
+        num_warps=warps_for(block_h * block_d),
     )  # fmt: skip
 
 
