@@ -373,8 +373,9 @@ class AsyncLLMEngine:
     def _die(self, exc: BaseException) -> None:
         logger.error("the engine loop failed; failing every open request", exc_info=exc)
         self._dead = EngineDeadError(f"the engine stopped after an internal error ({type(exc).__name__})")
-        self._fail_open_requests(self._dead, abort=False)
+        # Mark the snapshot dead before waking the clients, so what they read next (/metrics) agrees.
         self._snapshot = replace(self._snapshot, alive=False, open_requests=0)
+        self._fail_open_requests(self._dead, abort=False)
 
     def _update_snapshot(self) -> None:
         engine = self.engine
