@@ -8,7 +8,7 @@ set -euo pipefail
 out=${1:-bench/results/serve}
 mkdir -p "$out"
 port=8011
-folder=$(cd bench && python3 -c "from qwen3_14b import checkpoint_folder; print(checkpoint_folder(40))")
+folder=$(cd bench && python3 -c "from qwen3_14b import checkpoint_folder; print(checkpoint_folder(40, full_vocab_tokenizer=True))")
 pegainfer serve model.path="$folder" model.load_format=dummy model.dtype=bfloat16 model.max_model_len=1536 \
   scheduler.max_num_seqs=64 server.port=$port server.log_interval=0 >"$out/serve.log" 2>&1 &
 server=$!
@@ -21,7 +21,7 @@ done
 for spec in 1:8 16:48 64:128; do
   c=${spec%%:*}; n=${spec##*:}
   pegainfer bench serve --url "http://127.0.0.1:$port" --concurrency "$c" --num-prompts "$n" \
-    --input-len 1024 --output-len 256 --vocab-size 1000 --json --no-progress >"$out/concurrency$c.json"
+    --input-len 1024 --output-len 256 --vocab-size 151000 --json --no-progress >"$out/concurrency$c.json"
 done
 python3 - "$out" <<'PY'
 import json, sys, pathlib
