@@ -59,19 +59,28 @@ class IncrementalDetokenizer:
         """The stop string that ended the output, once one has matched."""
 
     @property
+    def stable_text(self) -> str:
+        """The text no later token can change: ``output_text`` without the tail held back in case a stop
+        string is still forming."""
+        return "".join(self._frozen)
+
+    @property
     def output_text(self) -> str:
         """All text committed so far (after stop truncation). Builds a new string: stream with get_delta."""
         return "".join(self._frozen) + self._tail
 
-    def update(self, new_token_ids: Sequence[int]) -> str | None:
-        """Add generated tokens; return the stop string if one is now complete (the text is cut there)."""
+    def update(self, new_token_ids: Sequence[int], *, check_stop: bool = True) -> str | None:
+        """Add generated tokens; return the stop string if one is now complete (the text is cut there).
+
+        ``check_stop=False`` (before a request's ``min_tokens``) adds the text without acting on a match.
+        """
         if self.stop_str is not None:
             raise RuntimeError(
                 f"update() after stop string {self.stop_str!r} matched; the request is finished"
             )
         self._ids.extend(self._kept(new_token_ids))
         text = self._decode_new(final=False)
-        return self._commit(text) if text else None
+        return self._commit(text, check_stop) if text else None
 
     def finish(self) -> None:
         """The request ended: decode tokens still waiting for the rest of a character as they are (as a
@@ -118,11 +127,11 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         return new_text
 
-    def _commit(self, text: str) -> str | None:
+    def _commit(self, text: str, check_stop: bool = True) -> str | None:
         """Append decoded text, cut it at the earliest stop string, and return that stop string."""
         if self._stop:
             searched = self._search_context + text
-            matches = [(i + len(s), i, s) for s in self._stop if (i := searched.find(s)) != -1]
+            matches = [(i + len(s), i, s) for s in self._stop if check_stop and (i := searched.find(s)) != -1]
             if matches:
                 # The stop string completed first wins, whatever way the text was split into updates.
                 end, start, stop = min(matches)

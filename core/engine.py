@@ -157,9 +157,14 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> None:
         """Validate and queue a request; ``params.n`` sequences are generated from it."""
-        if request_id in self._groups:
-            raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
         params = params or self.default_sampling_params()
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        # A parent id and the n child ids share one namespace with every live sequence: "a" with n=2
+        # creates "a#1", which must not silently replace a live request named "a#1" (or vice versa).
+        if request_id in self._groups or any(
+            cid in self._sequences or cid in self._groups for cid in child_ids
+        ):
+            raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
         if prompt_token_ids is None:
             if prompt is None:
                 raise RequestError("either a prompt or prompt_token_ids is required", param="prompt")
@@ -173,7 +178,7 @@ class LLMEngine:
         group = RequestGroup(request_id, prompt, prompt_token_ids, params, arrival)
         for i in range(params.n):
             child_params = params if params.seed is None else params.clone(seed=params.seed + i)
-            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            child_id = child_ids[i]
             request = Request(child_id, prompt_token_ids, child_params, arrival_time=arrival, prompt=prompt)
             seq = SequenceState(
                 request,
@@ -256,6 +261,7 @@ class LLMEngine:
                     keep_hidden=self.speculative is not None and self.speculative.drafts_for(req),
                     all_logits=wants_prompt and start < req.num_prompt_tokens,
                     epoch=req.num_preemptions,
+                    serial=req.serial,
                 )
             )
         batch = ModelBatch(chunks)
@@ -334,13 +340,16 @@ class LLMEngine:
         if seq.logprobs is not None and logprobs is not None:
             seq.logprobs.append(self._decode_logprobs(logprobs))
             seq.cumulative_logprob += logprobs[token].logprob
-        stop_str = seq.detokenizer.update([token])
+        # Before min_tokens no stop condition applies (the sampler already bans EOS and stop ids), stop
+        # strings included, as in vLLM.
+        may_stop = request.num_output_tokens >= params.min_tokens
+        stop_str = seq.detokenizer.update([token], check_stop=may_stop)
         status = None
         if stop_str is not None:
             status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
-        elif token in params.stop_token_ids:
+        elif may_stop and token in params.stop_token_ids:
             status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
-        elif not params.ignore_eos and token in params.eos_token_ids:
+        elif may_stop and not params.ignore_eos and token in params.eos_token_ids:
             status = RequestStatus.FINISHED_STOPPED
         elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             status = RequestStatus.FINISHED_LENGTH

@@ -41,6 +41,7 @@ class SequenceChunk:
     needs_logits: bool = False  # the last position is sampled (``num_logits`` 1 unless given)
     all_logits: bool = False  # logits of every position (prompt logprobs)
     epoch: int = 0  # bumps when the request was preempted: its pages are new
+    serial: int = -1  # the Request's process-unique serial (request ids can be reused)
     #: How many trailing positions get logits: 1 to sample, ``1 + drafts`` to verify drafts.
     num_logits: int | None = None
     #: Keep this chunk's final hidden states for ``Executor.propose`` (the request drafts).
@@ -62,6 +63,8 @@ class DraftInput:
     next_token_ids: list[int]  # tokens at positions start + 1 .. start + n; the last one is the newest
     block_table: list[int]  # must hold pages up to position start + n + num_drafts - 3 (the chained drafts)
     num_drafts: int = 0  # 0: only fill the drafter's cache (a prefill chunk that did not sample)
+    serial: int = -1  # the request's serial and preemption epoch: its decode-row identity
+    epoch: int = 0
 
 
 @dataclass
@@ -149,7 +152,7 @@ class LocalExecutor(Executor):
 
     def _prepare_decode_rows(self, decodes: list[SequenceChunk]) -> list[int]:
         return self.decode.prepare(
-            [f"{c.request_id}#{c.epoch}" for c in decodes],
+            [f"{c.serial}:{c.request_id}#{c.epoch}" for c in decodes],
             [c.token_ids[0] for c in decodes],
             [c.start for c in decodes],
             [c.block_table for c in decodes],
@@ -321,7 +324,16 @@ class LocalExecutor(Executor):
             last_position = inp.start + n - 1 + max(inp.num_drafts - 1, 0)
             if last_position // self.block_size >= len(inp.block_table):
                 raise ExecutorError(f"{inp.request_id!r} has no page for its draft position {last_position}")
-            chunks.append(SequenceChunk(inp.request_id, inp.next_token_ids, inp.start, inp.block_table))
+            chunks.append(
+                SequenceChunk(
+                    inp.request_id,
+                    inp.next_token_ids,
+                    inp.start,
+                    inp.block_table,
+                    epoch=inp.epoch,
+                    serial=inp.serial,
+                )
+            )
             hidden.append(kept[:n])
         self._kept_hidden.clear()
         fwd, rows = self._eager_batch(chunks)
@@ -355,6 +367,8 @@ class LocalExecutor(Executor):
                     [drafts[i][-1]],
                     inputs[i].start + len(inputs[i].next_token_ids) - 1 + step,
                     inputs[i].block_table,
+                    epoch=inputs[i].epoch,
+                    serial=inputs[i].serial,
                 )
                 for i in live
             ]

@@ -10,6 +10,7 @@ the last token and the drafts together, and only the accepted drafts count as co
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 
 import torch
@@ -34,6 +35,9 @@ class RequestStatus(enum.Enum):
 FINISHED_STATUSES = frozenset(s for s in RequestStatus if s.name.startswith("FINISHED"))
 
 
+_SERIALS = itertools.count()
+
+
 class Request:
     """A single sequence. ``n > 1`` generations are fanned out into one Request each by the engine."""
 
@@ -47,6 +51,8 @@ class Request:
         prompt: str | None = None,
     ) -> None:
         self.request_id = request_id
+        # Unique for the process: a reused request id never aliases an earlier request's device state.
+        self.serial = next(_SERIALS)
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params

@@ -56,7 +56,10 @@ class RequestGroup:
                 text = seq.detokenizer.get_delta(req.is_finished)
                 logprobs = None if seq.logprobs is None else seq.logprobs[start:]
             else:
-                token_ids, text, logprobs = req.output_token_ids, seq.detokenizer.output_text, seq.logprobs
+                detok = seq.detokenizer
+                # Until the request ends, the held-back tail may still be cut by a stop string.
+                text = detok.output_text if req.is_finished else detok.stable_text
+                token_ids, logprobs = req.output_token_ids, seq.logprobs
             outputs.append(
                 CompletionOutput(
                     index=seq.index,

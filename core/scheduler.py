@@ -103,9 +103,17 @@ class ContinuousBatchingScheduler(Scheduler):
     def __init__(self, config: SchedulerConfig, buffers: BufferManager) -> None:
         self.config = config
         self.buffers = buffers
-        self.waiting: deque[Request] = deque()
+        # Finished (aborted) waiting requests are dropped lazily when they reach the head, so aborting
+        # many waiting requests costs O(1) each rather than a scan of the queue.
+        self._waiting: deque[Request] = deque()
+        self._num_stale = 0
         self.running: list[Request] = []
         self._requests: dict[str, Request] = {}
+
+    @property
+    def waiting(self) -> list[Request]:
+        """A snapshot of the live waiting queue, front first (O(n): for inspection, not the hot path)."""
+        return [r for r in self._waiting if not r.is_finished]
 
     @property
     def num_running(self) -> int:
@@ -113,7 +121,7 @@ class ContinuousBatchingScheduler(Scheduler):
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self._waiting) - self._num_stale
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -121,11 +129,12 @@ class ContinuousBatchingScheduler(Scheduler):
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
-        self.waiting.append(request)
+        self._waiting.append(request)
 
     def _chunk(self, request: Request, budget: int) -> int:
         n = min(request.num_tokens - request.num_computed_tokens, budget)
-        limit = self.config.long_prefill_token_threshold
+        # Without chunked prefill a prompt is admitted whole, so the per-chunk threshold does not apply.
+        limit = self.config.long_prefill_token_threshold if self.config.enable_chunked_prefill else None
         return min(n, limit) if limit else n
 
     def _spec_fits(self, request: Request, budget: int) -> list[int]:
@@ -145,7 +154,7 @@ class ContinuousBatchingScheduler(Scheduler):
         victim.num_computed_tokens = 0
         victim.spec_token_ids = []
         victim.num_preemptions += 1
-        self.waiting.appendleft(victim)
+        self._waiting.appendleft(victim)
         output.preempted.append(victim)
 
     def schedule(self) -> SchedulerOutput:
@@ -183,10 +192,14 @@ class ContinuousBatchingScheduler(Scheduler):
                 continue
             # ``request`` itself was preempted; the list shifted, so ``i`` already points at the next one.
 
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             if output.preempted:
                 break  # memory is short this step: admitting would only thrash
-            request = self.waiting[0]
+            request = self._waiting[0]
+            if request.is_finished:
+                self._waiting.popleft()
+                self._num_stale -= 1
+                continue
             n = self._chunk(request, budget)
             # Without chunked prefill a prompt is admitted whole; a preempted request's recompute may still
             # be chunked, or one longer than the budget would block the queue forever.
@@ -195,7 +208,7 @@ class ContinuousBatchingScheduler(Scheduler):
                 break
             if not self.buffers.can_admit(request, n) or not self.buffers.allocate_slots(request, n):
                 break
-            self.waiting.popleft()
+            self._waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             output.scheduled.append(ScheduledRequest(request, n))
@@ -221,11 +234,8 @@ class ContinuousBatchingScheduler(Scheduler):
             return
         request.status = status
         self.buffers.free(request)
-        self._requests.pop(request.request_id, None)
+        tracked = self._requests.pop(request.request_id, None) is request
         if request in self.running:
             self.running.remove(request)
-        else:
-            try:
-                self.waiting.remove(request)
-            except ValueError:
-                pass
+        elif tracked:
+            self._num_stale += 1  # still in the waiting deque; dropped when it reaches the head

@@ -162,6 +162,8 @@ class SpeculativeDecoder:
                     request.all_token_ids[item.start + 1 : computed + 1],
                     self.buffers.block_table(request.request_id),
                     drafts,
+                    serial=request.serial,
+                    epoch=request.num_preemptions,
                 )
             )
             targets.append(request)

@@ -211,3 +211,81 @@ def test_tensor_parallel_is_refused_until_it_exists(tiny_qwen3):
 
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         LLM(str(tiny_qwen3), device="cpu", tensor_parallel_size=2)
+
+
+def test_reused_request_id_does_not_alias_old_decode_state(tiny_qwen3):
+    """A finished request's id may be reused; the new request must not read the old one's cached rows."""
+    llm = LLM(str(tiny_qwen3), device="cpu", cpu_kv_cache_bytes=4 << 20)
+    engine = llm.engine
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def run(pairs):
+        for rid, prompt in pairs:
+            engine.add_request(rid, None, greedy, prompt_token_ids=prompt)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        return done
+
+    run([("a", [5, 6, 7, 8])])
+    second = run([("b", list(range(20, 40))), ("a", [300, 301, 302])])
+    fresh = LLM(str(tiny_qwen3), device="cpu", cpu_kv_cache_bytes=4 << 20)
+    assert second["a"] == _greedy_tokens(fresh, [300, 301, 302], 8)
+
+
+def _greedy_tokens(llm, prompt, n):
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    return (
+        llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
+
+
+def test_threshold_does_not_block_whole_prompt_admission_without_chunking(tiny_qwen3):
+    from pegainfer.config import EngineConfig, ModelConfig, SchedulerConfig
+
+    config = EngineConfig(
+        model=ModelConfig(path=str(tiny_qwen3)),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=64, long_prefill_token_threshold=8, enable_chunked_prefill=False
+        ),
+        device="cpu",
+    )
+    llm = LLM.from_config(config)
+    out = _greedy_tokens(llm, list(range(100, 120)), 4)
+    assert len(out) == 4
+
+
+def test_child_ids_cannot_collide_with_live_requests(llm):
+    engine = llm.engine
+    engine.add_request("a#1", None, SamplingParams(max_tokens=4), prompt_token_ids=PROMPT)
+    with pytest.raises(RequestError, match="already in use"):
+        engine.add_request("a", None, SamplingParams(max_tokens=4, n=2), prompt_token_ids=PROMPT)
+    engine.abort_request("a#1")
+    assert not engine.has_unfinished_requests()
+
+
+def test_cumulative_text_is_never_taken_back(llm):
+    """Cumulative reports hold back a possible stop-string prefix: each report extends the previous one."""
+    ref = _greedy(llm).text
+    stop = next(ref[i : i + 3] for i in range(4, len(ref) - 3) if "\ufffd" not in ref[i : i + 3])
+    engine = llm.engine
+    engine.add_request(
+        "cum", None, SamplingParams(temperature=0, max_tokens=20, stop=[stop]), prompt_token_ids=PROMPT
+    )
+    texts = []
+    while engine.has_unfinished_requests():
+        texts.extend(o.outputs[0].text for o in engine.step())
+    for earlier, later in zip(texts, texts[1:], strict=False):
+        assert later.startswith(earlier)
+    assert texts[-1] == ref[: ref.index(stop)]
+
+
+def test_stop_strings_wait_for_min_tokens(llm):
+    ref = _greedy(llm)
+    first = ref.text[0]
+    out = _one(llm, SamplingParams(temperature=0, max_tokens=20, stop=[first], min_tokens=6)).outputs[0]
+    assert len(out.token_ids) >= 6

@@ -507,3 +507,21 @@ def test_random_add_step_abort_keeps_invariants_and_drains(scenario: dict) -> No
         assert r.is_finished
         if r.status is RequestStatus.FINISHED_LENGTH:
             assert r.output_token_ids == [1000 + i for i in range(r.sampling_params.max_tokens)]
+
+
+def test_aborting_many_waiting_requests_is_not_quadratic() -> None:
+    """Aborts of waiting requests (newest first, the worst order for a scan) cost O(1) each."""
+    import time
+
+    sched, buffers = make_scheduler(num_blocks=64, max_num_batched_tokens=8)
+    reqs = [make_request(i, prompt_len=4, max_tokens=2) for i in range(20000)]
+    for r in reqs:
+        sched.add_request(r)
+    start = time.perf_counter()
+    for r in reversed(reqs[1:]):
+        sched.finish_request(r, RequestStatus.FINISHED_ABORTED)
+    assert time.perf_counter() - start < 1.0
+    assert sched.num_waiting == 1 and sched.waiting == [reqs[0]]
+    out = sched.schedule()
+    assert [s.request for s in out.scheduled] == [reqs[0]]
+    buffers.check_invariants()

@@ -118,7 +118,7 @@ def test_drafts_only_for_a_request_that_decodes() -> None:
     req = make_request("1", prompt_len=10)
     sched.add_request(req)
     req.spec_token_ids = [1, 2]
-    sched.waiting.popleft()
+    sched._waiting.popleft()
     sched.running.append(req)
     req.status = RequestStatus.RUNNING
     (item,) = sched.schedule().scheduled
