@@ -22,7 +22,7 @@ from pegainfer.request import Request, RequestStatus
 from pegainfer.request_group import RequestGroup, SequenceState
 from pegainfer.sampler import Sampler, compute_prompt_logprobs
 from pegainfer.sampling_params import RequestOutputKind, SamplingParams
-from pegainfer.scheduler import ContinuousBatchingScheduler, Scheduler, SchedulerOutput
+from pegainfer.scheduler import PROMPT_LOGPROBS_CHUNK, ContinuousBatchingScheduler, Scheduler, SchedulerOutput
 from pegainfer.speculative import SpeculativeDecoder, draft_buffer_specs, sample_and_verify
 from pegainfer.tokenizer import Tokenizer
 
@@ -118,6 +118,8 @@ class LLMEngine:
         specs = [
             # Logits of the sampled rows (1 + drafts per request) and the sampler's working copies of them.
             TransientSpec("sampler", bytes_per_seq=(4 + num_spec) * vocab * dtype_size(torch.float32)),
+            # Prompt logprobs: the logits of one bounded chunk and their log-softmax copy.
+            TransientSpec("prompt_logprobs", bytes_fixed=2 * PROMPT_LOGPROBS_CHUNK * vocab * 4),
             # Persistent decode inputs: block-table row plus token, position, length, slot and state slot.
             TransientSpec("decode_buffers", bytes_per_seq=4 * max_blocks + 5 * 8),
         ]

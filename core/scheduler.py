@@ -17,6 +17,9 @@ from pegainfer.buffers import BufferManager
 from pegainfer.config import SchedulerConfig
 from pegainfer.request import Request, RequestStatus
 
+#: The longest prefill chunk of a request that asks for prompt logprobs (its logits are [chunk, vocab]).
+PROMPT_LOGPROBS_CHUNK = 256
+
 
 @dataclass
 class ScheduledRequest:
@@ -135,6 +138,13 @@ class ContinuousBatchingScheduler(Scheduler):
         n = min(request.num_tokens - request.num_computed_tokens, budget)
         # Without chunked prefill a prompt is admitted whole, so the per-chunk threshold does not apply.
         limit = self.config.long_prefill_token_threshold if self.config.enable_chunked_prefill else None
+        if (
+            request.sampling_params.prompt_logprobs is not None
+            and request.num_computed_tokens < request.num_prompt_tokens
+            and self.config.enable_chunked_prefill
+        ):
+            # Prompt logprobs need full-vocabulary logits for every position of the chunk: bound them.
+            limit = min(limit or PROMPT_LOGPROBS_CHUNK, PROMPT_LOGPROBS_CHUNK)
         return min(n, limit) if limit else n
 
     def _spec_fits(self, request: Request, budget: int) -> list[int]:

@@ -289,3 +289,21 @@ def test_stop_strings_wait_for_min_tokens(llm):
     first = ref.text[0]
     out = _one(llm, SamplingParams(temperature=0, max_tokens=20, stop=[first], min_tokens=6)).outputs[0]
     assert len(out.token_ids) >= 6
+
+
+def test_prompt_logprobs_bound_the_prefill_chunk(tiny_qwen3):
+    """Requests with prompt logprobs prefill in chunks of at most PROMPT_LOGPROBS_CHUNK tokens (their
+    full-vocabulary logits are reserved for that size), with the same result as one pass."""
+    from pegainfer.scheduler import PROMPT_LOGPROBS_CHUNK
+
+    llm = LLM(str(tiny_qwen3), device="cpu", cpu_kv_cache_bytes=8 << 20, max_model_len=1024)
+    prompt = [(7 * i) % 900 for i in range(PROMPT_LOGPROBS_CHUNK + 40)]
+    engine = llm.engine
+    engine.add_request("pl", None, SamplingParams(max_tokens=1, prompt_logprobs=1), prompt_token_ids=prompt)
+    plan = engine.scheduler.schedule()
+    assert plan.scheduled[0].num_new_tokens == PROMPT_LOGPROBS_CHUNK
+    engine.abort_request("pl")
+    out = _one(llm, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), prompt)
+    ref = torch.log_softmax(hf_logits(tiny_qwen3, prompt), dim=-1)
+    for pos in (1, PROMPT_LOGPROBS_CHUNK, len(prompt) - 1):
+        assert abs(out.prompt_logprobs[pos][prompt[pos]].logprob - ref[pos - 1, prompt[pos]].item()) < 1e-4
