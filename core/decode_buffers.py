@@ -18,11 +18,15 @@ class DecodeBuffers:
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.token_ids = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        # The per-row int64 inputs live in one [4, rows] tensor so a step uploads them with one copy from
+        # one pinned staging buffer (reused every step: each step ends with a sync, so the last copy is done).
+        device = torch.device(device)
+        self._packed = torch.zeros(4, max_num_seqs, dtype=torch.int64, device=device)
+        self._staging = torch.zeros(4, max_num_seqs, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._staged = self._staging.numpy()
+        self.token_ids, self.positions, self.slot_mapping, self.state_slots = self._packed.unbind(0)
         self.seq_lens = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
-        self.slot_mapping = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
-        self.state_slots = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        self._lens_staging = torch.zeros(max_num_seqs, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
         self._owner: list[str | None] = [None] * max_num_seqs
         self._blocks_written = [0] * max_num_seqs
@@ -76,13 +80,18 @@ class DecodeBuffers:
                 self.block_tables[row, written:have] = torch.as_tensor(table[written:have], dtype=torch.int32)
                 self.block_entries_written += have - written
                 self._blocks_written[row] = have
-        self.token_ids[:batch].copy_(torch.from_numpy(tok), non_blocking=True)
-        self.positions[:batch].copy_(torch.from_numpy(pos), non_blocking=True)
-        self.seq_lens[:batch].copy_(torch.from_numpy((pos + 1).astype(np.int32)), non_blocking=True)
-        self.slot_mapping[:batch].copy_(torch.from_numpy(slots), non_blocking=True)
+        staged = self._staged
+        staged[0, :batch] = tok
+        staged[1, :batch] = pos
+        staged[2, :batch] = slots
+        fields = 3  # without state slots, that row of the buffer is left as it is
         if state_slots is not None:
-            st = np.asarray(state_slots, dtype=np.int64)[order]
-            self.state_slots[:batch].copy_(torch.from_numpy(st), non_blocking=True)
+            staged[3, :batch] = np.asarray(state_slots, dtype=np.int64)[order]
+            fields = 4
+        self._packed[:fields, :batch].copy_(self._staging[:fields, :batch], non_blocking=True)
+        lens = self._lens_staging.numpy()
+        lens[:batch] = pos + 1
+        self.seq_lens[:batch].copy_(self._lens_staging[:batch], non_blocking=True)
         return rows
 
     def pad_rows(self, batch: int, size: int) -> None:
@@ -91,8 +100,8 @@ class DecodeBuffers:
         owner, so their cached block tables need no bookkeeping (a new owner rewrites its row in full)."""
         if size == batch:
             return
-        for tensor in (self.token_ids, self.positions, self.seq_lens, self.slot_mapping, self.state_slots):
-            tensor[batch:size] = tensor[0]
+        self._packed[:, batch:size] = self._packed[:, :1]
+        self.seq_lens[batch:size] = self.seq_lens[0]
         self.block_tables[batch:size] = self.block_tables[0]
         for row in range(batch, size):
             self._blocks_written[row] = 0

@@ -163,6 +163,8 @@ class LocalExecutor(Executor):
     def _execute_graph(self, decodes: list[SequenceChunk]) -> ExecutorOutput:
         rows = self._prepare_decode_rows(decodes)
         logits = self.graphs.run(len(decodes))
+        if rows == list(range(len(rows))):  # the usual case: rows already in batch order, no gather
+            return ExecutorOutput(logits=logits)
         return ExecutorOutput(logits=logits[torch.tensor(rows, dtype=torch.int64, device=self.device)])
 
     def _reorder_hidden_states(self, batch: ModelBatch, first_row: dict[int, int]) -> torch.Tensor:
