@@ -6,6 +6,7 @@ Each helper loads what it needs lazily, so importing this module does not import
 from __future__ import annotations
 
 import inspect
+import random
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 
 from pegainfer.config import EngineConfig, ModelConfig
 from pegainfer.loader import CheckpointReader
+from pegainfer.sampling_params import SamplingParams
 
 
 @lru_cache(maxsize=8)
@@ -24,6 +26,21 @@ def hf_model(folder: str, dtype: torch.dtype = torch.float32, device: str = "cpu
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
     return model.eval()
+
+
+def random_prompts(seed: int, lengths: Sequence[int], vocab: int = 990) -> list[list[int]]:
+    """Reproducible random token-id prompts of the given lengths (ids below ``vocab``)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def greedy_token_ids(
+    llm: Any, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None
+) -> list[list[int]]:
+    """Our generated token ids for each prompt (greedy, 24 tokens, EOS ignored unless ``params`` says)."""
+    params = params or SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=[list(p) for p in prompts], sampling_params=params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def hf_greedy(

@@ -12,7 +12,6 @@ proposes equal those of the MTP module run from scratch over the whole sequence,
 
 from __future__ import annotations
 
-import random
 import shutil
 from pathlib import Path
 
@@ -20,18 +19,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pegainfer import LLM, SamplingParams
+from pegainfer import LLM
 from pegainfer.errors import ConfigError
 from pegainfer.hydra_config import build_engine_config, compose
 from pegainfer.layers.attention import AttentionMetadata, PrefillSegment
 from pegainfer.model_api import ForwardBatch
+from pegainfer.testing.conformance import SamplingParams, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-
-
-def _prompts(seed: int, lengths: list[int], vocab: int = 990) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
 def _llm(folder: Path, k: int = 0, **kw: object) -> LLM:
@@ -117,7 +112,7 @@ def spec(request: pytest.FixtureRequest, tiny_deepseek: Path) -> LLM:
 
 
 def test_single_prompt_output_unchanged(base: LLM, spec: LLM) -> None:
-    prompts = _prompts(0, [11])
+    prompts = random_prompts(0, [11])
     outs, stats = _steps(spec, prompts)
     assert _tokens(outs) == _tokens(_run(base, prompts))
     k = spec.engine.config.speculative.num_tokens
@@ -129,7 +124,7 @@ def test_single_prompt_output_unchanged(base: LLM, spec: LLM) -> None:
 
 
 def test_batch_of_mixed_lengths_output_unchanged(base: LLM, spec: LLM) -> None:
-    prompts = _prompts(1, [1, 5, 17, 33, 2, 64])
+    prompts = random_prompts(1, [1, 5, 17, 33, 2, 64])
     assert _tokens(_run(spec, prompts)) == _tokens(_run(base, prompts))
 
 
@@ -137,14 +132,14 @@ def test_batch_of_mixed_lengths_output_unchanged(base: LLM, spec: LLM) -> None:
 def test_chunked_prefill_output_unchanged(tiny_deepseek: Path, base: LLM, k: int) -> None:
     # Chunks of at most 5 tokens, 8 tokens a step: drafts are cut or dropped when the budget is short.
     llm = _llm(tiny_deepseek, k, long_prefill_token_threshold=5, max_num_batched_tokens=8)
-    prompts = _prompts(2, [45, 30, 9])
+    prompts = random_prompts(2, [45, 30, 9])
     assert _tokens(_run(llm, prompts)) == _tokens(_run(base, prompts))
 
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_preempted_output_unchanged(tiny_deepseek: Path, base: LLM, k: int) -> None:
     llm = _llm(tiny_deepseek, k, block_size=4, num_gpu_blocks_override=24, max_model_len=64)
-    prompts = _prompts(3, [16, 12, 15, 14])
+    prompts = random_prompts(3, [16, 12, 15, 14])
     outs = _run(llm, prompts)
     assert sum(o.metrics.num_preemptions for o in outs) > 0
     assert _tokens(outs) == _tokens(_run(base, prompts))
@@ -155,7 +150,7 @@ def test_preempted_output_unchanged(tiny_deepseek: Path, base: LLM, k: int) -> N
 def test_logprobs_and_sampled_requests_unchanged(base: LLM, spec: LLM) -> None:
     """Greedy rows with logprobs draft and report the same logprobs; seeded sampled rows do not draft and
     draw the same tokens."""
-    prompts = _prompts(4, [7, 13])
+    prompts = random_prompts(4, [7, 13])
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
     sampled = SamplingParams(temperature=0.9, top_k=50, seed=7, max_tokens=12, ignore_eos=True)
     ours = spec.generate(prompt_token_ids=prompts, sampling_params=[greedy, sampled], use_tqdm=False)
@@ -172,7 +167,7 @@ def test_logprobs_and_sampled_requests_unchanged(base: LLM, spec: LLM) -> None:
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_aligned_mtp_drafts_are_accepted(aligned_deepseek: Path, k: int) -> None:
-    prompts = _prompts(5, [5, 17, 3, 30])
+    prompts = random_prompts(5, [5, 17, 3, 30])
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     ref, ref_stats = _steps(_llm(aligned_deepseek), prompts, params)
     outs, stats = _steps(_llm(aligned_deepseek, k), prompts, params)
@@ -226,7 +221,7 @@ def _patch_drafter(
 def test_forced_drafts_set_the_steps(
     tiny_deepseek: Path, base: LLM, monkeypatch: pytest.MonkeyPatch, mode: str, k: int, rate, steps: int
 ) -> None:
-    prompts = _prompts(6, [9])
+    prompts = random_prompts(6, [9])
     ref = _run(base, prompts)
     truth = {tuple(prompts[0]): prompts[0] + ref[0].outputs[0].token_ids}
     llm = _llm(tiny_deepseek, k)
@@ -243,7 +238,7 @@ def test_forced_drafts_set_the_steps(
 
 
 def test_stop_token_in_the_middle_of_accepted_drafts(tiny_deepseek: Path, base: LLM, monkeypatch) -> None:
-    prompts = _prompts(7, [6])
+    prompts = random_prompts(7, [6])
     ref = _tokens(_run(base, prompts))[0]
     truth = {tuple(prompts[0]): prompts[0] + ref}
     # The first token that has not occurred before position 6 of the output stops the request there.
@@ -316,7 +311,7 @@ def test_proposed_drafts_match_the_mtp_run_from_scratch(checkpoint: str, request
 
     monkeypatch.setattr(engine.executor, "propose", propose)
     outs = _run(
-        llm, _prompts(8, [19, 4, 11]), SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        llm, random_prompts(8, [19, 4, 11]), SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     )
     assert sum(o.metrics.spec_draft_tokens for o in outs) > 0
     compared = 0

@@ -7,7 +7,6 @@ With ``index_topk`` at least the context the model must equal DeepSeek-V3 on the
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,7 +18,14 @@ from pegainfer.errors import CheckpointError
 from pegainfer.executor import ModelBatch, SequenceChunk
 from pegainfer.request import Request
 from pegainfer.testing.checkpoints import _to_new_layout
-from pegainfer.testing.conformance import hf_greedy, hf_logits, hf_model, unused_checkpoint_tensors
+from pegainfer.testing.conformance import (
+    greedy_token_ids,
+    hf_greedy,
+    hf_logits,
+    hf_model,
+    random_prompts,
+    unused_checkpoint_tensors,
+)
 from pegainfer.testing.tiny_deepseek import deepseek_v32_config
 from pegainfer_deepseek.config import DeepseekV3Dims
 from pegainfer_deepseek.indexer import INDEXER_CACHE_OFFSET
@@ -35,16 +41,6 @@ def tiny_v32(tiny_checkpoint_factory: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="module")
 def llm_v32(tiny_v32: Path) -> LLM:
     return LLM(str(tiny_v32), dtype="float32", device="cpu", cpu_kv_cache_bytes=8 << 20)
-
-
-def _prompts(seed: int, lengths: list[int], vocab: int = 990) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
-
-
-def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def _rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -111,7 +107,7 @@ def test_checkpoint_tensors_are_all_read(tiny_v32):
 
 def test_cached_indexer_keys_equal_transformers_cache(llm_v32, tiny_v32):
     """The roped (half-split) and normed indexer keys per token and layer, against transformers' cache."""
-    prompt = _prompts(9, [13])[0]
+    prompt = random_prompts(9, [13])[0]
     request, _ = _prefill(llm_v32, "cache-probe", prompt, all_logits=False)
     engine, dims = llm_v32.engine, llm_v32.engine.model.dims
     bs = engine.buffers.block_size
@@ -133,13 +129,13 @@ def test_cached_indexer_keys_equal_transformers_cache(llm_v32, tiny_v32):
 
 
 def test_single_prompt_matches_hf(llm_v32, tiny_v32):
-    prompts = _prompts(0, [11])
-    assert _generate(llm_v32, prompts) == hf_greedy(tiny_v32, prompts, 24)
+    prompts = random_prompts(0, [11])
+    assert greedy_token_ids(llm_v32, prompts) == hf_greedy(tiny_v32, prompts, 24)
 
 
 def test_batch_of_mixed_lengths_matches_hf(llm_v32, tiny_v32):
-    prompts = _prompts(1, [1, 5, 17, 33, 2, 64])
-    assert _generate(llm_v32, prompts) == hf_greedy(tiny_v32, prompts, 24)
+    prompts = random_prompts(1, [1, 5, 17, 33, 2, 64])
+    assert greedy_token_ids(llm_v32, prompts) == hf_greedy(tiny_v32, prompts, 24)
 
 
 def test_chunked_prefill_matches_hf(tiny_v32):
@@ -153,8 +149,8 @@ def test_chunked_prefill_matches_hf(tiny_v32):
         max_num_batched_tokens=12,
         cpu_kv_cache_bytes=8 << 20,
     )
-    prompts = _prompts(2, [45, 30, 9])
-    assert _generate(llm, prompts) == hf_greedy(tiny_v32, prompts, 24)
+    prompts = random_prompts(2, [45, 30, 9])
+    assert greedy_token_ids(llm, prompts) == hf_greedy(tiny_v32, prompts, 24)
 
 
 def test_preempted_run_matches_hf(tiny_v32):
@@ -166,7 +162,7 @@ def test_preempted_run_matches_hf(tiny_v32):
         num_gpu_blocks_override=24,
         max_model_len=64,
     )
-    prompts = _prompts(3, [16, 12, 15, 14])
+    prompts = random_prompts(3, [16, 12, 15, 14])
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
     assert sum(o.metrics.num_preemptions for o in outs) > 0
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_v32, prompts, 24)
@@ -175,7 +171,7 @@ def test_preempted_run_matches_hf(tiny_v32):
 
 
 def test_prompt_logits_within_tolerance(llm_v32, tiny_v32):
-    prompt = _prompts(4, [29])[0]
+    prompt = random_prompts(4, [29])[0]
     request, out = _prefill(llm_v32, "logits-probe", prompt)
     llm_v32.engine.buffers.free(request)
     ref = hf_logits(tiny_v32, prompt)
@@ -187,7 +183,7 @@ def test_prompt_logits_within_tolerance(llm_v32, tiny_v32):
 def test_decode_logits_within_tolerance(llm_v32, tiny_v32):
     """Teacher-forced decode steps (the indexer's decode selection, absorbed MLA) against transformers."""
     engine, executor = llm_v32.engine, llm_v32.engine.executor
-    tokens = _prompts(5, [27])[0]
+    tokens = random_prompts(5, [27])[0]
     start = 9
     request = Request("decode-probe", tokens, GREEDY)
     assert engine.buffers.allocate_slots(request, len(tokens))
@@ -221,9 +217,9 @@ def test_checkpoint_variants_match_hf(tiny_checkpoint_factory, options):
     folder = tiny_checkpoint_factory("deepseek_v32", seed=7, **options)
     assert unused_checkpoint_tensors(folder) == []
     llm = LLM(str(folder), dtype="float32", device="cpu", cpu_kv_cache_bytes=4 << 20)
-    prompts = _prompts(7, [9, 21])
+    prompts = random_prompts(7, [9, 21])
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    assert _generate(llm, prompts, params) == hf_greedy(folder, prompts, 12)
+    assert greedy_token_ids(llm, prompts, params) == hf_greedy(folder, prompts, 12)
     _, out = _prefill(llm, "probe", prompts[1])
     assert _rel(out.all_logits["probe"], hf_logits(folder, prompts[1])) < 1e-4
 
@@ -237,7 +233,7 @@ def test_topk_covering_the_context_is_dense_v3_and_a_small_topk_is_not(tiny_chec
     v3 = tiny_checkpoint_factory("deepseek_v3", seed=11, num_nextn_predict_layers=0)
     dense = tiny_checkpoint_factory("deepseek_v32", seed=11, index_topk=512)
     sparse = tiny_checkpoint_factory("deepseek_v32", seed=11)
-    prompt = _prompts(10, [40])[0]
+    prompt = random_prompts(10, [40])[0]
     logits = {}
     for name, folder in (("v3", v3), ("dense", dense), ("sparse", sparse)):
         llm = LLM(str(folder), dtype="float32", device="cpu", cpu_kv_cache_bytes=4 << 20)

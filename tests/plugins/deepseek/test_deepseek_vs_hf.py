@@ -7,8 +7,6 @@ through ``LLM`` the engine provides them, a bare executor call without them fail
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -16,19 +14,15 @@ from pegainfer import LLM, SamplingParams
 from pegainfer.errors import ExecutorError
 from pegainfer.executor import ModelBatch, SequenceChunk
 from pegainfer.request import Request
-from pegainfer.testing.conformance import hf_greedy, hf_logits, unused_checkpoint_tensors
+from pegainfer.testing.conformance import (
+    greedy_token_ids,
+    hf_greedy,
+    hf_logits,
+    random_prompts,
+    unused_checkpoint_tensors,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-
-
-def _prompts(seed: int, lengths: list[int], vocab: int = 990) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
-
-
-def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def _rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -36,13 +30,13 @@ def _rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def test_single_prompt_matches_hf(llm, tiny_deepseek):
-    prompts = _prompts(0, [11])
-    assert _generate(llm, prompts) == hf_greedy(tiny_deepseek, prompts, 24)
+    prompts = random_prompts(0, [11])
+    assert greedy_token_ids(llm, prompts) == hf_greedy(tiny_deepseek, prompts, 24)
 
 
 def test_batch_of_mixed_lengths_matches_hf(llm, tiny_deepseek):
-    prompts = _prompts(1, [1, 5, 17, 33, 2, 64])
-    assert _generate(llm, prompts) == hf_greedy(tiny_deepseek, prompts, 24)
+    prompts = random_prompts(1, [1, 5, 17, 33, 2, 64])
+    assert greedy_token_ids(llm, prompts) == hf_greedy(tiny_deepseek, prompts, 24)
 
 
 def test_chunked_prefill_matches_hf(tiny_deepseek):
@@ -56,8 +50,8 @@ def test_chunked_prefill_matches_hf(tiny_deepseek):
         max_num_batched_tokens=12,
         cpu_kv_cache_bytes=8 << 20,
     )
-    prompts = _prompts(2, [45, 30, 9])
-    assert _generate(llm, prompts) == hf_greedy(tiny_deepseek, prompts, 24)
+    prompts = random_prompts(2, [45, 30, 9])
+    assert greedy_token_ids(llm, prompts) == hf_greedy(tiny_deepseek, prompts, 24)
 
 
 def test_preempted_run_matches_hf(tiny_deepseek):
@@ -70,7 +64,7 @@ def test_preempted_run_matches_hf(tiny_deepseek):
         num_gpu_blocks_override=24,
         max_model_len=64,
     )
-    prompts = _prompts(3, [16, 12, 15, 14])
+    prompts = random_prompts(3, [16, 12, 15, 14])
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
     assert sum(o.metrics.num_preemptions for o in outs) > 0
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_deepseek, prompts, 24)
@@ -92,7 +86,7 @@ def test_cached_latents_equal_transformers_cache(llm, tiny_deepseek):
     writes de-interleaved), against the page slots the engine wrote."""
     from pegainfer.testing.conformance import hf_model
 
-    prompt = _prompts(9, [13])[0]
+    prompt = random_prompts(9, [13])[0]
     request, _ = _prefill(llm, "cache-probe", prompt, all_logits=False)
     engine, dims = llm.engine, llm.engine.model.dims
     table = torch.tensor(engine.buffers.block_table("cache-probe"))
@@ -126,7 +120,7 @@ def _prefill(llm: LLM, rid: str, tokens: list[int], all_logits: bool = True):
 
 
 def test_prompt_logits_within_tolerance(llm, tiny_deepseek):
-    prompt = _prompts(4, [29])[0]
+    prompt = random_prompts(4, [29])[0]
     request, out = _prefill(llm, "logits-probe", prompt)
     llm.engine.buffers.free(request)
     ref = hf_logits(tiny_deepseek, prompt)
@@ -138,14 +132,14 @@ def test_prompt_logits_within_tolerance(llm, tiny_deepseek):
 def test_decode_logits_within_tolerance(llm, tiny_deepseek):
     """Teacher-forced decode steps (absorbed MLA over the cached latents) against transformers' logits."""
     engine, executor = llm.engine, llm.engine.executor
-    tokens = _prompts(5, [27])[0]
+    tokens = random_prompts(5, [27])[0]
     start = 19
     request, out = _prefill(llm, "decode-probe", tokens[:start], all_logits=False)
     engine.buffers.free(request)
     request = Request("decode-probe", tokens, GREEDY)
     assert engine.buffers.allocate_slots(request, len(tokens))
     table = engine.buffers.block_table("decode-probe")
-    _, out = _prefill(llm, "other", _prompts(6, [7])[0])  # unrelated pages in between
+    _, out = _prefill(llm, "other", random_prompts(6, [7])[0])  # unrelated pages in between
     ours = []
     chunk = SequenceChunk("decode-probe", tokens[:start], 0, table, needs_logits=True)
     ours.append(executor.execute(ModelBatch([chunk], hidden_states=executor.embed(tokens[:start]))).logits[0])
@@ -201,9 +195,9 @@ def test_checkpoint_variants_match_hf(tiny_checkpoint_factory, options):
     folder = tiny_checkpoint_factory("deepseek_v3", seed=7, **options)
     assert unused_checkpoint_tensors(folder) == []
     llm = LLM(str(folder), dtype="float32", device="cpu", cpu_kv_cache_bytes=4 << 20)
-    prompts = _prompts(7, [9, 21])
+    prompts = random_prompts(7, [9, 21])
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    assert _generate(llm, prompts, params) == hf_greedy(folder, prompts, 12)
+    assert greedy_token_ids(llm, prompts, params) == hf_greedy(folder, prompts, 12)
     _, out = _prefill(llm, "probe", prompts[1])
     assert _rel(out.all_logits["probe"], hf_logits(folder, prompts[1])) < 1e-4
 
@@ -228,7 +222,7 @@ def test_missing_hidden_states_is_a_clear_error(llm):
 def test_forward_reads_the_hidden_states_not_the_token_ids(llm, tiny_deepseek):
     # Token ids say one prompt, hidden states another: the logits follow the hidden states.
     engine = llm.engine
-    said, meant = _prompts(8, [6, 6])
+    said, meant = random_prompts(8, [6, 6])
     request = Request("r", said, GREEDY)
     assert engine.buffers.allocate_slots(request, len(said))
     chunk = SequenceChunk("r", said, 0, engine.buffers.block_table("r"), needs_logits=True)

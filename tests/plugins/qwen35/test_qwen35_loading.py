@@ -4,7 +4,6 @@ embeddings, dtypes and shards, the skipped vision tower and MTP head, and clear 
 from __future__ import annotations
 
 import logging
-import random
 
 import pytest
 import torch
@@ -13,15 +12,10 @@ from pegainfer import LLM, SamplingParams
 from pegainfer.errors import CheckpointError
 from pegainfer.loader import read_hf_config
 from pegainfer.testing.checkpoints import write_tiny_checkpoint
-from pegainfer.testing.conformance import hf_greedy, unused_checkpoint_tensors
+from pegainfer.testing.conformance import hf_greedy, random_prompts, unused_checkpoint_tensors
 from pegainfer_qwen35.config import Qwen35Config
 
 PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-
-
-def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(990) for _ in range(n)] for n in lengths]
 
 
 @pytest.mark.parametrize(
@@ -39,7 +33,7 @@ def test_checkpoint_variants_match_hf(tiny_checkpoint_factory, architecture, opt
     folder = tiny_checkpoint_factory(architecture, seed=7, **options)
     assert unused_checkpoint_tensors(folder) == []
     llm = LLM(str(folder), dtype="float32", device="cpu", cpu_kv_cache_bytes=4 << 20)
-    prompts = _prompts(5, [9, 21])
+    prompts = random_prompts(5, [9, 21])
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(folder, prompts, 10)
 

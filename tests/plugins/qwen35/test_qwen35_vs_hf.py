@@ -3,27 +3,15 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from pegainfer import LLM, SamplingParams
 from pegainfer.executor import ModelBatch, SequenceChunk
 from pegainfer.request import Request
-from pegainfer.testing.conformance import hf_greedy, hf_logits
+from pegainfer.testing.conformance import greedy_token_ids, hf_greedy, hf_logits, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-
-
-def _prompts(seed: int, lengths: list[int], vocab: int = 990) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
-
-
-def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.fixture(scope="module")
@@ -32,14 +20,14 @@ def llm(tiny_qwen35):
 
 
 def test_single_prompt_matches_hf(llm, tiny_qwen35):
-    prompts = _prompts(0, [11])
-    assert _generate(llm, prompts) == hf_greedy(tiny_qwen35, prompts, 24)
+    prompts = random_prompts(0, [11])
+    assert greedy_token_ids(llm, prompts) == hf_greedy(tiny_qwen35, prompts, 24)
 
 
 def test_batch_of_mixed_lengths_matches_hf(llm, tiny_qwen35):
     # 1-token prompts run as decode rows from a zero state; 70 tokens span two delta-rule blocks of 64.
-    prompts = _prompts(1, [1, 5, 17, 33, 2, 70])
-    assert _generate(llm, prompts) == hf_greedy(tiny_qwen35, prompts, 24)
+    prompts = random_prompts(1, [1, 5, 17, 33, 2, 70])
+    assert greedy_token_ids(llm, prompts) == hf_greedy(tiny_qwen35, prompts, 24)
     llm.engine.buffers.check_invariants()
 
 
@@ -55,8 +43,8 @@ def test_chunked_prefill_matches_hf(tiny_qwen35):
         max_num_batched_tokens=10,
         cpu_kv_cache_bytes=8 << 20,
     )
-    prompts = _prompts(2, [25, 13, 7, 2])
-    assert _generate(llm, prompts) == hf_greedy(tiny_qwen35, prompts, 24)
+    prompts = random_prompts(2, [25, 13, 7, 2])
+    assert greedy_token_ids(llm, prompts) == hf_greedy(tiny_qwen35, prompts, 24)
 
 
 def test_preempted_run_matches_hf(tiny_qwen35):
@@ -70,7 +58,7 @@ def test_preempted_run_matches_hf(tiny_qwen35):
         num_gpu_blocks_override=20,
         max_model_len=64,
     )
-    prompts = _prompts(3, [16, 12, 15, 14])
+    prompts = random_prompts(3, [16, 12, 15, 14])
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
     assert sum(o.metrics.num_preemptions for o in outs) > 0
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_qwen35, prompts, 24)
@@ -84,7 +72,7 @@ def _relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def test_prompt_logits_within_tolerance(llm, tiny_qwen35):
-    prompt = _prompts(4, [29])[0]
+    prompt = random_prompts(4, [29])[0]
     engine = llm.engine
     request = Request("logits-probe", prompt, GREEDY)
     assert engine.buffers.allocate_slots(request, len(prompt))

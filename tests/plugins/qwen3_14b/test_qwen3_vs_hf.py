@@ -2,27 +2,21 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from pegainfer import LLM, SamplingParams
 from pegainfer.executor import ModelBatch, SequenceChunk
 from pegainfer.testing.checkpoints import write_tiny_checkpoint
-from pegainfer.testing.conformance import hf_greedy, hf_logits, unused_checkpoint_tensors
+from pegainfer.testing.conformance import (
+    greedy_token_ids,
+    hf_greedy,
+    hf_logits,
+    random_prompts,
+    unused_checkpoint_tensors,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-
-
-def _prompts(seed: int, lengths: list[int], vocab: int = 990) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
-
-
-def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +25,13 @@ def llm(tiny_qwen3):
 
 
 def test_single_prompt_matches_hf(llm, tiny_qwen3):
-    prompts = _prompts(0, [11])
-    assert _generate(llm, prompts) == hf_greedy(tiny_qwen3, prompts, 24)
+    prompts = random_prompts(0, [11])
+    assert greedy_token_ids(llm, prompts) == hf_greedy(tiny_qwen3, prompts, 24)
 
 
 def test_batch_of_mixed_lengths_matches_hf(llm, tiny_qwen3):
-    prompts = _prompts(1, [1, 5, 17, 33, 2, 64])
-    assert _generate(llm, prompts) == hf_greedy(tiny_qwen3, prompts, 24)
+    prompts = random_prompts(1, [1, 5, 17, 33, 2, 64])
+    assert greedy_token_ids(llm, prompts) == hf_greedy(tiny_qwen3, prompts, 24)
 
 
 def test_chunked_prefill_matches_hf(tiny_qwen3):
@@ -50,8 +44,8 @@ def test_chunked_prefill_matches_hf(tiny_qwen3):
         max_num_batched_tokens=16,
         cpu_kv_cache_bytes=8 << 20,
     )
-    prompts = _prompts(2, [45, 30, 9])
-    assert _generate(llm, prompts) == hf_greedy(tiny_qwen3, prompts, 24)
+    prompts = random_prompts(2, [45, 30, 9])
+    assert greedy_token_ids(llm, prompts) == hf_greedy(tiny_qwen3, prompts, 24)
 
 
 def test_preempted_run_matches_hf(tiny_qwen3):
@@ -64,7 +58,7 @@ def test_preempted_run_matches_hf(tiny_qwen3):
         num_gpu_blocks_override=24,
         max_model_len=64,
     )
-    prompts = _prompts(3, [16, 12, 15, 14])
+    prompts = random_prompts(3, [16, 12, 15, 14])
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert sum(o.metrics.num_preemptions for o in outs) > 0
@@ -74,7 +68,7 @@ def test_preempted_run_matches_hf(tiny_qwen3):
 
 
 def test_prompt_logits_within_tolerance(llm, tiny_qwen3):
-    prompt = _prompts(4, [29])[0]
+    prompt = random_prompts(4, [29])[0]
     table_req = "logits-probe"
     engine = llm.engine
     from pegainfer.request import Request
@@ -120,18 +114,18 @@ def test_checkpoint_variants_match_hf(tiny_checkpoint_factory, options):
     folder = tiny_checkpoint_factory("qwen3", seed=7, **options)
     assert unused_checkpoint_tensors(folder) == []
     llm = LLM(str(folder), dtype="float32", device="cpu", cpu_kv_cache_bytes=4 << 20)
-    prompts = _prompts(5, [9, 21])
+    prompts = random_prompts(5, [9, 21])
     # transformers cannot open shards without an index: its reference is the same weights in one file.
     reference = folder if options.get("write_index", True) else tiny_checkpoint_factory("qwen3", seed=7)
-    assert _generate(
+    assert greedy_token_ids(
         llm, prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     ) == hf_greedy(reference, prompts, 12)
 
 
 def test_decode_rewrites_block_table_rows_only_when_pages_change(tiny_qwen3):
     llm = LLM(str(tiny_qwen3), dtype="float32", device="cpu", block_size=4, cpu_kv_cache_bytes=4 << 20)
-    prompts = _prompts(6, [3, 6, 9])
-    _generate(llm, prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    prompts = random_prompts(6, [3, 6, 9])
+    greedy_token_ids(llm, prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     decode = llm.engine.executor.decode
     # Each request's final table has ceil(len/4) pages; a row is written once per page plus the pages that
     # existed when it first decoded. Rewriting whole rows every step would write far more.
