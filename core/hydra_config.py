@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import typing
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,8 +31,9 @@ from omegaconf.errors import (
 )
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from pegainfer import loader
 from pegainfer.config import EngineConfig, ModelConfig, validate_section
-from pegainfer.errors import CheckpointError, ConfigError, RequestError
+from pegainfer.errors import ConfigError, RequestError
 from pegainfer.plugins import config_search_path, get_model_registry
 from pegainfer.sampling_params import SamplingParams
 
@@ -112,20 +112,13 @@ def to_container(cfg: DictConfig) -> dict[str, Any]:
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
-    """Parse a checkpoint folder's ``config.json``."""
+    """Parse a checkpoint folder's ``config.json``; a wrong ``model.path`` is a ConfigError naming the key."""
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise ConfigError(f"model.path '{path}' is not a folder; give a Hugging Face checkpoint folder")
-    file = folder / "config.json"
-    if not file.is_file():
+    if not (folder / "config.json").is_file():
         raise ConfigError(f"model.path '{path}' has no config.json; give a Hugging Face checkpoint folder")
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{file} cannot be read as JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{file} must hold a JSON object")
-    return data
+    return loader.read_hf_config(folder)
 
 
 def build_model_config(section: Any) -> ModelConfig:
