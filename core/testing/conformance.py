@@ -75,6 +75,31 @@ def hf_greedy(
     return out
 
 
+def assert_preempted_run_matches_hf(folder: str | Path, pages: int, max_tokens: int = 24) -> Any:
+    """Four prompts through a pool of ``pages`` 4-token pages too small to hold them at once: the run must
+    preempt, still give transformers' greedy tokens, and return every page. Returns the LLM."""
+    from pegainfer.llm import LLM
+
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        device="cpu",
+        block_size=4,
+        num_gpu_blocks_override=pages,
+        max_model_len=64,
+    )
+    prompts = random_prompts(3, [16, 12, 15, 14])
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0, (
+        "the pool was large enough: nothing was preempted"
+    )
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(folder, prompts, max_tokens)
+    llm.engine.buffers.check_invariants()
+    assert llm.engine.buffers.pool.num_free == pages
+    return llm
+
+
 def hf_logits(
     folder: str | Path, prompt: Sequence[int], dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> torch.Tensor:

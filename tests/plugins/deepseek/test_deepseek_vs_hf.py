@@ -15,6 +15,7 @@ from pegainfer.errors import ExecutorError
 from pegainfer.executor import ModelBatch, SequenceChunk
 from pegainfer.request import Request
 from pegainfer.testing.conformance import (
+    assert_preempted_run_matches_hf,
     greedy_token_ids,
     hf_greedy,
     hf_logits,
@@ -55,21 +56,8 @@ def test_chunked_prefill_matches_hf(tiny_deepseek):
 
 
 def test_preempted_run_matches_hf(tiny_deepseek):
-    # 24 pages of 4 tokens cannot hold four 40-token sequences at once: the scheduler must preempt.
-    llm = LLM(
-        str(tiny_deepseek),
-        dtype="float32",
-        device="cpu",
-        block_size=4,
-        num_gpu_blocks_override=24,
-        max_model_len=64,
-    )
-    prompts = random_prompts(3, [16, 12, 15, 14])
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
-    assert sum(o.metrics.num_preemptions for o in outs) > 0
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_deepseek, prompts, 24)
-    llm.engine.buffers.check_invariants()
-    assert llm.engine.buffers.pool.num_free == 24
+    # 24 pages of 4 tokens cannot hold four ~40-token sequences at once: the scheduler must preempt.
+    assert_preempted_run_matches_hf(tiny_deepseek, pages=24)
 
 
 def test_cache_holds_the_compressed_latent_only(llm):

@@ -9,7 +9,13 @@ import torch
 from pegainfer import LLM, SamplingParams
 from pegainfer.executor import ModelBatch, SequenceChunk
 from pegainfer.request import Request
-from pegainfer.testing.conformance import greedy_token_ids, hf_greedy, hf_logits, random_prompts
+from pegainfer.testing.conformance import (
+    assert_preempted_run_matches_hf,
+    greedy_token_ids,
+    hf_greedy,
+    hf_logits,
+    random_prompts,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -48,23 +54,10 @@ def test_chunked_prefill_matches_hf(tiny_qwen35):
 
 
 def test_preempted_run_matches_hf(tiny_qwen35):
-    # 20 pages of 4 tokens cannot hold four ~40-token sequences: requests are preempted, lose their pages
-    # and state slot, and resume by recomputing from a fresh (zeroed) slot.
-    llm = LLM(
-        str(tiny_qwen35),
-        dtype="float32",
-        device="cpu",
-        block_size=4,
-        num_gpu_blocks_override=20,
-        max_model_len=64,
-    )
-    prompts = random_prompts(3, [16, 12, 15, 14])
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
-    assert sum(o.metrics.num_preemptions for o in outs) > 0
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_qwen35, prompts, 24)
-    buffers = llm.engine.buffers
-    buffers.check_invariants()
-    assert buffers.pool.num_free == 20 and buffers.num_active == 0
+    # 20 pages of 4 tokens cannot hold four ~40-token sequences at once: the scheduler must preempt.
+    llm = assert_preempted_run_matches_hf(tiny_qwen35, pages=20)
+    # Recurrent-state slots come back too: a preempted request recomputes from a fresh (zeroed) slot.
+    assert llm.engine.buffers.num_active == 0
 
 
 def _relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:

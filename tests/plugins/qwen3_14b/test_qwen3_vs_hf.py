@@ -9,6 +9,7 @@ from pegainfer import LLM, SamplingParams
 from pegainfer.executor import ModelBatch, SequenceChunk
 from pegainfer.testing.checkpoints import write_tiny_checkpoint
 from pegainfer.testing.conformance import (
+    assert_preempted_run_matches_hf,
     greedy_token_ids,
     hf_greedy,
     hf_logits,
@@ -49,22 +50,8 @@ def test_chunked_prefill_matches_hf(tiny_qwen3):
 
 
 def test_preempted_run_matches_hf(tiny_qwen3):
-    # 12 pages of 4 tokens cannot hold four 40-token sequences at once: the scheduler must preempt.
-    llm = LLM(
-        str(tiny_qwen3),
-        dtype="float32",
-        device="cpu",
-        block_size=4,
-        num_gpu_blocks_override=24,
-        max_model_len=64,
-    )
-    prompts = random_prompts(3, [16, 12, 15, 14])
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    assert sum(o.metrics.num_preemptions for o in outs) > 0
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_qwen3, prompts, 24)
-    llm.engine.buffers.check_invariants()
-    assert llm.engine.buffers.pool.num_free == 24
+    # 24 pages of 4 tokens cannot hold four ~40-token sequences at once: the scheduler must preempt.
+    assert_preempted_run_matches_hf(tiny_qwen3, pages=24)
 
 
 def test_prompt_logits_within_tolerance(llm, tiny_qwen3):
