@@ -108,7 +108,7 @@ class Qwen3DecoderLayer(nn.Module):
             h = ops.rms_norm(residual, self.input_layernorm, eps)
         else:
             h, residual = ops.add_rms_norm(delta, residual, self.input_layernorm, eps)
-        qkv = F.linear(h, self.qkv_proj, self.qkv_bias)
+        qkv = ops.linear(h, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = ops.qk_norm_rope_write_kv(
             q.view(t, dims.num_heads, dims.head_dim),
@@ -124,9 +124,9 @@ class Qwen3DecoderLayer(nn.Module):
         )
         attn = paged_attention(q, cache, batch.attn, self.scale)
         h, residual = ops.add_rms_norm(
-            F.linear(attn.reshape(t, self.q_size), self.o_proj), residual, self.post_attention_layernorm, eps
+            ops.linear(attn.reshape(t, self.q_size), self.o_proj), residual, self.post_attention_layernorm, eps
         )
-        return residual, F.linear(ops.silu_mul(F.linear(h, self.gate_up_proj)), self.down_proj)
+        return residual, ops.mlp_down(ops.linear(h, self.gate_up_proj), self.down_proj)
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         dims, h, d = self.dims, self.dims.hidden_size, self.dims.head_dim
@@ -249,7 +249,7 @@ class Qwen3ForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+        return ops.linear(hidden, weight).float()
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self.embed_tokens)

@@ -1,0 +1,158 @@
+"""Skinny GEMM (decode projections) at Qwen3-14B shapes: our Triton kernel against cuBLAS (F.linear).
+
+    python bench/skinny_gemm.py [--rows 1,8,16] [--sweep] [--json PATH] [--out bench/results/skinny_gemm.jsonl]
+
+Each projection is timed as the decode step runs it: inside a CUDA graph, over enough distinct weight
+copies (>= 2 GB) that the weights come from HBM, not L2. Achieved bandwidth = weight bytes / time,
+against the 1 GiB copy bandwidth measured in the same run. ``--sweep`` tries tile sizes, K splits,
+warps and pipeline depths and reports the best beside the default heuristic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import Results, measure_ceilings  # noqa: E402
+
+from pegainfer.kernels.skinny_gemm import SkinnyConfig, default_config, skinny_linear_triton  # noqa: E402
+
+# name -> (N, K) of w, Qwen3-14B: q|k|v, o, gate|up, down, lm_head
+SHAPES = {
+    "qkv": (7168, 5120),
+    "o_proj": (5120, 5120),
+    "gate_up": (34816, 5120),
+    "down": (5120, 17408),
+    "lm_head": (151936, 5120),
+}
+
+
+def graph_time_ms(fns: list, reps: int = 10) -> float:
+    """Median ms of one replay of a CUDA graph that calls every fn once, divided by their count."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2] / len(fns)
+
+
+def sweep_configs(n: int, k: int) -> list[SkinnyConfig]:
+    out = []
+    for block_n, block_k, warps, swap in itertools.product(
+        (32, 64, 128), (128, 256, 512), (4, 8), (False, True)
+    ):
+        if block_n * block_k > 64 * 512:
+            continue
+        for split in (1, 2, 4, 8):
+            if k // split < 2 * block_k:
+                continue
+            out.append(SkinnyConfig(block_n, block_k, split, warps, 4, swap))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,8,16")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--json")
+    ap.add_argument("--out", default="bench/results/skinny_gemm.jsonl")
+    ap.add_argument("--commit", default=None)
+    args = ap.parse_args()
+    rows = [int(r) for r in args.rows.split(",")]
+    ceilings = measure_ceilings()
+    bw = ceilings["hbm_bytes_per_s"]
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    results = Results(Path(args.out), "python " + " ".join(sys.argv), args.commit)
+    records = []
+    for name, (n, k) in SHAPES.items():
+        nbytes = n * k * 2
+        copies = max(2, -(-(2 << 30) // nbytes))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = F.linear(x, ws[0])
+            cublas = graph_time_ms([partial(F.linear, x, w) for w in ws])
+            default = default_config(m, n, k, x.device)
+            err = (skinny_linear_triton(x, ws[0], config=default).float() - ref.float()).abs().max().item()
+            ours = graph_time_ms([partial(skinny_linear_triton, x, w, config=default) for w in ws])
+            row = {
+                "shape": name, "m": m, "n": n, "k": k, "cublas_ms": cublas, "ours_ms": ours,
+                "default": default.__dict__, "max_abs_err": err,
+                "cublas_util": nbytes / (cublas / 1e3) / bw, "ours_util": nbytes / (ours / 1e3) / bw,
+            }  # fmt: skip
+            if args.sweep:
+                timed = []
+                for cfg in sweep_configs(n, k):
+                    try:
+                        t = graph_time_ms([partial(skinny_linear_triton, x, w, config=cfg) for w in ws], 5)
+                    except Exception as exc:  # a tile that does not fit (shared memory) is skipped
+                        print(f"  skip {cfg}: {type(exc).__name__}", flush=True)
+                        continue
+                    timed.append((t, cfg))
+                timed.sort(key=lambda tc: tc[0])
+                deeper = []
+                for _, cfg in timed[:4]:
+                    for stages in (3, 5, 6):
+                        c = SkinnyConfig(
+                            cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, stages, cfg.swap
+                        )
+                        try:
+                            t = graph_time_ms([partial(skinny_linear_triton, x, w, config=c) for w in ws], 5)
+                        except Exception:
+                            continue
+                        deeper.append((t, c))
+                timed = sorted(timed + deeper, key=lambda tc: tc[0])
+                row["best"] = [(t, c.__dict__, nbytes / (t / 1e3) / bw) for t, c in timed[:6]]
+            records.append(row)
+            best = (
+                f" best {row['best'][0][0] * 1e3:.1f} us {row['best'][0][2]:.1%} {row['best'][0][1]}"
+                if args.sweep
+                else ""
+            )
+            print(
+                f"{name:8s} M={m:3d} cuBLAS {cublas * 1e3:7.1f} us ({row['cublas_util']:.1%})  "
+                f"ours {ours * 1e3:7.1f} us ({row['ours_util']:.1%}) err {err:.3g}{best}",
+                flush=True,
+            )
+            results.add(
+                f"qwen3_14b.skinny_gemm.{name}_m{m}.ours_bandwidth_utilization", row["ours_util"], "fraction"
+            )
+            results.add(
+                f"qwen3_14b.skinny_gemm.{name}_m{m}.cublas_bandwidth_utilization",
+                row["cublas_util"],
+                "fraction",
+            )
+        del ws
+        torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps({"ceilings": ceilings, "records": records}, indent=1))
+    results.write()
+
+
+if __name__ == "__main__":
+    main()

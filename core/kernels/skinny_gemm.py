@@ -1,0 +1,168 @@
+"""Skinny GEMM: ``y = x @ w.T (+ bias)`` for a few rows of ``x`` (decode), beside its torch reference.
+
+At batch 1..16 a projection is a weight read: every byte of ``w`` is read once and each is used for only
+a few multiply-adds. On the H200 cuBLAS's small-M kernels leave 10-20% of the HBM bandwidth unused on
+the 5120-wide projections (measured side by side: ``python bench/skinny_gemm.py``).
+This kernel tiles ``w`` by ``BLOCK_N`` output rows and streams ``BLOCK_K`` columns at a time through a
+deep load pipeline. It can also compute the down projection's input ``silu(gate) * up`` while loading
+it, which saves the decode step one kernel per layer.
+
+- :func:`skinny_linear`: the dispatching entry (Triton on CUDA for ``M <= MAX_ROWS``, else F.linear).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pegainfer.kernels._triton import (
+    cast_to,
+    dot_precision,
+    interp_bf16,
+    mma,
+    tl,
+    triton,
+    use_kernel,
+)
+
+#: Rows of x up to which the skinny kernel is used (a tensor-core tile is 16 rows).
+MAX_ROWS = 16
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    FIX: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    row_ok = offs_m[:, None] < M
+    col_ok = offs_n[:, None] < N
+    # w is the tensor cores' wide operand ([BLOCK_N, BLOCK_K] @ [BLOCK_K, BLOCK_M]): a 16-row x would
+    # waste most of an MMA tile as the wide one, and the sweep measured this form 5-30% faster.
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x_mask = row_ok
+            w_mask = col_ok
+        else:
+            k_ok = (k + offs_k)[None, :] < K
+            x_mask = row_ok & k_ok
+            w_mask = col_ok & k_ok
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        if SILU_MUL:  # x holds gate | up: the down projection's input silu(gate) * up, rounded as silu_mul
+            dtype = x.dtype
+            g = x.to(tl.float32)
+            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
+            s = cast_to(g / (1.0 + tl.exp(-g)), dtype, FIX).to(tl.float32)
+            x = cast_to(s * up, dtype, FIX)
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        acc += mma(w, tl.trans(x), FIX, PREC)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    acc = tl.trans(acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, cast_to(acc, out_ptr.dtype.element_ty, FIX), mask=row_ok & (offs_n[None, :] < N))
+
+
+def default_config(n: int, k: int) -> SkinnyConfig:
+    """Tiles measured on the H200 at the Qwen3-14B projections (``python bench/skinny_gemm.py --sweep``):
+    64 rows of w per program, 256 columns per load, four loads in flight; 32 rows for the 35k-row
+    gate|up and 128 columns for the 152k-row lm_head. Splitting K never won (the 5120-row projections
+    already make 80+ programs) and is not offered."""
+    if n >= 100_000:
+        return SkinnyConfig(64, 128)
+    if n >= 20_000:
+        return SkinnyConfig(32, 256)
+    return SkinnyConfig(64, 256)
+
+
+def skinny_linear_triton(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    silu_mul: bool = False,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """The Triton path of :func:`skinny_linear` for ``x`` ``[..., K]`` (``[..., 2K]`` = gate | up with
+    ``silu_mul``) with at most ``MAX_ROWS`` rows."""
+    k = w.shape[1]
+    n = w.shape[0]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if w.stride(-1) != 1:
+        raise ValueError("skinny_linear needs w with a contiguous last dimension")
+    if x2.shape[1] != (2 * k if silu_mul else k):
+        raise ValueError(f"x has {x2.shape[1]} columns; w {tuple(w.shape)} needs {2 * k if silu_mul else k}")
+    m = x2.shape[0]
+    if m > MAX_ROWS:
+        raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {m}")
+    cfg = config or default_config(n, k)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](
+            x2, w, bias if bias is not None else w, out, m, n, k, x2.stride(0), w.stride(0), out.stride(0),
+            BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
+            SILU_MUL=silu_mul, EVEN_K=k % cfg.block_k == 0, FIX=interp_bf16(x.dtype),
+            PREC=dot_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    return out.reshape(*x.shape[:-1], n)
+
+
+def skinny_linear_ref(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, silu_mul: bool = False
+) -> torch.Tensor:
+    if silu_mul:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    return F.linear(x, w, bias)
+
+
+def takes_skinny(x: torch.Tensor) -> bool:
+    """Whether :func:`skinny_linear` runs the Triton kernel for ``x``: 16-bit CUDA rows, at most MAX_ROWS."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return use_kernel(x) and rows <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def skinny_linear(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, silu_mul: bool = False
+) -> torch.Tensor:
+    """``F.linear(x, w, bias)`` (of ``silu(gate) * up`` for x = gate | up with ``silu_mul``); the skinny
+    kernel when :func:`takes_skinny`, the torch reference otherwise."""
+    if takes_skinny(x):
+        return skinny_linear_triton(x, w, bias, silu_mul=silu_mul)
+    return skinny_linear_ref(x, w, bias, silu_mul=silu_mul)
