@@ -124,7 +124,10 @@ class Qwen3DecoderLayer(nn.Module):
         )
         attn = paged_attention(q, cache, batch.attn, self.scale)
         h, residual = ops.add_rms_norm(
-            ops.linear(attn.reshape(t, self.q_size), self.o_proj), residual, self.post_attention_layernorm, eps
+            ops.linear(attn.reshape(t, self.q_size), self.o_proj),
+            residual,
+            self.post_attention_layernorm,
+            eps,
         )
         return residual, ops.mlp_down(ops.linear(h, self.gate_up_proj), self.down_proj)
 

@@ -73,4 +73,3 @@ def test_dispatch_takes_the_reference_off_cuda_and_for_many_rows():
     w = torch.randn(24, 32, generator=gen)
     x = torch.randn(MAX_ROWS + 4, 32, generator=gen)
     assert torch.equal(skinny_linear(x, w), torch.nn.functional.linear(x, w))
-
