@@ -71,8 +71,40 @@ class RecurrentStateSpec:
         return total * dtype_size(self.dtype)
 
 
-PagedSpec = PagedKVSpec | PagedLatentSpec
-BufferSpec = PagedKVSpec | PagedLatentSpec | RecurrentStateSpec
+@dataclass(frozen=True)
+class PagedCompressedSpec:
+    """One entry of ``entry_dim`` per ``ratio`` tokens (DeepSeek-V4's compressed KV), in the request's pages.
+
+    Entry ``w`` summarises tokens ``[w·ratio, (w+1)·ratio)`` and lives on the page of token ``w·ratio``,
+    row ``(w·ratio mod block_size) // ratio``: a page has ``ceil(block_size / ratio)``
+    rows, so a ratio above the block size leaves some pages' row unused, never short.
+    """
+
+    layer_index: int
+    entry_dim: int
+    ratio: int
+    dtype: torch.dtype
+
+    def rows_per_page(self, block_size: int) -> int:
+        return -(-block_size // self.ratio)
+
+    def page_bytes(self, block_size: int) -> int:
+        return self.rows_per_page(block_size) * self.entry_dim * dtype_size(self.dtype)
+
+    def page_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (num_blocks, self.rows_per_page(block_size), self.entry_dim)
+
+
+def page_bytes(spec: PagedKVSpec | PagedLatentSpec | PagedCompressedSpec, block_size: int) -> int:
+    """Bytes one page of ``spec`` takes."""
+    if isinstance(spec, PagedCompressedSpec):
+        return spec.page_bytes(block_size)
+    return block_size * spec.bytes_per_token
+
+
+PagedSpec = PagedKVSpec | PagedLatentSpec | PagedCompressedSpec
+PAGED_SPECS = (PagedKVSpec, PagedLatentSpec, PagedCompressedSpec)
+BufferSpec = PagedKVSpec | PagedLatentSpec | PagedCompressedSpec | RecurrentStateSpec
 
 
 @dataclass(frozen=True)

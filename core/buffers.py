@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from pegainfer.buffer_specs import BufferSpec, PagedKVSpec, PagedLatentSpec, RecurrentStateSpec
+from pegainfer.buffer_specs import PAGED_SPECS, BufferSpec, RecurrentStateSpec
 from pegainfer.memory_plan import MemoryPlan
 from pegainfer.request import Request
 
@@ -80,6 +80,11 @@ class BufferManager(ABC):
     def usage(self) -> float:
         """Fraction of pages in use."""
 
+    @property
+    def num_free_pages(self) -> int:
+        """Pages no request holds (0 when unknown: callers then assume memory is short)."""
+        return 0
+
     @abstractmethod
     def check_invariants(self) -> None:
         """Raise AssertionError if a page or slot is owned twice or lost (used by tests)."""
@@ -98,14 +103,14 @@ class PagedBufferManager(BufferManager):
         self._slots: dict[str, int] = {}
         self._free_slots: list[int] = list(range(plan.num_state_slots - 1, -1, -1))
         self._has_state = plan.num_state_slots > 0
-        self._paged = any(isinstance(spec, (PagedKVSpec, PagedLatentSpec)) for spec in specs)
+        self._paged = any(isinstance(spec, PAGED_SPECS) for spec in specs)
         self.caches: dict[int, torch.Tensor] = {}
         self.states: dict[int, dict[str, torch.Tensor]] = {}
 
     def allocate_device_buffers(self) -> None:
         """Allocate the page pools and state pools once, at the sizes the plan fixed."""
         for spec in self.specs:
-            if isinstance(spec, (PagedKVSpec, PagedLatentSpec)):
+            if isinstance(spec, PAGED_SPECS):
                 shape = spec.page_shape(self.plan.num_blocks, self.block_size)
                 self.caches[spec.layer_index] = torch.zeros(shape, dtype=spec.dtype, device=self.device)
             elif isinstance(spec, RecurrentStateSpec):
@@ -165,6 +170,10 @@ class PagedBufferManager(BufferManager):
     def usage(self) -> float:
         total = self.pool.num_blocks
         return 0.0 if total == 0 else 1.0 - self.pool.num_free / total
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.pool.num_free
 
     @property
     def num_active(self) -> int:

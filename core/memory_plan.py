@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pegainfer.buffer_specs import BufferSpec, PagedKVSpec, PagedLatentSpec, RecurrentStateSpec, TransientSpec
+from pegainfer.buffer_specs import PAGED_SPECS, BufferSpec, RecurrentStateSpec, TransientSpec, page_bytes
 from pegainfer.errors import ConfigError
 
 
@@ -62,19 +62,19 @@ def plan_memory(
     even one request of ``max_model_len`` tokens fits.
     """
     reserved = {t.role: t.bytes_for(max_num_batched_tokens, max_num_seqs) for t in transients}
-    paged = [s for s in specs if isinstance(s, (PagedKVSpec, PagedLatentSpec))]
+    paged = [s for s in specs if isinstance(s, PAGED_SPECS)]
     state_per_slot = sum(s.bytes_per_request for s in specs if isinstance(s, RecurrentStateSpec))
     num_slots = max_num_seqs if state_per_slot else 0
-    page_bytes = block_size * sum(s.bytes_per_token for s in paged)
+    bytes_per_page = sum(page_bytes(s, block_size) for s in paged)
     free = budget - weight_bytes - sum(reserved.values()) - num_slots * state_per_slot
     if num_blocks_override is not None:
         num_blocks = num_blocks_override
-    elif page_bytes == 0:
+    elif bytes_per_page == 0:
         num_blocks = 0
     else:
         # More pages than max_num_seqs full-length requests can use would only cost allocation time.
         useful = max_num_seqs * -(-max_model_len // block_size)
-        num_blocks = min(max(free, 0) // page_bytes, useful)
+        num_blocks = min(max(free, 0) // bytes_per_page, useful)
     if num_blocks_override is None and free < 0:
         raise ConfigError(
             f"weights ({weight_bytes} B), transients ({sum(reserved.values())} B) and state slots "
@@ -96,5 +96,5 @@ def plan_memory(
         state_bytes_per_slot=state_per_slot,
         block_size=block_size,
         num_blocks=num_blocks,
-        page_bytes=page_bytes,
+        page_bytes=bytes_per_page,
     )

@@ -89,6 +89,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3_5_moe": "pegainfer.testing.tiny_qwen35",
     "deepseek_v3": "pegainfer.testing.tiny_deepseek",
     "deepseek_v32": "pegainfer.testing.tiny_deepseek",
+    "deepseek_v4": "pegainfer.testing.tiny_deepseek_v4",
 }
 
 
@@ -104,6 +105,12 @@ def _builders(
 def _legacy_rope(config: dict[str, Any]) -> dict[str, Any]:
     config = dict(config)
     params = config.pop("rope_parameters", None) or {}
+    if "compress" in params:  # DeepSeek-V4's two ropes: a plain main one, the scaling on the compress one
+        skip = ("rope_theta", "partial_rotary_factor", "attention_factor")
+        config["rope_theta"] = params["main"]["rope_theta"]
+        config["compress_rope_theta"] = params["compress"]["rope_theta"]
+        config["rope_scaling"] = {k: v for k, v in params["compress"].items() if k not in skip}
+        return config
     config.setdefault("rope_theta", params.get("rope_theta", 10000.0))
     config.setdefault("rope_scaling", None)
     return config
@@ -111,6 +118,8 @@ def _legacy_rope(config: dict[str, Any]) -> dict[str, Any]:
 
 def _new_rope(config: dict[str, Any]) -> dict[str, Any]:
     config = dict(config)
+    if "compress" in (config.get("rope_parameters") or {}):
+        return config  # DeepSeek-V4 nests its two ropes; the builder already wrote them that way
     theta = config.pop("rope_theta", 10000.0)
     scaling = config.pop("rope_scaling", None) or {"rope_type": "default"}
     config["rope_parameters"] = {**scaling, "rope_theta": theta}

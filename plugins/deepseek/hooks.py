@@ -1,4 +1,4 @@
-"""Plugin hooks for DeepSeek V3 / V3.2: the model class is imported only when such a model is built."""
+"""Plugin hooks for DeepSeek V3 / V3.2 and V4: the model classes are imported only when such a model is built."""
 
 from __future__ import annotations
 
@@ -21,6 +21,15 @@ def register_models(register: Callable[[ModelRegistration], None]) -> None:
             architectures=("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"),
             model_types=("deepseek_v3", "deepseek_v32"),
             description="DeepSeek-V3 / R1 and V3.2 (MLA, group-routed MoE)",
+        )
+    )
+    register(
+        ModelRegistration(
+            name="deepseek_v4",
+            model_class="pegainfer_deepseek.v4_model:DeepseekV4ForCausalLM",
+            architectures=("DeepseekV4ForCausalLM",),
+            model_types=("deepseek_v4",),
+            description="DeepSeek-V4 (mHC streams, sliding + compressed attention, hash-routed MoE)",
         )
     )
 

@@ -49,7 +49,7 @@ def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) 
     return block_table[..., positions // block_size].long() * block_size + positions % block_size
 
 
-def _top_k_mask(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+def top_k_mask(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
     """``visible`` restricted to the ``k`` best-scored visible positions of each row (all when fewer)."""
     scores = scores.masked_fill(~visible, float("-inf"))
     k = min(k, scores.shape[-1])
@@ -115,7 +115,7 @@ class LightningIndexer(nn.Module):
                 scores = torch.relu(torch.einsum("qhd,ld->qhl", q[rows], keys))
                 index = torch.einsum("qh,qhl->ql", weights[rows], scores)
                 causal = positions[None, :] <= positions[first + lo : first + lo + n, None]
-                mask[lo : lo + n] = _top_k_mask(index, causal, self.topk)
+                mask[lo : lo + n] = top_k_mask(index, causal, self.topk)
             masks.append(mask)
         return masks
 
@@ -130,7 +130,7 @@ class LightningIndexer(nn.Module):
         scores = torch.relu(torch.einsum("bhd,bld->bhl", q[rows], keys))  # [B, nI, L]
         index = torch.einsum("bh,bhl->bl", weights[rows], scores)
         valid = positions[None, :] < meta.decode_seq_lens[:, None]  # [B, L]
-        return _top_k_mask(index, valid, self.topk)
+        return top_k_mask(index, valid, self.topk)
 
     def load(self, reader: WeightReader, prefix: str) -> None:
         p = prefix + "self_attn.indexer."

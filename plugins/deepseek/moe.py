@@ -18,18 +18,53 @@ from pegainfer_deepseek.fp8 import WeightReader
 from pegainfer_deepseek.params import param
 
 
+def swiglu(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float | None = None
+) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))``; with ``limit`` (DeepSeek-V4) gate is capped at it and up clamped
+    to ``[-limit, limit]`` first."""
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return F.linear(F.silu(gate) * up, down)
+
+
+def routed_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    limit: float | None = None,
+) -> torch.Tensor:
+    """``Σ_k weights[:, k] · Expert_{ids[:, k]}(x)`` over stacked experts (gate|up ``[E, 2I, H]``, down
+    ``[E, H, I]``): a reference loop over the experts that received tokens, in expert order."""
+    out = torch.zeros_like(x)
+    k = ids.shape[1]
+    flat_ids, flat_weights = ids.flatten(), weights.flatten()
+    token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(k)
+    for expert in torch.unique(flat_ids).tolist():
+        picks = (flat_ids == expert).nonzero().squeeze(1)
+        tokens = token_of[picks]
+        y = swiglu(x[tokens], gate_up[expert], down[expert], limit)
+        out.index_add_(0, tokens, (y * flat_weights[picks, None]).to(out.dtype))
+    return out
+
+
 class SwiGLU(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up packed into one weight (gate rows first)."""
 
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, hidden: int, intermediate: int, dtype: torch.dtype, limit: float | None = None
+    ) -> None:
         super().__init__()
         self.intermediate = intermediate
+        self.limit = limit
         self.gate_up_proj = param(2 * intermediate, hidden, dtype=dtype)
         self.down_proj = param(hidden, intermediate, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj)
+        return swiglu(x, self.gate_up_proj, self.down_proj, self.limit)
 
     def load(self, reader: WeightReader, prefix: str) -> None:
         i, h, dtype = self.intermediate, self.down_proj.shape[0], self.down_proj.dtype
@@ -86,17 +121,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = torch.zeros_like(x)
-        k = ids.shape[1]
-        flat_ids, flat_weights = ids.flatten(), weights.flatten()
-        token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(k)
-        # Reference loop over the experts that received tokens, in expert order.
-        for expert in torch.unique(flat_ids).tolist():
-            picks = (flat_ids == expert).nonzero().squeeze(1)
-            tokens = token_of[picks]
-            gate, up = F.linear(x[tokens], self.experts_gate_up[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.experts_down[expert])
-            out.index_add_(0, tokens, (y * flat_weights[picks, None]).to(out.dtype))
+        out = routed_experts(x, weights, ids, self.experts_gate_up, self.experts_down)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

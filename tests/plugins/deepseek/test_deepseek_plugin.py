@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from pegainfer.errors import ConfigError
 from pegainfer.hydra_config import build_engine_config, compose
 from pegainfer.plugins import get_model_registry
 
@@ -26,12 +25,14 @@ def test_deepseek_claims_its_checkpoints(hf_config: dict[str, object]) -> None:
     assert registration.model_class == "pegainfer_deepseek.model:DeepseekV3ForCausalLM"
 
 
-def test_deepseek_v4_is_not_claimed_yet() -> None:
-    # V4 is a different architecture; claiming it before the model exists would fail at load time.
-    with pytest.raises(ConfigError, match="no installed plugin supports"):
-        get_model_registry().resolve(
-            {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4"}
-        )
+def test_deepseek_v4_is_claimed_by_its_own_model() -> None:
+    registration = get_model_registry().resolve(
+        {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4"}
+    )
+    assert (registration.name, registration.plugin) == ("deepseek_v4", "deepseek")
+    assert registration.model_class == "pegainfer_deepseek.v4_model:DeepseekV4ForCausalLM"
+    # A config without "architectures" is claimed by its model_type.
+    assert get_model_registry().resolve({"model_type": "deepseek_v4"}).name == "deepseek_v4"
 
 
 def test_deepseek_model_option_composes() -> None:

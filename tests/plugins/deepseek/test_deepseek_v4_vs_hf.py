@@ -1,0 +1,205 @@
+"""DeepSeek-V4 on the reference path against transformers, float32.
+
+The tiny checkpoint (``pegainfer.testing.tiny_deepseek_v4``) has a sliding-only, two CSA (ratio 4,
+indexer top-3) and one HCA (ratio 8) layer with a window of 8 tokens: prompts of 20+ tokens slide the
+window and close several compressed windows, and past 12 tokens the indexer's choice matters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from pegainfer import LLM, SamplingParams
+from pegainfer.buffer_specs import PagedCompressedSpec, RecurrentStateSpec
+from pegainfer.config import EngineConfig, ModelConfig
+from pegainfer.errors import CheckpointError
+from pegainfer.executor import ModelBatch, SequenceChunk
+from pegainfer.loader import CheckpointReader
+from pegainfer.model_loader import load_model
+from pegainfer.request import Request
+from pegainfer.testing.conformance import (
+    assert_preempted_run_matches_hf,
+    greedy_token_ids,
+    hf_greedy,
+    hf_logits,
+    random_prompts,
+    unused_checkpoint_tensors,
+)
+from pegainfer_deepseek.indexer import INDEXER_CACHE_OFFSET
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_v4(tiny_checkpoint_factory: Callable[..., Path]) -> Path:
+    return tiny_checkpoint_factory("deepseek_v4")
+
+
+@pytest.fixture(scope="module")
+def llm_v4(tiny_v4: Path) -> LLM:
+    return LLM(str(tiny_v4), dtype="float32", device="cpu", cpu_kv_cache_bytes=8 << 20)
+
+
+def _rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return (torch.linalg.vector_norm(ours - ref) / torch.linalg.vector_norm(ref)).item()
+
+
+def _run_chunks(llm: LLM, rid: str, tokens: list[int], cuts: list[int]) -> list[torch.Tensor]:
+    """Teacher-forced: the prompt in chunks ending at ``cuts`` (then at its end); the logits of every
+    position (``[len(tokens), V]``)."""
+    engine, executor = llm.engine, llm.engine.executor
+    request = Request(rid, tokens, GREEDY)
+    assert engine.buffers.allocate_slots(request, len(tokens))
+    table, slot = engine.buffers.block_table(rid), engine.buffers.state_slot(rid)
+    logits, start = [], 0
+    for end in [*cuts, len(tokens)]:
+        part = tokens[start:end]
+        chunk = SequenceChunk(rid, part, start, table, needs_logits=True, all_logits=True, state_slot=slot)
+        out = executor.execute(ModelBatch([chunk], hidden_states=executor.embed(part)))
+        logits.append(out.all_logits[rid])
+        start = end
+    engine.buffers.free(request)
+    return torch.cat(logits)
+
+
+# -------------------------------------------------------------------------------------------- buffers
+
+
+def test_buffers_per_layer_kind(llm_v4):
+    """Every layer has a state slot (window ring, compressor rings); CSA/HCA layers page their compressed
+    entries, CSA layers their indexer keys too; the memory plan counts every page of them."""
+    engine, dims = llm_v4.engine, llm_v4.engine.model.dims
+    specs = engine.model.buffer_specs()
+    states = {s.layer_index: dict(s.shapes) for s in specs if isinstance(s, RecurrentStateSpec)}
+    paged = {s.layer_index: s for s in specs if isinstance(s, PagedCompressedSpec)}
+    assert states[0] == {"window": (8, 32)}  # sliding only
+    assert states[1] == {"window": (8, 32), "compressor": (8, 128), "indexer": (8, 64)}  # CSA
+    assert states[2] == {"window": (8, 32), "compressor": (8, 64)}  # HCA
+    assert sorted(paged) == [1, 2, 3, INDEXER_CACHE_OFFSET + 1, INDEXER_CACHE_OFFSET + 3]
+    assert (paged[1].ratio, paged[2].ratio, paged[INDEXER_CACHE_OFFSET + 1].entry_dim) == (4, 8, 16)
+    plan, bs = engine.buffers.plan, engine.buffers.block_size
+    assert plan.page_bytes == sum(s.page_bytes(bs) for s in paged.values())
+    assert plan.state_bytes_per_slot == sum(
+        s.bytes_per_request for s in specs if isinstance(s, RecurrentStateSpec)
+    )
+    assert engine.buffers.caches[2].shape[1:] == (-(-bs // 8), dims.head_dim)
+
+
+def test_checkpoint_tensors_are_all_read(tiny_v4):
+    assert unused_checkpoint_tensors(tiny_v4) == []
+
+
+def test_release_names_load_and_match(tiny_checkpoint_factory, tiny_v4):
+    """DeepSeek's release spelling (``embed.weight``, ``layers.0.attn.wq_a.weight``, ``hc_head_fn``) loads
+    to the same model (same seed, same tensors)."""
+    release = tiny_checkpoint_factory("deepseek_v4", release_names=True)
+    assert "embed.weight" in CheckpointReader(release)
+    assert unused_checkpoint_tensors(release) == []
+    prompt = random_prompts(6, [21])[0]
+    logits = []
+    for folder in (tiny_v4, release):
+        llm = LLM(str(folder), dtype="float32", device="cpu", cpu_kv_cache_bytes=4 << 20)
+        logits.append(_run_chunks(llm, "names", prompt, []))
+    assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize(
+    ("drop", "reshape", "message"),
+    [
+        ("model.layers.2.attn.compressor.ape", None, "'layers.2.attn.compressor.ape' is missing"),
+        (None, "model.layers.1.attn.indexer.wq_b.weight", "has shape"),
+        ("model.layers.0.ffn.gate.tid2eid", None, "'layers.0.ffn.gate.tid2eid' is missing"),
+    ],
+)
+def test_missing_or_misshaped_tensors_are_named(tmp_path, tiny_v4, drop, reshape, message):
+    from safetensors.torch import load_file, save_file
+
+    for file in tiny_v4.iterdir():
+        if file.suffix != ".safetensors":
+            (tmp_path / file.name).write_bytes(file.read_bytes())
+    tensors = load_file(str(tiny_v4 / "model.safetensors"))
+    if drop:
+        del tensors[drop]
+    if reshape:
+        tensors[reshape] = tensors[reshape][:-1].contiguous()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=message):
+        load_model(EngineConfig(model=ModelConfig(name="auto", path=str(tmp_path)), device="cpu"))
+
+
+# -------------------------------------------------------------------------------- against transformers
+
+
+def test_single_prompt_matches_hf(llm_v4, tiny_v4):
+    prompts = random_prompts(0, [29])
+    assert greedy_token_ids(llm_v4, prompts) == hf_greedy(tiny_v4, prompts, 24)
+
+
+def test_batch_of_mixed_lengths_matches_hf(llm_v4, tiny_v4):
+    prompts = random_prompts(1, [1, 5, 17, 33, 3, 48])
+    assert greedy_token_ids(llm_v4, prompts) == hf_greedy(tiny_v4, prompts, 24)
+
+
+def test_chunked_prefill_matches_hf(tiny_v4):
+    # Chunks of at most 5 tokens in 12-token steps: chunk boundaries fall inside CSA windows (4), HCA
+    # windows (8) and the sliding window (8), and decode rows share steps with other prompts' chunks.
+    llm = LLM(
+        str(tiny_v4),
+        dtype="float32",
+        device="cpu",
+        long_prefill_token_threshold=5,
+        max_num_batched_tokens=12,
+        cpu_kv_cache_bytes=8 << 20,
+    )
+    prompts = random_prompts(2, [45, 30, 9])
+    assert greedy_token_ids(llm, prompts) == hf_greedy(tiny_v4, prompts, 24)
+
+
+def test_preempted_run_matches_hf(tiny_v4):
+    # 24 pages of 4 tokens cannot hold four ~40-token sequences at once: the scheduler must preempt, and
+    # the recompute must rebuild the state slot (window and compressor rings) and the compressed pages.
+    assert_preempted_run_matches_hf(tiny_v4, pages=24)
+
+
+def test_prompt_logits_within_tolerance(llm_v4, tiny_v4):
+    prompt = random_prompts(4, [53])[0]
+    ours = _run_chunks(llm_v4, "logits-probe", prompt, [])
+    ref = hf_logits(tiny_v4, prompt)
+    last, full = _rel(ours[-1], ref[-1]), _rel(ours, ref)
+    print(f"prefill logits rel err: last={last:.2e} all={full:.2e}")
+    assert last < 1e-4 and full < 1e-4
+
+
+def test_uneven_chunks_and_decode_logits_within_tolerance(llm_v4, tiny_v4):
+    """Chunks cut mid-window (3, 7, 10, 13, 22), then one-token decode steps, against one forward."""
+    prompt = random_prompts(5, [40])[0]
+    ours = _run_chunks(llm_v4, "chunk-probe", prompt, [3, 7, 10, 13, 22, *range(30, 40)])
+    err = _rel(ours, hf_logits(tiny_v4, prompt))
+    print(f"chunked + decode logits rel err: {err:.2e}")
+    assert err < 1e-4
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"layout": "legacy"},
+        {"index_topk": 64, "hc_mult": 2, "sliding_window": 5},
+        {
+            "layer_types": ["heavily_compressed_attention"] * 2 + ["sliding_attention"] * 2,
+            "tie_word_embeddings": True,
+        },
+    ],
+    ids=["legacy-layout", "dense-topk-2-streams-window-5", "hca-first-tied"],
+)
+def test_checkpoint_variants_match_hf(tiny_checkpoint_factory, options):
+    folder = tiny_checkpoint_factory("deepseek_v4", seed=7, **options)
+    assert unused_checkpoint_tensors(folder) == []
+    llm = LLM(str(folder), dtype="float32", device="cpu", cpu_kv_cache_bytes=4 << 20)
+    prompts = random_prompts(7, [9, 26])
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert greedy_token_ids(llm, prompts, params) == hf_greedy(folder, prompts, 12)
+    assert _rel(_run_chunks(llm, "probe", prompts[1], [11]), hf_logits(folder, prompts[1])) < 1e-4
