@@ -70,7 +70,7 @@ def test_generate_help_lists_the_model_options(capsys: pytest.CaptureFixture[str
     with pytest.raises(SystemExit) as info:
         main(["generate", "--help"])
     assert info.value.code == 0
-    assert "model: auto, deepseek, qwen35, qwen3_14b" in capsys.readouterr().out
+    assert "model: auto, deepseek, deepseek_v4, qwen35, qwen3_14b" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

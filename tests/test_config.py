@@ -77,7 +77,7 @@ def test_unknown_key_is_named_with_a_suggestion() -> None:
 
 def test_unknown_model_option_lists_the_available_ones() -> None:
     with pytest.raises(
-        ConfigError, match="unknown model 'llama'; available: auto, deepseek, qwen35, qwen3_14b"
+        ConfigError, match="unknown model 'llama'; available: auto, deepseek, deepseek_v4, qwen35, qwen3_14b"
     ):
         compose("generate", ["model=llama"])
 

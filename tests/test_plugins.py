@@ -115,6 +115,7 @@ def test_in_tree_plugins_are_discovered_through_entry_points() -> None:
         ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}, "qwen3_14b"),
         ({"architectures": ["Qwen3_5MoeForConditionalGeneration"]}, "qwen35"),
         ({"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32"}, "deepseek"),
+        ({"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4"}, "deepseek_v4"),
         # model_type alone, when the architecture is unknown or absent
         ({"architectures": ["SomeFutureName"], "model_type": "deepseek_v3"}, "deepseek"),
         ({"model_type": "qwen3_5"}, "qwen35"),
