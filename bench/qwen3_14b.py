@@ -99,9 +99,13 @@ def random_prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(QWEN3_14B["vocab_size"]) for _ in range(n)]
 
 
-def bench_decode(llm: LLM, batch: int, ctx: int, steps: int, rng: random.Random) -> dict[str, float]:
-    """Wall time of engine steps with ``batch`` running requests at ``ctx`` tokens, and their GPU part."""
+def bench_decode(
+    llm: LLM, batch: int, ctx: int, steps: int, rng: random.Random, async_scheduling: bool = True
+) -> dict[str, float]:
+    """Wall time of engine steps with ``batch`` running requests at ``ctx`` tokens, their GPU part, and
+    the host's part (wall time minus the time the engine waited for sampled tokens)."""
     engine = llm.engine
+    engine.async_scheduling = async_scheduling
     for i in range(batch):
         engine.add_request(f"d{batch}-{i}", None, greedy(steps + 8), prompt_token_ids=random_prompt(rng, ctx))
     while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
@@ -109,16 +113,19 @@ def bench_decode(llm: LLM, batch: int, ctx: int, steps: int, rng: random.Random)
     for _ in range(3):
         engine.step()
     torch.cuda.synchronize()
+    waited = engine.wait_time_s
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - t0) * 1e3 / steps
+    host_ms = step_ms - (engine.wait_time_s - waited) * 1e3 / steps
     graphs = engine.executor.graphs
     gpu_ms = cuda_time_ms(lambda: graphs.run(batch), reps=10) if graphs is not None else float("nan")
     for i in range(batch):
         engine.abort_request(f"d{batch}-{i}")
-    return {"step_ms": step_ms, "gpu_ms": gpu_ms, "ctx": ctx + 3 + steps / 2}
+    engine.step()  # reads the last pending step back, so the next run starts clean
+    return {"step_ms": step_ms, "gpu_ms": gpu_ms, "host_ms": host_ms, "ctx": ctx + 3 + steps / 2}
 
 
 def bench_prefill(llm: LLM, requests: int, length: int, rng: random.Random) -> float:
@@ -179,6 +186,9 @@ def main() -> None:
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument(
+        "--sync-batches", default="1,64", help="also time these batches with async scheduling off"
+    )
     parser.add_argument("--commit", default=None)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -210,15 +220,25 @@ def main() -> None:
         results.add(f"qwen3_14b.decode.bs{batch}.gpu_ms", d["gpu_ms"], "ms")
         results.add(f"qwen3_14b.decode.bs{batch}.tok_per_s", batch * 1e3 / d["step_ms"], "tok/s")
         results.add(f"qwen3_14b.decode.bs{batch}.bandwidth_utilization", util, "fraction", goal)
+        results.add(f"qwen3_14b.decode.bs{batch}.host_ms", d["host_ms"], "ms")
         table.append(
-            f"decode bs{batch:<4} {d['step_ms']:8.2f} ms/step (GPU {d['gpu_ms']:6.2f})  "
+            f"decode bs{batch:<4} {d['step_ms']:8.2f} ms/step (GPU {d['gpu_ms']:6.2f}, host {d['host_ms']:5.2f})  "
             f"{batch * 1e3 / d['step_ms']:9.1f} tok/s  bandwidth {util:6.1%}"
+        )
+    for batch in [] if args.skip_decode else [int(b) for b in args.sync_batches.split(",") if b]:
+        d = bench_decode(llm, batch, args.ctx, args.steps, rng, async_scheduling=False)
+        read = weight_bytes - embed_bytes + batch * d["ctx"] * kv_per_token
+        util = read / (d["step_ms"] / 1e3) / bw
+        results.add(f"qwen3_14b.decode_sync.bs{batch}.step_ms", d["step_ms"], "ms")
+        results.add(f"qwen3_14b.decode_sync.bs{batch}.bandwidth_utilization", util, "fraction")
+        table.append(
+            f"decode bs{batch:<4} {d['step_ms']:8.2f} ms/step with async scheduling off ({util:6.1%})"
         )
     if decode:
         host_batch = 64 if 64 in decode else batches[-1]
-        host_ms = decode[host_batch]["step_ms"] - decode[host_batch]["gpu_ms"]
+        host_ms = decode[host_batch]["host_ms"]
         results.add(f"qwen3_14b.host.bs{host_batch}.cpu_ms_per_step", host_ms, "ms", 1.0)
-        table.append(f"host overhead at bs{host_batch}: {host_ms:.2f} ms/step (step minus GPU replay)")
+        table.append(f"host time at bs{host_batch}: {host_ms:.2f} ms/step (wall minus waits for the GPU)")
     del llm
     gc.collect()
     torch.cuda.empty_cache()

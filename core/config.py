@@ -73,6 +73,9 @@ class EngineConfig(_Section):
     device: str = "auto"
     seed: int = 0
     enforce_eager: bool = False
+    #: Schedule and launch step N+1 before step N's tokens are read back, so the host's work of a step
+    #: runs beside the GPU's; None: on for CUDA devices. Needs device embedding and no speculation.
+    async_scheduling: bool | None = None
 
     @field_validator("device")
     @classmethod

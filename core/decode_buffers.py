@@ -18,16 +18,33 @@ class DecodeBuffers:
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
-        # The per-row int64 inputs live in one [4, rows] tensor so a step uploads them with one copy from
-        # one pinned staging buffer (reused every step: each step ends with a sync, so the last copy is done).
+        # The per-row int64 inputs live in one [6, rows] tensor so a step uploads them with one copy from
+        # one pinned staging buffer. Nothing in a step waits for the GPU (the engine may queue the next
+        # step first), so the host waits for the previous upload before it rewrites the staging buffers.
         device = torch.device(device)
-        self._packed = torch.zeros(4, max_num_seqs, dtype=torch.int64, device=device)
-        self._staging = torch.zeros(4, max_num_seqs, dtype=torch.int64, pin_memory=device.type == "cuda")
+        pinned = device.type == "cuda"
+        self._packed = torch.zeros(6, max_num_seqs, dtype=torch.int64, device=device)
+        self._staging = torch.zeros(6, max_num_seqs, dtype=torch.int64, pin_memory=pinned)
         self._staged = self._staging.numpy()
-        self.token_ids, self.positions, self.slot_mapping, self.state_slots = self._packed.unbind(0)
+        (
+            self.token_ids,
+            self.positions,
+            self.slot_mapping,
+            self.state_slots,
+            # Where a row's token comes from when the host does not know it yet: an index into the
+            # previous step's sampled tokens (still on the device), or -1.
+            self.carry_from,
+            # The row of each request of the batch, in the batch's order (the logits gather).
+            self.row_order,
+        ) = self._packed.unbind(0)
         self.seq_lens = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
-        self._lens_staging = torch.zeros(max_num_seqs, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self._lens_staging = torch.zeros(max_num_seqs, dtype=torch.int32, pin_memory=pinned)
         self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self._tables_staging = torch.zeros(
+            max_num_seqs, max_blocks_per_seq, dtype=torch.int32, pin_memory=pinned
+        )
+        self._upload_done = torch.cuda.Event() if pinned else None
+        self._non_blocking = pinned
         self._owner: list[str | None] = [None] * max_num_seqs
         self._blocks_written = [0] * max_num_seqs
         self._row_of: dict[str, int] = {}
@@ -63,35 +80,48 @@ class DecodeBuffers:
         block_tables: Sequence[list[int]],
         state_slots: Sequence[int] | None,
         block_size: int,
+        *,
+        carry_from: Sequence[int] | None = None,
+        carried: torch.Tensor | None = None,
     ) -> list[int]:
-        """Write one decode row per request; returns each request's row (the batch is rows ``[0, B)``)."""
+        """Write one decode row per request; returns each request's row (the batch is rows ``[0, B)``).
+
+        A request whose ``carry_from`` is ``i >= 0`` takes ``carried[i]`` (a device tensor of the previous
+        step's sampled tokens) as its token instead of ``token_ids``' entry."""
+        if self._upload_done is not None:
+            self._upload_done.synchronize()  # the last step's upload has left the staging buffers
         rows = self._assign_rows(request_ids)
         batch = len(rows)
         order = np.argsort(np.asarray(rows, dtype=np.int64))
-        tok = np.asarray(token_ids, dtype=np.int64)[order]
         pos = np.asarray(positions, dtype=np.int64)[order]
-        slots = np.empty(batch, dtype=np.int64)
+        staged = self._staged
+        staged[0, :batch] = np.asarray(token_ids, dtype=np.int64)[order]
+        staged[1, :batch] = pos
+        staged[3, :batch] = 0 if state_slots is None else np.asarray(state_slots, dtype=np.int64)[order]
+        staged[4, :batch] = -1 if carry_from is None else np.asarray(carry_from, dtype=np.int64)[order]
+        staged[5, :batch] = rows
+        tables = self._tables_staging
         for i, j in enumerate(order):
             table, p = block_tables[j], pos[i]
-            slots[i] = table[p // block_size] * block_size + p % block_size
+            staged[2, i] = table[p // block_size] * block_size + p % block_size
             row, have = rows[j], len(table)
             written = self._blocks_written[row]
             if have > written:
-                self.block_tables[row, written:have] = torch.as_tensor(table[written:have], dtype=torch.int32)
+                tables[row, written:have] = torch.as_tensor(table[written:have], dtype=torch.int32)
+                self.block_tables[row, written:have].copy_(
+                    tables[row, written:have], non_blocking=self._non_blocking
+                )
                 self.block_entries_written += have - written
                 self._blocks_written[row] = have
-        staged = self._staged
-        staged[0, :batch] = tok
-        staged[1, :batch] = pos
-        staged[2, :batch] = slots
-        fields = 3  # without state slots, that row of the buffer is left as it is
-        if state_slots is not None:
-            staged[3, :batch] = np.asarray(state_slots, dtype=np.int64)[order]
-            fields = 4
-        self._packed[:fields, :batch].copy_(self._staging[:fields, :batch], non_blocking=True)
+        self._packed[:, :batch].copy_(self._staging[:, :batch], non_blocking=self._non_blocking)
         lens = self._lens_staging.numpy()
         lens[:batch] = pos + 1
-        self.seq_lens[:batch].copy_(self._lens_staging[:batch], non_blocking=True)
+        self.seq_lens[:batch].copy_(self._lens_staging[:batch], non_blocking=self._non_blocking)
+        if self._upload_done is not None:
+            self._upload_done.record()
+        if carried is not None and carry_from is not None:
+            src, tokens = self.carry_from[:batch], self.token_ids[:batch]
+            tokens.copy_(torch.where(src >= 0, carried[src.clamp(min=0)], tokens))
         return rows
 
     def pad_rows(self, batch: int, size: int) -> None:

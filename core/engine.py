@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -18,11 +19,17 @@ from pegainfer.loader import read_generation_config
 from pegainfer.memory_plan import MemoryPlan, plan_memory
 from pegainfer.model_loader import LoadedModel, load_model
 from pegainfer.outputs import PositionLogprobs, RequestOutput
-from pegainfer.request import Request, RequestStatus
+from pegainfer.request import PENDING_TOKEN, Request, RequestStatus
 from pegainfer.request_group import RequestGroup, SequenceState
-from pegainfer.sampler import Sampler, compute_prompt_logprobs
+from pegainfer.sampler import DeviceSample, Sampler, compute_prompt_logprobs
 from pegainfer.sampling_params import RequestOutputKind, SamplingParams
-from pegainfer.scheduler import PROMPT_LOGPROBS_CHUNK, ContinuousBatchingScheduler, Scheduler, SchedulerOutput
+from pegainfer.scheduler import (
+    PROMPT_LOGPROBS_CHUNK,
+    ContinuousBatchingScheduler,
+    ScheduledRequest,
+    Scheduler,
+    SchedulerOutput,
+)
 from pegainfer.speculative import SpeculativeDecoder, draft_buffer_specs, sample_and_verify
 from pegainfer.tokenizer import Tokenizer
 
@@ -30,6 +37,15 @@ logger = logging.getLogger(__name__)
 
 #: ``LLMEngine.stats`` counters (the spec_* ones: draft tokens verified and accepted, all requests).
 STAT_KEYS = ("prompt_tokens", "generation_tokens", "steps", "spec_draft_tokens", "spec_accepted_tokens")
+
+
+@dataclass
+class _PendingStep:
+    """A launched step whose sampled tokens are still on the device (async scheduling)."""
+
+    items: list[ScheduledRequest]  # the sampling items, in the sampled rows' order
+    sample: DeviceSample
+    row_of: dict[int, int]  # request serial -> its row in ``sample.tokens``
 
 
 def _memory_budget(loaded: LoadedModel, config: EngineConfig, transient_bytes: int) -> int:
@@ -102,6 +118,23 @@ class LLMEngine:
         self._groups: dict[str, RequestGroup] = {}
         self._sequences: dict[str, SequenceState] = {}
         self.stats = dict.fromkeys(STAT_KEYS, 0)
+        #: Whether steps are launched ahead of the last step's tokens; may be flipped between steps.
+        self.async_scheduling = self._async_scheduling(config)
+        self._pending: _PendingStep | None = None
+        #: Seconds the host spent waiting for sampled tokens (async scheduling): host time = wall - this.
+        self.wait_time_s = 0.0
+
+    def _async_scheduling(self, config: EngineConfig) -> bool:
+        wanted = config.async_scheduling
+        able = self.speculative is None and self.executor.capabilities.carried_tokens
+        if wanted and not able:
+            raise ConfigError(
+                "async_scheduling=true needs an executor that embeds tokens on the device and no "
+                "speculative decoding; set async_scheduling=false (or leave it null)"
+            )
+        if wanted is None:  # on the CPU there is no GPU time to hide the host's work behind
+            return able and self.loaded.device.type == "cuda"
+        return wanted
 
     @property
     def _use_graphs(self) -> bool:
@@ -235,7 +268,7 @@ class LLMEngine:
             self._sequences.pop(seq.request.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        return bool(self._groups) or self._pending is not None
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -252,6 +285,12 @@ class LLMEngine:
             wants_prompt = (
                 group.prompt_logprobs is not None and len(group.prompt_logprobs) < req.num_prompt_tokens
             )
+            carry_from = -1
+            if req.all_token_ids[end - 1] == PENDING_TOKEN:
+                # Scheduled ahead: the token is the last step's, still on the device (a decode chunk only).
+                if end - start != 1 or self._pending is None:
+                    raise RuntimeError(f"{req.request_id}: a pending token in a {end - start}-token chunk")
+                carry_from = self._pending.row_of[req.serial]
             chunks.append(
                 SequenceChunk(
                     request_id=req.request_id,
@@ -264,9 +303,12 @@ class LLMEngine:
                     all_logits=wants_prompt and start < req.num_prompt_tokens,
                     epoch=req.num_preemptions,
                     serial=req.serial,
+                    carry_from=carry_from,
                 )
             )
         batch = ModelBatch(chunks)
+        if self._pending is not None:
+            batch.carried_tokens = self._pending.sample.tokens
         if not self.executor.capabilities.device_embedding:
             batch.hidden_states = self.executor.embed([t for c in chunks for t in c.token_ids])
         return batch
@@ -276,26 +318,47 @@ class LLMEngine:
         return rid if rid in self._groups else rid.rpartition("#")[0]
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns an output for every user request that progressed (finished ones last time)."""
+        """Run one step; returns an output for every user request that progressed (finished ones last time).
+
+        With async scheduling a step is launched before the previous one's tokens are read back: its
+        decode rows take their tokens from the device, and the previous step's outputs (detokenizing,
+        stop checks) are made while this step's forward runs. A step whose plan could preempt or
+        recompute a request, or that follows a request's last token, reads the tokens back first."""
+        outputs: list[RequestOutput] = []
+        if self._pending is not None and not self._may_schedule_ahead():
+            outputs = self._resolve_pending()
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            return []
+            return outputs + (self._resolve_pending() if self._pending is not None else [])
         batch = self._build_batch(plan)
         result = self.executor.execute(batch)
         self.scheduler.update_after_step(plan)
         self.stats["steps"] += 1
-        sampling = [item for item in plan.scheduled if item.samples]
-        touched: dict[str, RequestGroup] = {}
+        if self._pending is not None:
+            outputs += self._resolve_pending()
         for chunk, item in zip(batch.chunks, plan.scheduled, strict=True):
             if chunk.all_logits:
                 self._add_prompt_logprobs(item.request, chunk, result.all_logits[chunk.request_id])
-        for item in sampling:
-            group = self._groups[self._group_id(item.request)]
-            touched[group.request_id] = group
+        sampling = [item for item in plan.scheduled if item.samples]
+        if not sampling:
+            return outputs
+        if self.async_scheduling:
+            self._sample_ahead(result.logits, sampling)
+            return outputs
         # One sampler call over the sampled rows, then one more per verified draft (speculative decoding).
-        accepted = sample_and_verify(self.sampler, result.logits, sampling, self._append) if sampling else []
+        accepted = sample_and_verify(self.sampler, result.logits, sampling, self._append)
         if self.speculative is not None:
             self.speculative.after_step(plan, sampling, accepted, self.stats)
+        return outputs + self._outputs_of(sampling)
+
+    def _outputs_of(self, items: list[ScheduledRequest]) -> list[RequestOutput]:
+        """Outputs of the groups of ``items`` (every sampled one: finished, or streaming), and the finished
+        groups forgotten."""
+        touched: dict[str, RequestGroup] = {}
+        for item in items:
+            group = self._groups.get(self._group_id(item.request))
+            if group is not None:
+                touched[group.request_id] = group
         outputs = [
             g.to_output()
             for g in touched.values()
@@ -307,6 +370,54 @@ class LLMEngine:
                 for seq in group.sequences:
                     self._sequences.pop(seq.request.request_id, None)
         return outputs
+
+    def _may_schedule_ahead(self) -> bool:
+        """Whether the next step can be planned before the pending tokens are known: the scheduler will not
+        preempt, and no pending request is sure to end with its pending token (it would be planned again)."""
+        if not self.scheduler.can_schedule_ahead():
+            return False
+        for item in self._pending.items:
+            request = item.request
+            if not request.is_finished and (
+                request.num_output_tokens >= request.sampling_params.max_tokens
+                or request.num_tokens >= self.max_model_len
+            ):
+                return False
+        return True
+
+    def _sample_ahead(self, logits: torch.Tensor, sampling: list[ScheduledRequest]) -> None:
+        """Sample on the device and leave the tokens pending: each live request counts one pending token."""
+        sample = self.sampler.sample(logits, [item.request for item in sampling])
+        row_of = {}
+        for row, item in enumerate(sampling):
+            request = item.request
+            if not request.is_finished:  # finished when the last step's tokens were read: its row is dropped
+                request.append_pending_token()
+                row_of[request.serial] = row
+        self._pending = _PendingStep(sampling, sample, row_of)
+
+    def _resolve_pending(self) -> list[RequestOutput]:
+        """Read the pending step's tokens back and append them (stop checks, detokenizing, outputs)."""
+        pending, self._pending = self._pending, None
+        t0 = time.perf_counter()
+        sampled = pending.sample.result()
+        self.wait_time_s += time.perf_counter() - t0
+        resolved = []
+        for row, item in enumerate(pending.items):
+            request = item.request
+            if request.serial not in pending.row_of or request.is_finished:
+                continue  # aborted since, or finished before this row was sampled
+            seq = self._sequences.get(request.request_id)
+            if seq is None or seq.request is not request:
+                continue
+            request.resolve_pending_token(sampled.token_ids[row])
+            try:
+                self._after_token(seq, sampled.token_ids[row], sampled.logprobs[row])
+            except Exception as exc:  # one broken request must not take the others down
+                logger.exception("request %s failed: %s", request.request_id, exc)
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
+            resolved.append(item)
+        return self._outputs_of(resolved)
 
     def _add_prompt_logprobs(self, request: Request, chunk: SequenceChunk, logits: torch.Tensor) -> None:
         group = self._groups[self._group_id(request)]
@@ -336,8 +447,12 @@ class LLMEngine:
         return not request.is_finished
 
     def _append_token(self, seq: SequenceState, token: int, logprobs: PositionLogprobs | None) -> None:
+        seq.request.append_output_token(token)
+        self._after_token(seq, token, logprobs)
+
+    def _after_token(self, seq: SequenceState, token: int, logprobs: PositionLogprobs | None) -> None:
+        """Account the request's newest token ``token``: logprobs, detokenizing, stop and length checks."""
         request, params = seq.request, seq.request.sampling_params
-        request.append_output_token(token)
         self.stats["generation_tokens"] += 1
         if seq.logprobs is not None and logprobs is not None:
             seq.logprobs.append(self._decode_logprobs(logprobs))

@@ -27,6 +27,8 @@ class ExecutorCapabilities:
     cuda_graphs: bool = False
     tensor_parallel_size: int = 1
     max_speculative_tokens: int = 0
+    #: Decode chunks may take their token from ``ModelBatch.carried_tokens`` (see ``SequenceChunk.carry_from``).
+    carried_tokens: bool = False
 
 
 @dataclass
@@ -46,6 +48,8 @@ class SequenceChunk:
     num_logits: int | None = None
     #: Keep this chunk's final hidden states for ``Executor.propose`` (the request drafts).
     keep_hidden: bool = False
+    #: A one-token decode chunk whose token is still on the device: index into ``ModelBatch.carried_tokens``.
+    carry_from: int = -1
 
     def __post_init__(self) -> None:
         if self.num_logits is None:
@@ -72,6 +76,8 @@ class ModelBatch:
     chunks: list[SequenceChunk]
     #: ``[sum of chunk lengths, H]`` in chunk order; required iff the executor lacks device embedding.
     hidden_states: torch.Tensor | None = None
+    #: The previous step's sampled tokens, on the device, for chunks with ``carry_from >= 0``.
+    carried_tokens: torch.Tensor | None = None
 
 
 @dataclass
@@ -119,7 +125,9 @@ class LocalExecutor(Executor):
         if num_speculative_tokens and not getattr(model, "num_mtp_layers", 0):
             raise ExecutorError(f"{type(model).__name__} has no draft (MTP) layers to speculate with")
         self.capabilities = ExecutorCapabilities(
-            device_embedding=model.embeds_on_device, max_speculative_tokens=num_speculative_tokens
+            device_embedding=model.embeds_on_device,
+            max_speculative_tokens=num_speculative_tokens,
+            carried_tokens=model.embeds_on_device,
         )
         # Request id -> (first position, final hidden states) of its last chunk, for ``propose``.
         self._kept_hidden: dict[str, tuple[int, torch.Tensor]] = {}
@@ -150,7 +158,10 @@ class LocalExecutor(Executor):
         with torch.inference_mode():
             return self.model.embed(torch.tensor(token_ids, dtype=torch.int64, device=self.device))
 
-    def _prepare_decode_rows(self, decodes: list[SequenceChunk]) -> list[int]:
+    def _prepare_decode_rows(self, decodes: list[SequenceChunk], carried: torch.Tensor | None) -> list[int]:
+        carry = [c.carry_from for c in decodes]
+        if any(i >= 0 for i in carry) and carried is None:
+            raise ExecutorError("a decode chunk carries its token from the last step, but the batch has none")
         return self.decode.prepare(
             [f"{c.serial}:{c.request_id}#{c.epoch}" for c in decodes],
             [c.token_ids[0] for c in decodes],
@@ -158,14 +169,17 @@ class LocalExecutor(Executor):
             [c.block_table for c in decodes],
             [c.state_slot or 0 for c in decodes],
             self.block_size,
+            carry_from=carry if carried is not None else None,
+            carried=carried,
         )
 
-    def _execute_graph(self, decodes: list[SequenceChunk]) -> ExecutorOutput:
-        rows = self._prepare_decode_rows(decodes)
+    def _execute_graph(self, decodes: list[SequenceChunk], carried: torch.Tensor | None) -> ExecutorOutput:
+        rows = self._prepare_decode_rows(decodes, carried)
         logits = self.graphs.run(len(decodes))
         if rows == list(range(len(rows))):  # the usual case: rows already in batch order, no gather
             return ExecutorOutput(logits=logits)
-        return ExecutorOutput(logits=logits[torch.tensor(rows, dtype=torch.int64, device=self.device)])
+        # The row order was uploaded with the decode inputs: no host-to-device copy (and wait) here.
+        return ExecutorOutput(logits=logits.index_select(0, self.decode.row_order[: len(rows)]))
 
     def _reorder_hidden_states(self, batch: ModelBatch, first_row: dict[int, int]) -> torch.Tensor:
         """The batch's hidden states come in chunk order; the device layout is prefills, then decode rows."""
@@ -207,7 +221,7 @@ class LocalExecutor(Executor):
         self._kept_hidden.clear()
         if self.graphs is not None and not prefills and len(decodes) <= self.graphs.max_batch:
             if all(c.needs_logits and not c.all_logits and not c.keep_hidden for c in decodes):
-                return self._execute_graph(decodes)
+                return self._execute_graph(decodes, batch.carried_tokens)
         ids, pos, slots, segments = self._prefill_inputs(prefills)
         num_prefill = len(ids)
         dev = self.device
@@ -222,7 +236,7 @@ class LocalExecutor(Executor):
         token_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)
         if decodes:
-            rows = self._prepare_decode_rows(decodes)
+            rows = self._prepare_decode_rows(decodes, batch.carried_tokens)
             b = len(decodes)
             for chunk, row in zip(decodes, rows, strict=True):
                 first_row[id(chunk)] = num_prefill + row

@@ -49,6 +49,7 @@ class LLM:
         seed: int = 0,
         enforce_eager: bool = False,
         speculative_num_tokens: int = 0,
+        async_scheduling: bool | None = None,
     ) -> None:
         config = EngineConfig(
             model=build_model_config(
@@ -82,6 +83,7 @@ class LLM:
             device=device,
             seed=seed,
             enforce_eager=enforce_eager,
+            async_scheduling=async_scheduling,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

@@ -37,6 +37,9 @@ FINISHED_STATUSES = frozenset(s for s in RequestStatus if s.name.startswith("FIN
 
 _SERIALS = itertools.count()
 
+#: Stands for a token sampled on the device but not read back yet (an overlapped step, see the engine).
+PENDING_TOKEN = -1
+
 
 class Request:
     """A single sequence. ``n > 1`` generations are fanned out into one Request each by the engine."""
@@ -106,6 +109,25 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
         self.all_token_ids.append(token_id)
+
+    def append_pending_token(self) -> None:
+        """Count a token that was sampled on the device and is not known on the host yet: the next step
+        can be scheduled (its position, its page) before the token is read back."""
+        self.all_token_ids.append(PENDING_TOKEN)
+
+    def resolve_pending_token(self, token_id: int) -> None:
+        """Replace the last token, a pending one, by its value."""
+        if self.all_token_ids[-1] != PENDING_TOKEN:
+            raise RuntimeError(f"{self.request_id}: the last token is not pending")
+        self.all_token_ids[-1] = token_id
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+
+    @property
+    def has_pending_token(self) -> bool:
+        return (
+            len(self.all_token_ids) > len(self.prompt_token_ids) and self.all_token_ids[-1] == PENDING_TOKEN
+        )
 
     def __repr__(self) -> str:
         return (

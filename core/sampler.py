@@ -27,6 +27,47 @@ class SamplerOutput:
     logprobs: list[PositionLogprobs | None]
 
 
+class HostCopy:
+    """Device tensors copied into host memory without blocking the host (pinned buffers and an event on
+    CUDA; a plain copy elsewhere); :meth:`wait` before reading them."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._event = None
+        self.host: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            self.host[name] = host.copy_(t, non_blocking=t.is_cuda)
+            if t.is_cuda and self._event is None:
+                self._event = torch.cuda.Event()
+        if self._event is not None:
+            self._event.record()
+
+    def wait(self) -> dict[str, torch.Tensor]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self.host
+
+
+@dataclass
+class DeviceSample:
+    """A sampler call whose tokens are still on their way to the host."""
+
+    tokens: torch.Tensor  # [R] on the logits' device
+    logprob_rows: list[int]
+    logprob_ks: list[int]
+    copy: HostCopy
+
+    def result(self) -> SamplerOutput:
+        """Wait for the copy (only the work queued before the sample, not anything queued since)."""
+        host = self.copy.wait()
+        logprobs: list[PositionLogprobs | None] = [None] * self.tokens.shape[0]
+        if self.logprob_rows:
+            entries = _position_entries(host, self.logprob_ks)
+            for i, entry in zip(self.logprob_rows, entries, strict=True):
+                logprobs[i] = entry
+        return SamplerOutput(token_ids=host["chosen"].tolist(), logprobs=logprobs)
+
+
 class Sampler:
     """Picks the next token for every row of a logits block.
 
@@ -43,6 +84,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """Return one token per row of ``logits`` [R, V]; row i is the next token of ``requests[i]``."""
+        return self.sample(logits, requests).result()
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> DeviceSample:
+        """Choose the tokens on the device and start copying them (and any logprobs) to the host; nothing
+        here waits for the GPU, so the engine can queue the next step before reading them."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits must be [{len(requests)}, V], got {tuple(logits.shape)}")
         params = [r.sampling_params for r in requests]
@@ -63,14 +109,11 @@ class Sampler:
             index = _index(random_rows, work.device)
             chosen[index] = self._sample(work[index], [requests[i] for i in random_rows])
 
-        token_ids = chosen.tolist()
-        logprobs: list[PositionLogprobs | None] = [None] * len(requests)
+        tensors = {"chosen": chosen}
+        ks = [params[i].logprobs or 0 for i in lp_rows]
         if raw_logprobs is not None:
-            ks = [params[i].logprobs or 0 for i in lp_rows]
-            entries = _position_logprobs(raw_logprobs, _rows(chosen, lp_rows), ks)
-            for i, entry in zip(lp_rows, entries, strict=True):
-                logprobs[i] = entry
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+            tensors.update(_logprob_tensors(raw_logprobs, _rows(chosen, lp_rows), max(ks)))
+        return DeviceSample(chosen, lp_rows, ks, HostCopy(tensors))
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
@@ -239,22 +282,35 @@ def _top_k_top_p(x: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> torch.T
     return x.masked_fill(unsorted_drop, _NEG_INF)
 
 
-def _position_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, ks: list[int]) -> list[PositionLogprobs]:
-    """For each row, the chosen token's logprob and rank, plus the row's top ``ks[i]`` tokens."""
-    chosen_lp = logprobs.gather(1, chosen[:, None])
-    ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
-    max_k = min(max(ks), logprobs.shape[1])
-    top_lp, top_ids = logprobs.topk(max_k, dim=-1)
+def _logprob_tensors(logprobs: torch.Tensor, chosen: torch.Tensor, max_k: int) -> dict[str, torch.Tensor]:
+    """The device half of the logprobs of each row: the chosen token's logprob and rank, the top ``max_k``."""
+    chosen_lp = logprobs.gather(1, chosen[:, None]).squeeze(1)
+    top_lp, top_ids = logprobs.topk(min(max_k, logprobs.shape[1]), dim=-1)
+    return {
+        "lp_chosen": chosen,
+        "lp_value": chosen_lp,
+        "lp_rank": (logprobs > chosen_lp[:, None]).sum(dim=-1) + 1,
+        "lp_top": top_lp,
+        "lp_top_ids": top_ids,
+    }
 
-    chosen_l, chosen_lp_l, ranks_l = chosen.tolist(), chosen_lp.squeeze(1).tolist(), ranks.tolist()
-    top_lp_l, top_ids_l = top_lp.tolist(), top_ids.tolist()
+
+def _position_entries(host: dict[str, torch.Tensor], ks: list[int]) -> list[PositionLogprobs]:
+    """The host half: one PositionLogprobs per row from the tensors of :func:`_logprob_tensors`."""
+    chosen, value, rank = host["lp_chosen"].tolist(), host["lp_value"].tolist(), host["lp_rank"].tolist()
+    top_lp, top_ids = host["lp_top"].tolist(), host["lp_top_ids"].tolist()
     out: list[PositionLogprobs] = []
     for row, k in enumerate(ks):
-        entry = {chosen_l[row]: Logprob(logprob=chosen_lp_l[row], rank=ranks_l[row])}
-        for j in range(min(k, max_k)):
-            entry[top_ids_l[row][j]] = Logprob(logprob=top_lp_l[row][j], rank=j + 1)
+        entry = {chosen[row]: Logprob(logprob=value[row], rank=rank[row])}
+        for j in range(min(k, len(top_ids[row]))):
+            entry[top_ids[row][j]] = Logprob(logprob=top_lp[row][j], rank=j + 1)
         out.append(entry)
     return out
+
+
+def _position_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, ks: list[int]) -> list[PositionLogprobs]:
+    """For each row, the chosen token's logprob and rank, plus the row's top ``ks[i]`` tokens."""
+    return _position_entries(_logprob_tensors(logprobs, chosen, max(ks)), ks)
 
 
 def _request_generator(request: Request, device: torch.device) -> torch.Generator:

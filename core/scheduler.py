@@ -83,6 +83,12 @@ class Scheduler(ABC):
     def get_request(self, request_id: str) -> Request | None:
         """The live (unfinished) request with this id."""
 
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next ``schedule()`` is sure to neither preempt nor recompute a running request, so it
+        may run while the last step's tokens are still pending on the device (their positions and pages
+        are known; their values are not). False unless a scheduler knows better."""
+        return False
+
     @property
     @abstractmethod
     def num_running(self) -> int: ...
@@ -224,6 +230,14 @@ class ContinuousBatchingScheduler(Scheduler):
             output.scheduled.append(ScheduledRequest(request, n))
             budget -= n
         return output
+
+    def can_schedule_ahead(self) -> bool:
+        # Every running request computes at most its one last token, and the free pages cover a new page
+        # for each of them: no allocation can fail, so nobody is preempted (admissions never preempt).
+        for request in self.running:
+            if request.num_tokens - request.num_computed_tokens > 1 or request.spec_token_ids:
+                return False
+        return self.buffers.num_free_pages >= len(self.running)
 
     def update_after_step(self, output: SchedulerOutput) -> None:
         for item in output.scheduled:

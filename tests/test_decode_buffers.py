@@ -183,11 +183,11 @@ def test_new_epoch_is_a_new_owner() -> None:
 
 
 def test_state_slots_optional() -> None:
-    """state_slots=None (no recurrent state) leaves the state column alone."""
+    """state_slots=None (no recurrent state) gives every row slot 0, a valid index."""
     buf = make()
     buf.state_slots.fill_(-1)
     rows = prepare(buf, [Fake("a", [1], 0)], state=False)
-    assert rows == [0] and buf.state_slots[0].item() == -1
+    assert rows == [0] and buf.state_slots[0].item() == 0
 
 
 def test_full_batch_uses_every_row() -> None:
@@ -200,6 +200,28 @@ def test_full_batch_uses_every_row() -> None:
     rows = prepare(buf, reqs)
     assert rows[0] == 3 and rows[2] == 1 and sorted(rows) == [0, 1, 2, 3]
     assert_rows(buf, reqs, rows)
+
+
+def test_carried_tokens_come_from_the_device_tensor() -> None:
+    """A row whose token is pending takes it from the previous step's sampled tokens; the others keep
+    theirs; the row order of the batch is uploaded for the logits gather."""
+    buf = make()
+    prepare(buf, [Fake("a", [1, 2], 4), Fake("b", [3, 4], 5)])
+    carried = torch.tensor([70, 80, 90])
+    reqs = [Fake("b", [3, 4], 6), Fake("c", [5], 0), Fake("a", [1, 2], 5)]
+    rows = buf.prepare(
+        [r.key for r in reqs],
+        [-1, 33, -1],
+        [r.pos for r in reqs],
+        [r.pages for r in reqs],
+        None,
+        BS,
+        carry_from=[2, -1, 0],
+        carried=carried,
+    )
+    tokens = {r.key: buf.token_ids[row].item() for r, row in zip(reqs, rows, strict=True)}
+    assert tokens == {"b": 90, "c": 33, "a": 70}
+    assert buf.row_order[:3].tolist() == rows
 
 
 # -------------------------------------------------------------------------------- property test
