@@ -8,3 +8,8 @@ from pegainfer.testing.suite import PluginConformance
 class TestDeepseekConformance(PluginConformance):
     model_name = "deepseek"
     architecture = "deepseek_v3"
+
+
+class TestDeepseekV4Conformance(PluginConformance):
+    model_name = "deepseek_v4"
+    architecture = "deepseek_v4"
