@@ -27,9 +27,9 @@ class V4Router(nn.Module):
         e = dims.n_routed_experts
         self.weight = param(e, dims.hidden_size, dtype=torch.float32)
         if hashed:
-            self.tid2eid = nn.Parameter(
-                torch.empty(dims.vocab_size, dims.num_experts_per_tok, dtype=torch.int64), requires_grad=False
-            )
+            # A buffer (integer, never random-initialised by dummy loading), valid until load replaces it.
+            spread = torch.arange(dims.vocab_size)[:, None] + torch.arange(dims.num_experts_per_tok)
+            self.register_buffer("tid2eid", spread % e)
         else:
             self.e_score_correction_bias = param(e, dtype=torch.float32)
 

@@ -203,3 +203,30 @@ def test_checkpoint_variants_match_hf(tiny_checkpoint_factory, options):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     assert greedy_token_ids(llm, prompts, params) == hf_greedy(folder, prompts, 12)
     assert _rel(_run_chunks(llm, "probe", prompts[1], [11]), hf_logits(folder, prompts[1])) < 1e-4
+
+
+def test_transformers_module_names_load_and_match(tmp_path, tiny_v4):
+    """A folder holding transformers' own parameter names (``model.layers.1.self_attn.q_a_proj.weight``,
+    fused ``mlp.experts.gate_up_proj``), as its state dict has them, loads to the same model."""
+    from safetensors.torch import save_file
+
+    from pegainfer.testing.conformance import hf_model
+
+    for file in tiny_v4.iterdir():
+        if file.suffix != ".safetensors":
+            (tmp_path / file.name).write_bytes(file.read_bytes())
+    state = {k: v.contiguous() for k, v in hf_model(str(tiny_v4)).state_dict().items()}
+    assert "model.layers.1.self_attn.compressor.indexer.scorer.weights_proj.weight" in state
+    save_file(state, str(tmp_path / "model.safetensors"))
+    assert unused_checkpoint_tensors(tmp_path) == []
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", cpu_kv_cache_bytes=4 << 20)
+    prompt = random_prompts(8, [23])[0]
+    assert _rel(_run_chunks(llm, "modules", prompt, [9]), hf_logits(tiny_v4, prompt)) < 1e-4
+
+
+def test_dummy_weights_generate(tiny_v4):
+    """``load_format=dummy`` (benchmarks): random weights of the real shapes, the hash tables valid."""
+    config = ModelConfig(path=str(tiny_v4), load_format="dummy", dtype="float32")
+    llm = LLM.from_config(EngineConfig(model=config, device="cpu"))
+    tokens = greedy_token_ids(llm, random_prompts(9, [19]))[0]
+    assert len(tokens) == 24
