@@ -12,6 +12,8 @@ import torch
 from pegainfer.errors import CheckpointError
 from pegainfer.loader import CheckpointReader
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
 
 def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """float32 ``weight · scale_inv``, the scale of tile (i, j) applied to rows ``[i·bo, (i+1)·bo)`` and
@@ -41,7 +43,10 @@ class WeightReader:
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         scale_name = name + "_scale_inv"
         if scale_name not in self.reader:
-            return self.reader.get(name, shape, dtype)
+            tensor = self.reader.get(name, shape)
+            if tensor.dtype in FP8_DTYPES:  # a bare cast would drop the block scales
+                raise CheckpointError(f"tensor '{name}' is stored in FP8 without its '{scale_name}'")
+            return tensor.to(dtype)
         if self.block is None:
             raise CheckpointError(
                 f"tensor '{scale_name}' is in the checkpoint but config.json has no FP8 quantization_config"

@@ -57,13 +57,11 @@ class DeepseekV4Dims:
     mlp_kinds: tuple[str, ...]
     moe_intermediate_size: int
     n_routed_experts: int
-    n_shared_experts: int
     num_experts_per_tok: int
     routed_scaling_factor: float
     swiglu_limit: float
     rms_norm_eps: float
     tie_word_embeddings: bool
-    max_position_embeddings: int
     fp8: Fp8Config | None
 
     def ratio(self, layer_index: int) -> int:
@@ -89,14 +87,20 @@ class DeepseekV4Dims:
         layers = int(need("num_hidden_layers"))
         head_dim = int(cfg.get("head_dim", 512))
         factor = cfg.get("partial_rotary_factor")
-        if factor is None:
-            rope_dim = int(cfg.get("qk_rope_head_dim", 64))
+        if factor is None:  # transformers' default factor is 64 / 512
+            rope_dim = int(cfg.get("qk_rope_head_dim", head_dim // 8))
         else:
             rope_dim = int(head_dim * float(factor))
         rates = {**_DEFAULT_RATES, **(cfg.get("compress_rates") or {})}
         rates[CSA] = int(cfg.get("compress_rate_csa", rates[CSA]))
         rates[HCA] = int(cfg.get("compress_rate_hca", rates[HCA]))
         main, compress = _parse_ropes(cfg)
+        quantization = cfg.get("quantization_config") or {}
+        if quantization.get("expert_dtype", cfg.get("expert_dtype", "fp8")) not in ("fp8", "bf16"):
+            raise CheckpointError(
+                "config.json: FP4-packed experts (expert_dtype 'fp4') are not supported by the DeepSeek-V4 "
+                "plugin; use a checkpoint with FP8 or BF16 experts"
+            )
         dims = cls(
             vocab_size=int(need("vocab_size")),
             hidden_size=int(need("hidden_size")),
@@ -121,13 +125,11 @@ class DeepseekV4Dims:
             mlp_kinds=_mlp_kinds(cfg, layers),
             moe_intermediate_size=int(cfg.get("moe_intermediate_size", 2048)),
             n_routed_experts=int(cfg.get("n_routed_experts", 256)),
-            n_shared_experts=int(cfg.get("n_shared_experts", 1)),
             num_experts_per_tok=int(cfg.get("num_experts_per_tok", 6)),
             routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.5)),
             swiglu_limit=float(cfg.get("swiglu_limit", 10.0)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 1048576)),
             fp8=parse_quantization(cfg.get("quantization_config")),
         )
         _check(dims)

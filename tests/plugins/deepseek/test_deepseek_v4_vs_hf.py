@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from pegainfer import LLM, SamplingParams
 from pegainfer.buffer_specs import PagedCompressedSpec, RecurrentStateSpec
@@ -26,10 +27,14 @@ from pegainfer.testing.conformance import (
     greedy_token_ids,
     hf_greedy,
     hf_logits,
+    hf_model,
     random_prompts,
     unused_checkpoint_tensors,
 )
+from pegainfer.testing.tiny_deepseek import write_fp8_copy
+from pegainfer.testing.tiny_deepseek_v4 import deepseek_v4_config
 from pegainfer_deepseek.indexer import INDEXER_CACHE_OFFSET
+from pegainfer_deepseek.v4_config import DeepseekV4Dims
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -116,8 +121,6 @@ def test_release_names_load_and_match(tiny_checkpoint_factory, tiny_v4):
     ],
 )
 def test_missing_or_misshaped_tensors_are_named(tmp_path, tiny_v4, drop, reshape, message):
-    from safetensors.torch import load_file, save_file
-
     for file in tiny_v4.iterdir():
         if file.suffix != ".safetensors":
             (tmp_path / file.name).write_bytes(file.read_bytes())
@@ -208,10 +211,6 @@ def test_checkpoint_variants_match_hf(tiny_checkpoint_factory, options):
 def test_transformers_module_names_load_and_match(tmp_path, tiny_v4):
     """A folder holding transformers' own parameter names (``model.layers.1.self_attn.q_a_proj.weight``,
     fused ``mlp.experts.gate_up_proj``), as its state dict has them, loads to the same model."""
-    from safetensors.torch import save_file
-
-    from pegainfer.testing.conformance import hf_model
-
     for file in tiny_v4.iterdir():
         if file.suffix != ".safetensors":
             (tmp_path / file.name).write_bytes(file.read_bytes())
@@ -230,3 +229,27 @@ def test_dummy_weights_generate(tiny_v4):
     llm = LLM.from_config(EngineConfig(model=config, device="cpu"))
     tokens = greedy_token_ids(llm, random_prompts(9, [19]))[0]
     assert len(tokens) == 24
+
+
+def test_fp8_checkpoint_equals_its_dequantized_weights(tiny_checkpoint_factory, tmp_path_factory):
+    """Block-FP8 projections (32×32 blocks here, so each spans several) dequantize at load: the model
+    equals the one stored with the dequantized values, which transformers also runs."""
+    source = tiny_checkpoint_factory("deepseek_v4", seed=3)
+    root = tmp_path_factory.mktemp("v4-fp8")
+    fp8 = write_fp8_copy(source, root / "fp8", block_size=(32, 32))
+    plain = write_fp8_copy(source, root / "dequantized", block_size=(32, 32), dequantized=True)
+    assert "model.layers.1.attn.compressor.wkv.weight_scale_inv" in CheckpointReader(fp8)
+    assert unused_checkpoint_tensors(fp8) == []
+    prompt = random_prompts(11, [27])[0]
+    logits = [
+        _run_chunks(LLM(str(f), dtype="float32", device="cpu", cpu_kv_cache_bytes=4 << 20), "fp8", prompt, [])
+        for f in (fp8, plain)
+    ]
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+    assert _rel(logits[1], hf_logits(plain, prompt)) < 1e-4
+
+
+def test_fp4_experts_are_refused():
+    config = deepseek_v4_config(1024, expert_dtype="fp4")
+    with pytest.raises(CheckpointError, match="FP4"):
+        DeepseekV4Dims.from_hf_config(config)
