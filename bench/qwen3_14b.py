@@ -9,8 +9,10 @@ Figures are appended to the JSONL file (one object per figure) and a short table
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
+import pstats
 import random
 import sys
 import tempfile
@@ -21,6 +23,7 @@ import torch
 from common import Results, cuda_time_ms, measure_ceilings
 
 from pegainfer.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pegainfer.kernels import skinny_gemm
 from pegainfer.llm import LLM
 from pegainfer.sampling_params import RequestOutputKind, SamplingParams
 from pegainfer.testing.tiny_tokenizer import write_tiny_tokenizer
@@ -100,7 +103,13 @@ def random_prompt(rng: random.Random, n: int) -> list[int]:
 
 
 def bench_decode(
-    llm: LLM, batch: int, ctx: int, steps: int, rng: random.Random, async_scheduling: bool = True
+    llm: LLM,
+    batch: int,
+    ctx: int,
+    steps: int,
+    rng: random.Random,
+    async_scheduling: bool = True,
+    profile: bool = False,
 ) -> dict[str, float]:
     """Wall time of engine steps with ``batch`` running requests at ``ctx`` tokens, their GPU part, and
     the host's part (wall time minus the time the engine waited for sampled tokens)."""
@@ -114,9 +123,14 @@ def bench_decode(
         engine.step()
     torch.cuda.synchronize()
     waited = engine.wait_time_s
+    profiler = cProfile.Profile() if profile else None
     t0 = time.perf_counter()
+    if profiler:
+        profiler.enable()
     for _ in range(steps):
         engine.step()
+    if profiler:
+        profiler.disable()
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - t0) * 1e3 / steps
     host_ms = step_ms - (engine.wait_time_s - waited) * 1e3 / steps
@@ -125,6 +139,8 @@ def bench_decode(
     for i in range(batch):
         engine.abort_request(f"d{batch}-{i}")
     engine.step()  # reads the last pending step back, so the next run starts clean
+    if profiler:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
     return {"step_ms": step_ms, "gpu_ms": gpu_ms, "host_ms": host_ms, "ctx": ctx + 3 + steps / 2}
 
 
@@ -190,7 +206,16 @@ def main() -> None:
         "--sync-batches", default="1,64", help="also time these batches with async scheduling off"
     )
     parser.add_argument("--commit", default=None)
+    parser.add_argument(
+        "--skinny-rows",
+        type=int,
+        default=None,
+        help="batch rows up to which projections use the skinny kernel",
+    )
+    parser.add_argument("--profile-host", type=int, default=0, help="cProfile the host at this decode batch")
     args = parser.parse_args()
+    if args.skinny_rows is not None:
+        skinny_gemm.DISPATCH_ROWS = args.skinny_rows
     batches = [int(b) for b in args.batches.split(",")]
     results = Results(args.out, "python " + " ".join(sys.argv), args.commit)
     ceil = measure_ceilings()
@@ -210,7 +235,7 @@ def main() -> None:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     embed_bytes = model.embed_tokens.numel() * model.embed_tokens.element_size()
     for batch in [] if args.skip_decode else batches:
-        d = bench_decode(llm, batch, args.ctx, args.steps, rng)
+        d = bench_decode(llm, batch, args.ctx, args.steps, rng, profile=batch == args.profile_host)
         decode[batch] = d
         # Each step reads every weight once (the embedding table only for the batch's rows) and the KV.
         read = weight_bytes - embed_bytes + batch * d["ctx"] * kv_per_token

@@ -1,6 +1,6 @@
 """Skinny GEMM (decode projections) at Qwen3-14B shapes: our Triton kernel against cuBLAS (F.linear).
 
-    python bench/skinny_gemm.py [--rows 1,8,16] [--sweep] [--json PATH] [--out bench/results/skinny_gemm.jsonl]
+    python bench/skinny_gemm.py [--rows 1,8,16,32,64] [--sweep] [--json PATH] [--out bench/results/skinny_gemm.jsonl]
 
 Each projection is timed as the decode step runs it: inside a CUDA graph, over enough distinct weight
 copies (>= 2 GB) that the weights come from HBM, not L2. Achieved bandwidth = weight bytes / time,
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from common import Results, measure_ceilings  # noqa: E402
 
+from pegainfer.kernels.activations import silu_mul  # noqa: E402
 from pegainfer.kernels.skinny_gemm import SkinnyConfig, default_config, skinny_linear_triton  # noqa: E402
 
 # name -> (N, K) of w, Qwen3-14B: q|k|v, o, gate|up, down, lm_head
@@ -61,23 +62,21 @@ def graph_time_ms(fns: list, reps: int = 10) -> float:
     return times[len(times) // 2] / len(fns)
 
 
-def sweep_configs(n: int, k: int) -> list[SkinnyConfig]:
-    out = []
-    for block_n, block_k, warps, swap in itertools.product(
-        (32, 64, 128), (128, 256, 512), (4, 8), (False, True)
-    ):
-        if block_n * block_k > 64 * 512:
-            continue
-        for split in (1, 2, 4, 8):
-            if k // split < 2 * block_k:
-                continue
-            out.append(SkinnyConfig(block_n, block_k, split, warps, 4, swap))
-    return out
+def _silu_then_gemm(gate_up: torch.Tensor, w: torch.Tensor, config: SkinnyConfig) -> torch.Tensor:
+    return skinny_linear_triton(silu_mul(gate_up), w, config=config)
+
+
+def sweep_configs() -> list[SkinnyConfig]:
+    return [
+        SkinnyConfig(block_n, block_k, warps, 4)
+        for block_n, block_k, warps in itertools.product((32, 64, 128), (64, 128, 256), (4, 8))
+        if block_n * block_k <= 64 * 256
+    ]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="1,8,16")
+    ap.add_argument("--rows", default="1,8,16,32,64")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--json")
     ap.add_argument("--out", default="bench/results/skinny_gemm.jsonl")
@@ -97,7 +96,7 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = F.linear(x, ws[0])
             cublas = graph_time_ms([partial(F.linear, x, w) for w in ws])
-            default = default_config(m, n, k, x.device)
+            default = default_config(n, k, m)
             err = (skinny_linear_triton(x, ws[0], config=default).float() - ref.float()).abs().max().item()
             ours = graph_time_ms([partial(skinny_linear_triton, x, w, config=default) for w in ws])
             row = {
@@ -107,7 +106,7 @@ def main() -> None:
             }  # fmt: skip
             if args.sweep:
                 timed = []
-                for cfg in sweep_configs(n, k):
+                for cfg in sweep_configs():
                     try:
                         t = graph_time_ms([partial(skinny_linear_triton, x, w, config=cfg) for w in ws], 5)
                     except Exception as exc:  # a tile that does not fit (shared memory) is skipped
@@ -116,11 +115,9 @@ def main() -> None:
                     timed.append((t, cfg))
                 timed.sort(key=lambda tc: tc[0])
                 deeper = []
-                for _, cfg in timed[:4]:
-                    for stages in (3, 5, 6):
-                        c = SkinnyConfig(
-                            cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, stages, cfg.swap
-                        )
+                for _, cfg in timed[:3]:
+                    for stages in (3, 5):
+                        c = SkinnyConfig(cfg.block_n, cfg.block_k, cfg.num_warps, stages)
                         try:
                             t = graph_time_ms([partial(skinny_linear_triton, x, w, config=c) for w in ws], 5)
                         except Exception:
@@ -128,6 +125,19 @@ def main() -> None:
                         deeper.append((t, c))
                 timed = sorted(timed + deeper, key=lambda tc: tc[0])
                 row["best"] = [(t, c.__dict__, nbytes / (t / 1e3) / bw) for t, c in timed[:6]]
+            if name == "down":
+                # The down projection with silu(gate) * up computed while loading x (one kernel) against
+                # the silu_mul kernel followed by the GEMM.
+                gate_up = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+                fused = graph_time_ms(
+                    [partial(skinny_linear_triton, gate_up, w, silu_mul=True, config=default) for w in ws]
+                )
+                two = graph_time_ms([partial(_silu_then_gemm, gate_up, w, default) for w in ws])
+                row["silu_fused_ms"], row["silu_then_gemm_ms"] = fused, two
+                print(
+                    f"down M={m}: silu fused {fused * 1e3:.1f} us, silu_mul + GEMM {two * 1e3:.1f} us",
+                    flush=True,
+                )
             records.append(row)
             best = (
                 f" best {row['best'][0][0] * 1e3:.1f} us {row['best'][0][2]:.1%} {row['best'][0][1]}"

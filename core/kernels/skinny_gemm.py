@@ -27,8 +27,11 @@ from pegainfer.kernels._triton import (
     use_kernel,
 )
 
-#: Rows of x up to which the skinny kernel is used (a tensor-core tile is 16 rows).
-MAX_ROWS = 16
+#: Most rows of x the kernel takes (x is padded to a 16-, 32- or 64-row tile).
+MAX_ROWS = 64
+#: Rows up to which ``skinny_linear`` dispatches to the kernel (cuBLAS above); a module setting so a
+#: benchmark can compare both sides of it.
+DISPATCH_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -97,11 +100,13 @@ def _skinny_gemm_kernel(
     tl.store(out_ptrs, cast_to(acc, out_ptr.dtype.element_ty, FIX), mask=row_ok & (offs_n[None, :] < N))
 
 
-def default_config(n: int, k: int) -> SkinnyConfig:
+def default_config(n: int, k: int, m: int = 1, element_size: int = 2) -> SkinnyConfig:
     """Tiles measured on the H200 at the Qwen3-14B projections (``python bench/skinny_gemm.py --sweep``):
     64 rows of w per program, 256 columns per load, four loads in flight; 32 rows for the 35k-row
     gate|up and 128 columns for the 152k-row lm_head. Splitting K never won (the 5120-row projections
     already make 80+ programs) and is not offered."""
+    if m > 16 or element_size > 2:  # wider x tiles (or fp32): shorter loads keep the stages in shared memory
+        return SkinnyConfig(64, 128)
     if n >= 100_000:
         return SkinnyConfig(64, 128)
     if n >= 20_000:
@@ -131,12 +136,12 @@ def skinny_linear_triton(
     m = x2.shape[0]
     if m > MAX_ROWS:
         raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {m}")
-    cfg = config or default_config(n, k)
+    cfg = config or default_config(n, k, m, x.element_size())
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](
             x2, w, bias if bias is not None else w, out, m, n, k, x2.stride(0), w.stride(0), out.stride(0),
-            BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
+            BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
             SILU_MUL=silu_mul, EVEN_K=k % cfg.block_k == 0, FIX=interp_bf16(x.dtype),
             PREC=dot_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
@@ -153,9 +158,9 @@ def skinny_linear_ref(
 
 
 def takes_skinny(x: torch.Tensor) -> bool:
-    """Whether :func:`skinny_linear` runs the Triton kernel for ``x``: 16-bit CUDA rows, at most MAX_ROWS."""
+    """Whether :func:`skinny_linear` runs the Triton kernel for ``x``: 16-bit CUDA rows, at most DISPATCH_ROWS."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return use_kernel(x) and rows <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+    return use_kernel(x) and rows <= DISPATCH_ROWS and x.dtype in (torch.bfloat16, torch.float16)
 
 
 def skinny_linear(

@@ -42,17 +42,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return torch.nn.functional.linear(x, w, bias)
 
 
-def mlp_down(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The down projection of ``silu(gate) * up`` from a packed gate|up; for decode-sized row counts on
-    CUDA one kernel computes the activation while it loads it."""
-    if use_triton(gate_up):
-        from pegainfer.kernels import skinny_gemm
-
-        if skinny_gemm.takes_skinny(gate_up):
-            return skinny_gemm.skinny_linear_triton(gate_up, w, silu_mul=True)
-    return linear(silu_mul(gate_up), w)
-
-
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of a packed ``[..., 2I]`` gate|up projection."""
     if use_triton(gate_up):

@@ -129,7 +129,7 @@ class Qwen3DecoderLayer(nn.Module):
             self.post_attention_layernorm,
             eps,
         )
-        return residual, ops.mlp_down(ops.linear(h, self.gate_up_proj), self.down_proj)
+        return residual, ops.linear(ops.silu_mul(ops.linear(h, self.gate_up_proj)), self.down_proj)
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         dims, h, d = self.dims, self.dims.hidden_size, self.dims.head_dim

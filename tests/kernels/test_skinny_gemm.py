@@ -11,6 +11,7 @@ import torch
 from kernel_helpers import DEVICE, rel_err
 
 from pegainfer.kernels.skinny_gemm import (
+    DISPATCH_ROWS,
     MAX_ROWS,
     SkinnyConfig,
     skinny_linear,
@@ -31,10 +32,11 @@ def _rand(gen, *shape, dtype):
     [
         (1, 64, 256, SkinnyConfig(32, 64)),
         (3, 70, 160, SkinnyConfig(32, 64)),  # ragged N and K: masked edges
-        (MAX_ROWS, 96, 128, SkinnyConfig(64, 32, num_stages=2)),
+        (16, 96, 128, SkinnyConfig(64, 32, num_stages=2)),
+        (40, 48, 64, SkinnyConfig(16, 32)),  # a 64-row x tile
         (5, 33, 100, None),  # the default tiles, larger than the problem
     ],
-    ids=["1x64x256", "3x70x160-ragged", "16x96x128", "5x33x100-default"],
+    ids=["1x64x256", "3x70x160-ragged", "16x96x128", "40x48x64", "5x33x100-default"],
 )
 def test_matches_linear(dtype, m, n, k, config):
     gen = torch.Generator().manual_seed(m * n + k)
@@ -71,5 +73,5 @@ def test_leading_dims_and_too_many_rows():
 def test_dispatch_takes_the_reference_off_cuda_and_for_many_rows():
     gen = torch.Generator().manual_seed(4)
     w = torch.randn(24, 32, generator=gen)
-    x = torch.randn(MAX_ROWS + 4, 32, generator=gen)
+    x = torch.randn(DISPATCH_ROWS + 4, 32, generator=gen)
     assert torch.equal(skinny_linear(x, w), torch.nn.functional.linear(x, w))
