@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pegainfer.layers.attention import QUERY_BLOCK
 from pegainfer_deepseek.params import param
 from pegainfer_deepseek.v4_compressor import Compressor
 from pegainfer_deepseek.v4_config import CSA, SLIDING, DeepseekV4Dims
@@ -108,29 +109,45 @@ class V4Attention(nn.Module):
         block_size: int,
         selected: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Outputs ``[n, heads, D]`` of one sequence's queries; then stores its newest keys in the ring."""
+        """Outputs ``[n, heads, D]`` of one sequence's queries, a query block at a time (a block reads only
+        the window keys it can see); then stores the sequence's newest keys in the ring."""
         w = self.dims.sliding_window
         p0, p1 = seq.first_position, seq.end_position
         ring = window_pool[seq.slot]
-        key_positions = torch.arange(max(0, p0 - w + 1), p1, device=q.device)
-        keys = torch.cat([ring[key_positions[key_positions < p0] % w], kv], dim=0)
-        q_positions = torch.arange(p0, p1, device=q.device)
-        distance = q_positions[:, None] - key_positions[None, :]
-        allowed = (distance >= 0) & (distance < w)
+        first_key = max(0, p0 - w + 1)
+        window = torch.cat([ring[torch.arange(first_key, p0, device=q.device) % w], kv], dim=0)
+        entries = entry_ids = None
         if self.compressor is not None:
             assert entry_cache is not None
-            entries = torch.arange(p1 // self.ratio, device=q.device)
-            slots = entry_slots(seq.block_table, entries, self.ratio, block_size, entry_cache.shape[1])
-            keys = torch.cat([keys, entry_cache.flatten(0, 1)[slots]], dim=0)
-            visible = entries[None, :] < (q_positions[:, None] + 1) // self.ratio
-            allowed = torch.cat([allowed, visible if selected is None else visible & selected], dim=1)
-        scores = torch.einsum("qhd,kd->hqk", q, keys) * self.dims.head_dim**-0.5
-        scores = scores.float().masked_fill(~allowed, float("-inf"))
-        sinks = self.sinks[:, None, None].expand(-1, q.shape[0], 1)
-        logits = torch.cat([scores, sinks], dim=-1)
-        probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+            entry_ids = torch.arange(p1 // self.ratio, device=q.device)
+            slots = entry_slots(seq.block_table, entry_ids, self.ratio, block_size, entry_cache.shape[1])
+            entries = entry_cache.flatten(0, 1)[slots]
+        out = torch.empty_like(q)
+        for lo in range(0, seq.length, QUERY_BLOCK):
+            hi = min(lo + QUERY_BLOCK, seq.length)
+            q_positions = torch.arange(p0 + lo, p0 + hi, device=q.device)
+            keys_from = max(first_key, p0 + lo - w + 1)
+            keys = window[keys_from - first_key : p0 + hi - first_key]
+            distance = q_positions[:, None] - torch.arange(keys_from, p0 + hi, device=q.device)[None, :]
+            allowed = (distance >= 0) & (distance < w)
+            if entries is not None:
+                visible = entry_ids[None, :] < (q_positions[:, None] + 1) // self.ratio
+                if selected is not None:
+                    visible = visible & selected[lo:hi]
+                keys = torch.cat([keys, entries], dim=0)
+                allowed = torch.cat([allowed, visible], dim=1)
+            out[lo:hi] = self._attend_block(q[lo:hi], keys, allowed)
         keep = min(seq.length, w)
         ring[torch.arange(p1 - keep, p1, device=q.device) % w] = kv[-keep:].to(ring.dtype)
+        return out
+
+    def _attend_block(self, q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """Softmax attention of ``q [n, heads, D]`` over ``keys [L, D]`` (also the values) where
+        ``allowed [n, L]``, with each head's sink logit in the softmax and dropped from the output."""
+        scores = torch.einsum("qhd,kd->hqk", q, keys) * self.dims.head_dim**-0.5
+        scores = scores.float().masked_fill(~allowed, float("-inf"))
+        logits = torch.cat([scores, self.sinks[:, None, None].expand(-1, q.shape[0], 1)], dim=-1)
+        probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
         return torch.einsum("hqk,kd->qhd", probs.to(keys.dtype), keys)
 
     def load(self, weights: V4Weights, prefix: str) -> None:

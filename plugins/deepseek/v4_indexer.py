@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pegainfer.layers.attention import QUERY_BLOCK
 from pegainfer_deepseek.indexer import top_k_mask
 from pegainfer_deepseek.params import param
 from pegainfer_deepseek.v4_compressor import Compressor
@@ -59,10 +60,15 @@ class CompressedIndexer(nn.Module):
             count = seq.end_position // self.ratio
             entries = torch.arange(count, device=x.device)
             keys = flat[entry_slots(seq.block_table, entries, self.ratio, block_size, cache.shape[1])].float()
-            scores = torch.relu(torch.einsum("qhd,ed->qhe", q[seq.rows], keys)) * self.head_dim**-0.5
-            index = (scores * head_weights[seq.rows, :, None]).sum(dim=1)
-            visible = entries[None, :] < (positions[seq.rows, None] + 1) // self.ratio
-            selections.append(top_k_mask(index, visible, self.topk))
+            mask = torch.empty(seq.length, count, dtype=torch.bool, device=x.device)
+            # Query blocks bound the float32 [n, nI, entries] score tensor.
+            for lo in range(0, seq.length, QUERY_BLOCK):
+                rows = slice(seq.start + lo, seq.start + min(lo + QUERY_BLOCK, seq.length))
+                scores = torch.relu(torch.einsum("qhd,ed->qhe", q[rows], keys)) * self.head_dim**-0.5
+                index = (scores * head_weights[rows, :, None]).sum(dim=1)
+                visible = entries[None, :] < (positions[rows, None] + 1) // self.ratio
+                mask[lo : lo + index.shape[0]] = top_k_mask(index, visible, self.topk)
+            selections.append(mask)
         return selections
 
     def load(self, weights: V4Weights, prefix: str) -> None:

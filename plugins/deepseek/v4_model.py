@@ -35,6 +35,7 @@ from pegainfer.buffer_specs import (
 )
 from pegainfer.config import ModelConfig
 from pegainfer.errors import ExecutorError
+from pegainfer.layers.attention import QUERY_BLOCK
 from pegainfer.loader import CheckpointReader
 from pegainfer.model_api import CausalLM, ForwardBatch
 from pegainfer_deepseek.fp8 import WeightReader
@@ -57,6 +58,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         super().__init__()
         self.dims = dims
         self.dtype = dtype
+        self.max_model_len = max_model_len
         h, v = dims.hidden_size, dims.vocab_size
         self.embed_tokens = param(v, h, dtype=dtype)
         self.layers = nn.ModuleList(V4DecoderLayer(dims, i, dtype) for i in range(dims.num_layers))
@@ -116,8 +118,7 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def transient_specs(self) -> list[TransientSpec]:
         """Activations per scheduled token (streams, projections, compressor and MoE intermediates), in
-        the compute dtype; float32 mixes counted twice. The reference path's score matrices are not
-        counted."""
+        the compute dtype, float32 mixes counted twice; and the reference attention's scratch."""
         d = self.dims
         widths = (
             4 * d.hc_mult * d.hidden_size
@@ -132,7 +133,23 @@ class DeepseekV4ForCausalLM(CausalLM):
             + 6 * d.moe_intermediate_size
             + 2 * d.n_routed_experts
         )
-        return [TransientSpec("deepseek_v4_activations", bytes_per_token=widths * dtype_size(self.dtype))]
+        return [
+            TransientSpec("deepseek_v4_activations", bytes_per_token=widths * dtype_size(self.dtype)),
+            TransientSpec("deepseek_v4_attention_scratch", bytes_fixed=self._scratch_bytes()),
+        ]
+
+    def _scratch_bytes(self) -> int:
+        """One query block of the reference attention and indexer at full context: float32 scores,
+        masked scores and probabilities over window keys and every compressed entry, and the indexer's
+        per-head scores with its float32 keys."""
+        d, block = self.dims, QUERY_BLOCK
+        ratios = [d.ratio(i) for i in range(d.num_layers) if d.layer_kinds[i] != SLIDING]
+        entries = self.max_model_len // min(ratios) if ratios else 0
+        keys = block + d.sliding_window + entries
+        attention = 3 * 4 * d.num_heads * block * keys + keys * d.head_dim * dtype_size(self.dtype)
+        indexed = self.max_model_len // d.compress_rates[CSA] if CSA in d.layer_kinds else 0
+        indexer = 4 * indexed * (2 * d.index_n_heads * block + d.index_head_dim)
+        return attention + indexer
 
     def forward(
         self, batch: ForwardBatch, caches: dict[int, torch.Tensor], states: dict[int, dict[str, torch.Tensor]]

@@ -88,6 +88,7 @@ def test_buffers_per_layer_kind(llm_v4):
     assert (paged[1].ratio, paged[2].ratio, paged[INDEXER_CACHE_OFFSET + 1].entry_dim) == (4, 8, 16)
     plan, bs = engine.buffers.plan, engine.buffers.block_size
     assert plan.page_bytes == sum(s.page_bytes(bs) for s in paged.values())
+    assert plan.transients["deepseek_v4_attention_scratch"] > 0
     assert plan.state_bytes_per_slot == sum(
         s.bytes_per_request for s in specs if isinstance(s, RecurrentStateSpec)
     )
@@ -175,6 +176,18 @@ def test_prompt_logits_within_tolerance(llm_v4, tiny_v4):
     last, full = _rel(ours[-1], ref[-1]), _rel(ours, ref)
     print(f"prefill logits rel err: last={last:.2e} all={full:.2e}")
     assert last < 1e-4 and full < 1e-4
+
+
+def test_query_blocks_give_the_same_logits(monkeypatch, llm_v4, tiny_v4):
+    """The reference attention and indexer walk long chunks a query block at a time (256 queries); with
+    5-query blocks the 53-token prompt crosses many block edges."""
+    import pegainfer_deepseek.v4_attention as attention
+    import pegainfer_deepseek.v4_indexer as indexer
+
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 5)
+    monkeypatch.setattr(indexer, "QUERY_BLOCK", 5)
+    prompt = random_prompts(4, [53])[0]
+    assert _rel(_run_chunks(llm_v4, "blocks", prompt, [17]), hf_logits(tiny_v4, prompt)) < 1e-4
 
 
 def test_uneven_chunks_and_decode_logits_within_tolerance(llm_v4, tiny_v4):
