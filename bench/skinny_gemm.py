@@ -23,7 +23,6 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from common import Results, measure_ceilings  # noqa: E402
 
-from pegainfer.kernels.activations import silu_mul  # noqa: E402
 from pegainfer.kernels.skinny_gemm import SkinnyConfig, default_config, skinny_linear_triton  # noqa: E402
 
 # name -> (N, K) of w, Qwen3-14B: q|k|v, o, gate|up, down, lm_head
@@ -60,10 +59,6 @@ def graph_time_ms(fns: list, reps: int = 10) -> float:
         times.append(start.elapsed_time(end))
     times.sort()
     return times[len(times) // 2] / len(fns)
-
-
-def _silu_then_gemm(gate_up: torch.Tensor, w: torch.Tensor, config: SkinnyConfig) -> torch.Tensor:
-    return skinny_linear_triton(silu_mul(gate_up), w, config=config)
 
 
 def sweep_configs() -> list[SkinnyConfig]:
@@ -125,19 +120,6 @@ def main() -> None:
                         deeper.append((t, c))
                 timed = sorted(timed + deeper, key=lambda tc: tc[0])
                 row["best"] = [(t, c.__dict__, nbytes / (t / 1e3) / bw) for t, c in timed[:6]]
-            if name == "down":
-                # The down projection with silu(gate) * up computed while loading x (one kernel) against
-                # the silu_mul kernel followed by the GEMM.
-                gate_up = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
-                fused = graph_time_ms(
-                    [partial(skinny_linear_triton, gate_up, w, silu_mul=True, config=default) for w in ws]
-                )
-                two = graph_time_ms([partial(_silu_then_gemm, gate_up, w, default) for w in ws])
-                row["silu_fused_ms"], row["silu_then_gemm_ms"] = fused, two
-                print(
-                    f"down M={m}: silu fused {fused * 1e3:.1f} us, silu_mul + GEMM {two * 1e3:.1f} us",
-                    flush=True,
-                )
             records.append(row)
             best = (
                 f" best {row['best'][0][0] * 1e3:.1f} us {row['best'][0][2]:.1%} {row['best'][0][1]}"

@@ -8,6 +8,7 @@ GPU path captures in CUDA graphs: the graph reads these exact tensors.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -50,6 +51,8 @@ class DecodeBuffers:
         self._row_of: dict[str, int] = {}
         #: Block-table entries written since start; tests use it to prove unchanged rows are left alone.
         self.block_entries_written = 0
+        #: Seconds spent waiting for the previous upload (host-time accounting in the benchmarks).
+        self.wait_time_s = 0.0
 
     def _assign_rows(self, request_ids: Sequence[str]) -> list[int]:
         batch = len(request_ids)
@@ -89,7 +92,9 @@ class DecodeBuffers:
         A request whose ``carry_from`` is ``i >= 0`` takes ``carried[i]`` (a device tensor of the previous
         step's sampled tokens) as its token instead of ``token_ids``' entry."""
         if self._upload_done is not None:
+            t0 = time.perf_counter()
             self._upload_done.synchronize()  # the last step's upload has left the staging buffers
+            self.wait_time_s += time.perf_counter() - t0
         rows = self._assign_rows(request_ids)
         batch = len(rows)
         order = np.argsort(np.asarray(rows, dtype=np.int64))

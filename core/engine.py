@@ -121,8 +121,13 @@ class LLMEngine:
         #: Whether steps are launched ahead of the last step's tokens; may be flipped between steps.
         self.async_scheduling = self._async_scheduling(config)
         self._pending: _PendingStep | None = None
-        #: Seconds the host spent waiting for sampled tokens (async scheduling): host time = wall - this.
-        self.wait_time_s = 0.0
+        self._wait_s = 0.0
+
+    @property
+    def wait_time_s(self) -> float:
+        """Seconds the host spent blocked on the GPU (sampled tokens, uploads, graph launches) since start:
+        the engine's own host time over some steps is their wall time minus this."""
+        return self._wait_s + getattr(self.executor, "wait_time_s", 0.0)
 
     def _async_scheduling(self, config: EngineConfig) -> bool:
         wanted = config.async_scheduling
@@ -401,7 +406,7 @@ class LLMEngine:
         pending, self._pending = self._pending, None
         t0 = time.perf_counter()
         sampled = pending.sample.result()
-        self.wait_time_s += time.perf_counter() - t0
+        self._wait_s += time.perf_counter() - t0
         resolved = []
         for row, item in enumerate(pending.items):
             request = item.request

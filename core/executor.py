@@ -7,6 +7,7 @@ the batch's order. Capabilities tell the engine what the executor needs and offe
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 
@@ -134,6 +135,7 @@ class LocalExecutor(Executor):
         self.decode = DecodeBuffers(max_num_seqs, -(-max_model_len // self.block_size), self.device)
         self.max_model_len = max_model_len
         self.graphs: DecodeGraphs | None = None
+        self._launch_s = 0.0
 
     def capture_decode_graphs(self, *, eager: bool = False) -> None:
         """Capture CUDA graphs for decode-only steps (needs a CUDA device and device embedding); with
@@ -173,9 +175,17 @@ class LocalExecutor(Executor):
             carried=carried,
         )
 
+    @property
+    def wait_time_s(self) -> float:
+        """Seconds the host spent blocked on the GPU here: waiting for an upload, and in graph launches
+        (a graph launched while its previous replay still runs may block until that one is done)."""
+        return self.decode.wait_time_s + self._launch_s
+
     def _execute_graph(self, decodes: list[SequenceChunk], carried: torch.Tensor | None) -> ExecutorOutput:
         rows = self._prepare_decode_rows(decodes, carried)
+        t0 = time.perf_counter()
         logits = self.graphs.run(len(decodes))
+        self._launch_s += time.perf_counter() - t0
         if rows == list(range(len(rows))):  # the usual case: rows already in batch order, no gather
             return ExecutorOutput(logits=logits)
         # The row order was uploaded with the decode inputs: no host-to-device copy (and wait) here.

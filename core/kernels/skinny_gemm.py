@@ -4,8 +4,8 @@ At batch 1..16 a projection is a weight read: every byte of ``w`` is read once a
 a few multiply-adds. On the H200 cuBLAS's small-M kernels leave 10-20% of the HBM bandwidth unused on
 the 5120-wide projections (measured side by side: ``python bench/skinny_gemm.py``).
 This kernel tiles ``w`` by ``BLOCK_N`` output rows and streams ``BLOCK_K`` columns at a time through a
-deep load pipeline. It can also compute the down projection's input ``silu(gate) * up`` while loading
-it, which saves the decode step one kernel per layer.
+deep load pipeline. (Computing the down projection's input ``silu(gate) * up`` while loading it was
+measured 2.5x slower than the separate silu_mul kernel plus this GEMM, and is not offered.)
 
 - :func:`skinny_linear`: the dispatching entry (Triton on CUDA for ``M <= MAX_ROWS``, else F.linear).
 """
@@ -58,7 +58,6 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    SILU_MUL: tl.constexpr,
     EVEN_K: tl.constexpr,
     FIX: tl.constexpr,
     PREC: tl.constexpr,
@@ -83,12 +82,6 @@ def _skinny_gemm_kernel(
             x_mask = row_ok & k_ok
             w_mask = col_ok & k_ok
         x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        if SILU_MUL:  # x holds gate | up: the down projection's input silu(gate) * up, rounded as silu_mul
-            dtype = x.dtype
-            g = x.to(tl.float32)
-            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
-            s = cast_to(g / (1.0 + tl.exp(-g)), dtype, FIX).to(tl.float32)
-            x = cast_to(s * up, dtype, FIX)
         w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         acc += mma(w, tl.trans(x), FIX, PREC)
         x_ptrs += BLOCK_K
@@ -102,15 +95,15 @@ def _skinny_gemm_kernel(
 
 def default_config(n: int, k: int, m: int = 1, element_size: int = 2) -> SkinnyConfig:
     """Tiles measured on the H200 at the Qwen3-14B projections (``python bench/skinny_gemm.py --sweep``):
-    64 rows of w per program, 256 columns per load, four loads in flight; 32 rows for the 35k-row
-    gate|up and 128 columns for the 152k-row lm_head. Splitting K never won (the 5120-row projections
-    already make 80+ programs) and is not offered."""
+    64 rows of w per program, 256 columns per load, four loads in flight; 64 columns and three loads for
+    the 35k-row gate|up, 128 columns for the 152k-row lm_head. Splitting K never won (the 5120-row
+    projections already make 80+ programs) and is not offered."""
     if m > 16 or element_size > 2:  # wider x tiles (or fp32): shorter loads keep the stages in shared memory
         return SkinnyConfig(64, 128)
     if n >= 100_000:
         return SkinnyConfig(64, 128)
     if n >= 20_000:
-        return SkinnyConfig(32, 256)
+        return SkinnyConfig(64, 64, num_stages=3)
     return SkinnyConfig(64, 256)
 
 
@@ -119,11 +112,9 @@ def skinny_linear_triton(
     w: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    silu_mul: bool = False,
     config: SkinnyConfig | None = None,
 ) -> torch.Tensor:
-    """The Triton path of :func:`skinny_linear` for ``x`` ``[..., K]`` (``[..., 2K]`` = gate | up with
-    ``silu_mul``) with at most ``MAX_ROWS`` rows."""
+    """The Triton path of :func:`skinny_linear` for ``x`` ``[..., K]`` with at most ``MAX_ROWS`` rows."""
     k = w.shape[1]
     n = w.shape[0]
     x2 = x.reshape(-1, x.shape[-1])
@@ -131,8 +122,8 @@ def skinny_linear_triton(
         x2 = x2.contiguous()
     if w.stride(-1) != 1:
         raise ValueError("skinny_linear needs w with a contiguous last dimension")
-    if x2.shape[1] != (2 * k if silu_mul else k):
-        raise ValueError(f"x has {x2.shape[1]} columns; w {tuple(w.shape)} needs {2 * k if silu_mul else k}")
+    if x2.shape[1] != k:
+        raise ValueError(f"x has {x2.shape[1]} columns; w {tuple(w.shape)} needs {k}")
     m = x2.shape[0]
     if m > MAX_ROWS:
         raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {m}")
@@ -142,18 +133,13 @@ def skinny_linear_triton(
         _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](
             x2, w, bias if bias is not None else w, out, m, n, k, x2.stride(0), w.stride(0), out.stride(0),
             BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
-            SILU_MUL=silu_mul, EVEN_K=k % cfg.block_k == 0, FIX=interp_bf16(x.dtype),
+            EVEN_K=k % cfg.block_k == 0, FIX=interp_bf16(x.dtype),
             PREC=dot_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)
 
 
-def skinny_linear_ref(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, silu_mul: bool = False
-) -> torch.Tensor:
-    if silu_mul:
-        gate, up = x.chunk(2, dim=-1)
-        x = F.silu(gate) * up
+def skinny_linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, w, bias)
 
 
@@ -163,11 +149,8 @@ def takes_skinny(x: torch.Tensor) -> bool:
     return use_kernel(x) and rows <= DISPATCH_ROWS and x.dtype in (torch.bfloat16, torch.float16)
 
 
-def skinny_linear(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, silu_mul: bool = False
-) -> torch.Tensor:
-    """``F.linear(x, w, bias)`` (of ``silu(gate) * up`` for x = gate | up with ``silu_mul``); the skinny
-    kernel when :func:`takes_skinny`, the torch reference otherwise."""
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, bias)``: the skinny kernel when :func:`takes_skinny`, the torch reference otherwise."""
     if takes_skinny(x):
-        return skinny_linear_triton(x, w, bias, silu_mul=silu_mul)
-    return skinny_linear_ref(x, w, bias, silu_mul=silu_mul)
+        return skinny_linear_triton(x, w, bias)
+    return skinny_linear_ref(x, w, bias)
