@@ -65,8 +65,8 @@ class DeepseekV4ForCausalLM(CausalLM):
         self.hc_head = HyperHead(dims)
         self.norm = param(h, dtype=torch.float32)
         self.lm_head = None if dims.tie_word_embeddings else param(v, h, dtype=dtype)
-        self.main_rope = TrailingRope(dims.main_rope, dims.rope_dim, max_model_len)
-        self.compress_rope = TrailingRope(dims.compress_rope, dims.rope_dim, max_model_len)
+        self.main_rope = TrailingRope(dims.main_rope, dims.rope_dim)
+        self.compress_rope = TrailingRope(dims.compress_rope, dims.rope_dim)
 
     @classmethod
     def from_hf_config(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding, default_inv_freq, yarn_inv_freq
+from pegainfer.layers.rotary_yarn import default_inv_freq, yarn_inv_freq
 from pegainfer_deepseek.v4_config import V4Rope
 
 
@@ -25,23 +25,24 @@ def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class TrailingRope(torch.nn.Module):
-    """Interleaved rope of the last ``rope_dim`` channels of ``x [T, ..., D]`` at ``positions [T]``."""
+    """Interleaved rope of the last ``rope_dim`` channels of ``x [T, ..., D]`` at ``positions [T]``.
 
-    def __init__(self, rope: V4Rope, rope_dim: int, max_positions: int) -> None:
+    Angles are computed per call, as transformers does: a table over V4's million-token context would
+    cost more memory than the model's caches on a CPU test."""
+
+    def __init__(self, rope: V4Rope, rope_dim: int) -> None:
         super().__init__()
         if rope.yarn is None:
-            self.table = PairedRotaryEmbedding(default_inv_freq(rope_dim, rope.theta), max_positions)
+            inv_freq, self.factor = default_inv_freq(rope_dim, rope.theta), 1.0
         else:
-            self.table = PairedRotaryEmbedding(
-                yarn_inv_freq(rope_dim, rope.theta, rope.yarn),
-                max_positions,
-                cos_sin_factor=rope.yarn.cos_sin_factor(),
-            )
+            inv_freq, self.factor = yarn_inv_freq(rope_dim, rope.theta, rope.yarn), rope.yarn.cos_sin_factor()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rope_dim = rope_dim
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
-        cos = self.table.cos[positions].to(x.dtype)
-        sin = self.table.sin[positions].to(x.dtype)
+        angles = positions.float()[:, None] * self.inv_freq
+        cos = (angles.cos() * self.factor).to(x.dtype)
+        sin = (angles.sin() * self.factor).to(x.dtype)
         if inverse:
             sin = -sin
         shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (-1,)

@@ -64,10 +64,12 @@ def test_legacy_spellings_mean_what_transformers_reads():
     assert list(dims.mlp_kinds) == hf.mlp_layer_types == ["hash_moe", "moe", "moe"]
     assert dims.rope_dim == hf.qk_rope_head_dim == 8
     rotary = transformers_v4.DeepseekV4RotaryEmbedding(hf)
-    ours = TrailingRope(dims.compress_rope, dims.rope_dim, 64)
+    ours = TrailingRope(dims.compress_rope, dims.rope_dim)
     positions = torch.arange(64)
-    cos, _ = rotary(torch.zeros(1), positions[None], layer_type="compress")
-    torch.testing.assert_close(ours.table.cos[positions], cos[0], rtol=1e-5, atol=1e-5)
+    cos, sin = rotary(torch.zeros(1), positions[None], layer_type="compress")
+    x = torch.randn(64, 1, 16)
+    expected = transformers_v4.apply_rotary_pos_emb(x.transpose(0, 1)[None], cos, sin)[0].transpose(0, 1)
+    torch.testing.assert_close(ours(x, positions), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -111,7 +113,7 @@ def _run(compressor: Compressor, x: torch.Tensor, cuts: list[int], block_size: i
     cache = torch.zeros(spec.page_shape(pages, block_size))
     ring = torch.zeros(1, *compressor.ring_shape)
     table = torch.randperm(pages)  # pages out of order, as a pool hands them out
-    rope = TrailingRope(_dims().compress_rope, 8, 256)
+    rope = TrailingRope(_dims().compress_rope, 8)
     start = 0
     for end in [*cuts, x.shape[0]]:
         seq = SequenceRows(0, end - start, start, 0, table)
