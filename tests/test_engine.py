@@ -307,3 +307,14 @@ def test_prompt_logprobs_bound_the_prefill_chunk(tiny_qwen3):
     ref = torch.log_softmax(hf_logits(tiny_qwen3, prompt), dim=-1)
     for pos in (1, PROMPT_LOGPROBS_CHUNK, len(prompt) - 1):
         assert abs(out.prompt_logprobs[pos][prompt[pos]].logprob - ref[pos - 1, prompt[pos]].item()) < 1e-4
+
+
+def test_top_logprob_gaps_measure_only_real_differences():
+    from pegainfer.testing.conformance import top_logprob_gaps
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 40, generator=gen)
+    assert top_logprob_gaps(logits + 3.0, logits).abs().max() < 1e-5  # a constant shift is no change
+    noisy = logits + 0.1 * torch.randn(5, 40, generator=gen)
+    assert top_logprob_gaps(noisy, logits, k=4).shape == (20,)
+    assert top_logprob_gaps(noisy, logits).mean() > 0.01

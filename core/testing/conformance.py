@@ -109,6 +109,50 @@ def hf_logits(
         return model(torch.tensor([list(prompt)], device=device)).logits[0].float()
 
 
+def top_logprob_gaps(candidate: torch.Tensor, reference: torch.Tensor, k: int = 8) -> torch.Tensor:
+    """|log-prob difference| on each row's ``k`` most likely tokens under ``reference`` (both [T, V])."""
+    candidate = torch.log_softmax(candidate.float(), -1)
+    reference = torch.log_softmax(reference.float(), -1)
+    top = reference.topk(k, dim=-1).indices
+    return (candidate.gather(-1, top) - reference.gather(-1, top)).abs().flatten()
+
+
+class Bf16AccuracyReport:
+    """Teacher-forced bf16 accuracy against the truth (GPU tests): transformers in float32 on the same
+    bf16 weights. Random weights make a chaotic network in which two correct bf16 implementations differ
+    by more than on a trained model, so the gate is relative: our bf16 must be as close to the truth as
+    transformers' own bf16 (within 25% + 0.01 nats, mean |delta log-prob| of the top-8 tokens)."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = folder
+        self._gaps: list[torch.Tensor] = []
+
+    def add(self, prompt: list[int], ours: torch.Tensor) -> None:
+        """``ours``: logits [n, V] of the last ``n`` positions of the teacher-forced ``prompt``."""
+        truth = hf_logits(self.folder, prompt, dtype=torch.float32, device=str(ours.device))
+        hf16 = hf_logits(self.folder, prompt, dtype=torch.bfloat16, device=str(ours.device))
+        n = ours.shape[0]
+        self._gaps.append(
+            torch.stack(
+                [
+                    top_logprob_gaps(ours, truth[-n:]),
+                    top_logprob_gaps(hf16[-n:], truth[-n:]),
+                    top_logprob_gaps(ours, hf16[-n:]),
+                ]
+            )
+        )
+
+    def assert_as_accurate_as_hf(self, label: str) -> None:
+        gaps = torch.cat(self._gaps, dim=1)
+        ours, hf, direct = gaps.mean(dim=1).tolist()
+        p99, direct_p99 = gaps[0].quantile(0.99).item(), gaps[2].quantile(0.99).item()
+        print(
+            f"{label}: ours-vs-fp32 {ours:.4f} (p99 {p99:.4f}), hf-bf16-vs-fp32 {hf:.4f}, "
+            f"ours-vs-hf-bf16 {direct:.4f} (p99 {direct_p99:.4f}), positions {gaps.shape[1] // 8}"
+        )
+        assert ours <= 1.25 * hf + 0.01, f"{label}: our bf16 is less accurate than transformers' bf16"
+
+
 def unused_checkpoint_tensors(folder: str | Path, name: str = "auto") -> list[str]:
     """Tensors of the checkpoint that the plugin's loader never read (an empty list is full coverage)."""
     from pegainfer.model_loader import load_model

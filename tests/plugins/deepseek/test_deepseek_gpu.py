@@ -19,7 +19,7 @@ from pegainfer.executor import ModelBatch, SequenceChunk
 from pegainfer.request import Request
 from pegainfer.sampling_params import SamplingParams
 from pegainfer.testing.checkpoints import write_tiny_checkpoint
-from pegainfer.testing.conformance import hf_logits
+from pegainfer.testing.conformance import hf_logits, top_logprob_gaps
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,12 +27,6 @@ pytestmark = [
 ]
 
 DECODE_STEPS = 8
-
-
-def _logprob_gap(ours: torch.Tensor, ref: torch.Tensor, k: int = 8) -> torch.Tensor:
-    ours, ref = torch.log_softmax(ours.float(), -1), torch.log_softmax(ref.float(), -1)
-    top = ref.topk(k, dim=-1).indices
-    return (ours.gather(-1, top) - ref.gather(-1, top)).abs().flatten()
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +113,7 @@ def test_bf16_logits_match_hf_bf16(gpu_checkpoint, mode):
     gaps = []
     for i, prompt in enumerate(prompts):
         ref = hf_logits(gpu_checkpoint, prompt, dtype=torch.bfloat16, device="cuda")
-        gaps.append(_logprob_gap(ours[i], ref[-ours[i].shape[0] :]))
+        gaps.append(top_logprob_gaps(ours[i], ref[-ours[i].shape[0] :]))
     gap = torch.cat(gaps)
     mean, p99 = gap.mean().item(), gap.quantile(0.99).item()
     print(f"{mode}: positions={sum(o.shape[0] for o in ours.values())} mean|dlogp|={mean:.4f} p99={p99:.4f}")

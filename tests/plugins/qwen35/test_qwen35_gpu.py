@@ -23,7 +23,7 @@ from pegainfer import LLM
 from pegainfer.executor import ModelBatch, SequenceChunk
 from pegainfer.request import Request
 from pegainfer.sampling_params import SamplingParams
-from pegainfer.testing.conformance import hf_logits
+from pegainfer.testing.conformance import Bf16AccuracyReport
 
 pytestmark = [
     pytest.mark.gpu,
@@ -51,33 +51,6 @@ VARIANTS = {
         "shared_expert_intermediate_size": 512,
     },
 }
-
-
-def _gaps(candidate: torch.Tensor, truth: torch.Tensor, k: int = 8) -> torch.Tensor:
-    candidate, truth = torch.log_softmax(candidate.float(), -1), torch.log_softmax(truth.float(), -1)
-    top = truth.topk(k, dim=-1).indices
-    return (candidate.gather(-1, top) - truth.gather(-1, top)).abs().flatten()
-
-
-def _check(folder, prompt: list[int], ours: torch.Tensor, report: list[torch.Tensor]) -> None:
-    """Append (ours vs fp32, HF bf16 vs fp32, ours vs HF bf16) gaps for the teacher-forced ``prompt``."""
-    truth = hf_logits(folder, prompt, dtype=torch.float32, device="cuda")
-    hf16 = hf_logits(folder, prompt, dtype=torch.bfloat16, device="cuda")
-    n = ours.shape[0]
-    report.append(
-        torch.stack([_gaps(ours, truth[-n:]), _gaps(hf16[-n:], truth[-n:]), _gaps(ours, hf16[-n:])])
-    )
-
-
-def _assert_gate(report: list[torch.Tensor], label: str) -> None:
-    gaps = torch.cat(report, dim=1)
-    ours, hf, direct = gaps.mean(dim=1).tolist()
-    p99, direct_p99 = gaps[0].quantile(0.99).item(), gaps[2].quantile(0.99).item()
-    print(
-        f"{label}: ours-vs-fp32 {ours:.4f} (p99 {p99:.4f}), hf-bf16-vs-fp32 {hf:.4f}, "
-        f"ours-vs-hf-bf16 {direct:.4f} (p99 {direct_p99:.4f}), positions {gaps.shape[1] // 8}"
-    )
-    assert ours <= 1.25 * hf + 0.01
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS), ids=["dense", "moe"])
@@ -120,10 +93,10 @@ def test_bf16_prefill_logits_match_hf(llm, folder, batched):
     rng = random.Random(0)
     prompts = [[rng.randrange(990) for _ in range(n)] for n in (97, 64, 150, 33)][: 4 if batched else 1]
     logits = _prefill(llm, prompts)
-    report: list[torch.Tensor] = []
+    report = Bf16AccuracyReport(folder)
     for i, prompt in enumerate(prompts):
-        _check(folder, prompt, logits[f"r{i}"], report)
-    _assert_gate(report, f"{folder.name} prefill {'batched' if batched else 'batch 1'}")
+        report.add(prompt, logits[f"r{i}"])
+    report.assert_as_accurate_as_hf(f"{folder.name} prefill {'batched' if batched else 'batch 1'}")
 
 
 def test_bf16_decode_logits_match_hf(llm, folder):
@@ -156,11 +129,11 @@ def test_bf16_decode_logits_match_hf(llm, folder):
                 finals[int(out.request_id)] = out.outputs[0].token_ids
     finally:
         engine.executor.execute = execute
-    report: list[torch.Tensor] = []
+    report = Bf16AccuracyReport(folder)
     for i, prompt in enumerate(prompts):
         ours = torch.stack(captured[i])  # logits at positions len(prompt)-1 ... len(prompt)+46
-        _check(folder, prompt + finals[i][:-1], ours, report)
-    _assert_gate(report, f"{folder.name} decode batched")
+        report.add(prompt + finals[i][:-1], ours)
+    report.assert_as_accurate_as_hf(f"{folder.name} decode batched")
 
 
 def test_prefill_forward_stays_within_its_transient_reserve(llm):

@@ -18,7 +18,7 @@ from pegainfer import LLM
 from pegainfer.executor import ModelBatch, SequenceChunk
 from pegainfer.request import Request
 from pegainfer.sampling_params import SamplingParams
-from pegainfer.testing.conformance import hf_logits
+from pegainfer.testing.conformance import Bf16AccuracyReport
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,32 +33,6 @@ SHAPE = {
     "num_key_value_heads": 2,
     "head_dim": 64,
 }
-
-
-def _gaps(candidate: torch.Tensor, truth: torch.Tensor, k: int = 8) -> torch.Tensor:
-    candidate, truth = torch.log_softmax(candidate.float(), -1), torch.log_softmax(truth.float(), -1)
-    top = truth.topk(k, dim=-1).indices
-    return (candidate.gather(-1, top) - truth.gather(-1, top)).abs().flatten()
-
-
-def _check(folder, prompt: list[int], ours: torch.Tensor, report: list[torch.Tensor]) -> None:
-    """Append (ours vs fp32, HF bf16 vs fp32, ours vs HF bf16) gaps for the teacher-forced ``prompt``."""
-    truth = hf_logits(folder, prompt, dtype=torch.float32, device="cuda")
-    hf16 = hf_logits(folder, prompt, dtype=torch.bfloat16, device="cuda")
-    n = ours.shape[0]
-    report.append(
-        torch.stack([_gaps(ours, truth[-n:]), _gaps(hf16[-n:], truth[-n:]), _gaps(ours, hf16[-n:])])
-    )
-
-
-def _assert_gate(report: list[torch.Tensor], label: str) -> None:
-    gaps = torch.cat(report, dim=1)
-    ours, hf, direct = gaps.mean(dim=1).tolist()
-    p99 = gaps[0].quantile(0.99).item()
-    print(
-        f"{label}: ours-vs-fp32 {ours:.4f} (p99 {p99:.4f}), hf-bf16-vs-fp32 {hf:.4f}, ours-vs-hf-bf16 {direct:.4f}"
-    )
-    assert ours <= 1.25 * hf + 0.01
 
 
 @pytest.fixture(scope="module")
@@ -85,10 +59,10 @@ def test_bf16_prefill_logits_as_accurate_as_hf_bf16(llm, folder, batched):
     out = engine.executor.execute(ModelBatch(chunks))
     for request in requests:
         engine.buffers.free(request)
-    report: list[torch.Tensor] = []
+    report = Bf16AccuracyReport(folder)
     for i, prompt in enumerate(prompts):
-        _check(folder, prompt, out.all_logits[f"r{i}"], report)
-    _assert_gate(report, f"prefill {'batched' if batched else 'batch 1'}")
+        report.add(prompt, out.all_logits[f"r{i}"])
+    report.assert_as_accurate_as_hf(f"prefill {'batched' if batched else 'batch 1'}")
 
 
 def test_bf16_decode_logits_as_accurate_as_hf_bf16(llm, folder):
@@ -121,12 +95,12 @@ def test_bf16_decode_logits_as_accurate_as_hf_bf16(llm, folder):
                 finals[int(out.request_id)] = out.outputs[0].token_ids
     finally:
         engine.executor.execute = execute
-    report: list[torch.Tensor] = []
+    report = Bf16AccuracyReport(folder)
     for i, prompt in enumerate(prompts):
         tokens = finals[i]
         ours = torch.stack(captured[i])  # logits at positions len(prompt)-1 ... len(prompt)+46
-        _check(folder, prompt + tokens[:-1], ours, report)
-    _assert_gate(report, "decode batched")
+        report.add(prompt + tokens[:-1], ours)
+    report.assert_as_accurate_as_hf("decode batched")
 
 
 def test_graph_decode_equals_eager_decode(folder):
