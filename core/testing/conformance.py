@@ -75,6 +75,26 @@ def hf_greedy(
     return out
 
 
+def assert_chunked_prefill_matches_hf(
+    folder: str | Path, chunk: int, budget: int, lengths: Sequence[int] = (45, 30, 9), max_tokens: int = 24
+) -> None:
+    """Prompts prefilled in chunks of at most ``chunk`` tokens within ``budget``-token steps (so steps mix
+    prefill chunks with decode rows, and chunks cross page boundaries) give transformers' greedy tokens."""
+    from pegainfer.llm import LLM
+
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        device="cpu",
+        long_prefill_token_threshold=chunk,
+        max_num_batched_tokens=budget,
+        cpu_kv_cache_bytes=8 << 20,
+    )
+    prompts = random_prompts(2, lengths)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    assert greedy_token_ids(llm, prompts, params) == hf_greedy(folder, prompts, max_tokens)
+
+
 def assert_preempted_run_matches_hf(folder: str | Path, pages: int, max_tokens: int = 24) -> Any:
     """Four prompts through a pool of ``pages`` 4-token pages too small to hold them at once: the run must
     preempt, still give transformers' greedy tokens, and return every page. Returns the LLM."""

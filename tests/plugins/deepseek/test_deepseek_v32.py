@@ -19,6 +19,7 @@ from pegainfer.executor import ModelBatch, SequenceChunk
 from pegainfer.request import Request
 from pegainfer.testing.checkpoints import _to_new_layout
 from pegainfer.testing.conformance import (
+    assert_chunked_prefill_matches_hf,
     assert_preempted_run_matches_hf,
     greedy_token_ids,
     hf_greedy,
@@ -142,16 +143,7 @@ def test_batch_of_mixed_lengths_matches_hf(llm_v32, tiny_v32):
 def test_chunked_prefill_matches_hf(tiny_v32):
     # Chunks of at most 5 tokens and a 12-token step budget: later chunks select among the indexer keys
     # earlier chunks cached, across page boundaries.
-    llm = LLM(
-        str(tiny_v32),
-        dtype="float32",
-        device="cpu",
-        long_prefill_token_threshold=5,
-        max_num_batched_tokens=12,
-        cpu_kv_cache_bytes=8 << 20,
-    )
-    prompts = random_prompts(2, [45, 30, 9])
-    assert greedy_token_ids(llm, prompts) == hf_greedy(tiny_v32, prompts, 24)
+    assert_chunked_prefill_matches_hf(tiny_v32, chunk=5, budget=12)
 
 
 def test_preempted_run_matches_hf(tiny_v32):

@@ -23,6 +23,7 @@ from pegainfer.loader import CheckpointReader
 from pegainfer.model_loader import load_model
 from pegainfer.request import Request
 from pegainfer.testing.conformance import (
+    assert_chunked_prefill_matches_hf,
     assert_preempted_run_matches_hf,
     greedy_token_ids,
     hf_greedy,
@@ -151,16 +152,7 @@ def test_batch_of_mixed_lengths_matches_hf(llm_v4, tiny_v4):
 def test_chunked_prefill_matches_hf(tiny_v4):
     # Chunks of at most 5 tokens in 12-token steps: chunk boundaries fall inside CSA windows (4), HCA
     # windows (8) and the sliding window (8), and decode rows share steps with other prompts' chunks.
-    llm = LLM(
-        str(tiny_v4),
-        dtype="float32",
-        device="cpu",
-        long_prefill_token_threshold=5,
-        max_num_batched_tokens=12,
-        cpu_kv_cache_bytes=8 << 20,
-    )
-    prompts = random_prompts(2, [45, 30, 9])
-    assert greedy_token_ids(llm, prompts) == hf_greedy(tiny_v4, prompts, 24)
+    assert_chunked_prefill_matches_hf(tiny_v4, chunk=5, budget=12)
 
 
 def test_preempted_run_matches_hf(tiny_v4):

@@ -15,6 +15,7 @@ from pegainfer.errors import ExecutorError
 from pegainfer.executor import ModelBatch, SequenceChunk
 from pegainfer.request import Request
 from pegainfer.testing.conformance import (
+    assert_chunked_prefill_matches_hf,
     assert_preempted_run_matches_hf,
     greedy_token_ids,
     hf_greedy,
@@ -43,16 +44,7 @@ def test_batch_of_mixed_lengths_matches_hf(llm, tiny_deepseek):
 def test_chunked_prefill_matches_hf(tiny_deepseek):
     # Chunks of at most 5 tokens and a 12-token step budget: prompts span many steps and page boundaries,
     # and later chunks attend to the latents earlier chunks cached.
-    llm = LLM(
-        str(tiny_deepseek),
-        dtype="float32",
-        device="cpu",
-        long_prefill_token_threshold=5,
-        max_num_batched_tokens=12,
-        cpu_kv_cache_bytes=8 << 20,
-    )
-    prompts = random_prompts(2, [45, 30, 9])
-    assert greedy_token_ids(llm, prompts) == hf_greedy(tiny_deepseek, prompts, 24)
+    assert_chunked_prefill_matches_hf(tiny_deepseek, chunk=5, budget=12)
 
 
 def test_preempted_run_matches_hf(tiny_deepseek):

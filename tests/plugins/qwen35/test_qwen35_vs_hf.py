@@ -10,6 +10,7 @@ from pegainfer import LLM, SamplingParams
 from pegainfer.executor import ModelBatch, SequenceChunk
 from pegainfer.request import Request
 from pegainfer.testing.conformance import (
+    assert_chunked_prefill_matches_hf,
     assert_preempted_run_matches_hf,
     greedy_token_ids,
     hf_greedy,
@@ -41,16 +42,7 @@ def test_chunked_prefill_matches_hf(tiny_qwen35):
     # Chunks of 3 tokens (shorter than the conv window of 4) and a 10-token step budget: every chunk
     # continues the previous chunk's conv window and delta-rule state, and steps mix prefill chunks with
     # decode rows.
-    llm = LLM(
-        str(tiny_qwen35),
-        dtype="float32",
-        device="cpu",
-        long_prefill_token_threshold=3,
-        max_num_batched_tokens=10,
-        cpu_kv_cache_bytes=8 << 20,
-    )
-    prompts = random_prompts(2, [25, 13, 7, 2])
-    assert greedy_token_ids(llm, prompts) == hf_greedy(tiny_qwen35, prompts, 24)
+    assert_chunked_prefill_matches_hf(tiny_qwen35, chunk=3, budget=10, lengths=[25, 13, 7, 2])
 
 
 def test_preempted_run_matches_hf(tiny_qwen35):

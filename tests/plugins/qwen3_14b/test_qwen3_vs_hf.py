@@ -9,6 +9,7 @@ from pegainfer import LLM, SamplingParams
 from pegainfer.executor import ModelBatch, SequenceChunk
 from pegainfer.testing.checkpoints import write_tiny_checkpoint
 from pegainfer.testing.conformance import (
+    assert_chunked_prefill_matches_hf,
     assert_preempted_run_matches_hf,
     greedy_token_ids,
     hf_greedy,
@@ -37,16 +38,7 @@ def test_batch_of_mixed_lengths_matches_hf(llm, tiny_qwen3):
 
 def test_chunked_prefill_matches_hf(tiny_qwen3):
     # Chunks of 7 tokens and a 16-token step budget: prompts span many steps and page boundaries.
-    llm = LLM(
-        str(tiny_qwen3),
-        dtype="float32",
-        device="cpu",
-        long_prefill_token_threshold=7,
-        max_num_batched_tokens=16,
-        cpu_kv_cache_bytes=8 << 20,
-    )
-    prompts = random_prompts(2, [45, 30, 9])
-    assert greedy_token_ids(llm, prompts) == hf_greedy(tiny_qwen3, prompts, 24)
+    assert_chunked_prefill_matches_hf(tiny_qwen3, chunk=7, budget=16)
 
 
 def test_preempted_run_matches_hf(tiny_qwen3):
