@@ -28,6 +28,33 @@ def cuda_time_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> f
     return statistics.median(times)
 
 
+def graph_time_ms(fn: Callable[[], object], calls: int = 1, reps: int = 30) -> float:
+    """Median ms per call of ``fn`` (which makes ``calls`` calls), captured and replayed as one CUDA graph:
+    timed as the decode step runs its kernels, without launch gaps."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (compilation, lazy initialisation) outside the graph
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return statistics.median(times) / calls
+
+
 def wall_time_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> float:
     """Median wall-clock milliseconds of ``fn``, synchronising the GPU around each call."""
     for _ in range(warmup):

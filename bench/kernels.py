@@ -22,7 +22,6 @@ import datetime
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ if "--smoke" in sys.argv:
 
 import torch
 import torch.nn.functional as F
+from common import graph_time_ms
 
 from pegainfer.kernels import activations, norms, rope_kv
 from pegainfer.kernels.paged_decode_attention import (
@@ -67,28 +67,7 @@ class Bench:
         """Median ms per call of ``fn`` (which makes ``calls`` calls) replayed as one CUDA graph."""
         if self.smoke:
             return self.wall_ms(fn) / calls
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        for _ in range(3):
-            graph.replay()
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        del graph
-        return statistics.median(times) / calls
+        return graph_time_ms(fn, calls, reps)
 
     def eager_ms(self, fn: Callable[[], object], rep_ms: int = 100) -> float:
         """Median ms of ``fn`` launched eagerly, L2 flushed before each repetition (do_bench)."""

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import Results, measure_ceilings  # noqa: E402
+from common import Results, graph_time_ms, measure_ceilings  # noqa: E402
 
 from pegainfer.kernels.skinny_gemm import SkinnyConfig, default_config, skinny_linear_triton  # noqa: E402
 
@@ -35,30 +35,9 @@ SHAPES = {
 }
 
 
-def graph_time_ms(fns: list, reps: int = 10) -> float:
-    """Median ms of one replay of a CUDA graph that calls every fn once, divided by their count."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2] / len(fns)
+def per_call_ms(fns: list, reps: int = 10) -> float:
+    """Median ms of one call, the calls (one per weight copy) replayed together as one CUDA graph."""
+    return graph_time_ms(lambda: [fn() for fn in fns], calls=len(fns), reps=reps)
 
 
 def sweep_configs() -> list[SkinnyConfig]:
@@ -90,10 +69,10 @@ def main() -> None:
         for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = F.linear(x, ws[0])
-            cublas = graph_time_ms([partial(F.linear, x, w) for w in ws])
+            cublas = per_call_ms([partial(F.linear, x, w) for w in ws])
             default = default_config(n, k, m)
             err = (skinny_linear_triton(x, ws[0], config=default).float() - ref.float()).abs().max().item()
-            ours = graph_time_ms([partial(skinny_linear_triton, x, w, config=default) for w in ws])
+            ours = per_call_ms([partial(skinny_linear_triton, x, w, config=default) for w in ws])
             row = {
                 "shape": name, "m": m, "n": n, "k": k, "cublas_ms": cublas, "ours_ms": ours,
                 "default": default.__dict__, "max_abs_err": err,
@@ -103,7 +82,7 @@ def main() -> None:
                 timed = []
                 for cfg in sweep_configs():
                     try:
-                        t = graph_time_ms([partial(skinny_linear_triton, x, w, config=cfg) for w in ws], 5)
+                        t = per_call_ms([partial(skinny_linear_triton, x, w, config=cfg) for w in ws], 5)
                     except Exception as exc:  # a tile that does not fit (shared memory) is skipped
                         print(f"  skip {cfg}: {type(exc).__name__}", flush=True)
                         continue
@@ -114,7 +93,7 @@ def main() -> None:
                     for stages in (3, 5):
                         c = SkinnyConfig(cfg.block_n, cfg.block_k, cfg.num_warps, stages)
                         try:
-                            t = graph_time_ms([partial(skinny_linear_triton, x, w, config=c) for w in ws], 5)
+                            t = per_call_ms([partial(skinny_linear_triton, x, w, config=c) for w in ws], 5)
                         except Exception:
                             continue
                         deeper.append((t, c))
