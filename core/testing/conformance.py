@@ -129,6 +129,11 @@ def hf_logits(
         return model(torch.tensor([list(prompt)], device=device)).logits[0].float()
 
 
+def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||ours - ref|| / ||ref||``: the logits tolerance the equivalence tests state."""
+    return (torch.linalg.vector_norm(ours - ref) / torch.linalg.vector_norm(ref)).item()
+
+
 def top_logprob_gaps(candidate: torch.Tensor, reference: torch.Tensor, k: int = 8) -> torch.Tensor:
     """|log-prob difference| on each row's ``k`` most likely tokens under ``reference`` (both [T, V])."""
     candidate = torch.log_softmax(candidate.float(), -1)
@@ -161,6 +166,34 @@ class Bf16AccuracyReport:
                 ]
             )
         )
+
+    def add_greedy_decode(self, engine: Any, prompts: list[list[int]], max_tokens: int = 48) -> None:
+        """Decode ``prompts`` greedily as one batch through ``engine`` (request ids "0", "1", ...), keeping
+        the logits of every sampled row, and add each sequence's positions from its last prompt token on."""
+        captured: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(prompts))}
+        execute = engine.executor.execute
+
+        def recording_execute(batch: Any) -> Any:
+            out = execute(batch)
+            rows = [c for c in batch.chunks if c.needs_logits]
+            for chunk, logits in zip(rows, out.logits, strict=True):
+                captured[int(chunk.request_id)].append(logits.clone())
+            return out
+
+        engine.executor.execute = recording_execute
+        try:
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            for i, prompt in enumerate(prompts):
+                engine.add_request(str(i), None, params, prompt_token_ids=prompt)
+            finals = {}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    finals[int(out.request_id)] = out.outputs[0].token_ids
+        finally:
+            engine.executor.execute = execute
+        for i, prompt in enumerate(prompts):
+            # logits at positions len(prompt) - 1 ... len(prompt) + max_tokens - 2
+            self.add(prompt + finals[i][:-1], torch.stack(captured[i]))
 
     def assert_as_accurate_as_hf(self, label: str) -> None:
         gaps = torch.cat(self._gaps, dim=1)

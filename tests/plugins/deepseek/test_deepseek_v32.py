@@ -26,6 +26,7 @@ from pegainfer.testing.conformance import (
     hf_logits,
     hf_model,
     random_prompts,
+    relative_error,
     unused_checkpoint_tensors,
 )
 from pegainfer.testing.tiny_deepseek import deepseek_v32_config
@@ -43,10 +44,6 @@ def tiny_v32(tiny_checkpoint_factory: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="module")
 def llm_v32(tiny_v32: Path) -> LLM:
     return LLM(str(tiny_v32), dtype="float32", device="cpu", cpu_kv_cache_bytes=8 << 20)
-
-
-def _rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return (torch.linalg.vector_norm(ours - ref) / torch.linalg.vector_norm(ref)).item()
 
 
 def _prefill(llm: LLM, rid: str, tokens: list[int], all_logits: bool = True):
@@ -156,7 +153,7 @@ def test_prompt_logits_within_tolerance(llm_v32, tiny_v32):
     request, out = _prefill(llm_v32, "logits-probe", prompt)
     llm_v32.engine.buffers.free(request)
     ref = hf_logits(tiny_v32, prompt)
-    last, full = _rel(out.logits[0], ref[-1]), _rel(out.all_logits["logits-probe"], ref)
+    last, full = relative_error(out.logits[0], ref[-1]), relative_error(out.all_logits["logits-probe"], ref)
     print(f"prefill logits rel err: last={last:.2e} all={full:.2e}")
     assert last < 1e-4 and full < 1e-4
 
@@ -179,7 +176,7 @@ def test_decode_logits_within_tolerance(llm_v32, tiny_v32):
         )
     engine.buffers.free(request)
     ref = hf_logits(tiny_v32, tokens)[start - 1 :]
-    err = _rel(torch.stack(ours), ref)
+    err = relative_error(torch.stack(ours), ref)
     print(f"decode logits rel err over {len(ours) - 1} steps: {err:.2e}")
     assert err < 1e-4
 
@@ -202,7 +199,7 @@ def test_checkpoint_variants_match_hf(tiny_checkpoint_factory, options):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     assert greedy_token_ids(llm, prompts, params) == hf_greedy(folder, prompts, 12)
     _, out = _prefill(llm, "probe", prompts[1])
-    assert _rel(out.all_logits["probe"], hf_logits(folder, prompts[1])) < 1e-4
+    assert relative_error(out.all_logits["probe"], hf_logits(folder, prompts[1])) < 1e-4
 
 
 # ------------------------------------------------------------------------------------- dense equivalence
@@ -221,7 +218,7 @@ def test_topk_covering_the_context_is_dense_v3_and_a_small_topk_is_not(tiny_chec
         request, out = _prefill(llm, name, prompt)
         llm.engine.buffers.free(request)
         logits[name] = out.all_logits[name]
-    assert _rel(logits["dense"], logits["v3"]) < 1e-6
+    assert relative_error(logits["dense"], logits["v3"]) < 1e-6
     # The first 4 positions see at most 4 keys: identical; later ones attend to a subset.
-    assert _rel(logits["sparse"][:4], logits["v3"][:4]) < 1e-6
-    assert _rel(logits["sparse"][4:], logits["v3"][4:]) > 1e-2
+    assert relative_error(logits["sparse"][:4], logits["v3"][:4]) < 1e-6
+    assert relative_error(logits["sparse"][4:], logits["v3"][4:]) > 1e-2

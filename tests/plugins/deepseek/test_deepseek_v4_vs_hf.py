@@ -30,6 +30,7 @@ from pegainfer.testing.conformance import (
     hf_logits,
     hf_model,
     random_prompts,
+    relative_error,
     unused_checkpoint_tensors,
 )
 from pegainfer.testing.tiny_deepseek import write_fp8_copy
@@ -48,10 +49,6 @@ def tiny_v4(tiny_checkpoint_factory: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="module")
 def llm_v4(tiny_v4: Path) -> LLM:
     return LLM(str(tiny_v4), dtype="float32", device="cpu", cpu_kv_cache_bytes=8 << 20)
-
-
-def _rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return (torch.linalg.vector_norm(ours - ref) / torch.linalg.vector_norm(ref)).item()
 
 
 def _run_chunks(llm: LLM, rid: str, tokens: list[int], cuts: list[int]) -> list[torch.Tensor]:
@@ -165,7 +162,7 @@ def test_prompt_logits_within_tolerance(llm_v4, tiny_v4):
     prompt = random_prompts(4, [53])[0]
     ours = _run_chunks(llm_v4, "logits-probe", prompt, [])
     ref = hf_logits(tiny_v4, prompt)
-    last, full = _rel(ours[-1], ref[-1]), _rel(ours, ref)
+    last, full = relative_error(ours[-1], ref[-1]), relative_error(ours, ref)
     print(f"prefill logits rel err: last={last:.2e} all={full:.2e}")
     assert last < 1e-4 and full < 1e-4
 
@@ -179,14 +176,14 @@ def test_query_blocks_give_the_same_logits(monkeypatch, llm_v4, tiny_v4):
     monkeypatch.setattr(attention, "QUERY_BLOCK", 5)
     monkeypatch.setattr(indexer, "QUERY_BLOCK", 5)
     prompt = random_prompts(4, [53])[0]
-    assert _rel(_run_chunks(llm_v4, "blocks", prompt, [17]), hf_logits(tiny_v4, prompt)) < 1e-4
+    assert relative_error(_run_chunks(llm_v4, "blocks", prompt, [17]), hf_logits(tiny_v4, prompt)) < 1e-4
 
 
 def test_uneven_chunks_and_decode_logits_within_tolerance(llm_v4, tiny_v4):
     """Chunks cut mid-window (3, 7, 10, 13, 22), then one-token decode steps, against one forward."""
     prompt = random_prompts(5, [40])[0]
     ours = _run_chunks(llm_v4, "chunk-probe", prompt, [3, 7, 10, 13, 22, *range(30, 40)])
-    err = _rel(ours, hf_logits(tiny_v4, prompt))
+    err = relative_error(ours, hf_logits(tiny_v4, prompt))
     print(f"chunked + decode logits rel err: {err:.2e}")
     assert err < 1e-4
 
@@ -210,7 +207,7 @@ def test_checkpoint_variants_match_hf(tiny_checkpoint_factory, options):
     prompts = random_prompts(7, [9, 26])
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     assert greedy_token_ids(llm, prompts, params) == hf_greedy(folder, prompts, 12)
-    assert _rel(_run_chunks(llm, "probe", prompts[1], [11]), hf_logits(folder, prompts[1])) < 1e-4
+    assert relative_error(_run_chunks(llm, "probe", prompts[1], [11]), hf_logits(folder, prompts[1])) < 1e-4
 
 
 def test_transformers_module_names_load_and_match(tmp_path, tiny_v4):
@@ -225,7 +222,7 @@ def test_transformers_module_names_load_and_match(tmp_path, tiny_v4):
     assert unused_checkpoint_tensors(tmp_path) == []
     llm = LLM(str(tmp_path), dtype="float32", device="cpu", cpu_kv_cache_bytes=4 << 20)
     prompt = random_prompts(8, [23])[0]
-    assert _rel(_run_chunks(llm, "modules", prompt, [9]), hf_logits(tiny_v4, prompt)) < 1e-4
+    assert relative_error(_run_chunks(llm, "modules", prompt, [9]), hf_logits(tiny_v4, prompt)) < 1e-4
 
 
 def test_dummy_weights_generate(tiny_v4):
@@ -251,7 +248,7 @@ def test_fp8_checkpoint_equals_its_dequantized_weights(tiny_checkpoint_factory, 
         for f in (fp8, plain)
     ]
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
-    assert _rel(logits[1], hf_logits(plain, prompt)) < 1e-4
+    assert relative_error(logits[1], hf_logits(plain, prompt)) < 1e-4
 
 
 def test_fp4_experts_are_refused():

@@ -21,14 +21,11 @@ from pegainfer.testing.conformance import (
     hf_greedy,
     hf_logits,
     random_prompts,
+    relative_error,
     unused_checkpoint_tensors,
 )
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-
-
-def _rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return (torch.linalg.vector_norm(ours - ref) / torch.linalg.vector_norm(ref)).item()
 
 
 def test_single_prompt_matches_hf(llm, tiny_deepseek):
@@ -104,7 +101,7 @@ def test_prompt_logits_within_tolerance(llm, tiny_deepseek):
     request, out = _prefill(llm, "logits-probe", prompt)
     llm.engine.buffers.free(request)
     ref = hf_logits(tiny_deepseek, prompt)
-    last, full = _rel(out.logits[0], ref[-1]), _rel(out.all_logits["logits-probe"], ref)
+    last, full = relative_error(out.logits[0], ref[-1]), relative_error(out.all_logits["logits-probe"], ref)
     print(f"prefill logits rel err: last={last:.2e} all={full:.2e}")
     assert last < 1e-4 and full < 1e-4
 
@@ -131,7 +128,7 @@ def test_decode_logits_within_tolerance(llm, tiny_deepseek):
     engine.buffers.free(request)
     engine.buffers.free(Request("other", [0], GREEDY))
     ref = hf_logits(tiny_deepseek, tokens)[start - 1 :]
-    err = _rel(torch.stack(ours), ref)
+    err = relative_error(torch.stack(ours), ref)
     print(f"decode logits rel err over {len(ours) - 1} steps: {err:.2e}")
     assert err < 1e-4
 
@@ -179,7 +176,7 @@ def test_checkpoint_variants_match_hf(tiny_checkpoint_factory, options):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     assert greedy_token_ids(llm, prompts, params) == hf_greedy(folder, prompts, 12)
     _, out = _prefill(llm, "probe", prompts[1])
-    assert _rel(out.all_logits["probe"], hf_logits(folder, prompts[1])) < 1e-4
+    assert relative_error(out.all_logits["probe"], hf_logits(folder, prompts[1])) < 1e-4
 
 
 def test_executor_declares_host_embedding(llm):
@@ -210,4 +207,4 @@ def test_forward_reads_the_hidden_states_not_the_token_ids(llm, tiny_deepseek):
         out = engine.executor.execute(ModelBatch([chunk], hidden_states=engine.executor.embed(meant)))
     finally:
         engine.buffers.free(request)
-    assert _rel(out.logits[0], hf_logits(tiny_deepseek, meant)[-1]) < 1e-4
+    assert relative_error(out.logits[0], hf_logits(tiny_deepseek, meant)[-1]) < 1e-4

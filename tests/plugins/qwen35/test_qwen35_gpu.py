@@ -103,36 +103,8 @@ def test_bf16_decode_logits_match_hf(llm, folder):
     """Batched greedy decode (all rows of a step in one recurrent update); every step's logits are kept."""
     rng = random.Random(1)
     prompts = [[rng.randrange(990) for _ in range(n)] for n in (40, 7, 120, 65)]
-    engine = llm.engine
-    captured: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(prompts))}
-    execute = engine.executor.execute
-
-    def recording_execute(batch):
-        out = execute(batch)
-        rows = [c for c in batch.chunks if c.needs_logits]
-        for chunk, logits in zip(rows, out.logits, strict=True):
-            captured[int(chunk.request_id)].append(logits.clone())
-        return out
-
-    engine.executor.execute = recording_execute
-    try:
-        for i, prompt in enumerate(prompts):
-            engine.add_request(
-                str(i),
-                None,
-                SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
-                prompt_token_ids=prompt,
-            )
-        finals = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                finals[int(out.request_id)] = out.outputs[0].token_ids
-    finally:
-        engine.executor.execute = execute
     report = Bf16AccuracyReport(folder)
-    for i, prompt in enumerate(prompts):
-        ours = torch.stack(captured[i])  # logits at positions len(prompt)-1 ... len(prompt)+46
-        report.add(prompt + finals[i][:-1], ours)
+    report.add_greedy_decode(llm.engine, prompts)
     report.assert_as_accurate_as_hf(f"{folder.name} decode batched")
 
 
