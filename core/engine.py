@@ -127,7 +127,7 @@ class LLMEngine:
     def wait_time_s(self) -> float:
         """Seconds the host spent blocked on the GPU (sampled tokens, uploads, graph launches) since start:
         the engine's own host time over some steps is their wall time minus this."""
-        return self._wait_s + getattr(self.executor, "wait_time_s", 0.0)
+        return self._wait_s + self.executor.wait_time_s
 
     def _async_scheduling(self, config: EngineConfig) -> bool:
         wanted = config.async_scheduling

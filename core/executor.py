@@ -103,6 +103,11 @@ class Executor(ABC):
         had ``keep_hidden``; also fills the draft layers' caches at the inputs' positions."""
         raise ExecutorError("this executor does not draft (capabilities.max_speculative_tokens is 0)")
 
+    @property
+    def wait_time_s(self) -> float:
+        """Seconds the host spent blocked on the GPU inside the executor since start (0 if not tracked)."""
+        return 0.0
+
     def shutdown(self) -> None:  # noqa: B027 - optional hook: a local executor has nothing to release
         """Release workers and device memory."""
 

@@ -123,12 +123,6 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
 
-    @property
-    def has_pending_token(self) -> bool:
-        return (
-            len(self.all_token_ids) > len(self.prompt_token_ids) and self.all_token_ids[-1] == PENDING_TOKEN
-        )
-
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "

@@ -7,7 +7,7 @@ This kernel tiles ``w`` by ``BLOCK_N`` output rows and streams ``BLOCK_K`` colum
 deep load pipeline. (Computing the down projection's input ``silu(gate) * up`` while loading it was
 measured 2.5x slower than the separate silu_mul kernel plus this GEMM, and is not offered.)
 
-- :func:`skinny_linear`: the dispatching entry (Triton on CUDA for ``M <= MAX_ROWS``, else F.linear).
+- :func:`skinny_linear`: the dispatching entry (Triton on CUDA for ``M <= DISPATCH_ROWS``, else F.linear).
 """
 
 from __future__ import annotations
@@ -98,9 +98,8 @@ def default_config(n: int, k: int, m: int = 1, element_size: int = 2) -> SkinnyC
     64 rows of w per program, 256 columns per load, four loads in flight; 64 columns and three loads for
     the 35k-row gate|up, 128 columns for the 152k-row lm_head. Splitting K never won (the 5120-row
     projections already make 80+ programs) and is not offered."""
-    if m > 16 or element_size > 2:  # wider x tiles (or fp32): shorter loads keep the stages in shared memory
-        return SkinnyConfig(64, 128)
-    if n >= 100_000:
+    # Wider x tiles (or fp32) need shorter loads to keep the stages in shared memory.
+    if m > 16 or element_size > 2 or n >= 100_000:
         return SkinnyConfig(64, 128)
     if n >= 20_000:
         return SkinnyConfig(64, 64, num_stages=3)
@@ -143,14 +142,10 @@ def skinny_linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
     return F.linear(x, w, bias)
 
 
-def takes_skinny(x: torch.Tensor) -> bool:
-    """Whether :func:`skinny_linear` runs the Triton kernel for ``x``: 16-bit CUDA rows, at most DISPATCH_ROWS."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return use_kernel(x) and rows <= DISPATCH_ROWS and x.dtype in (torch.bfloat16, torch.float16)
-
-
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, bias)``: the skinny kernel when :func:`takes_skinny`, the torch reference otherwise."""
-    if takes_skinny(x):
+    """``F.linear(x, w, bias)``: the skinny kernel for at most ``DISPATCH_ROWS`` 16-bit rows on CUDA, the torch
+    reference otherwise."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if use_kernel(x) and rows <= DISPATCH_ROWS and x.dtype in (torch.bfloat16, torch.float16):
         return skinny_linear_triton(x, w, bias)
     return skinny_linear_ref(x, w, bias)
