@@ -87,11 +87,14 @@ def measure_ceilings() -> dict[str, float]:
 class Results:
     """Figures appended to ``bench/results/<benchmark>.jsonl``, one JSON object per figure."""
 
-    def __init__(self, path: Path, command: str, commit: str | None = None) -> None:
+    def __init__(
+        self, path: Path, command: str, commit: str | None = None, device: str | None = None
+    ) -> None:
         self.path = path
         self.command = command
         self.commit = commit or _git_commit()
-        self.gpu = torch.cuda.get_device_name()
+        # ``device`` names what ran the figures when it is not the GPU (the CPU benchmarks).
+        self.gpu = device or torch.cuda.get_device_name()
         self.date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         self.rows: list[dict] = []
 

@@ -144,8 +144,9 @@ class LocalExecutor(Executor):
 
     def capture_decode_graphs(self, *, eager: bool = False) -> None:
         """Capture CUDA graphs for decode-only steps (needs a CUDA device and device embedding); with
-        ``eager`` decode-only steps run the same bucket-padded forward without graphs."""
-        if self.device.type != "cuda" or not self.capabilities.device_embedding:
+        ``eager`` decode-only steps run the same bucket-padded forward without graphs (on any device: the
+        CPU benchmark of the host's work takes the GPU's decode path this way)."""
+        if (self.device.type != "cuda" and not eager) or not self.capabilities.device_embedding:
             raise ExecutorError("decode CUDA graphs need a CUDA device and a model that embeds on the device")
         graphs = DecodeGraphs(
             self.model,

@@ -1,0 +1,194 @@
+"""The engine's host work per decode step, measured on the CPU: schedule, batch construction, decode-row
+upload, sampling bookkeeping, detokenizing and outputs, with the model's forward excluded.
+
+    python bench/host_overhead.py                 # bs1 and bs64, async scheduling on and off
+    python bench/host_overhead.py --profile 64    # plus a cProfile table of the bs64 async steps
+
+A tiny random Qwen3 (the qwen3_14b plugin, float32) runs ``batch`` greedy ``ignore_eos`` requests with
+FINAL_ONLY outputs, as ``bench/qwen3_14b.py``'s ``bench_decode`` does on the GPU; every timed step is one
+decode step of all of them. By default the executor takes the GPU's decode path: persistent decode rows
+and bucket padding through ``capture_decode_graphs(eager=True)`` (what ``enforce_eager`` runs), so
+``prepare``, ``pad_rows`` and the carried-token gather are measured; ``--no-graph-path`` times the plain
+eager executor instead. The model's forward and ``compute_logits`` are timed (hooks on the model) and
+subtracted:
+
+    host_ms = step wall time - forward time
+
+On the CPU nothing waits for a device, so the GPU benchmark's waits have no counterpart here (its graph
+launch is the forward here). What a GPU would launch as a kernel (the argmax, small copies) runs here and
+stays in host_ms. The figures are medians over the timed steps. The tiny tokenizer decodes every id, so
+detokenizing costs its real price.
+
+Figures are appended to ``bench/results/host_overhead.jsonl``: ``qwen3_14b.host_cpu.bs{B}.host_ms`` (async
+scheduling on) and ``qwen3_14b.host_cpu_sync.bs{B}.host_ms`` (off), with ``step_ms`` and ``forward_ms``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import platform
+import pstats
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import Results
+
+from pegainfer.llm import LLM
+from pegainfer.sampling_params import RequestOutputKind, SamplingParams
+from pegainfer.testing.checkpoints import write_tiny_checkpoint
+
+
+class ForwardTimer:
+    """Seconds spent in the model's forward and ``compute_logits`` (pre/post hooks and a wrapper); a
+    ``profiler`` set here is paused inside them, so the profile holds the host's work only."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.seconds = 0.0
+        self._t0 = 0.0
+        self.profiler: cProfile.Profile | None = None
+        model.register_forward_pre_hook(self._start)
+        model.register_forward_hook(self._stop)
+        compute_logits = model.compute_logits
+
+        def timed_logits(hidden: torch.Tensor) -> torch.Tensor:
+            self._start()
+            try:
+                return compute_logits(hidden)
+            finally:
+                self._stop()
+
+        model.compute_logits = timed_logits
+
+    def _start(self, *_: object) -> None:
+        if self.profiler:
+            self.profiler.disable()
+        self._t0 = time.perf_counter()
+
+    def _stop(self, *_: object) -> None:
+        self.seconds += time.perf_counter() - self._t0
+        if self.profiler:
+            self.profiler.enable()
+
+
+def build(folder: Path, max_num_seqs: int, max_model_len: int, graph_path: bool) -> LLM:
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=16384,
+        max_model_len=max_model_len,
+        cpu_kv_cache_bytes=256 << 20,
+        async_scheduling=True,
+    )
+    if graph_path:
+        llm.engine.executor.capture_decode_graphs(eager=True)
+    return llm
+
+
+def bench_host(
+    llm: LLM,
+    timer: ForwardTimer,
+    batch: int,
+    ctx: int,
+    steps: int,
+    rng: random.Random,
+    async_scheduling: bool,
+    profile: bool = False,
+) -> dict[str, float]:
+    """Median wall, forward and host milliseconds of ``steps`` decode steps of ``batch`` requests."""
+    engine = llm.engine
+    engine.async_scheduling = async_scheduling
+    vocab = engine.model.vocab_size
+    params = SamplingParams(
+        temperature=0, max_tokens=steps + 16, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+    )
+    for i in range(batch):
+        prompt = [rng.randrange(1, vocab) for _ in range(ctx)]
+        engine.add_request(f"h{batch}-{i}", None, params, prompt_token_ids=prompt)
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    wall, forward, host = [], [], []
+    profiler = timer.profiler = cProfile.Profile() if profile else None
+    for _ in range(steps):
+        f0 = timer.seconds
+        t0 = time.perf_counter()
+        if profiler:
+            profiler.enable()
+        engine.step()
+        dt = time.perf_counter() - t0
+        if profiler:
+            profiler.disable()
+        fwd = timer.seconds - f0
+        wall.append(dt * 1e3)
+        forward.append(fwd * 1e3)
+        host.append((dt - fwd) * 1e3)
+    if any(r.num_output_tokens < steps for r in engine.scheduler.running):
+        raise RuntimeError("a request stopped decoding during the timed steps")
+    for i in range(batch):
+        engine.abort_request(f"h{batch}-{i}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    timer.profiler = None
+    if profiler:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+    median = statistics.median
+    return {"step_ms": median(wall), "forward_ms": median(forward), "host_ms": median(host)}
+
+
+def _cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return "CPU " + line.split(":", 1)[1].strip()
+    return "CPU " + (platform.processor() or platform.machine())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/results/host_overhead.jsonl"))
+    parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--ctx", type=int, default=256, help="prompt tokens per request")
+    parser.add_argument("--steps", type=int, default=100, help="timed decode steps per run")
+    parser.add_argument("--sync", default="1,64", help="also time these batches with async scheduling off")
+    parser.add_argument("--no-graph-path", dest="graph_path", action="store_false")
+    parser.add_argument("--profile", type=int, default=0, help="cProfile the async steps at this batch")
+    parser.add_argument("--commit", default=None)
+    parser.add_argument("--no-write", action="store_true", help="print the figures, append nothing")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # the tiny model's matrices: thread hand-offs cost more than the arithmetic
+    batches = [int(b) for b in args.batches.split(",") if b]
+    sync = [int(b) for b in args.sync.split(",") if b]
+    results = Results(args.out, "python " + " ".join(sys.argv), args.commit, device=_cpu_name())
+    folder = write_tiny_checkpoint(
+        tempfile.mkdtemp(prefix="host-overhead-"), "qwen3", max_position_embeddings=args.ctx + args.steps + 64
+    )
+    llm = build(folder, max(batches + sync), args.ctx + args.steps + 64, args.graph_path)
+    timer = ForwardTimer(llm.engine.model)
+    rng = random.Random(0)
+    table = []
+    runs = [(b, True) for b in batches] + [(b, False) for b in sync]
+    for batch, on in runs:
+        d = bench_host(llm, timer, batch, args.ctx, args.steps, rng, on, profile=on and batch == args.profile)
+        name = f"qwen3_14b.host_cpu{'' if on else '_sync'}.bs{batch}"
+        results.add(f"{name}.host_ms", d["host_ms"], "ms", 1.0 if batch == 64 and on else None)
+        results.add(f"{name}.step_ms", d["step_ms"], "ms")
+        results.add(f"{name}.forward_ms", d["forward_ms"], "ms")
+        table.append(
+            f"bs{batch:<3} async {'on ' if on else 'off'}  host {d['host_ms']:6.3f} ms/step  "
+            f"(step {d['step_ms']:6.3f}, forward {d['forward_ms']:6.3f})"
+        )
+    if not args.no_write:
+        results.write()
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()
