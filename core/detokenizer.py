@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
 
 from pegainfer.tokenizer import Tokenizer
@@ -13,6 +14,18 @@ _PROMPT_CONTEXT_TOKENS = 5
 # Text still ending in U+FFFD after this many held tokens, with another U+FFFD before it, is invalid UTF-8
 # (a model emitting stray bytes); emitting it then keeps the decode window, and the work per token, bounded.
 _MAX_HELD_TOKENS = 8
+# Bound of each tokenizer's cache of single-token text lengths (a vocabulary's worth).
+_MAX_CACHED_TOKENS = 1 << 18
+_TOKEN_LENGTHS: weakref.WeakKeyDictionary[object, dict[bool, dict[int, int]]] = weakref.WeakKeyDictionary()
+
+
+def _token_lengths(tokenizer: Tokenizer, skip_special_tokens: bool) -> dict[int, int]:
+    """The shared cache of ``len(tokenizer.decode([id], skip_special_tokens))`` by id."""
+    try:
+        per_flag = _TOKEN_LENGTHS.setdefault(tokenizer, {})
+    except TypeError:  # not weakly referenceable: a private cache
+        per_flag = {}
+    return per_flag.setdefault(skip_special_tokens, {})
 
 
 class IncrementalDetokenizer:
@@ -32,8 +45,10 @@ class IncrementalDetokenizer:
         stop: Iterable[str] = (),
         include_stop_str_in_output: bool = False,
     ) -> None:
-        self._tokenizer = tokenizer
+        self._tokenizer_decode = tokenizer.decode
         self._skip_special_tokens = skip_special_tokens
+        # Decoded lengths of single tokens, shared by every detokenizer of this tokenizer (see _prefix_length).
+        self._token_lengths = _token_lengths(tokenizer, skip_special_tokens)
         # Tokens that decode drops anyway are never stored, so runs of them cannot widen the decode window.
         self._dropped_ids = tokenizer.all_special_ids if skip_special_tokens else frozenset()
         self._stop = tuple(dict.fromkeys(s for s in stop if s))
@@ -50,6 +65,8 @@ class IncrementalDetokenizer:
         # The decode window: `_ids[:_read_offset]` is context already in the text, the rest is new.
         self._ids = context
         self._read_offset = len(context)
+        # len(decode(_ids[:_read_offset])), kept while the window's context stays the same (None: unknown).
+        self._prefix_len: int | None = None
 
         self._frozen: list[str] = []
         self._tail = ""
@@ -78,9 +95,17 @@ class IncrementalDetokenizer:
             raise RuntimeError(
                 f"update() after stop string {self.stop_str!r} matched; the request is finished"
             )
-        self._ids.extend(self._kept(new_token_ids))
+        ids, dropped = self._ids, self._dropped_ids
+        for token_id in new_token_ids:
+            if token_id not in dropped:
+                ids.append(token_id)
         text = self._decode_new(final=False)
-        return self._commit(text, check_stop) if text else None
+        if not text:
+            return None
+        if not self._stop:  # no stop strings: nothing is held back, every piece is final at once
+            self._frozen.append(text)
+            return None
+        return self._commit(text, check_stop)
 
     def finish(self) -> None:
         """The request ended: decode tokens still waiting for the rest of a character as they are (as a
@@ -106,16 +131,21 @@ class IncrementalDetokenizer:
         return [i for i in ids if i not in self._dropped_ids]
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+        return self._tokenizer_decode(ids, skip_special_tokens=self._skip_special_tokens)
 
     def _decode_new(self, *, final: bool) -> str:
         """Text of the tokens after the read offset, decoded with a few earlier tokens as context."""
-        if self._read_offset == len(self._ids):
+        ids, offset = self._ids, self._read_offset
+        if offset == len(ids):
             return ""
-        prefix = self._decode(self._ids[: self._read_offset])
-        full = self._decode(self._ids)
-        new_text = full[len(prefix) :]
-        held = len(self._ids) - self._read_offset
+        prefix_len = self._prefix_len
+        if prefix_len is None:
+            # After each emitted token the context is that one token: its text length is looked up.
+            if offset != 1 or (prefix_len := self._token_lengths.get(ids[0])) is None:
+                prefix_len = self._prefix_length()
+            self._prefix_len = prefix_len
+        new_text = self._tokenizer_decode(ids, skip_special_tokens=self._skip_special_tokens)[prefix_len:]
+        held = len(ids) - offset
         if not final and held < _MAX_HELD_TOKENS and (not new_text or new_text.endswith(_REPLACEMENT_CHAR)):
             # Nothing visible yet, or a multi-byte character is still arriving: wait rather than emit U+FFFD.
             return ""
@@ -123,9 +153,19 @@ class IncrementalDetokenizer:
             # Still a single character arriving: tokens can each end one character and start the next,
             # so a long wait alone proves nothing; other U+FFFD before it would mean invalid bytes.
             return ""
-        self._ids = self._ids[self._read_offset :]
+        self._ids = ids[offset:]
         self._read_offset = len(self._ids)
+        self._prefix_len = None
         return new_text
+
+    def _prefix_length(self) -> int:
+        """len(decode(_ids[:_read_offset])); a single token's is remembered for every detokenizer of this
+        tokenizer (a decode is a pure function of its ids)."""
+        offset = self._read_offset
+        length = len(self._decode(self._ids[:offset]))
+        if offset == 1 and len(self._token_lengths) < _MAX_CACHED_TOKENS:
+            self._token_lengths[self._ids[0]] = length
+        return length
 
     def _commit(self, text: str, check_stop: bool = True) -> str | None:
         """Append decoded text, cut it at the earliest stop string, and return that stop string."""

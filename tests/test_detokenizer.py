@@ -27,6 +27,18 @@ def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     return Tokenizer.from_pretrained(directory)
 
 
+class CountingTokenizer:
+    """``tok`` that records the number of ids of every decode call in ``widths``."""
+
+    def __init__(self, tok: Tokenizer, widths: list[int]) -> None:
+        self._tok, self._widths = tok, widths
+        self.all_special_ids = tok.all_special_ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        self._widths.append(len(ids))
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
 def _random_text(rng: random.Random, n: int) -> str:
     return "".join(rng.choice(PIECES) for _ in range(n))
 
@@ -93,21 +105,36 @@ def test_arbitrary_ids_end_equal_to_full_decode(tok: Tokenizer) -> None:
 def test_decode_work_per_token_is_bounded(tok: Tokenizer) -> None:
     widths = []
 
-    class CountingTokenizer:
-        all_special_ids = tok.all_special_ids
-
-        def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-            widths.append(len(ids))
-            return tok.decode(ids, skip_special_tokens=skip_special_tokens)
-
     ids = tok.encode(_random_text(random.Random(2), 200)) + [tok.pad_token_id] * 100  # e.g. with ignore_eos
     ids += tok.encode(_random_text(random.Random(3), 200))
-    detok = IncrementalDetokenizer(CountingTokenizer(), tok.encode(PROMPT), stop=["never appears"])
+    detok = IncrementalDetokenizer(CountingTokenizer(tok, widths), tok.encode(PROMPT), stop=["never appears"])
     for token_id in ids:
         detok.update([token_id])
     assert len(ids) > 300 and max(widths) <= 12
     detok.get_delta(finished=True)
     assert detok.output_text == tok.decode(ids)
+
+
+def test_steady_stream_decodes_once_per_token(tok: Tokenizer) -> None:
+    """Once warm, each token costs one decode: the text length of the single token of context is
+    remembered across tokens and detokenizers of one tokenizer, and the text is still a full decode."""
+    calls: list[int] = []
+    counting = CountingTokenizer(tok, calls)
+    rng = random.Random(4)  # whole characters only: every token's text is emitted as it arrives
+    ids = tok.encode(
+        "".join(rng.choice(["the", " cat", " sat", " on", ".", ",", " 42", "!"]) for _ in range(100))
+    )
+    texts = []
+    for _ in range(2):
+        detok = IncrementalDetokenizer(counting, [], skip_special_tokens=True)
+        calls.clear()
+        for token_id in ids:
+            detok.update([token_id])
+        detok.finish()
+        texts.append(detok.output_text)
+    assert texts == [tok.decode(ids)] * 2
+    # The second pass: one decode per token, plus the empty context's before the first.
+    assert len(calls) == len(ids) + 1
 
 
 def test_invalid_utf8_stream_stays_bounded(tok: Tokenizer) -> None:
@@ -117,14 +144,7 @@ def test_invalid_utf8_stream_stays_bounded(tok: Tokenizer) -> None:
     ids = [rng.choice(broken) for _ in range(300)]
     widths = []
 
-    class CountingTokenizer:
-        all_special_ids = tok.all_special_ids
-
-        def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-            widths.append(len(ids))
-            return tok.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    detok = IncrementalDetokenizer(CountingTokenizer(), [])
+    detok = IncrementalDetokenizer(CountingTokenizer(tok, widths), [])
     for token_id in ids:
         detok.update([token_id])
     detok.get_delta(finished=True)
