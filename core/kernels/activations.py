@@ -11,11 +11,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pegainfer.kernels._triton import as_rows, cast_to, interp_bf16, next_pow2, tl, triton, use_kernel
+from pegainfer.kernels._triton import (
+    as_rows,
+    cast_to,
+    interp_bf16,
+    next_pow2,
+    pdl_start,
+    tl,
+    triton,
+    use_kernel,
+    use_pdl,
+)
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, FIX: tl.constexpr):
+def _silu_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, FIX: tl.constexpr, PDL: tl.constexpr
+):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -40,8 +53,9 @@ def silu_mul_triton(x: torch.Tensor, *, out: torch.Tensor | None = None, block: 
     if x2.shape[0]:
         block = min(block, next_pow2(n))
         _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
-            x2, o2, x2.stride(0), o2.stride(0), n, BLOCK=block, FIX=interp_bf16(x.dtype), num_warps=4
-        )
+            x2, o2, x2.stride(0), o2.stride(0), n, BLOCK=block, FIX=interp_bf16(x.dtype), PDL=use_pdl(x),
+            num_warps=4, launch_pdl=use_pdl(x),
+        )  # fmt: skip
     return out
 
 

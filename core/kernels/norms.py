@@ -17,9 +17,11 @@ from pegainfer.kernels._triton import (
     cast_to,
     interp_bf16,
     next_pow2,
+    pdl_start,
     tl,
     triton,
     use_kernel,
+    use_pdl,
     warps_for,
 )
 from pegainfer.layers.norm import rms_norm as rms_norm_ref
@@ -40,7 +42,9 @@ def _rms_norm_kernel(
     HAS_RES: tl.constexpr,
     FIX: tl.constexpr,
     FIX_OUT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -88,7 +92,9 @@ def _rms_norm_launch(
         HAS_RES=residual is not None,
         FIX=interp_bf16(x.dtype),
         FIX_OUT=interp_bf16(out.dtype),
+        PDL=use_pdl(x),
         num_warps=warps_for(n),
+        launch_pdl=use_pdl(x),
     )
 
 

@@ -26,9 +26,11 @@ from pegainfer.kernels._triton import (
     mma,
     next_pow2,
     num_sms,
+    pdl_start,
     tl,
     triton,
     use_kernel,
+    use_pdl,
 )
 from pegainfer.layers.attention import AttentionMetadata, paged_attention_reference
 
@@ -88,7 +90,9 @@ def _decode_partial_kernel(
     SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr,
     FIX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -166,7 +170,9 @@ def _decode_reduce_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FIX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + row)
@@ -280,8 +286,10 @@ def paged_decode_attention_triton(
         SPLIT=split,
         DOT_PREC=dot_precision(q.dtype),
         FIX=interp_bf16(q.dtype),
+        PDL=use_pdl(q),
         num_warps=num_warps,
         num_stages=num_stages,
+        launch_pdl=use_pdl(q),
     )
     if split:
         _decode_reduce_kernel[(batch, num_heads)](
@@ -299,7 +307,9 @@ def paged_decode_attention_triton(
             BLOCK_S=max(2, next_pow2(num_splits)),
             BLOCK_N=block_n,
             FIX=interp_bf16(q.dtype),
+            PDL=use_pdl(q),
             num_warps=4,
+            launch_pdl=use_pdl(q),
         )
     return out
 

@@ -13,7 +13,17 @@ from __future__ import annotations
 
 import torch
 
-from pegainfer.kernels._triton import cast_to, interp_bf16, next_pow2, tl, triton, use_kernel, warps_for
+from pegainfer.kernels._triton import (
+    cast_to,
+    interp_bf16,
+    next_pow2,
+    pdl_start,
+    tl,
+    triton,
+    use_kernel,
+    use_pdl,
+    warps_for,
+)
 from pegainfer.layers.attention import write_kv as write_kv_ref
 from pegainfer.layers.norm import rms_norm as rms_norm_ref
 from pegainfer.layers.rotary import RotaryEmbedding
@@ -145,7 +155,9 @@ def _qk_norm_rope_kernel(
     PAGE: tl.constexpr,
     WRITE_CACHE: tl.constexpr,
     FIX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     # Programs [0, q_blocks) take q heads, the next kv_blocks k heads, the rest (cache writes only) v heads.
     tok = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
@@ -263,7 +275,9 @@ def qk_norm_rope_triton(
         PAGE=kv_cache.shape[2] if write_cache else 1,
         WRITE_CACHE=write_cache,
         FIX=interp_bf16(q.dtype),
+        PDL=use_pdl(q),
         num_warps=2 if head_dim * block_heads <= 1024 else 4,
+        launch_pdl=use_pdl(q),
     )
     return q_out, k_out
 
