@@ -93,3 +93,23 @@ def test_graph_decode_equals_eager_decode(folder):
     eager = eager_llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in graph] == [o.outputs[0].token_ids for o in eager]
     graph_llm.engine.buffers.check_invariants()
+
+
+def test_pdl_changes_nothing(folder, monkeypatch):
+    """Programmatic dependent launch only moves when kernels start: graph decode with it and without it
+    (``PEGAINFER_PDL=0``) gives bit-identical log-probabilities, so no kernel reads its input early."""
+    common = dict(
+        dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, max_model_len=512, max_num_seqs=8
+    )
+    rng = random.Random(5)
+    prompts = [[rng.randrange(990) for _ in range(rng.randrange(3, 90))] for _ in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+
+    def run():
+        llm = LLM(str(folder), **common)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    with_pdl = run()
+    monkeypatch.setenv("PEGAINFER_PDL", "0")
+    assert run() == with_pdl
