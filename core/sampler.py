@@ -8,7 +8,7 @@ Seeded requests draw from their own generator, so their tokens do not depend on 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -27,53 +27,18 @@ class SamplerOutput:
     logprobs: list[PositionLogprobs | None]
 
 
-class HostBuffers:
-    """Host tensors (pinned on CUDA) and CUDA events for :class:`HostCopy`, handed out again once a copy's
-    reader has released them: making pinned memory and an event for every step costs host time."""
-
-    def __init__(self) -> None:
-        self._tensors: dict[tuple, list[torch.Tensor]] = {}
-        self._events: list[torch.cuda.Event] = []
-
-    def take(self, like: torch.Tensor) -> torch.Tensor:
-        """A host tensor of ``like``'s dtype and trailing shape with at least ``like``'s rows."""
-        free = self._tensors.get((like.dtype, like.is_cuda, like.shape[1:]))
-        base = free.pop() if free else None
-        if base is None or base.shape[0] < like.shape[0]:
-            base = torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)
-        return base
-
-    def give_back(self, base: torch.Tensor, cuda: bool) -> None:
-        self._tensors.setdefault((base.dtype, cuda, base.shape[1:]), []).append(base)
-
-    def event(self) -> torch.cuda.Event:
-        return self._events.pop() if self._events else torch.cuda.Event()
-
-    def give_back_event(self, event: torch.cuda.Event) -> None:
-        self._events.append(event)
-
-
 class HostCopy:
     """Device tensors copied into host memory without blocking the host (pinned buffers and an event on
-    CUDA; a plain copy elsewhere); :meth:`wait` before reading them. With ``buffers`` the host tensors and
-    the event are reused ones, returned by :meth:`release` once the reader is done with them."""
+    CUDA; a plain copy elsewhere); :meth:`wait` before reading them."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], buffers: HostBuffers | None = None) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self._event = None
-        self._buffers = buffers
-        self._bases: list[torch.Tensor] = []  # the buffers taken from ``buffers``
-        self._cuda = False
         self.host: dict[str, torch.Tensor] = {}
         for name, t in tensors.items():
-            if buffers is None:
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-            else:
-                self._bases.append(buffers.take(t))
-                host = self._bases[-1][: t.shape[0]]
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
             self.host[name] = host.copy_(t, non_blocking=t.is_cuda)
             if t.is_cuda and self._event is None:
-                self._cuda = True
-                self._event = torch.cuda.Event() if buffers is None else buffers.event()
+                self._event = torch.cuda.Event()
         if self._event is not None:
             self._event.record()
 
@@ -81,17 +46,6 @@ class HostCopy:
         if self._event is not None:
             self._event.synchronize()
         return self.host
-
-    def release(self) -> None:
-        """Hand the host tensors and the event back for reuse (after :meth:`wait`: the copy is done and
-        nothing reads ``host`` any more)."""
-        if self._buffers is None:
-            return
-        for base in self._bases:
-            self._buffers.give_back(base, self._cuda)
-        if self._event is not None:
-            self._buffers.give_back_event(self._event)
-        self.host, self._bases, self._event, self._buffers = {}, [], None, None
 
 
 @dataclass
@@ -102,22 +56,16 @@ class DeviceSample:
     logprob_rows: list[int]
     logprob_ks: list[int]
     copy: HostCopy
-    _output: SamplerOutput | None = field(default=None, repr=False)
 
     def result(self) -> SamplerOutput:
-        """Wait for the copy (only the work queued before the sample, not anything queued since). The
-        host buffers are released once read: later calls return the same output."""
-        if self._output is not None:
-            return self._output
+        """Wait for the copy (only the work queued before the sample, not anything queued since)."""
         host = self.copy.wait()
         logprobs: list[PositionLogprobs | None] = [None] * self.tokens.shape[0]
         if self.logprob_rows:
             entries = _position_entries(host, self.logprob_ks)
             for i, entry in zip(self.logprob_rows, entries, strict=True):
                 logprobs[i] = entry
-        self._output = SamplerOutput(token_ids=host["chosen"].tolist(), logprobs=logprobs)
-        self.copy.release()
-        return self._output
+        return SamplerOutput(token_ids=host["chosen"].tolist(), logprobs=logprobs)
 
 
 class Sampler:
@@ -130,7 +78,6 @@ class Sampler:
     def __init__(self, *, seed: int = 0, device: torch.device | str | None = None) -> None:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
-        self._host_buffers = HostBuffers()
         if device is not None:
             # An empty tensor names the device as logits will (``cuda`` becomes ``cuda:0``).
             self._generator(torch.empty(0, device=device).device)
@@ -166,7 +113,7 @@ class Sampler:
         ks = [params[i].logprobs or 0 for i in lp_rows]
         if raw_logprobs is not None:
             tensors.update(_logprob_tensors(raw_logprobs, _rows(chosen, lp_rows), max(ks)))
-        return DeviceSample(chosen, lp_rows, ks, HostCopy(tensors, self._host_buffers))
+        return DeviceSample(chosen, lp_rows, ks, HostCopy(tensors))
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)

@@ -358,27 +358,3 @@ def test_incremental_penalty_counts_equal_a_fresh_count() -> None:
         assert torch.equal(apply_penalties(logits, [live]), apply_penalties(logits, [fresh]))
         for token in [step % 5, 7][: 1 + step % 2]:
             live.append_output_token(token)
-
-
-def test_host_buffers_are_reused_only_after_the_result_is_read() -> None:
-    """A sample's host copy reuses the buffers that an earlier sample's result() gave back, never those of
-    a sample still pending; results stay right, and result() may be called again."""
-
-    def pointers(sample) -> set[int]:
-        return {t.data_ptr() for t in sample.copy.host.values()}
-
-    sampler = Sampler()
-    reqs = [make_request(i, temperature=0, logprobs=2) for i in range(3)]
-    logits = torch.randn(3, 16, generator=torch.Generator().manual_seed(0))
-    first = sampler.sample(logits, reqs)
-    second = sampler.sample(logits.flip(1), reqs)  # pending at the same time: buffers of its own
-    first_buffers, second_buffers = pointers(first), pointers(second)
-    assert first_buffers.isdisjoint(second_buffers)
-    out = first.result()
-    assert out.token_ids == logits.argmax(1).tolist()
-    assert first.result() is out
-    third = sampler.sample(logits[:2], reqs[:2])  # fewer rows: views of the buffers first gave back
-    assert pointers(third) == first_buffers
-    assert second.result().token_ids == logits.flip(1).argmax(1).tolist()
-    third_out = third.result()
-    assert third_out.token_ids == out.token_ids[:2] and third_out.logprobs == out.logprobs[:2]
