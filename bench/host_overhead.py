@@ -16,8 +16,13 @@ subtracted:
 
 On the CPU nothing waits for a device, so the GPU benchmark's waits have no counterpart here (its graph
 launch is the forward here). What a GPU would launch as a kernel (the argmax, small copies) runs here and
-stays in host_ms. The figures are medians over the timed steps. The tiny tokenizer decodes every id, so
+stays in host_ms; the greedy argmax alone is timed too (``argmax_ms``, part of host_ms). The figures are
+medians over the timed steps. The tiny tokenizer decodes every id, so
 detokenizing costs its real price.
+
+The forward running on the same core evicts the host's data from the CPU caches every step, which a GPU
+host does not suffer; ``--no-forward`` has the timed steps' decode forward return stored random logits
+instead (figures ``qwen3_14b.host_cpu_noforward...``), the host's work with warm caches.
 
 Figures are appended to ``bench/results/host_overhead.jsonl``: ``qwen3_14b.host_cpu.bs{B}.host_ms`` (async
 scheduling on) and ``qwen3_14b.host_cpu_sync.bs{B}.host_ms`` (off), with ``step_ms`` and ``forward_ms``.
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import platform
 import pstats
 import random
@@ -101,8 +107,10 @@ def bench_host(
     rng: random.Random,
     async_scheduling: bool,
     profile: bool = False,
+    no_forward: bool = False,
 ) -> dict[str, float]:
-    """Median wall, forward and host milliseconds of ``steps`` decode steps of ``batch`` requests."""
+    """Median wall, forward and host milliseconds of ``steps`` decode steps of ``batch`` requests; with
+    ``no_forward`` the timed steps' decode forward returns stored random logits instead of running."""
     engine = llm.engine
     engine.async_scheduling = async_scheduling
     vocab = engine.model.vocab_size
@@ -116,6 +124,11 @@ def bench_host(
         engine.step()
     for _ in range(3):
         engine.step()
+    graphs = engine.executor.graphs
+    if no_forward:
+        bank = torch.randn(16, graphs.max_batch, vocab, generator=torch.Generator().manual_seed(batch))
+        calls = itertools.count()
+        graphs._forward = lambda size: bank[next(calls) % 16, :size]
     wall, forward, host = [], [], []
     profiler = timer.profiler = cProfile.Profile() if profile else None
     for _ in range(steps):
@@ -131,6 +144,8 @@ def bench_host(
         wall.append(dt * 1e3)
         forward.append(fwd * 1e3)
         host.append((dt - fwd) * 1e3)
+    if no_forward:
+        del graphs._forward
     if any(r.num_output_tokens < steps for r in engine.scheduler.running):
         raise RuntimeError("a request stopped decoding during the timed steps")
     for i in range(batch):
@@ -141,7 +156,19 @@ def bench_host(
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     median = statistics.median
-    return {"step_ms": median(wall), "forward_ms": median(forward), "host_ms": median(host)}
+    # The greedy sampler's argmax over the batch's logits: compute here, one kernel launch on a GPU.
+    logits = torch.randn(batch, vocab)
+    argmax = []
+    for _ in range(50):
+        t0 = time.perf_counter()
+        logits.argmax(dim=-1)
+        argmax.append((time.perf_counter() - t0) * 1e3)
+    return {
+        "step_ms": median(wall),
+        "forward_ms": median(forward),
+        "host_ms": median(host),
+        "argmax_ms": median(argmax),
+    }
 
 
 def _cpu_name() -> str:
@@ -159,6 +186,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="timed decode steps per run")
     parser.add_argument("--sync", default="1,64", help="also time these batches with async scheduling off")
     parser.add_argument("--no-graph-path", dest="graph_path", action="store_false")
+    parser.add_argument(
+        "--no-forward",
+        action="store_true",
+        help="timed decode steps skip the model (stored logits): the host's work with warm caches",
+    )
     parser.add_argument("--profile", type=int, default=0, help="cProfile the async steps at this batch")
     parser.add_argument("--commit", default=None)
     parser.add_argument("--no-write", action="store_true", help="print the figures, append nothing")
@@ -170,20 +202,26 @@ def main() -> None:
     folder = write_tiny_checkpoint(
         tempfile.mkdtemp(prefix="host-overhead-"), "qwen3", max_position_embeddings=args.ctx + args.steps + 64
     )
+    if args.no_forward and not args.graph_path:
+        parser.error("--no-forward replaces the decode graphs' forward: it needs the graph path")
     llm = build(folder, max(batches + sync), args.ctx + args.steps + 64, args.graph_path)
     timer = ForwardTimer(llm.engine.model)
     rng = random.Random(0)
     table = []
     runs = [(b, True) for b in batches] + [(b, False) for b in sync]
     for batch, on in runs:
-        d = bench_host(llm, timer, batch, args.ctx, args.steps, rng, on, profile=on and batch == args.profile)
-        name = f"qwen3_14b.host_cpu{'' if on else '_sync'}.bs{batch}"
+        profile = on and batch == args.profile
+        d = bench_host(llm, timer, batch, args.ctx, args.steps, rng, on, profile, args.no_forward)
+        mode = "host_cpu_noforward" if args.no_forward else "host_cpu"
+        name = f"qwen3_14b.{mode}{'' if on else '_sync'}.bs{batch}"
         results.add(f"{name}.host_ms", d["host_ms"], "ms", 1.0 if batch == 64 and on else None)
         results.add(f"{name}.step_ms", d["step_ms"], "ms")
         results.add(f"{name}.forward_ms", d["forward_ms"], "ms")
+        results.add(f"{name}.argmax_ms", d["argmax_ms"], "ms")
         table.append(
             f"bs{batch:<3} async {'on ' if on else 'off'}  host {d['host_ms']:6.3f} ms/step  "
-            f"(step {d['step_ms']:6.3f}, forward {d['forward_ms']:6.3f})"
+            f"(step {d['step_ms']:6.3f}, forward {d['forward_ms']:6.3f}; of the host's, argmax "
+            f"{d['argmax_ms']:5.3f})"
         )
     if not args.no_write:
         results.write()
