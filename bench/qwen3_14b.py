@@ -116,7 +116,11 @@ def bench_decode(
     engine = llm.engine
     engine.async_scheduling = async_scheduling
     for i in range(batch):
-        engine.add_request(f"d{batch}-{i}", None, greedy(steps + 8), prompt_token_ids=random_prompt(rng, ctx))
+        # Room for the prefill's steps too: no request may finish before the timed steps end (a batch
+        # that shrank would be timed as the full one, and graphs.run(batch) would replay finished rows).
+        engine.add_request(
+            f"d{batch}-{i}", None, greedy(steps + 64), prompt_token_ids=random_prompt(rng, ctx)
+        )
     while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
         engine.step()
     for _ in range(3):
@@ -133,6 +137,10 @@ def bench_decode(
         profiler.disable()
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - t0) * 1e3 / steps
+    if engine.scheduler.num_running != batch:
+        raise RuntimeError(
+            f"{batch - engine.scheduler.num_running} of {batch} requests stopped during the timed steps"
+        )
     host_ms = step_ms - (engine.wait_time_s - waited) * 1e3 / steps
     graphs = engine.executor.graphs
     gpu_ms = cuda_time_ms(lambda: graphs.run(batch), reps=10) if graphs is not None else float("nan")
@@ -230,7 +238,7 @@ def main() -> None:
     kv_per_token = args.layers * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
     table = []
     decode = {}
-    llm = build(folder, max_num_seqs=max(batches), max_model_len=args.ctx + args.steps + 64)
+    llm = build(folder, max_num_seqs=max(batches), max_model_len=args.ctx + args.steps + 128)
     model = llm.engine.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     embed_bytes = model.embed_tokens.numel() * model.embed_tokens.element_size()
