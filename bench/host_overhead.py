@@ -3,6 +3,7 @@ upload, sampling bookkeeping, detokenizing and outputs, with the model's forward
 
     python bench/host_overhead.py                 # bs1 and bs64, async scheduling on and off
     python bench/host_overhead.py --profile 64    # plus a cProfile table of the bs64 async steps
+    python bench/host_overhead.py --count-ops     # plus the aten ops per step, by issuing line
 
 A tiny random Qwen3 (the qwen3_14b plugin, float32) runs ``batch`` greedy ``ignore_eos`` requests with
 FINAL_ONLY outputs, as ``bench/qwen3_14b.py``'s ``bench_decode`` does on the GPU; every timed step is one
@@ -31,8 +32,10 @@ scheduling on) and ``qwen3_14b.host_cpu_sync.bs{B}.host_ms`` (off), with ``step_
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import itertools
+import os
 import platform
 import pstats
 import random
@@ -40,24 +43,47 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
 from common import Results
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pegainfer.llm import LLM
 from pegainfer.sampling_params import RequestOutputKind, SamplingParams
 from pegainfer.testing.checkpoints import write_tiny_checkpoint
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched while active (on a GPU each is a host-side dispatch, most of them a
+    launch or a copy): in total, by op, and by the engine source line that issued it. ``paused`` > 0
+    (inside the model's forward: one graph replay on a GPU) stops counting."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+        self.sites: collections.Counter[str] = collections.Counter()
+        self.paused = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            self.total += 1
+            frames = [f for f in traceback.extract_stack()[:-1] if f"{os.sep}core{os.sep}" in f.filename]
+            where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
+            self.sites[f"{func} at {where}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
 class ForwardTimer:
     """Seconds spent in the model's forward and ``compute_logits`` (pre/post hooks and a wrapper); a
-    ``profiler`` set here is paused inside them, so the profile holds the host's work only."""
+    ``profiler`` or ``ops`` counter set here is paused inside them, so they hold the host's work only."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.seconds = 0.0
         self._t0 = 0.0
         self.profiler: cProfile.Profile | None = None
+        self.ops: OpCounter | None = None
         model.register_forward_pre_hook(self._start)
         model.register_forward_hook(self._stop)
         compute_logits = model.compute_logits
@@ -74,10 +100,14 @@ class ForwardTimer:
     def _start(self, *_: object) -> None:
         if self.profiler:
             self.profiler.disable()
+        if self.ops:
+            self.ops.paused += 1
         self._t0 = time.perf_counter()
 
     def _stop(self, *_: object) -> None:
         self.seconds += time.perf_counter() - self._t0
+        if self.ops:
+            self.ops.paused -= 1
         if self.profiler:
             self.profiler.enable()
 
@@ -108,6 +138,7 @@ def bench_host(
     async_scheduling: bool,
     profile: bool = False,
     no_forward: bool = False,
+    count_ops: bool = False,
 ) -> dict[str, float]:
     """Median wall, forward and host milliseconds of ``steps`` decode steps of ``batch`` requests; with
     ``no_forward`` the timed steps' decode forward returns stored random logits instead of running."""
@@ -131,6 +162,9 @@ def bench_host(
         graphs._forward = lambda size: bank[next(calls) % 16, :size]
     wall, forward, host = [], [], []
     profiler = timer.profiler = cProfile.Profile() if profile else None
+    ops = timer.ops = OpCounter() if count_ops else None
+    if ops:
+        ops.__enter__()
     for _ in range(steps):
         f0 = timer.seconds
         t0 = time.perf_counter()
@@ -144,6 +178,14 @@ def bench_host(
         wall.append(dt * 1e3)
         forward.append(fwd * 1e3)
         host.append((dt - fwd) * 1e3)
+    if ops:
+        ops.__exit__(None, None, None)
+        print(
+            f"bs{batch} async {'on' if async_scheduling else 'off'}: {ops.total / steps:.1f} aten ops per step"
+        )
+        for site, n in ops.sites.most_common(12):
+            print(f"  {n / steps:6.1f}  {site}")
+        timer.ops = None
     if no_forward:
         del graphs._forward
     if any(r.num_output_tokens < steps for r in engine.scheduler.running):
@@ -163,12 +205,15 @@ def bench_host(
         t0 = time.perf_counter()
         logits.argmax(dim=-1)
         argmax.append((time.perf_counter() - t0) * 1e3)
-    return {
+    figures = {
         "step_ms": median(wall),
         "forward_ms": median(forward),
         "host_ms": median(host),
         "argmax_ms": median(argmax),
     }
+    if ops:
+        figures["aten_ops"] = ops.total / steps
+    return figures
 
 
 def _cpu_name() -> str:
@@ -192,6 +237,11 @@ def main() -> None:
         help="timed decode steps skip the model (stored logits): the host's work with warm caches",
     )
     parser.add_argument("--profile", type=int, default=0, help="cProfile the async steps at this batch")
+    parser.add_argument(
+        "--count-ops",
+        action="store_true",
+        help="count the aten ops each step dispatches outside the forward, by issuing line (slows the steps)",
+    )
     parser.add_argument("--commit", default=None)
     parser.add_argument("--no-write", action="store_true", help="print the figures, append nothing")
     args = parser.parse_args()
@@ -211,13 +261,18 @@ def main() -> None:
     runs = [(b, True) for b in batches] + [(b, False) for b in sync]
     for batch, on in runs:
         profile = on and batch == args.profile
-        d = bench_host(llm, timer, batch, args.ctx, args.steps, rng, on, profile, args.no_forward)
+        d = bench_host(
+            llm, timer, batch, args.ctx, args.steps, rng, on, profile, args.no_forward, args.count_ops
+        )
         mode = "host_cpu_noforward" if args.no_forward else "host_cpu"
         name = f"qwen3_14b.{mode}{'' if on else '_sync'}.bs{batch}"
-        results.add(f"{name}.host_ms", d["host_ms"], "ms", 1.0 if batch == 64 and on else None)
-        results.add(f"{name}.step_ms", d["step_ms"], "ms")
-        results.add(f"{name}.forward_ms", d["forward_ms"], "ms")
-        results.add(f"{name}.argmax_ms", d["argmax_ms"], "ms")
+        if "aten_ops" in d:  # the counting slows every op: only the count is a figure of this run
+            results.add(f"{name}.aten_ops_per_step", d["aten_ops"], "count")
+        else:
+            results.add(f"{name}.host_ms", d["host_ms"], "ms", 1.0 if batch == 64 and on else None)
+            results.add(f"{name}.step_ms", d["step_ms"], "ms")
+            results.add(f"{name}.forward_ms", d["forward_ms"], "ms")
+            results.add(f"{name}.argmax_ms", d["argmax_ms"], "ms")
         table.append(
             f"bs{batch:<3} async {'on ' if on else 'off'}  host {d['host_ms']:6.3f} ms/step  "
             f"(step {d['step_ms']:6.3f}, forward {d['forward_ms']:6.3f}; of the host's, argmax "

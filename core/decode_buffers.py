@@ -44,6 +44,10 @@ class DecodeBuffers:
         self._tables_staging = torch.zeros(
             max_num_seqs, max_blocks_per_seq, dtype=torch.int32, pin_memory=pinned
         )
+        # numpy views of the host staging: writing through them costs no torch op dispatch (a step's
+        # host time is mostly such per-op overhead on a GPU host: bench/host_overhead.py --count-ops).
+        self._tables_np = self._tables_staging.numpy()
+        self._lens_np = self._lens_staging.numpy()
         self._upload_done = torch.cuda.Event() if pinned else None
         self._non_blocking = pinned
         self._owner: list[str | None] = [None] * max_num_seqs
@@ -105,22 +109,21 @@ class DecodeBuffers:
         staged[3, :batch] = 0 if state_slots is None else np.asarray(state_slots, dtype=np.int64)[order]
         staged[4, :batch] = -1 if carry_from is None else np.asarray(carry_from, dtype=np.int64)[order]
         staged[5, :batch] = rows
-        tables = self._tables_staging
+        tables, tables_np = self._tables_staging, self._tables_np
         for i, j in enumerate(order):
             table, p = block_tables[j], pos[i]
             staged[2, i] = table[p // block_size] * block_size + p % block_size
             row, have = rows[j], len(table)
             written = self._blocks_written[row]
             if have > written:
-                tables[row, written:have] = torch.as_tensor(table[written:have], dtype=torch.int32)
+                tables_np[row, written:have] = table[written:have]
                 self.block_tables[row, written:have].copy_(
                     tables[row, written:have], non_blocking=self._non_blocking
                 )
                 self.block_entries_written += have - written
                 self._blocks_written[row] = have
         self._packed[:, :batch].copy_(self._staging[:, :batch], non_blocking=self._non_blocking)
-        lens = self._lens_staging.numpy()
-        lens[:batch] = pos + 1
+        self._lens_np[:batch] = pos + 1
         self.seq_lens[:batch].copy_(self._lens_staging[:batch], non_blocking=self._non_blocking)
         if self._upload_done is not None:
             self._upload_done.record()
