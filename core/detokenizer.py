@@ -144,7 +144,7 @@ class IncrementalDetokenizer:
             if offset != 1 or (prefix_len := self._token_lengths.get(ids[0])) is None:
                 prefix_len = self._prefix_length()
             self._prefix_len = prefix_len
-        new_text = self._tokenizer_decode(ids, skip_special_tokens=self._skip_special_tokens)[prefix_len:]
+        new_text = self._decode(ids)[prefix_len:]
         held = len(ids) - offset
         if not final and held < _MAX_HELD_TOKENS and (not new_text or new_text.endswith(_REPLACEMENT_CHAR)):
             # Nothing visible yet, or a multi-byte character is still arriving: wait rather than emit U+FFFD.

@@ -47,7 +47,7 @@ __all__ = [
     "cast_to",
     "num_sms",
     "mma",
-    "use_pdl",
+    "pdl_launch",
     "pdl_start",
 ]
 
@@ -133,17 +133,24 @@ def num_sms(device: torch.device) -> int:
 _PDL: dict[int, bool] = {}
 
 
-def use_pdl(t: torch.Tensor) -> bool:
-    """Launch with programmatic dependent launch (PDL) on CUDA GPUs of compute capability 9+ (Hopper on),
-    unless ``PEGAINFER_PDL=0``. A kernel launched so may be scheduled while the previous kernel of the
-    stream is still running; it waits for it in :func:`pdl_start` before touching activations. Across
-    the ~400 small kernels of a decode step this hides each launch's gap (see docs/benchmarks.md)."""
+def _use_pdl(t: torch.Tensor) -> bool:
     if not (HAS_TRITON and t.is_cuda) or os.environ.get("PEGAINFER_PDL", "1") == "0":
         return False
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     if index not in _PDL:
         _PDL[index] = torch.cuda.get_device_capability(index)[0] >= 9 and hasattr(tl.extra.cuda, "gdc_wait")
     return _PDL[index]
+
+
+def pdl_launch(t: torch.Tensor) -> dict[str, bool]:
+    """Launch arguments for programmatic dependent launch (PDL), for a kernel whose data is ``t``: the
+    kernel's ``PDL`` constexpr and Triton's ``launch_pdl`` option, always equal. On with CUDA GPUs of
+    compute capability 9+ (Hopper on), unless ``PEGAINFER_PDL=0``. A kernel launched so may be scheduled
+    while the previous kernel of the stream is still running; it waits for it in :func:`pdl_start` before
+    touching activations. Across the ~400 small kernels of a decode step this hides each launch's gap
+    (see docs/benchmarks.md)."""
+    on = _use_pdl(t)
+    return {"PDL": on, "launch_pdl": on}
 
 
 @triton.jit

@@ -16,11 +16,11 @@ from pegainfer.kernels._triton import (
     cast_to,
     interp_bf16,
     next_pow2,
+    pdl_launch,
     pdl_start,
     tl,
     triton,
     use_kernel,
-    use_pdl,
 )
 
 
@@ -53,8 +53,8 @@ def silu_mul_triton(x: torch.Tensor, *, out: torch.Tensor | None = None, block: 
     if x2.shape[0]:
         block = min(block, next_pow2(n))
         _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
-            x2, o2, x2.stride(0), o2.stride(0), n, BLOCK=block, FIX=interp_bf16(x.dtype), PDL=use_pdl(x),
-            num_warps=4, launch_pdl=use_pdl(x),
+            x2, o2, x2.stride(0), o2.stride(0), n, BLOCK=block, FIX=interp_bf16(x.dtype), num_warps=4,
+            **pdl_launch(x),
         )  # fmt: skip
     return out
 

@@ -17,11 +17,11 @@ from pegainfer.kernels._triton import (
     cast_to,
     interp_bf16,
     next_pow2,
+    pdl_launch,
     pdl_start,
     tl,
     triton,
     use_kernel,
-    use_pdl,
     warps_for,
 )
 from pegainfer.layers.norm import rms_norm as rms_norm_ref
@@ -92,9 +92,8 @@ def _rms_norm_launch(
         HAS_RES=residual is not None,
         FIX=interp_bf16(x.dtype),
         FIX_OUT=interp_bf16(out.dtype),
-        PDL=use_pdl(x),
         num_warps=warps_for(n),
-        launch_pdl=use_pdl(x),
+        **pdl_launch(x),
     )
 
 

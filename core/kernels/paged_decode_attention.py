@@ -26,11 +26,11 @@ from pegainfer.kernels._triton import (
     mma,
     next_pow2,
     num_sms,
+    pdl_launch,
     pdl_start,
     tl,
     triton,
     use_kernel,
-    use_pdl,
 )
 from pegainfer.layers.attention import AttentionMetadata, paged_attention_reference
 
@@ -286,10 +286,9 @@ def paged_decode_attention_triton(
         SPLIT=split,
         DOT_PREC=dot_precision(q.dtype),
         FIX=interp_bf16(q.dtype),
-        PDL=use_pdl(q),
         num_warps=num_warps,
         num_stages=num_stages,
-        launch_pdl=use_pdl(q),
+        **pdl_launch(q),
     )
     if split:
         _decode_reduce_kernel[(batch, num_heads)](
@@ -307,9 +306,8 @@ def paged_decode_attention_triton(
             BLOCK_S=max(2, next_pow2(num_splits)),
             BLOCK_N=block_n,
             FIX=interp_bf16(q.dtype),
-            PDL=use_pdl(q),
             num_warps=4,
-            launch_pdl=use_pdl(q),
+            **pdl_launch(q),
         )
     return out
 

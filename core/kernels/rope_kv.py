@@ -17,11 +17,11 @@ from pegainfer.kernels._triton import (
     cast_to,
     interp_bf16,
     next_pow2,
+    pdl_launch,
     pdl_start,
     tl,
     triton,
     use_kernel,
-    use_pdl,
     warps_for,
 )
 from pegainfer.layers.attention import write_kv as write_kv_ref
@@ -275,9 +275,8 @@ def qk_norm_rope_triton(
         PAGE=kv_cache.shape[2] if write_cache else 1,
         WRITE_CACHE=write_cache,
         FIX=interp_bf16(q.dtype),
-        PDL=use_pdl(q),
         num_warps=2 if head_dim * block_heads <= 1024 else 4,
-        launch_pdl=use_pdl(q),
+        **pdl_launch(q),
     )
     return q_out, k_out
 

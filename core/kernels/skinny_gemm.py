@@ -24,11 +24,11 @@ from pegainfer.kernels._triton import (
     dot_precision,
     interp_bf16,
     mma,
+    pdl_launch,
     pdl_start,
     tl,
     triton,
     use_kernel,
-    use_pdl,
 )
 
 #: Most rows of x the kernel takes (x is padded to a 16-, 32- or 64-row tile).
@@ -149,8 +149,8 @@ def skinny_linear_triton(
             x2, w, bias if bias is not None else w, out, m, n, k, x2.stride(0), w.stride(0), out.stride(0),
             BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, FIX=interp_bf16(x.dtype),
-            PREC=dot_precision(x.dtype), PDL=use_pdl(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            launch_pdl=use_pdl(x),
+            PREC=dot_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **pdl_launch(x),
         )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)
 
