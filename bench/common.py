@@ -1,4 +1,4 @@
-"""Shared pieces of the GPU benchmarks: the ceilings measured in the same run, timing, result records."""
+"""Shared pieces of the benchmarks: the ceilings measured in the same run, timing, decode set-up, result records."""
 
 from __future__ import annotations
 
@@ -67,6 +67,29 @@ def wall_time_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> f
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def start_decoding(engine, prefix: str, prompts: list[list[int]], params) -> list[str]:
+    """Add one request per prompt (ids ``prefix-i``), step until every one is decoding (its prompt done,
+    a first token out), then three more steps; returns the ids. ``params.max_tokens`` must leave room for
+    the prefill's steps and the timed ones: :func:`check_all_running` after the timing."""
+    ids = [f"{prefix}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(rid, None, params, prompt_token_ids=prompt)
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    return ids
+
+
+def check_all_running(engine, batch: int) -> None:
+    """Raise unless all ``batch`` requests still run: a batch that shrank during the timed steps would be
+    timed as the full one."""
+    if engine.scheduler.num_running != batch:
+        raise RuntimeError(
+            f"{batch - engine.scheduler.num_running} of {batch} requests stopped during the timed steps"
+        )
 
 
 def measure_ceilings() -> dict[str, float]:

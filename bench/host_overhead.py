@@ -47,7 +47,7 @@ import traceback
 from pathlib import Path
 
 import torch
-from common import Results
+from common import Results, check_all_running, start_decoding
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pegainfer.llm import LLM
@@ -148,13 +148,8 @@ def bench_host(
     params = SamplingParams(
         temperature=0, max_tokens=steps + 16, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
     )
-    for i in range(batch):
-        prompt = [rng.randrange(1, vocab) for _ in range(ctx)]
-        engine.add_request(f"h{batch}-{i}", None, params, prompt_token_ids=prompt)
-    while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
-        engine.step()
-    for _ in range(3):
-        engine.step()
+    prompts = [[rng.randrange(1, vocab) for _ in range(ctx)] for _ in range(batch)]
+    ids = start_decoding(engine, f"h{batch}", prompts, params)
     graphs = engine.executor.graphs
     if no_forward:
         bank = torch.randn(16, graphs.max_batch, vocab, generator=torch.Generator().manual_seed(batch))
@@ -188,10 +183,9 @@ def bench_host(
         timer.ops = None
     if no_forward:
         del graphs._forward
-    if any(r.num_output_tokens < steps for r in engine.scheduler.running):
-        raise RuntimeError("a request stopped decoding during the timed steps")
-    for i in range(batch):
-        engine.abort_request(f"h{batch}-{i}")
+    check_all_running(engine, batch)
+    for rid in ids:
+        engine.abort_request(rid)
     while engine.has_unfinished_requests():
         engine.step()
     timer.profiler = None

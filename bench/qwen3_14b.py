@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import Results, cuda_time_ms, measure_ceilings
+from common import Results, check_all_running, cuda_time_ms, measure_ceilings, start_decoding
 
 from pegainfer.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pegainfer.kernels import skinny_gemm
@@ -115,16 +115,10 @@ def bench_decode(
     the host's part (wall time minus the time the engine waited for sampled tokens)."""
     engine = llm.engine
     engine.async_scheduling = async_scheduling
-    for i in range(batch):
-        # Room for the prefill's steps too: no request may finish before the timed steps end (a batch
-        # that shrank would be timed as the full one, and graphs.run(batch) would replay finished rows).
-        engine.add_request(
-            f"d{batch}-{i}", None, greedy(steps + 64), prompt_token_ids=random_prompt(rng, ctx)
-        )
-    while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
-        engine.step()
-    for _ in range(3):
-        engine.step()
+    # Room for the prefill's steps too: no request may finish before the timed steps end (graphs.run(batch)
+    # below would replay finished rows).
+    prompts = [random_prompt(rng, ctx) for _ in range(batch)]
+    ids = start_decoding(engine, f"d{batch}", prompts, greedy(steps + 64))
     torch.cuda.synchronize()
     waited = engine.wait_time_s
     profiler = cProfile.Profile() if profile else None
@@ -137,15 +131,12 @@ def bench_decode(
         profiler.disable()
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - t0) * 1e3 / steps
-    if engine.scheduler.num_running != batch:
-        raise RuntimeError(
-            f"{batch - engine.scheduler.num_running} of {batch} requests stopped during the timed steps"
-        )
+    check_all_running(engine, batch)
     host_ms = step_ms - (engine.wait_time_s - waited) * 1e3 / steps
     graphs = engine.executor.graphs
     gpu_ms = cuda_time_ms(lambda: graphs.run(batch), reps=10) if graphs is not None else float("nan")
-    for i in range(batch):
-        engine.abort_request(f"d{batch}-{i}")
+    for rid in ids:
+        engine.abort_request(rid)
     engine.step()  # reads the last pending step back, so the next run starts clean
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
