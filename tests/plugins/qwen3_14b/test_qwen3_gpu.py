@@ -35,6 +35,10 @@ SHAPE = {
 }
 
 
+#: The engine settings of the decode-path comparisons (graph vs eager, PDL on vs off).
+DECODE_LLM = dict(dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, max_model_len=512)
+
+
 @pytest.fixture(scope="module")
 def folder(tiny_checkpoint_factory):
     return tiny_checkpoint_factory("qwen3", seed=3, dtype="bfloat16", **SHAPE)
@@ -77,9 +81,7 @@ def test_bf16_decode_logits_as_accurate_as_hf_bf16(llm, folder):
 def test_graph_decode_equals_eager_decode(folder):
     """CUDA-graph decode gives the same greedy tokens as eager decode, over batch sizes that hit several
     buckets (with padding rows) and requests that join and leave."""
-    common = dict(
-        dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, max_model_len=512, max_num_seqs=16
-    )
+    common = dict(DECODE_LLM, max_num_seqs=16)
     graph_llm = LLM(str(folder), **common)
     eager_llm = LLM(str(folder), enforce_eager=True, **common)
     assert graph_llm.engine.executor.capabilities.cuda_graphs
@@ -98,9 +100,7 @@ def test_graph_decode_equals_eager_decode(folder):
 def test_pdl_changes_nothing(folder, monkeypatch):
     """Programmatic dependent launch only moves when kernels start: graph decode with it and without it
     (``PEGAINFER_PDL=0``) gives bit-identical log-probabilities, so no kernel reads its input early."""
-    common = dict(
-        dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, max_model_len=512, max_num_seqs=8
-    )
+    common = dict(DECODE_LLM, max_num_seqs=8)
     rng = random.Random(5)
     prompts = [[rng.randrange(990) for _ in range(rng.randrange(3, 90))] for _ in range(6)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
