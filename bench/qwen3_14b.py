@@ -139,7 +139,7 @@ def bench_decode(
         engine.abort_request(rid)
     engine.step()  # reads the last pending step back, so the next run starts clean
     if profiler:
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     return {"step_ms": step_ms, "gpu_ms": gpu_ms, "host_ms": host_ms, "ctx": ctx + 3 + steps / 2}
 
 
