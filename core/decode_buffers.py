@@ -9,24 +9,31 @@ GPU path captures in CUDA graphs: the graph reads these exact tensors.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 import torch
+
+#: Several grown block-table rows are uploaded as one copy of the rows between them (unchanged rows are
+#: rewritten with the same entries) while that span is at most this many bytes; else one copy per row.
+RANGE_COPY_BYTES = 64 << 10
 
 
 class DecodeBuffers:
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
-        # The per-row int64 inputs live in one [6, rows] tensor so a step uploads them with one copy from
-        # one pinned staging buffer. Nothing in a step waits for the GPU (the engine may queue the next
-        # step first), so the host waits for the previous upload before it rewrites the staging buffers.
+        # The per-row inputs live in one flat int64 buffer so a step uploads them with one contiguous copy
+        # from one pinned staging buffer: six int64 rows, then the int32 sequence lengths. Nothing in a step
+        # waits for the GPU (the engine may queue the next step first), so the host waits for the previous
+        # upload before it rewrites the staging buffers.
         device = torch.device(device)
         pinned = device.type == "cuda"
-        self._packed = torch.zeros(6, max_num_seqs, dtype=torch.int64, device=device)
-        self._staging = torch.zeros(6, max_num_seqs, dtype=torch.int64, pin_memory=pinned)
-        self._staged = self._staging.numpy()
+        size = 6 * max_num_seqs + -(-max_num_seqs // 2)
+        self._upload = torch.zeros(size, dtype=torch.int64, device=device)
+        self._upload_staging = torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
+        self._packed = self._upload[: 6 * max_num_seqs].view(6, max_num_seqs)
+        self._staged = self._upload_staging[: 6 * max_num_seqs].view(6, max_num_seqs).numpy()
         (
             self.token_ids,
             self.positions,
@@ -38,27 +45,30 @@ class DecodeBuffers:
             # The row of each request of the batch, in the batch's order (the logits gather).
             self.row_order,
         ) = self._packed.unbind(0)
-        self.seq_lens = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
-        self._lens_staging = torch.zeros(max_num_seqs, dtype=torch.int32, pin_memory=pinned)
+        self.seq_lens = self._upload[6 * max_num_seqs :].view(torch.int32)[:max_num_seqs]
+        self._lens = self._upload_staging[6 * max_num_seqs :].view(torch.int32)[:max_num_seqs].numpy()
         self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
         self._tables_staging = torch.zeros(
             max_num_seqs, max_blocks_per_seq, dtype=torch.int32, pin_memory=pinned
         )
-        # numpy views of the host staging: writing through them costs no torch op dispatch (a step's
-        # host time is mostly such per-op overhead on a GPU host: bench/host_overhead.py --count-ops).
-        self._tables_np = self._tables_staging.numpy()
-        self._lens_np = self._lens_staging.numpy()
+        # The host's copy of every owned row's table entries (``[:_blocks_written[row]]``).
+        self._tables = self._tables_staging.numpy()
         self._upload_done = torch.cuda.Event() if pinned else None
         self._non_blocking = pinned
-        self._owner: list[str | None] = [None] * max_num_seqs
-        self._blocks_written = [0] * max_num_seqs
-        self._row_of: dict[str, int] = {}
+        self._owner: list[Hashable | None] = [None] * max_num_seqs
+        self._blocks_written = np.zeros(max_num_seqs, dtype=np.int64)
+        self._row_of: dict[Hashable, int] = {}
+        # The last batch's keys and rows: a batch of the same requests in the same order keeps its rows.
+        self._last_keys: list[Hashable] = []
+        self._last_rows: list[int] = []
+        self._last_rows_np = np.zeros(0, dtype=np.int64)
+        self._last_at: slice | np.ndarray = slice(0, 0)
         #: Block-table entries written since start; tests use it to prove unchanged rows are left alone.
         self.block_entries_written = 0
         #: Seconds spent waiting for the previous upload (host-time accounting in the benchmarks).
         self.wait_time_s = 0.0
 
-    def _assign_rows(self, request_ids: Sequence[str]) -> list[int]:
+    def _assign_rows(self, request_ids: Sequence[Hashable]) -> list[int]:
         batch = len(request_ids)
         live = set(request_ids)
         for rid in [r for r in self._row_of if r not in live]:
@@ -81,7 +91,7 @@ class DecodeBuffers:
 
     def prepare(
         self,
-        request_ids: Sequence[str],
+        request_ids: Sequence[Hashable],
         token_ids: Sequence[int],
         positions: Sequence[int],
         block_tables: Sequence[list[int]],
@@ -93,44 +103,80 @@ class DecodeBuffers:
     ) -> list[int]:
         """Write one decode row per request; returns each request's row (the batch is rows ``[0, B)``).
 
-        A request whose ``carry_from`` is ``i >= 0`` takes ``carried[i]`` (a device tensor of the previous
+        ``request_ids`` are the rows' owners (any hashable keys: a key seen before keeps its row). A
+        request whose ``carry_from`` is ``i >= 0`` takes ``carried[i]`` (a device tensor of the previous
         step's sampled tokens) as its token instead of ``token_ids``' entry."""
         if self._upload_done is not None:
             t0 = time.perf_counter()
             self._upload_done.synchronize()  # the last step's upload has left the staging buffers
             self.wait_time_s += time.perf_counter() - t0
-        rows = self._assign_rows(request_ids)
-        batch = len(rows)
-        order = np.argsort(np.asarray(rows, dtype=np.int64))
-        pos = np.asarray(positions, dtype=np.int64)[order]
+        batch = len(request_ids)
+        if request_ids == self._last_keys:  # the same requests as last step, in the same order: same rows
+            rows, rows_np, at = self._last_rows, self._last_rows_np, self._last_at
+        else:
+            rows = self._assign_rows(request_ids)
+            rows_np = np.array(rows, dtype=np.int64)
+            # Where the batch's values go: rows usually are the batch's order, else each to its row.
+            at = slice(0, batch) if rows == list(range(batch)) else rows_np
+            self._last_keys, self._last_rows, self._last_rows_np, self._last_at = (
+                list(request_ids),
+                rows,
+                rows_np,
+                at,
+            )
+        have = self._write_tables(rows, rows_np, block_tables)
+        pos = np.array(positions, dtype=np.int64)
+        if (pos // block_size >= have).any():
+            raise IndexError("a decode position lies past its request's block table")
         staged = self._staged
-        staged[0, :batch] = np.asarray(token_ids, dtype=np.int64)[order]
-        staged[1, :batch] = pos
-        staged[3, :batch] = 0 if state_slots is None else np.asarray(state_slots, dtype=np.int64)[order]
-        staged[4, :batch] = -1 if carry_from is None else np.asarray(carry_from, dtype=np.int64)[order]
-        staged[5, :batch] = rows
-        tables, tables_np = self._tables_staging, self._tables_np
-        for i, j in enumerate(order):
-            table, p = block_tables[j], pos[i]
-            staged[2, i] = table[p // block_size] * block_size + p % block_size
-            row, have = rows[j], len(table)
-            written = self._blocks_written[row]
-            if have > written:
-                tables_np[row, written:have] = table[written:have]
-                self.block_tables[row, written:have].copy_(
-                    tables[row, written:have], non_blocking=self._non_blocking
-                )
-                self.block_entries_written += have - written
-                self._blocks_written[row] = have
-        self._packed[:, :batch].copy_(self._staging[:, :batch], non_blocking=self._non_blocking)
-        self._lens_np[:batch] = pos + 1
-        self.seq_lens[:batch].copy_(self._lens_staging[:batch], non_blocking=self._non_blocking)
+        staged[0, at] = token_ids
+        staged[1, at] = pos
+        pages = self._tables[rows_np, pos // block_size].astype(np.int64)
+        staged[2, at] = pages * block_size + pos % block_size
+        staged[3, at] = 0 if state_slots is None else state_slots
+        carry = None if carry_from is None else np.array(carry_from, dtype=np.int64)
+        staged[4, at] = -1 if carry is None else carry
+        staged[5, :batch] = rows_np
+        self._lens[at] = pos + 1
+        self._upload.copy_(self._upload_staging, non_blocking=self._non_blocking)
         if self._upload_done is not None:
             self._upload_done.record()
-        if carried is not None and carry_from is not None:
+        if carried is not None and carry is not None:
             src, tokens = self.carry_from[:batch], self.token_ids[:batch]
-            tokens.copy_(torch.where(src >= 0, carried[src.clamp(min=0)], tokens))
+            if (carry >= 0).all() and carried.dtype == tokens.dtype:
+                torch.index_select(carried, 0, src, out=tokens)  # every row carries: one gather
+            elif (carry >= 0).any():
+                tokens.copy_(torch.where(src >= 0, carried[src.clamp(min=0)], tokens))
         return rows
+
+    def _write_tables(
+        self, rows: list[int], rows_np: np.ndarray, block_tables: Sequence[list[int]]
+    ) -> np.ndarray:
+        """Write the entries each row's owner added since its row was last written (a new owner: all);
+        returns every table's length."""
+        have = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
+        grown = np.flatnonzero(have > self._blocks_written[rows_np])
+        if not len(grown):
+            return have
+        tables, written = self._tables, self._blocks_written
+        spans = []
+        for j in grown.tolist():
+            row, table, end = rows[j], block_tables[j], int(have[j])
+            start = int(written[row])
+            tables[row, start:end] = table[start:end]
+            spans.append((row, start, end))
+            self.block_entries_written += end - start
+            written[row] = end
+        lo, hi = min(r for r, _, _ in spans), max(r for r, _, _ in spans) + 1
+        if len(spans) > 1 and (hi - lo) * self._tables.shape[1] * 4 <= RANGE_COPY_BYTES:
+            # One copy of rows lo..hi-1: rows between keep their entries (the host copy holds them too).
+            self.block_tables[lo:hi].copy_(self._tables_staging[lo:hi], non_blocking=self._non_blocking)
+            return have
+        for row, start, end in spans:
+            self.block_tables[row, start:end].copy_(
+                self._tables_staging[row, start:end], non_blocking=self._non_blocking
+            )
+        return have
 
     def pad_rows(self, batch: int, size: int) -> None:
         """Make rows ``[batch, size)`` copies of row 0, so a graph captured for ``size`` rows reads valid
@@ -141,5 +187,4 @@ class DecodeBuffers:
         self._packed[:, batch:size] = self._packed[:, :1]
         self.seq_lens[batch:size] = self.seq_lens[0]
         self.block_tables[batch:size] = self.block_tables[0]
-        for row in range(batch, size):
-            self._blocks_written[row] = 0
+        self._blocks_written[batch:size] = 0

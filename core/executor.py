@@ -168,10 +168,11 @@ class LocalExecutor(Executor):
 
     def _prepare_decode_rows(self, decodes: list[SequenceChunk], carried: torch.Tensor | None) -> list[int]:
         carry = [c.carry_from for c in decodes]
-        if any(i >= 0 for i in carry) and carried is None:
+        if carried is None and carry and max(carry) >= 0:
             raise ExecutorError("a decode chunk carries its token from the last step, but the batch has none")
         return self.decode.prepare(
-            [f"{c.serial}:{c.request_id}#{c.epoch}" for c in decodes],
+            # A row's owner: the request (serials are unique per process) in its preemption epoch.
+            [(c.serial, c.request_id, c.epoch) for c in decodes],
             [c.token_ids[0] for c in decodes],
             [c.start for c in decodes],
             [c.block_table for c in decodes],

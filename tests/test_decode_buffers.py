@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -222,6 +223,77 @@ def test_carried_tokens_come_from_the_device_tensor() -> None:
     tokens = {r.key: buf.token_ids[row].item() for r, row in zip(reqs, rows, strict=True)}
     assert tokens == {"b": 90, "c": 33, "a": 70}
     assert buf.row_order[:3].tolist() == rows
+
+
+def test_every_row_carrying_gathers_all_tokens() -> None:
+    """When every row's token is pending (the async steady state) all tokens come from the device tensor,
+    in each request's row, whatever order the batch lists the requests in."""
+    buf = make()
+    reqs = [Fake("a", [1, 2], 4), Fake("b", [3, 4], 5), Fake("c", [5], 1)]
+    prepare(buf, reqs)
+    order = [reqs[2], reqs[0], reqs[1]]
+    rows = buf.prepare(
+        [r.key for r in order],
+        [-1, -1, -1],
+        [r.pos for r in order],
+        [r.pages for r in order],
+        None,
+        BS,
+        carry_from=[1, 2, 0],
+        carried=torch.tensor([70, 80, 90]),
+    )
+    tokens = {r.key: buf.token_ids[row].item() for r, row in zip(order, rows, strict=True)}
+    assert tokens == {"c": 80, "a": 90, "b": 70}
+
+
+def test_same_batch_keeps_rows_and_rewrites_only_grown_tables() -> None:
+    """The same requests in the same order keep their rows; of several grown tables only the new entries
+    count as written, and the rows in between (uploaded along in one copy) keep their entries."""
+    buf = make(max_num_seqs=8, max_blocks=16)
+    reqs = [Fake(k, [10 * i, 10 * i + 1], 4 * 2 - 1) for i, k in enumerate("abcdef")]
+    assert prepare(buf, reqs) == list(range(6))
+    before = buf.block_entries_written
+    reqs[0].advance(100)  # a, c and f reach a new page; b, d, e do not
+    reqs[2].advance(102)
+    reqs[5].advance(105)
+    for r in (reqs[1], reqs[3], reqs[4]):
+        r.pages.append(900)  # a page allocated ahead of the position: still written once
+        r.advance()
+    rows = prepare(buf, reqs)
+    assert rows == list(range(6))
+    assert buf.block_entries_written - before == 6
+    assert_rows(buf, reqs, rows)
+    before = buf.block_entries_written
+    for r in reqs:
+        r.advance()
+    assert prepare(buf, reqs) == list(range(6)) and buf.block_entries_written == before
+    assert_rows(buf, reqs, rows)
+
+
+def test_position_past_the_table_is_an_error() -> None:
+    """A decode position whose page the request does not have fails loudly, not with a stale page."""
+    buf = make()
+    with pytest.raises(IndexError):
+        prepare(buf, [Fake("a", [1], BS)])
+
+
+def test_pad_rows_replicate_row_zero() -> None:
+    """Rows past the batch, up to the graph's bucket, are copies of row 0 in every input; a request that
+    later takes such a row gets its own full table."""
+    buf = make(max_num_seqs=8)
+    reqs = [Fake("a", [1, 2], 6), Fake("b", [3], 2), Fake("c", [4, 5, 6], 9)]
+    prepare(buf, reqs)
+    buf.pad_rows(3, 6)
+    for row in range(3, 6):
+        assert buf._packed[:, row].tolist() == buf._packed[:, 0].tolist()
+        assert buf.seq_lens[row].item() == buf.seq_lens[0].item() == 7
+        assert buf.block_tables[row].tolist() == buf.block_tables[0].tolist()
+    for r in reqs:
+        r.advance()
+    d = Fake("d", [7, 8], 5)
+    rows = prepare(buf, [*reqs, d])
+    assert rows == [0, 1, 2, 3]
+    assert_rows(buf, [*reqs, d], rows)
 
 
 # -------------------------------------------------------------------------------- property test
