@@ -135,9 +135,17 @@ class PagedBufferManager(BufferManager):
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         rid = request.request_id
+        table = self._tables.get(rid)
+        if (
+            table is not None
+            and (
+                not self._paged
+                or request.num_computed_tokens + num_new_tokens <= len(table) * self.block_size
+            )
+            and (not self._has_state or rid in self._slots)
+        ):
+            return True  # the common decode step: the last page still has room (no page needed)
         need = self._pages_needed(request, num_new_tokens)
-        if need == 0 and (not self._has_state or rid in self._slots) and rid in self._tables:
-            return True  # the common decode step: the last page still has room
         if self._has_state and rid not in self._slots and not self._free_slots:
             return False
         pages = self.pool.allocate(need)

@@ -19,7 +19,7 @@ from pegainfer.loader import read_generation_config
 from pegainfer.memory_plan import MemoryPlan, plan_memory
 from pegainfer.model_loader import LoadedModel, load_model
 from pegainfer.outputs import PositionLogprobs, RequestOutput
-from pegainfer.request import PENDING_TOKEN, Request, RequestStatus
+from pegainfer.request import FINISHED_STATUSES, PENDING_TOKEN, Request, RequestStatus
 from pegainfer.request_group import RequestGroup, SequenceState
 from pegainfer.sampler import DeviceSample, Sampler, compute_prompt_logprobs
 from pegainfer.sampling_params import RequestOutputKind, SamplingParams
@@ -283,37 +283,47 @@ class LLMEngine:
 
     def _build_batch(self, plan: SchedulerOutput) -> ModelBatch:
         chunks = []
+        pending = self._pending
+        block_table, state_slot = self.buffers.block_table, self.buffers.state_slot
+        speculative = self.speculative
         for item in plan.scheduled:
             req = item.request
-            group = self._groups[self._group_id(req)]
-            start, end = item.start, item.start + item.num_new_tokens - len(item.spec_token_ids)
-            wants_prompt = (
-                group.prompt_logprobs is not None and len(group.prompt_logprobs) < req.num_prompt_tokens
-            )
+            spec = item.spec_token_ids
+            start = item.start
+            end = start + item.num_new_tokens - len(spec)
+            all_ids = req.all_token_ids
+            # A group keeps prompt logprobs exactly when its requests' params ask for them.
+            all_logits = False
+            if req.sampling_params.prompt_logprobs is not None:
+                group = self._groups[self._group_id(req)]
+                all_logits = (
+                    len(group.prompt_logprobs) < req.num_prompt_tokens and start < req.num_prompt_tokens
+                )
             carry_from = -1
-            if req.all_token_ids[end - 1] == PENDING_TOKEN:
+            if all_ids[end - 1] == PENDING_TOKEN:
                 # Scheduled ahead: the token is the last step's, still on the device (a decode chunk only).
-                if end - start != 1 or self._pending is None:
+                if end - start != 1 or pending is None:
                     raise RuntimeError(f"{req.request_id}: a pending token in a {end - start}-token chunk")
-                carry_from = self._pending.row_of[req.serial]
+                carry_from = pending.row_of[req.serial]
+            rid = req.request_id
             chunks.append(
                 SequenceChunk(
-                    request_id=req.request_id,
-                    token_ids=req.all_token_ids[start:end] + item.spec_token_ids,
-                    start=start,
-                    block_table=self.buffers.block_table(req.request_id),
-                    state_slot=self.buffers.state_slot(req.request_id),
-                    num_logits=(1 + len(item.spec_token_ids)) if item.samples else 0,
-                    keep_hidden=self.speculative is not None and self.speculative.drafts_for(req),
-                    all_logits=wants_prompt and start < req.num_prompt_tokens,
+                    rid,
+                    all_ids[start:end] + spec if spec else all_ids[start:end],
+                    start,
+                    block_table(rid),
+                    state_slot(rid),
+                    all_logits=all_logits,
                     epoch=req.num_preemptions,
                     serial=req.serial,
+                    num_logits=(1 + len(spec)) if item.samples else 0,
+                    keep_hidden=speculative is not None and speculative.drafts_for(req),
                     carry_from=carry_from,
                 )
             )
         batch = ModelBatch(chunks)
-        if self._pending is not None:
-            batch.carried_tokens = self._pending.sample.tokens
+        if pending is not None:
+            batch.carried_tokens = pending.sample.tokens
         if not self.executor.capabilities.device_embedding:
             batch.hidden_states = self.executor.embed([t for c in chunks for t in c.token_ids])
         return batch
@@ -341,9 +351,10 @@ class LLMEngine:
         self.stats["steps"] += 1
         if self._pending is not None:
             outputs += self._resolve_pending()
-        for chunk, item in zip(batch.chunks, plan.scheduled, strict=True):
-            if chunk.all_logits:
-                self._add_prompt_logprobs(item.request, chunk, result.all_logits[chunk.request_id])
+        if result.all_logits:  # the executor returns them exactly for the chunks that asked
+            for chunk, item in zip(batch.chunks, plan.scheduled, strict=True):
+                if chunk.all_logits:
+                    self._add_prompt_logprobs(item.request, chunk, result.all_logits[chunk.request_id])
         sampling = [item for item in plan.scheduled if item.samples]
         if not sampling:
             return outputs
@@ -359,21 +370,25 @@ class LLMEngine:
     def _outputs_of(self, items: list[ScheduledRequest]) -> list[RequestOutput]:
         """Outputs of the groups of ``items`` (every sampled one: finished, or streaming), and the finished
         groups forgotten."""
+        groups = self._groups
         touched: dict[str, RequestGroup] = {}
         for item in items:
-            group = self._groups.get(self._group_id(item.request))
+            rid = item.request.request_id
+            group = groups.get(rid if rid in groups else rid.rpartition("#")[0])
             if group is not None:
                 touched[group.request_id] = group
-        outputs = [
-            g.to_output()
-            for g in touched.values()
-            if g.finished or g.params.output_kind is not RequestOutputKind.FINAL_ONLY
-        ]
+        outputs = []
+        finished = []
         for group in touched.values():
             if group.finished:
-                self._groups.pop(group.request_id, None)
-                for seq in group.sequences:
-                    self._sequences.pop(seq.request.request_id, None)
+                finished.append(group)
+                outputs.append(group.to_output())
+            elif group.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                outputs.append(group.to_output())
+        for group in finished:
+            groups.pop(group.request_id, None)
+            for seq in group.sequences:
+                self._sequences.pop(seq.request.request_id, None)
         return outputs
 
     def _may_schedule_ahead(self) -> bool:
@@ -381,12 +396,14 @@ class LLMEngine:
         preempt, and no pending request is sure to end with its pending token (it would be planned again)."""
         if not self.scheduler.can_schedule_ahead():
             return False
+        max_model_len = self.max_model_len
         for item in self._pending.items:
             request = item.request
-            if not request.is_finished and (
-                request.num_output_tokens >= request.sampling_params.max_tokens
-                or request.num_tokens >= self.max_model_len
-            ):
+            num_tokens = len(request.all_token_ids)
+            if (
+                num_tokens - len(request.prompt_token_ids) >= request.sampling_params.max_tokens
+                or num_tokens >= max_model_len
+            ) and request.status not in FINISHED_STATUSES:
                 return False
         return True
 
@@ -396,8 +413,9 @@ class LLMEngine:
         row_of = {}
         for row, item in enumerate(sampling):
             request = item.request
-            if not request.is_finished:  # finished when the last step's tokens were read: its row is dropped
-                request.append_pending_token()
+            # Finished when the last step's tokens were read: its row is dropped.
+            if request.status not in FINISHED_STATUSES:
+                request.all_token_ids.append(PENDING_TOKEN)  # Request.append_pending_token, inlined
                 row_of[request.serial] = row
         self._pending = _PendingStep(sampling, sample, row_of)
 
@@ -408,16 +426,19 @@ class LLMEngine:
         sampled = pending.sample.result()
         self._wait_s += time.perf_counter() - t0
         resolved = []
+        row_of, sequences, after_token = pending.row_of, self._sequences, self._after_token
+        token_ids, logprobs = sampled.token_ids, sampled.logprobs
         for row, item in enumerate(pending.items):
             request = item.request
-            if request.serial not in pending.row_of or request.is_finished:
+            if request.serial not in row_of or request.status in FINISHED_STATUSES:
                 continue  # aborted since, or finished before this row was sampled
-            seq = self._sequences.get(request.request_id)
+            seq = sequences.get(request.request_id)
             if seq is None or seq.request is not request:
                 continue
-            request.resolve_pending_token(sampled.token_ids[row])
+            token = token_ids[row]
+            request.resolve_pending_token(token)
             try:
-                self._after_token(seq, sampled.token_ids[row], sampled.logprobs[row])
+                after_token(seq, token, logprobs[row])
             except Exception as exc:  # one broken request must not take the others down
                 logger.exception("request %s failed: %s", request.request_id, exc)
                 self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
@@ -457,15 +478,18 @@ class LLMEngine:
 
     def _after_token(self, seq: SequenceState, token: int, logprobs: PositionLogprobs | None) -> None:
         """Account the request's newest token ``token``: logprobs, detokenizing, stop and length checks."""
-        request, params = seq.request, seq.request.sampling_params
+        request = seq.request
+        params = request.sampling_params
         self.stats["generation_tokens"] += 1
-        if seq.logprobs is not None and logprobs is not None:
+        if logprobs is not None and seq.logprobs is not None:
             seq.logprobs.append(self._decode_logprobs(logprobs))
             seq.cumulative_logprob += logprobs[token].logprob
+        num_tokens = len(request.all_token_ids)
+        num_output_tokens = num_tokens - len(request.prompt_token_ids)
         # Before min_tokens no stop condition applies (the sampler already bans EOS and stop ids), stop
         # strings included, as in vLLM.
-        may_stop = request.num_output_tokens >= params.min_tokens
-        stop_str = seq.detokenizer.update([token], check_stop=may_stop)
+        may_stop = num_output_tokens >= params.min_tokens
+        stop_str = seq.detokenizer.update((token,), check_stop=may_stop)
         status = None
         if stop_str is not None:
             status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
@@ -473,7 +497,7 @@ class LLMEngine:
             status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
         elif may_stop and not params.ignore_eos and token in params.eos_token_ids:
             status = RequestStatus.FINISHED_STOPPED
-        elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        elif num_output_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             seq.detokenizer.finish()

@@ -193,7 +193,7 @@ class LocalExecutor(Executor):
         t0 = time.perf_counter()
         logits = self.graphs.run(len(decodes))
         self._launch_s += time.perf_counter() - t0
-        if rows[-1] == len(rows) - 1 and rows == list(range(len(rows))):  # the usual case: no gather
+        if rows == list(range(len(rows))):  # the usual case: rows already in batch order, no gather
             return ExecutorOutput(logits=logits)
         # The row order was uploaded with the decode inputs: no host-to-device copy (and wait) here.
         return ExecutorOutput(logits=logits.index_select(0, self.decode.row_order[: len(rows)]))

@@ -27,6 +27,10 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
 
+    # Members are singletons compared by identity: hash them by identity too (C speed) rather than by
+    # Enum's Python-level hash of the name, since status checks run for every row of every step.
+    __hash__ = object.__hash__
+
     @property
     def finished(self) -> bool:
         return self in FINISHED_STATUSES
@@ -99,7 +103,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.finished
+        return self.status in FINISHED_STATUSES
 
     @property
     def finish_reason(self) -> str | None:

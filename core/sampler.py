@@ -182,7 +182,8 @@ def _penalized_or_none(logits: torch.Tensor, requests: list[Request]) -> torch.T
     penalty_rows: list[int] = []
     for i, req in enumerate(requests):
         p = req.sampling_params
-        if req.num_output_tokens < p.min_tokens:
+        # (min_tokens 0 bans nothing: a request never has fewer than 0 output tokens.)
+        if p.min_tokens and req.num_output_tokens < p.min_tokens:
             banned = list(p.stop_token_ids or ())
             if not p.ignore_eos:
                 banned.extend(p.eos_token_ids)
@@ -190,8 +191,8 @@ def _penalized_or_none(logits: torch.Tensor, requests: list[Request]) -> torch.T
             banned = [t for t in banned if 0 <= t < vocab]
             ban_rows.extend([i] * len(banned))
             ban_ids.extend(banned)
-        if _needs_penalties(p):
-            penalty_rows.append(i)
+        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+            penalty_rows.append(i)  # _needs_penalties(p), inlined: this loop runs for every row
     if not ban_rows and not penalty_rows:
         return None
 

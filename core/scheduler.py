@@ -175,34 +175,40 @@ class ContinuousBatchingScheduler(Scheduler):
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
+        scheduled = output.scheduled
         budget = self.config.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
+        running = self.running
+        allocate_slots = self.buffers.allocate_slots
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            spec = self._spec_fits(request, budget) if request.spec_token_ids else []
-            request.spec_token_ids = spec  # drafts that do not fit are dropped: the row decodes normally
-            if spec:
-                output.scheduled.append(ScheduledRequest(request, 1 + len(spec), spec_token_ids=spec))
-                scheduled_ids.add(request.request_id)
-                budget -= 1 + len(spec)
-                i += 1
-                continue
-            n = self._chunk(request, budget)
+        while i < len(running) and budget > 0:
+            request = running[i]
+            if request.spec_token_ids:
+                spec = self._spec_fits(request, budget)
+                request.spec_token_ids = spec  # drafts that do not fit are dropped: the row decodes normally
+                if spec:
+                    scheduled.append(ScheduledRequest(request, 1 + len(spec), spec_token_ids=spec))
+                    budget -= 1 + len(spec)
+                    i += 1
+                    continue
+            computed = request.num_computed_tokens
+            # A decoding request computes its one last token (what _chunk gives it, whatever the limits).
+            n = 1 if len(request.all_token_ids) - computed == 1 else self._chunk(request, budget)
             if n <= 0:
                 i += 1
                 continue
-            while not self.buffers.allocate_slots(request, n):
-                victim = self.running[-1]
-                if victim.request_id in scheduled_ids:
+            while not allocate_slots(request, n):
+                victim = running[-1]
+                if any(item.request.request_id == victim.request_id for item in scheduled):
                     # Never undo work already planned this step: stop scheduling instead.
                     return output
                 self._preempt(victim, output)
                 if victim is request:
                     break
             else:
-                output.scheduled.append(ScheduledRequest(request, n))
-                scheduled_ids.add(request.request_id)
+                # A chunk ending at the last known token samples the next one.
+                scheduled.append(
+                    ScheduledRequest(request, n, computed, computed + n == len(request.all_token_ids))
+                )
                 budget -= n
                 i += 1
                 continue
@@ -235,13 +241,16 @@ class ContinuousBatchingScheduler(Scheduler):
         # Every running request computes at most its one last token, and the free pages cover a new page
         # for each of them: no allocation can fail, so nobody is preempted (admissions never preempt).
         for request in self.running:
-            if request.num_tokens - request.num_computed_tokens > 1 or request.spec_token_ids:
+            if len(request.all_token_ids) - request.num_computed_tokens > 1 or request.spec_token_ids:
                 return False
         return self.buffers.num_free_pages >= len(self.running)
 
     def update_after_step(self, output: SchedulerOutput) -> None:
         for item in output.scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids)
+            spec = item.spec_token_ids
+            item.request.num_computed_tokens += (
+                item.num_new_tokens - len(spec) if spec else item.num_new_tokens
+            )
 
     def accept_spec_tokens(self, item: ScheduledRequest, num_accepted: int) -> None:
         request = item.request
