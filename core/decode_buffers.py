@@ -63,6 +63,7 @@ class DecodeBuffers:
         self._last_rows: list[int] = []
         self._last_rows_np = np.zeros(0, dtype=np.int64)
         self._last_at: slice | np.ndarray = slice(0, 0)
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         #: Block-table entries written since start; tests use it to prove unchanged rows are left alone.
         self.block_entries_written = 0
         #: Seconds spent waiting for the previous upload (host-time accounting in the benchmarks).
@@ -111,6 +112,7 @@ class DecodeBuffers:
             self._upload_done.synchronize()  # the last step's upload has left the staging buffers
             self.wait_time_s += time.perf_counter() - t0
         batch = len(request_ids)
+        staged = self._staged
         if request_ids == self._last_keys:  # the same requests as last step, in the same order: same rows
             rows, rows_np, at = self._last_rows, self._last_rows_np, self._last_at
         else:
@@ -124,30 +126,48 @@ class DecodeBuffers:
                 rows_np,
                 at,
             )
+            staged[5, :batch] = rows_np  # the row order (the staging keeps it while the batch repeats)
         have = self._write_tables(rows, rows_np, block_tables)
-        pos = np.array(positions, dtype=np.int64)
-        if (pos // block_size >= have).any():
+        # Rows 0-4 of the staging in the batch's order, converted at once: token, position, slot (below),
+        # state slot, carry index.
+        values = np.array(
+            (
+                token_ids,
+                positions,
+                positions,
+                [0] * batch if state_slots is None else state_slots,
+                [-1] * batch if carry_from is None else carry_from,
+            ),
+            dtype=np.int64,
+        )
+        pos = values[1]
+        page_index = pos // block_size
+        if (page_index >= have).any():
             raise IndexError("a decode position lies past its request's block table")
-        staged = self._staged
-        staged[0, at] = token_ids
-        staged[1, at] = pos
-        pages = self._tables[rows_np, pos // block_size].astype(np.int64)
-        staged[2, at] = pages * block_size + pos % block_size
-        staged[3, at] = 0 if state_slots is None else state_slots
-        carry = None if carry_from is None else np.array(carry_from, dtype=np.int64)
-        staged[4, at] = -1 if carry is None else carry
-        staged[5, :batch] = rows_np
+        slots = values[2]
+        slots -= page_index * block_size  # the offset in the page ...
+        slots += self._tables[rows_np, page_index] * np.int64(block_size)  # ... plus the page's first slot
+        staged[:5, at] = values
         self._lens[at] = pos + 1
         self._upload.copy_(self._upload_staging, non_blocking=self._non_blocking)
         if self._upload_done is not None:
             self._upload_done.record()
-        if carried is not None and carry is not None:
-            src, tokens = self.carry_from[:batch], self.token_ids[:batch]
-            if (carry >= 0).all() and carried.dtype == tokens.dtype:
-                torch.index_select(carried, 0, src, out=tokens)  # every row carries: one gather
-            elif (carry >= 0).any():
+        if carried is not None and carry_from is not None and batch:
+            src, tokens = self._carry_views(batch)
+            if min(carry_from) >= 0 and carried.dtype == tokens.dtype:
+                torch.index_select(
+                    carried, 0, src, out=tokens
+                )  # every row carries (async decode): one gather
+            elif max(carry_from) >= 0:
                 tokens.copy_(torch.where(src >= 0, carried[src.clamp(min=0)], tokens))
         return rows
+
+    def _carry_views(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``carry_from[:batch]`` and ``token_ids[:batch]``, made once per batch size."""
+        views = self._views.get(batch)
+        if views is None:
+            views = self._views[batch] = (self.carry_from[:batch], self.token_ids[:batch])
+        return views
 
     def _write_tables(
         self, rows: list[int], rows_np: np.ndarray, block_tables: Sequence[list[int]]

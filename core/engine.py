@@ -307,18 +307,19 @@ class LLMEngine:
                 carry_from = pending.row_of[req.serial]
             rid = req.request_id
             chunks.append(
-                SequenceChunk(
-                    rid,
-                    all_ids[start:end] + spec if spec else all_ids[start:end],
+                SequenceChunk(  # positional (cheaper for a row of every step), in the field order:
+                    rid,  # request_id
+                    all_ids[start:end] + spec if spec else all_ids[start:end],  # token_ids
                     start,
                     block_table(rid),
                     state_slot(rid),
-                    all_logits=all_logits,
-                    epoch=req.num_preemptions,
-                    serial=req.serial,
-                    num_logits=(1 + len(spec)) if item.samples else 0,
-                    keep_hidden=speculative is not None and speculative.drafts_for(req),
-                    carry_from=carry_from,
+                    False,  # needs_logits: num_logits decides
+                    all_logits,
+                    req.num_preemptions,  # epoch
+                    req.serial,
+                    (1 + len(spec)) if item.samples else 0,  # num_logits
+                    speculative is not None and speculative.drafts_for(req),  # keep_hidden
+                    carry_from,
                 )
             )
         batch = ModelBatch(chunks)
@@ -373,7 +374,15 @@ class LLMEngine:
         groups = self._groups
         touched: dict[str, RequestGroup] = {}
         for item in items:
-            rid = item.request.request_id
+            request = item.request
+            params = request.sampling_params
+            if (
+                params.output_kind is RequestOutputKind.FINAL_ONLY
+                and params.n == 1
+                and request.status not in FINISHED_STATUSES
+            ):
+                continue  # its group (this one sequence) neither reports nor ends: nothing to do
+            rid = request.request_id
             group = groups.get(rid if rid in groups else rid.rpartition("#")[0])
             if group is not None:
                 touched[group.request_id] = group

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 
 import torch
 
@@ -19,6 +20,13 @@ from pegainfer.decode_buffers import DecodeBuffers
 from pegainfer.errors import ExecutorError
 from pegainfer.layers.attention import AttentionMetadata, PrefillSegment
 from pegainfer.model_api import CausalLM, ForwardBatch
+
+# Field getters for the per-row lists of the decode rows (C-level, one pass each). A row's owner is the
+# request (serials are unique per process) in its preemption epoch.
+_ROW_OWNER = attrgetter("serial", "request_id", "epoch")
+_START = attrgetter("start")
+_BLOCK_TABLE = attrgetter("block_table")
+_CARRY_FROM = attrgetter("carry_from")
 
 
 @dataclass(frozen=True)
@@ -167,15 +175,14 @@ class LocalExecutor(Executor):
             return self.model.embed(torch.tensor(token_ids, dtype=torch.int64, device=self.device))
 
     def _prepare_decode_rows(self, decodes: list[SequenceChunk], carried: torch.Tensor | None) -> list[int]:
-        carry = [c.carry_from for c in decodes]
+        carry = list(map(_CARRY_FROM, decodes))
         if carried is None and carry and max(carry) >= 0:
             raise ExecutorError("a decode chunk carries its token from the last step, but the batch has none")
         return self.decode.prepare(
-            # A row's owner: the request (serials are unique per process) in its preemption epoch.
-            [(c.serial, c.request_id, c.epoch) for c in decodes],
+            list(map(_ROW_OWNER, decodes)),
             [c.token_ids[0] for c in decodes],
-            [c.start for c in decodes],
-            [c.block_table for c in decodes],
+            list(map(_START, decodes)),
+            list(map(_BLOCK_TABLE, decodes)),
             [c.state_slot or 0 for c in decodes],
             self.block_size,
             carry_from=carry if carried is not None else None,
@@ -233,8 +240,10 @@ class LocalExecutor(Executor):
             raise ExecutorError(
                 f"{type(self.model).__name__} does not embed on the device: the batch must carry hidden_states"
             )
-        prefills = [c for c in batch.chunks if len(c.token_ids) > 1]
         decodes = [c for c in batch.chunks if len(c.token_ids) == 1]
+        prefills = (
+            [c for c in batch.chunks if len(c.token_ids) > 1] if len(decodes) < len(batch.chunks) else []
+        )
         self._kept_hidden.clear()
         if self.graphs is not None and not prefills and len(decodes) <= self.graphs.max_batch:
             if all(c.needs_logits and not c.all_logits and not c.keep_hidden for c in decodes):
