@@ -64,6 +64,7 @@ class DecodeBuffers:
         self._last_rows_np = np.zeros(0, dtype=np.int64)
         self._last_at: slice | np.ndarray = slice(0, 0)
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._padded = (0, 0)  # the last prepare's batch and the rows it uploaded (padding included)
         #: Block-table entries written since start; tests use it to prove unchanged rows are left alone.
         self.block_entries_written = 0
         #: Seconds spent waiting for the previous upload (host-time accounting in the benchmarks).
@@ -101,12 +102,14 @@ class DecodeBuffers:
         *,
         carry_from: Sequence[int] | None = None,
         carried: torch.Tensor | None = None,
+        pad_to: int | None = None,
     ) -> list[int]:
         """Write one decode row per request; returns each request's row (the batch is rows ``[0, B)``).
 
         ``request_ids`` are the rows' owners (any hashable keys: a key seen before keeps its row). A
         request whose ``carry_from`` is ``i >= 0`` takes ``carried[i]`` (a device tensor of the previous
-        step's sampled tokens) as its token instead of ``token_ids``' entry."""
+        step's sampled tokens) as its token instead of ``token_ids``' entry. With ``pad_to`` the rows up
+        to it are uploaded as copies of row 0 already (``pad_rows`` then has only the block tables left)."""
         if self._upload_done is not None:
             t0 = time.perf_counter()
             self._upload_done.synchronize()  # the last step's upload has left the staging buffers
@@ -148,12 +151,18 @@ class DecodeBuffers:
         slots -= page_index * block_size  # the offset in the page ...
         slots += self._tables[rows_np, page_index] * np.int64(block_size)  # ... plus the page's first slot
         staged[:5, at] = values
-        self._lens[at] = pos + 1
+        lens = self._lens
+        lens[at] = pos + 1
+        size = batch if pad_to is None or not batch else pad_to
+        if size > batch:
+            staged[:, batch:size] = staged[:, :1]
+            lens[batch:size] = lens[0]
+        self._padded = (batch, size)
         self._upload.copy_(self._upload_staging, non_blocking=self._non_blocking)
         if self._upload_done is not None:
             self._upload_done.record()
         if carried is not None and carry_from is not None and batch:
-            src, tokens = self._carry_views(batch)
+            src, tokens = self._carry_views(size)  # padding rows gather row 0's token
             if min(carry_from) >= 0 and carried.dtype == tokens.dtype:
                 torch.index_select(
                     carried, 0, src, out=tokens
@@ -204,7 +213,8 @@ class DecodeBuffers:
         owner, so their cached block tables need no bookkeeping (a new owner rewrites its row in full)."""
         if size == batch:
             return
-        self._packed[:, batch:size] = self._packed[:, :1]
-        self.seq_lens[batch:size] = self.seq_lens[0]
+        if self._padded[0] != batch or self._padded[1] < size:  # not uploaded padded by prepare(pad_to=)
+            self._packed[:, batch:size] = self._packed[:, :1]
+            self.seq_lens[batch:size] = self.seq_lens[0]
         self.block_tables[batch:size] = self.block_tables[0]
         self._blocks_written[batch:size] = 0

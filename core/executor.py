@@ -174,7 +174,9 @@ class LocalExecutor(Executor):
         with torch.inference_mode():
             return self.model.embed(torch.tensor(token_ids, dtype=torch.int64, device=self.device))
 
-    def _prepare_decode_rows(self, decodes: list[SequenceChunk], carried: torch.Tensor | None) -> list[int]:
+    def _prepare_decode_rows(
+        self, decodes: list[SequenceChunk], carried: torch.Tensor | None, pad_to: int | None = None
+    ) -> list[int]:
         carry = list(map(_CARRY_FROM, decodes))
         if carried is None and carry and max(carry) >= 0:
             raise ExecutorError("a decode chunk carries its token from the last step, but the batch has none")
@@ -187,6 +189,7 @@ class LocalExecutor(Executor):
             self.block_size,
             carry_from=carry if carried is not None else None,
             carried=carried,
+            pad_to=pad_to,
         )
 
     @property
@@ -196,7 +199,8 @@ class LocalExecutor(Executor):
         return self.decode.wait_time_s + self._launch_s
 
     def _execute_graph(self, decodes: list[SequenceChunk], carried: torch.Tensor | None) -> ExecutorOutput:
-        rows = self._prepare_decode_rows(decodes, carried)
+        # The graph's bucket: its padding rows go up with the batch's (see DecodeGraphs.run).
+        rows = self._prepare_decode_rows(decodes, carried, pad_to=self.graphs.bucket_for(len(decodes)))
         t0 = time.perf_counter()
         logits = self.graphs.run(len(decodes))
         self._launch_s += time.perf_counter() - t0

@@ -277,17 +277,31 @@ def test_position_past_the_table_is_an_error() -> None:
         prepare(buf, [Fake("a", [1], BS)])
 
 
-def test_pad_rows_replicate_row_zero() -> None:
-    """Rows past the batch, up to the graph's bucket, are copies of row 0 in every input; a request that
-    later takes such a row gets its own full table."""
+@pytest.mark.parametrize("in_upload", [False, True])
+def test_pad_rows_replicate_row_zero(in_upload: bool) -> None:
+    """Rows past the batch, up to the graph's bucket, are copies of row 0 in every input (carried token
+    included), whether ``prepare(pad_to=)`` uploaded them so or ``pad_rows`` copies them on the device;
+    a request that later takes such a row gets its own full table."""
     buf = make(max_num_seqs=8)
     reqs = [Fake("a", [1, 2], 6), Fake("b", [3], 2), Fake("c", [4, 5, 6], 9)]
-    prepare(buf, reqs)
+    buf.prepare(
+        [r.key for r in reqs],
+        [-1, -1, -1],
+        [r.pos for r in reqs],
+        [r.pages for r in reqs],
+        [5, 6, 7],
+        BS,
+        carry_from=[2, 0, 1],
+        carried=torch.tensor([70, 80, 90]),
+        pad_to=6 if in_upload else None,
+    )
+    assert buf.token_ids[:3].tolist() == [90, 70, 80]
     buf.pad_rows(3, 6)
     for row in range(3, 6):
         assert buf._packed[:, row].tolist() == buf._packed[:, 0].tolist()
         assert buf.seq_lens[row].item() == buf.seq_lens[0].item() == 7
         assert buf.block_tables[row].tolist() == buf.block_tables[0].tolist()
+        assert buf.token_ids[row].item() == 90
     for r in reqs:
         r.advance()
     d = Fake("d", [7, 8], 5)
