@@ -143,6 +143,13 @@ class DecodeBuffers:
             ),
             dtype=np.int64,
         )
+        if carried is not None and carry_from is not None:
+            # A carried row's token id is a placeholder (PENDING_TOKEN) until the device gather below. The
+            # staging is uploaded whole every step, so a placeholder left in it would overwrite the row's
+            # gathered token on the device again in every later step where the row lies past the batch:
+            # stage a valid id (0) instead. (Rows past the step's rows are read by graphs.run(batch) called
+            # for more rows than the last step wrote, e.g. the benchmark's replays after requests finished.)
+            np.copyto(values[0], 0, where=values[4] >= 0)
         pos = values[1]
         page_index = pos // block_size
         if (page_index >= have).any():

@@ -246,6 +246,48 @@ def test_every_row_carrying_gathers_all_tokens() -> None:
     assert tokens == {"c": 80, "a": 90, "b": 70}
 
 
+def test_rows_past_the_batch_never_hold_a_pending_token() -> None:
+    """A carried row's staged token is a placeholder the device gather replaces; since the whole staging
+    goes up every step, it must be a valid id, else a row the batch left (or a padding row of a larger
+    earlier bucket) holds PENDING_TOKEN on the device, and a replay of more rows than the last step wrote
+    (bench/qwen3_14b.py's graphs.run(batch) after requests finished) embeds -1: the device-side assert
+    "index out of bounds" in the embedding's gather."""
+    buf = make(max_num_seqs=8)
+    reqs = [Fake(k, [i + 1], 0) for i, k in enumerate("abcdef")]
+    prepare(buf, reqs)  # the prefill's first tokens: real ids
+    for r in reqs:
+        r.advance()
+    buf.prepare(  # async steady state: every row carries its token, padded to a bucket of 8
+        [r.key for r in reqs],
+        [-1] * 6,
+        [r.pos for r in reqs],
+        [r.pages for r in reqs],
+        None,
+        BS,
+        carry_from=list(range(6)),
+        carried=torch.arange(6) + 50,
+        pad_to=8,
+    )
+    assert buf.token_ids[:8].tolist() == [50, 51, 52, 53, 54, 55, 50, 50]
+    # Four requests finish; the two left carry their tokens (bucket 2).
+    left = reqs[:2]
+    for r in left:
+        r.advance()
+    rows = buf.prepare(
+        [r.key for r in left],
+        [-1, -1],
+        [r.pos for r in left],
+        [r.pages for r in left],
+        None,
+        BS,
+        carry_from=[0, 1],
+        carried=torch.tensor([60, 61]),
+        pad_to=2,
+    )
+    assert rows == [0, 1] and buf.token_ids[:2].tolist() == [60, 61]
+    assert min(buf.token_ids.tolist()) >= 0, buf.token_ids.tolist()
+
+
 def test_same_batch_keeps_rows_and_rewrites_only_grown_tables() -> None:
     """The same requests in the same order keep their rows; of several grown tables only the new entries
     count as written, and the rows in between (uploaded along in one copy) keep their entries."""
