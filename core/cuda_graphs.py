@@ -1,8 +1,8 @@
 """CUDA-graph decode: one graph per batch-size bucket, captured at start-up into one memory pool.
 
-The graphs read the persistent decode buffers (token ids — the embedding gather happens inside the
-graph —, positions, sequence lengths, slot mapping, block tables, state slots) and write logits into a
-static output. A step writes its rows into the buffers, pads the bucket by replicating row 0 (padding
+The graphs read the persistent decode buffers (token ids — gathered from the staged ones and the last
+step's samples, then embedded, inside the graph —, positions, sequence lengths, slot mapping, block
+tables, state slots) and write logits into a static output and their argmax into ``decode.sampled``. A step writes its rows into the buffers, pads the bucket by replicating row 0 (padding
 rows then read and write valid memory: row 0's own slot, with row 0's own values) and replays. With
 ``eager`` the same padded forward runs without a graph (``enforce_eager``), with identical numerics.
 """
@@ -67,11 +67,16 @@ class DecodeGraphs:
             # A static bound: the kernels size their grids from it, so the graph fits every step.
             max_decode_seq_len=self.max_model_len,
         )
-        return ForwardBatch(d.token_ids[:size], d.positions[:size], meta, state_slots=d.state_slots[:size])
+        return ForwardBatch(d.input_ids[:size], d.positions[:size], meta, state_slots=d.state_slots[:size])
 
     def _forward(self, size: int) -> torch.Tensor:
+        # Inside the graph: the carried tokens' gather before, the greedy choice after (into ``sampled``,
+        # in row order), so neither is a launch on the host (the sampler takes the greedy tokens as they are).
+        self.decode.gather_inputs(size)
         hidden = self.model(self._batch(size), self.caches, self.states)
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        torch.argmax(logits, dim=-1, out=self.decode.sampled[:size])
+        return logits
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -107,7 +112,8 @@ class DecodeGraphs:
         raise ValueError(f"batch {batch} exceeds the largest graph ({self.max_batch})")
 
     def run(self, batch: int) -> torch.Tensor:
-        """Replay for the ``batch`` rows already written into the decode buffers; logits ``[batch, V]``."""
+        """Replay for the ``batch`` rows already written into the decode buffers; logits ``[batch, V]``
+        (their argmax is in ``decode.sampled[:batch]``, both in row order)."""
         size = self.bucket_for(batch)
         self.decode.pad_rows(batch, size)
         if self.eager:

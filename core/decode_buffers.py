@@ -30,21 +30,32 @@ class DecodeBuffers:
         device = torch.device(device)
         pinned = device.type == "cuda"
         size = 6 * max_num_seqs + -(-max_num_seqs // 2)
-        self._upload = torch.zeros(size, dtype=torch.int64, device=device)
+        # One device buffer: the last step's sampled tokens, then the uploaded rows. The sampled tokens and
+        # the staged ones (the first uploaded row) are adjacent, so one gather picks each row's input.
+        self._device = torch.zeros(max_num_seqs + size, dtype=torch.int64, device=device)
+        #: The last step's sampled tokens in its batch order: where carried rows take their token from.
+        #: The decode graph writes its greedy tokens here (in row order: the batch order whenever the rows
+        #: are in order, see the executor); ``prepare`` copies any other step's tokens in.
+        self.sampled = self._device[:max_num_seqs]
+        self._token_pool = self._device[: 2 * max_num_seqs]
+        self._upload = self._device[max_num_seqs:]
         self._upload_staging = torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
         self._packed = self._upload[: 6 * max_num_seqs].view(6, max_num_seqs)
         self._staged = self._upload_staging[: 6 * max_num_seqs].view(6, max_num_seqs).numpy()
         (
+            # The rows' tokens the host knows (a carried row's is a placeholder 0).
             self.token_ids,
             self.positions,
             self.slot_mapping,
             self.state_slots,
-            # Where a row's token comes from when the host does not know it yet: an index into the
-            # previous step's sampled tokens (still on the device), or -1.
-            self.carry_from,
+            # Where a row's input token comes from, as an index into [sampled | token_ids]: a carried row's
+            # index in the last step's samples, else max_num_seqs + its row (see gather_inputs).
+            self.token_index,
             # The row of each request of the batch, in the batch's order (the logits gather).
             self.row_order,
         ) = self._packed.unbind(0)
+        #: The model's input tokens (``gather_inputs``: inside the decode graph, no launch on the host).
+        self.input_ids = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self.seq_lens = self._upload[6 * max_num_seqs :].view(torch.int32)[:max_num_seqs]
         self._lens = self._upload_staging[6 * max_num_seqs :].view(torch.int32)[:max_num_seqs].numpy()
         self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
@@ -63,7 +74,7 @@ class DecodeBuffers:
         self._last_rows: list[int] = []
         self._last_rows_np = np.zeros(0, dtype=np.int64)
         self._last_at: slice | np.ndarray = slice(0, 0)
-        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._own_index = np.arange(max_num_seqs, 2 * max_num_seqs, dtype=np.int64)  # row r: its staged token
         self._padded = (0, 0)  # the last prepare's batch and the rows it uploaded (padding included)
         #: Block-table entries written since start; tests use it to prove unchanged rows are left alone.
         self.block_entries_written = 0
@@ -108,8 +119,9 @@ class DecodeBuffers:
 
         ``request_ids`` are the rows' owners (any hashable keys: a key seen before keeps its row). A
         request whose ``carry_from`` is ``i >= 0`` takes ``carried[i]`` (a device tensor of the previous
-        step's sampled tokens) as its token instead of ``token_ids``' entry. With ``pad_to`` the rows up
-        to it are uploaded as copies of row 0 already (``pad_rows`` then has only the block tables left)."""
+        step's sampled tokens) as its token instead of ``token_ids``' entry, once :meth:`gather_inputs`
+        has run. With ``pad_to`` the rows up to it are uploaded as copies of row 0 already (``pad_rows``
+        then has only the block tables left)."""
         if self._upload_done is not None:
             t0 = time.perf_counter()
             self._upload_done.synchronize()  # the last step's upload has left the staging buffers
@@ -143,13 +155,18 @@ class DecodeBuffers:
             ),
             dtype=np.int64,
         )
+        own = self._own_index[rows_np]
         if carried is not None and carry_from is not None:
-            # A carried row's token id is a placeholder (PENDING_TOKEN) until the device gather below. The
-            # staging is uploaded whole every step, so a placeholder left in it would overwrite the row's
-            # gathered token on the device again in every later step where the row lies past the batch:
-            # stage a valid id (0) instead. (Rows past the step's rows are read by graphs.run(batch) called
-            # for more rows than the last step wrote, e.g. the benchmark's replays after requests finished.)
-            np.copyto(values[0], 0, where=values[4] >= 0)
+            index = values[4]
+            carries = index >= 0
+            # A carried row's staged token is a placeholder (PENDING_TOKEN): stage a valid id instead (the
+            # staging goes up whole, and a replay of more rows than a step wrote embeds whatever it holds).
+            np.copyto(values[0], 0, where=carries)
+            np.copyto(index, own, where=~carries)
+            if carries.any():
+                self._hold_sampled(carried)
+        else:
+            values[4] = own
         pos = values[1]
         page_index = pos // block_size
         if (page_index >= have).any():
@@ -168,22 +185,27 @@ class DecodeBuffers:
         self._upload.copy_(self._upload_staging, non_blocking=self._non_blocking)
         if self._upload_done is not None:
             self._upload_done.record()
-        if carried is not None and carry_from is not None and batch:
-            src, tokens = self._carry_views(size)  # padding rows gather row 0's token
-            if min(carry_from) >= 0 and carried.dtype == tokens.dtype:
-                torch.index_select(
-                    carried, 0, src, out=tokens
-                )  # every row carries (async decode): one gather
-            elif max(carry_from) >= 0:
-                tokens.copy_(torch.where(src >= 0, carried[src.clamp(min=0)], tokens))
         return rows
 
-    def _carry_views(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``carry_from[:batch]`` and ``token_ids[:batch]``, made once per batch size."""
-        views = self._views.get(batch)
-        if views is None:
-            views = self._views[batch] = (self.carry_from[:batch], self.token_ids[:batch])
-        return views
+    def _hold_sampled(self, carried: torch.Tensor) -> None:
+        """Make ``sampled`` hold the last step's tokens ``carried`` (nothing to do when they are the decode
+        graph's own greedy tokens, already there)."""
+        sampled = self.sampled
+        if carried.dim() != 1 or len(carried) > len(sampled):
+            raise ValueError(
+                f"carried tokens must be a vector of at most {len(sampled)}, got {tuple(carried.shape)}"
+            )
+        if (
+            carried.data_ptr() != sampled.data_ptr()
+            or carried.stride(0) != 1
+            or carried.dtype != sampled.dtype
+        ):
+            sampled[: len(carried)].copy_(carried)
+
+    def gather_inputs(self, size: int) -> torch.Tensor:
+        """Each of rows ``[0, size)``'s input token, staged or carried, into ``input_ids`` (one gather; the
+        decode graph runs it first, so carried tokens cost the host no launch)."""
+        return torch.index_select(self._token_pool, 0, self.token_index[:size], out=self.input_ids[:size])
 
     def _write_tables(
         self, rows: list[int], rows_np: np.ndarray, block_tables: Sequence[list[int]]

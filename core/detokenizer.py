@@ -45,6 +45,7 @@ class IncrementalDetokenizer:
         stop: Iterable[str] = (),
         include_stop_str_in_output: bool = False,
     ) -> None:
+        self._tokenizer = tokenizer
         self._tokenizer_decode = tokenizer.decode
         self._skip_special_tokens = skip_special_tokens
         # Decoded lengths of single tokens, shared by every detokenizer of this tokenizer (see _prefix_length).
@@ -91,6 +92,10 @@ class IncrementalDetokenizer:
 
         ``check_stop=False`` (before a request's ``min_tokens``) adds the text without acting on a match.
         """
+        self._add(new_token_ids)
+        return self._emit(self._decode_new(final=False), check_stop)
+
+    def _add(self, new_token_ids: Sequence[int]) -> None:
         if self.stop_str is not None:
             raise RuntimeError(
                 f"update() after stop string {self.stop_str!r} matched; the request is finished"
@@ -99,7 +104,8 @@ class IncrementalDetokenizer:
         for token_id in new_token_ids:
             if token_id not in dropped:
                 ids.append(token_id)
-        text = self._decode_new(final=False)
+
+    def _emit(self, text: str, check_stop: bool) -> str | None:
         if not text:
             return None
         if not self._stop:  # no stop strings: nothing is held back, every piece is final at once
@@ -135,16 +141,25 @@ class IncrementalDetokenizer:
 
     def _decode_new(self, *, final: bool) -> str:
         """Text of the tokens after the read offset, decoded with a few earlier tokens as context."""
+        window = self._window()
+        return "" if window is None else self._new_text(self._decode(window), final=final)
+
+    def _window(self) -> list[int] | None:
+        """The ids to decode for the text after the read offset (None: nothing new), the context first;
+        the context's own text length is known once this returns."""
         ids, offset = self._ids, self._read_offset
         if offset == len(ids):
-            return ""
-        prefix_len = self._prefix_len
-        if prefix_len is None:
+            return None
+        if self._prefix_len is None:
             # After each emitted token the context is that one token: its text length is looked up.
-            if offset != 1 or (prefix_len := self._token_lengths.get(ids[0])) is None:
-                prefix_len = self._prefix_length()
-            self._prefix_len = prefix_len
-        new_text = self._decode(ids)[prefix_len:]
+            prefix_len = self._token_lengths.get(ids[0]) if offset == 1 else None
+            self._prefix_len = self._prefix_length() if prefix_len is None else prefix_len
+        return ids
+
+    def _new_text(self, decoded: str, *, final: bool) -> str:
+        """The new tokens' text, given the decode of :meth:`_window`'s ids; "" while it is held back."""
+        ids, offset = self._ids, self._read_offset
+        new_text = decoded[self._prefix_len :]
         held = len(ids) - offset
         if not final and held < _MAX_HELD_TOKENS and (not new_text or new_text.endswith(_REPLACEMENT_CHAR)):
             # Nothing visible yet, or a multi-byte character is still arriving: wait rather than emit U+FFFD.
@@ -189,3 +204,49 @@ class IncrementalDetokenizer:
             self._frozen.append(tail[:split])
         self._tail = tail[split:]
         return self.stop_str
+
+
+def update_each(
+    detokenizers: Sequence[IncrementalDetokenizer], token_ids: Sequence[int], check_stop: Sequence[bool]
+) -> list[str | None | Exception]:
+    """``detokenizers[i].update((token_ids[i],), check_stop=check_stop[i])`` for every i, with the new text
+    of all of them decoded in one batch call per tokenizer (one call into the tokenizer library instead of
+    one per request: the engine's async decode step detokenizes every running request this way). A
+    detokenizer that fails gets its exception in its place in the result; the others go on."""
+    results: list[str | None | Exception] = [None] * len(detokenizers)
+    # (tokenizer, skip_special_tokens) -> the windows to decode and whose they are
+    batches: dict[tuple[int, bool], tuple[Tokenizer, list[list[int]], list[int]]] = {}
+    for i, (detok, token) in enumerate(zip(detokenizers, token_ids, strict=True)):
+        try:
+            detok._add((token,))
+            window = detok._window()
+        except Exception as exc:
+            results[i] = exc
+            continue
+        if window is not None:
+            key = (id(detok._tokenizer), detok._skip_special_tokens)
+            batch = batches.get(key)
+            if batch is None:
+                batch = batches[key] = (detok._tokenizer, [], [])
+            batch[1].append(window)
+            batch[2].append(i)
+    for (_, skip), (tokenizer, windows, owners) in batches.items():
+        try:
+            texts = tokenizer.decode_batch(windows, skip_special_tokens=skip)
+        except Exception:  # find the failing window(s): decode each on its own
+            texts = []
+            for j, window in zip(owners, windows, strict=True):
+                try:
+                    texts.append(tokenizer.decode(window, skip_special_tokens=skip))
+                except Exception as exc:
+                    results[j] = exc
+                    texts.append(None)
+        for j, text in zip(owners, texts, strict=True):
+            if text is None:
+                continue
+            detok = detokenizers[j]
+            try:
+                results[j] = detok._emit(detok._new_text(text, final=False), check_stop[j])
+            except Exception as exc:
+                results[j] = exc
+    return results

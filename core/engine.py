@@ -12,7 +12,7 @@ import torch
 from pegainfer.buffer_specs import TransientSpec, dtype_size
 from pegainfer.buffers import PagedBufferManager
 from pegainfer.config import EngineConfig
-from pegainfer.detokenizer import IncrementalDetokenizer
+from pegainfer.detokenizer import IncrementalDetokenizer, update_each
 from pegainfer.errors import ConfigError, RequestError
 from pegainfer.executor import Executor, LocalExecutor, ModelBatch, SequenceChunk
 from pegainfer.loader import read_generation_config
@@ -360,7 +360,7 @@ class LLMEngine:
         if not sampling:
             return outputs
         if self.async_scheduling:
-            self._sample_ahead(result.logits, sampling)
+            self._sample_ahead(result.logits, result.greedy_tokens, sampling)
             return outputs
         # One sampler call over the sampled rows, then one more per verified draft (speculative decoding).
         accepted = sample_and_verify(self.sampler, result.logits, sampling, self._append)
@@ -416,9 +416,11 @@ class LLMEngine:
                 return False
         return True
 
-    def _sample_ahead(self, logits: torch.Tensor, sampling: list[ScheduledRequest]) -> None:
+    def _sample_ahead(
+        self, logits: torch.Tensor, greedy: torch.Tensor | None, sampling: list[ScheduledRequest]
+    ) -> None:
         """Sample on the device and leave the tokens pending: each live request counts one pending token."""
-        sample = self.sampler.sample(logits, [item.request for item in sampling])
+        sample = self.sampler.sample(logits, [item.request for item in sampling], greedy)
         row_of = {}
         for row, item in enumerate(sampling):
             request = item.request
@@ -435,7 +437,8 @@ class LLMEngine:
         sampled = pending.sample.result()
         self._wait_s += time.perf_counter() - t0
         resolved = []
-        row_of, sequences, after_token = pending.row_of, self._sequences, self._after_token
+        done: list[tuple[SequenceState, int, PositionLogprobs | None]] = []
+        row_of, sequences = pending.row_of, self._sequences
         token_ids, logprobs = sampled.token_ids, sampled.logprobs
         for row, item in enumerate(pending.items):
             request = item.request
@@ -446,12 +449,9 @@ class LLMEngine:
                 continue
             token = token_ids[row]
             request.resolve_pending_token(token)
-            try:
-                after_token(seq, token, logprobs[row])
-            except Exception as exc:  # one broken request must not take the others down
-                logger.exception("request %s failed: %s", request.request_id, exc)
-                self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
+            done.append((seq, token, logprobs[row]))
             resolved.append(item)
+        self._after_tokens(done)
         return self._outputs_of(resolved)
 
     def _add_prompt_logprobs(self, request: Request, chunk: SequenceChunk, logits: torch.Tensor) -> None:
@@ -476,41 +476,67 @@ class LLMEngine:
         """Append one sampled token; False once the request finished (stopped, length, or failed)."""
         try:
             self._append_token(self._sequences[request.request_id], token, logprobs)
-        except Exception as exc:  # one broken request must not take the others down
-            logger.exception("request %s failed: %s", request.request_id, exc)
-            self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
+        except Exception as exc:
+            self._fail(request, exc)
         return not request.is_finished
 
     def _append_token(self, seq: SequenceState, token: int, logprobs: PositionLogprobs | None) -> None:
         seq.request.append_output_token(token)
-        self._after_token(seq, token, logprobs)
+        self._after_tokens([(seq, token, logprobs)])
 
-    def _after_token(self, seq: SequenceState, token: int, logprobs: PositionLogprobs | None) -> None:
-        """Account the request's newest token ``token``: logprobs, detokenizing, stop and length checks."""
-        request = seq.request
-        params = request.sampling_params
-        self.stats["generation_tokens"] += 1
-        if logprobs is not None and seq.logprobs is not None:
-            seq.logprobs.append(self._decode_logprobs(logprobs))
-            seq.cumulative_logprob += logprobs[token].logprob
-        num_tokens = len(request.all_token_ids)
-        num_output_tokens = num_tokens - len(request.prompt_token_ids)
-        # Before min_tokens no stop condition applies (the sampler already bans EOS and stop ids), stop
-        # strings included, as in vLLM.
-        may_stop = num_output_tokens >= params.min_tokens
-        stop_str = seq.detokenizer.update((token,), check_stop=may_stop)
-        status = None
-        if stop_str is not None:
-            status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
-        elif may_stop and token in params.stop_token_ids:
-            status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
-        elif may_stop and not params.ignore_eos and token in params.eos_token_ids:
-            status = RequestStatus.FINISHED_STOPPED
-        elif num_output_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
-            status = RequestStatus.FINISHED_LENGTH
-        if status is not None:
-            seq.detokenizer.finish()
-            self.scheduler.finish_request(request, status)
+    def _after_tokens(self, done: list[tuple[SequenceState, int, PositionLogprobs | None]]) -> None:
+        """Account each sequence's newest token: logprobs, detokenizing (all of them in one batch), stop
+        and length checks. A request that fails here is finished with an error; the others go on."""
+        self.stats["generation_tokens"] += len(done)
+        max_model_len = self.max_model_len
+        may_stop = []
+        for seq, token, logprobs in done:
+            request = seq.request
+            if logprobs is not None and seq.logprobs is not None:
+                try:
+                    seq.logprobs.append(self._decode_logprobs(logprobs))
+                    seq.cumulative_logprob += logprobs[token].logprob
+                except Exception as exc:
+                    self._fail(request, exc)
+            # Before min_tokens no stop condition applies (the sampler already bans EOS and stop ids), stop
+            # strings included, as in vLLM.
+            min_tokens = request.sampling_params.min_tokens
+            may_stop.append(
+                not min_tokens or len(request.all_token_ids) - len(request.prompt_token_ids) >= min_tokens
+            )
+        stops = update_each([seq.detokenizer for seq, _, _ in done], [t for _, t, _ in done], may_stop)
+        for (seq, token, _), stop_str, check in zip(done, stops, may_stop, strict=True):
+            request = seq.request
+            if request.status in FINISHED_STATUSES:
+                continue  # failed above
+            if isinstance(stop_str, Exception):
+                self._fail(request, stop_str)
+                continue
+            params = request.sampling_params
+            num_tokens = len(request.all_token_ids)
+            status = None
+            if stop_str is not None:
+                status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+            elif check and token in params.stop_token_ids:
+                status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
+            elif check and not params.ignore_eos and token in params.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif (
+                num_tokens - len(request.prompt_token_ids) >= params.max_tokens or num_tokens >= max_model_len
+            ):
+                status = RequestStatus.FINISHED_LENGTH
+            if status is not None:
+                try:
+                    seq.detokenizer.finish()
+                except Exception as exc:
+                    self._fail(request, exc)
+                    continue
+                self.scheduler.finish_request(request, status)
+
+    def _fail(self, request: Request, exc: Exception) -> None:
+        """One broken request must not take the others down: it ends with an error."""
+        logger.error("request %s failed: %s", request.request_id, exc, exc_info=exc)
+        self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -93,6 +93,9 @@ class ModelBatch:
 class ExecutorOutput:
     logits: torch.Tensor  # [sum of chunks' num_logits, V]: each chunk's trailing rows, in chunk order
     all_logits: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> [len, V]
+    # logits.argmax(-1), when the step computed it already (the decode graph); the sampler may write its
+    # own choices into it.
+    greedy_tokens: torch.Tensor | None = None
 
 
 class Executor(ABC):
@@ -204,10 +207,14 @@ class LocalExecutor(Executor):
         t0 = time.perf_counter()
         logits = self.graphs.run(len(decodes))
         self._launch_s += time.perf_counter() - t0
+        greedy = self.decode.sampled[: len(rows)]
         if rows == list(range(len(rows))):  # the usual case: rows already in batch order, no gather
-            return ExecutorOutput(logits=logits)
+            return ExecutorOutput(logits=logits, greedy_tokens=greedy)
         # The row order was uploaded with the decode inputs: no host-to-device copy (and wait) here.
-        return ExecutorOutput(logits=logits.index_select(0, self.decode.row_order[: len(rows)]))
+        order = self.decode.row_order[: len(rows)]
+        return ExecutorOutput(
+            logits=logits.index_select(0, order), greedy_tokens=greedy.index_select(0, order)
+        )
 
     def _reorder_hidden_states(self, batch: ModelBatch, first_row: dict[int, int]) -> torch.Tensor:
         """The batch's hidden states come in chunk order; the device layout is prefills, then decode rows."""
@@ -270,7 +277,7 @@ class LocalExecutor(Executor):
             b = len(decodes)
             for chunk, row in zip(decodes, rows, strict=True):
                 first_row[id(chunk)] = num_prefill + row
-            token_ids = torch.cat([token_ids, self.decode.token_ids[:b]])
+            token_ids = torch.cat([token_ids, self.decode.gather_inputs(b)])
             positions = torch.cat([positions, self.decode.positions[:b]])
             meta.slot_mapping = torch.cat([meta.slot_mapping, self.decode.slot_mapping[:b]])
             meta.num_decodes = b

@@ -86,9 +86,13 @@ class Sampler:
         """Return one token per row of ``logits`` [R, V]; row i is the next token of ``requests[i]``."""
         return self.sample(logits, requests).result()
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> DeviceSample:
+    def sample(
+        self, logits: torch.Tensor, requests: list[Request], greedy: torch.Tensor | None = None
+    ) -> DeviceSample:
         """Choose the tokens on the device and start copying them (and any logprobs) to the host; nothing
-        here waits for the GPU, so the engine can queue the next step before reading them."""
+        here waits for the GPU, so the engine can queue the next step before reading them. ``greedy``, when
+        given, is ``logits.argmax(-1)`` computed already (the decode graph's): greedy rows take it as it is,
+        and the other rows' choices are written into it."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits must be [{len(requests)}, V], got {tuple(logits.shape)}")
         params = [r.sampling_params for r in requests]
@@ -100,12 +104,14 @@ class Sampler:
         # Untouched logits stay in their own dtype: argmax agrees with float32's, and the copy is skipped.
         work = logits if penalized is None else penalized
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if greedy is None or penalized is not None:  # penalties change the argmax
+            greedy = None
         if not random_rows:
-            chosen = work.argmax(dim=-1)
+            chosen = work.argmax(dim=-1) if greedy is None else greedy
         elif len(random_rows) == len(params):
             chosen = self._sample(work, requests)
         else:
-            chosen = work.argmax(dim=-1)
+            chosen = work.argmax(dim=-1) if greedy is None else greedy
             index = _index(random_rows, work.device)
             chosen[index] = self._sample(work[index], [requests[i] for i in random_rows])
 

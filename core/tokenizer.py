@@ -73,6 +73,12 @@ class Tokenizer:
         """Text of `ids`, identical to transformers' `tokenizer.decode(ids, skip_special_tokens=...)`."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_batch(self, batch: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        """``[decode(ids) for ids in batch]``, each straight into the tokenizer library. (Its own batch decode
+        hands the windows to a thread pool: slower for a step's few ids per request.)"""
+        decode = self._backend.decode
+        return [decode(ids, skip_special_tokens=skip_special_tokens) for ids in batch]
+
     def id_to_token(self, token_id: int) -> str:
         """The vocabulary string of one id; RequestError when the id is outside the vocabulary."""
         token = self._backend.id_to_token(token_id)

@@ -47,8 +47,9 @@ def prepare(buf: DecodeBuffers, reqs: list[Fake], state: bool = True) -> list[in
 def assert_rows(buf: DecodeBuffers, reqs: list[Fake], rows: list[int], state: bool = True) -> None:
     """Every row holds its request's token, position, length, slot and full block table."""
     assert sorted(rows) == list(range(len(reqs)))
+    inputs = buf.gather_inputs(len(reqs))
     for i, (r, row) in enumerate(zip(reqs, rows, strict=True)):
-        assert buf.token_ids[row].item() == r.token
+        assert inputs[row].item() == r.token
         assert buf.positions[row].item() == r.pos
         assert buf.seq_lens[row].item() == r.pos + 1
         assert buf.slot_mapping[row].item() == r.pages[r.pos // BS] * BS + r.pos % BS
@@ -220,7 +221,8 @@ def test_carried_tokens_come_from_the_device_tensor() -> None:
         carry_from=[2, -1, 0],
         carried=carried,
     )
-    tokens = {r.key: buf.token_ids[row].item() for r, row in zip(reqs, rows, strict=True)}
+    inputs = buf.gather_inputs(3)
+    tokens = {r.key: inputs[row].item() for r, row in zip(reqs, rows, strict=True)}
     assert tokens == {"b": 90, "c": 33, "a": 70}
     assert buf.row_order[:3].tolist() == rows
 
@@ -242,8 +244,27 @@ def test_every_row_carrying_gathers_all_tokens() -> None:
         carry_from=[1, 2, 0],
         carried=torch.tensor([70, 80, 90]),
     )
-    tokens = {r.key: buf.token_ids[row].item() for r, row in zip(order, rows, strict=True)}
+    inputs = buf.gather_inputs(3)
+    tokens = {r.key: inputs[row].item() for r, row in zip(order, rows, strict=True)}
     assert tokens == {"c": 80, "a": 90, "b": 70}
+
+
+def test_greedy_tokens_left_in_sampled_are_carried_in_place() -> None:
+    """The decode graph writes its greedy tokens into ``sampled``; carrying that very tensor needs no copy
+    (a different tensor is copied in first), and the gather reads them."""
+    buf = make()
+    reqs = [Fake("a", [1, 2], 4), Fake("b", [3, 4], 5)]
+    prepare(buf, reqs)
+    for r in reqs:
+        r.advance()
+    buf.sampled[:2] = torch.tensor([41, 42])  # what the graph's argmax left there
+    args = ([r.key for r in reqs], [-1, -1], [r.pos for r in reqs], [r.pages for r in reqs], None, BS)
+    buf.prepare(*args, carry_from=[1, 0], carried=buf.sampled[:2])
+    assert buf.gather_inputs(2).tolist() == [42, 41]
+    for r in reqs:
+        r.advance()
+    buf.prepare(*args, carry_from=[0, 1], carried=torch.tensor([7, 8]))  # the full sampler's tokens
+    assert buf.sampled[:2].tolist() == [7, 8] and buf.gather_inputs(2).tolist() == [7, 8]
 
 
 def test_rows_past_the_batch_never_hold_a_pending_token() -> None:
@@ -268,7 +289,7 @@ def test_rows_past_the_batch_never_hold_a_pending_token() -> None:
         carried=torch.arange(6) + 50,
         pad_to=8,
     )
-    assert buf.token_ids[:8].tolist() == [50, 51, 52, 53, 54, 55, 50, 50]
+    assert buf.gather_inputs(8).tolist() == [50, 51, 52, 53, 54, 55, 50, 50]
     # Four requests finish; the two left carry their tokens (bucket 2).
     left = reqs[:2]
     for r in left:
@@ -284,7 +305,9 @@ def test_rows_past_the_batch_never_hold_a_pending_token() -> None:
         carried=torch.tensor([60, 61]),
         pad_to=2,
     )
-    assert rows == [0, 1] and buf.token_ids[:2].tolist() == [60, 61]
+    assert rows == [0, 1] and buf.gather_inputs(2).tolist() == [60, 61]
+    replayed = buf.gather_inputs(8).tolist()  # rows past the batch: whatever they hold is a valid id
+    assert replayed[:2] == [60, 61] and min(replayed) >= 0, replayed
     assert min(buf.token_ids.tolist()) >= 0, buf.token_ids.tolist()
 
 
@@ -337,13 +360,14 @@ def test_pad_rows_replicate_row_zero(in_upload: bool) -> None:
         carried=torch.tensor([70, 80, 90]),
         pad_to=6 if in_upload else None,
     )
-    assert buf.token_ids[:3].tolist() == [90, 70, 80]
+    assert buf.gather_inputs(3).tolist() == [90, 70, 80]
     buf.pad_rows(3, 6)
+    inputs = buf.gather_inputs(6)
     for row in range(3, 6):
         assert buf._packed[:, row].tolist() == buf._packed[:, 0].tolist()
         assert buf.seq_lens[row].item() == buf.seq_lens[0].item() == 7
         assert buf.block_tables[row].tolist() == buf.block_tables[0].tolist()
-        assert buf.token_ids[row].item() == 90
+        assert inputs[row].item() == 90
     for r in reqs:
         r.advance()
     d = Fake("d", [7, 8], 5)

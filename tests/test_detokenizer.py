@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from pegainfer.detokenizer import IncrementalDetokenizer
+from pegainfer.detokenizer import IncrementalDetokenizer, update_each
 from pegainfer.testing.tiny_tokenizer import write_tiny_tokenizer
 from pegainfer.tokenizer import Tokenizer
 
@@ -226,3 +226,48 @@ def test_include_stop_str_streams_without_holding_back(tok: Tokenizer) -> None:
     assert detok.update(tok.encode("t. And")) == "mat."
     assert detok.get_delta(finished=True) == "t."
     assert detok.output_text == "the cat sat on the mat."
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_update_each_equals_one_update_per_detokenizer(tok: Tokenizer, seed: int) -> None:
+    """The engine's batched step (one batch decode for every request) gives each detokenizer the text,
+    deltas and stop strings its own update would: mixed flags, stop strings, invalid bytes, min_tokens."""
+    rng = random.Random(seed)
+    streams, pairs = [], []
+    for i in range(8):
+        ids = tok.encode(_random_text(rng, rng.randint(3, 30)))
+        if i % 4 == 3:
+            ids += [rng.randrange(tok.vocab_size) for _ in range(10)]  # arbitrary ids: invalid UTF-8 too
+        options = {
+            "skip_special_tokens": bool(i % 2),
+            "stop": [rng.choice(PIECES).strip() or "!"] if i % 3 == 0 else (),
+            "include_stop_str_in_output": i % 5 == 0,
+        }
+        prompt = tok.encode(PROMPT)
+        pairs.append(
+            (IncrementalDetokenizer(tok, prompt, **options), IncrementalDetokenizer(tok, prompt, **options))
+        )
+        streams.append(ids)
+    for step in range(max(map(len, streams))):
+        live = [i for i, ids in enumerate(streams) if step < len(ids) and pairs[i][0].stop_str is None]
+        check = [step >= 2 or i % 2 == 0 for i in live]  # some requests still below min_tokens
+        got = update_each([pairs[i][0] for i in live], [streams[i][step] for i in live], check)
+        for i, c, stop in zip(live, check, got, strict=True):
+            batched, single = pairs[i]
+            assert stop == single.update((streams[i][step],), check_stop=c)
+            assert batched.get_delta(finished=False) == single.get_delta(finished=False)
+    for batched, single in pairs:
+        assert batched.get_delta(finished=True) == single.get_delta(finished=True)
+        assert batched.output_text == single.output_text and batched.stop_str == single.stop_str
+
+
+def test_update_each_isolates_a_failing_detokenizer(tok: Tokenizer) -> None:
+    """A detokenizer that raises (updated after its stop string) gets its exception in its place; the
+    others in the same batch still get their text."""
+    stopped = IncrementalDetokenizer(tok, [], stop=["cat"])
+    assert stopped.update(tok.encode("the cat")) == "cat"
+    fine = [IncrementalDetokenizer(tok, []) for _ in range(2)]
+    ids = tok.encode(" sat")
+    got = update_each([fine[0], stopped, fine[1]], [ids[0]] * 3, [True] * 3)
+    assert got[0] is None and got[2] is None and isinstance(got[1], RuntimeError)
+    assert [d.get_delta(finished=True) for d in fine] == [tok.decode(ids[:1])] * 2

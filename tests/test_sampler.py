@@ -358,3 +358,20 @@ def test_incremental_penalty_counts_equal_a_fresh_count() -> None:
         assert torch.equal(apply_penalties(logits, [live]), apply_penalties(logits, [fresh]))
         for token in [step % 5, 7][: 1 + step % 2]:
             live.append_output_token(token)
+
+
+def test_precomputed_greedy_tokens_are_taken_as_they_are() -> None:
+    """With the decode graph's argmax given, greedy rows take it (no argmax here: a marker value proves
+    it), other rows' draws are written into it, and penalties (which move the argmax) ignore it."""
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0]])
+    sampler = Sampler(seed=0)
+    marker = torch.tensor([2, 2])  # not the argmax of either row
+    greedy = [make_request(0, temperature=0), make_request(1, temperature=0)]
+    out = sampler.sample(logits, greedy, marker.clone())
+    assert out.tokens.tolist() == [2, 2] and out.result().token_ids == [2, 2]
+    given = marker.clone()
+    mixed = [make_request(0, temperature=0), make_request(1, temperature=1.0, top_k=1)]
+    out = sampler.sample(logits, mixed, given)
+    assert out.tokens is given and given.tolist() == [2, 0]  # row 1 drew its top-1 token into it
+    penalized = [make_request(0, temperature=0, repetition_penalty=1.5), make_request(1, temperature=0)]
+    assert sampler.sample(logits, penalized, marker.clone()).result().token_ids == [1, 0]
