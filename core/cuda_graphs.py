@@ -121,4 +121,4 @@ class DecodeGraphs:
             return self._forward(size)[:batch]
         graph, logits = self._graphs[size]
         graph.replay()
-        return logits[:batch]
+        return logits if batch == size else logits[:batch]

@@ -74,6 +74,7 @@ class DecodeBuffers:
         self._last_rows: list[int] = []
         self._last_rows_np = np.zeros(0, dtype=np.int64)
         self._last_at: slice | np.ndarray = slice(0, 0)
+        self._sampled_views: dict[int, torch.Tensor] = {}
         self._own_index = np.arange(max_num_seqs, 2 * max_num_seqs, dtype=np.int64)  # row r: its staged token
         self._padded = (0, 0)  # the last prepare's batch and the rows it uploaded (padding included)
         #: Block-table entries written since start; tests use it to prove unchanged rows are left alone.
@@ -201,6 +202,13 @@ class DecodeBuffers:
             or carried.dtype != sampled.dtype
         ):
             sampled[: len(carried)].copy_(carried)
+
+    def sampled_rows(self, n: int) -> torch.Tensor:
+        """``sampled[:n]``, a view made once per size (a slice is a dispatch every step otherwise)."""
+        view = self._sampled_views.get(n)
+        if view is None:
+            view = self._sampled_views[n] = self.sampled[:n]
+        return view
 
     def gather_inputs(self, size: int) -> torch.Tensor:
         """Each of rows ``[0, size)``'s input token, staged or carried, into ``input_ids`` (one gather; the

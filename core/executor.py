@@ -207,7 +207,7 @@ class LocalExecutor(Executor):
         t0 = time.perf_counter()
         logits = self.graphs.run(len(decodes))
         self._launch_s += time.perf_counter() - t0
-        greedy = self.decode.sampled[: len(rows)]
+        greedy = self.decode.sampled_rows(len(rows))
         if rows == list(range(len(rows))):  # the usual case: rows already in batch order, no gather
             return ExecutorOutput(logits=logits, greedy_tokens=greedy)
         # The row order was uploaded with the decode inputs: no host-to-device copy (and wait) here.

@@ -27,18 +27,48 @@ class SamplerOutput:
     logprobs: list[PositionLogprobs | None]
 
 
+class HostBuffers:
+    """Pinned host tensors and CUDA events for :class:`HostCopy`, handed out again once a copy's reader
+    has released them: allocating pinned memory and an event costs host time every step otherwise."""
+
+    _MAX_FREE = 4  # kept per dtype and shape (a steady batch reuses one or two)
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[torch.dtype, torch.Size], list[torch.Tensor]] = {}
+        self._events: list[torch.cuda.Event] = []
+
+    def tensor(self, like: torch.Tensor) -> torch.Tensor:
+        free = self._free.get((like.dtype, like.shape))
+        return free.pop() if free else torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+
+    def event(self) -> torch.cuda.Event:
+        return self._events.pop() if self._events else torch.cuda.Event()
+
+    def release(self, tensors: list[torch.Tensor], event: torch.cuda.Event) -> None:
+        for t in tensors:
+            free = self._free.setdefault((t.dtype, t.shape), [])
+            if len(free) < self._MAX_FREE:
+                free.append(t)
+        self._events.append(event)
+
+
 class HostCopy:
     """Device tensors copied into host memory without blocking the host (pinned buffers and an event on
-    CUDA; a plain copy elsewhere); :meth:`wait` before reading them."""
+    CUDA; a plain copy elsewhere); :meth:`wait` before reading them. With ``buffers`` the pinned tensors
+    and the event come from there, and :meth:`release` hands them back once read."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor], buffers: HostBuffers | None = None) -> None:
         self._event = None
+        self._buffers = buffers
         self.host: dict[str, torch.Tensor] = {}
         for name, t in tensors.items():
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            if t.is_cuda and buffers is not None:
+                host = buffers.tensor(t)
+            else:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
             self.host[name] = host.copy_(t, non_blocking=t.is_cuda)
             if t.is_cuda and self._event is None:
-                self._event = torch.cuda.Event()
+                self._event = torch.cuda.Event() if buffers is None else buffers.event()
         if self._event is not None:
             self._event.record()
 
@@ -46,6 +76,12 @@ class HostCopy:
         if self._event is not None:
             self._event.synchronize()
         return self.host
+
+    def release(self) -> None:
+        """After :meth:`wait`, when nothing reads ``host`` any more: its buffers may take the next copy."""
+        if self._buffers is not None and self._event is not None:
+            self._buffers.release(list(self.host.values()), self._event)
+        self.host, self._event, self._buffers = {}, None, None
 
 
 @dataclass
@@ -56,16 +92,22 @@ class DeviceSample:
     logprob_rows: list[int]
     logprob_ks: list[int]
     copy: HostCopy
+    _output: SamplerOutput | None = None
 
     def result(self) -> SamplerOutput:
-        """Wait for the copy (only the work queued before the sample, not anything queued since)."""
+        """Wait for the copy (only the work queued before the sample, not anything queued since). The host
+        buffers go back to the sampler once read; later calls return the same output."""
+        if self._output is not None:
+            return self._output
         host = self.copy.wait()
         logprobs: list[PositionLogprobs | None] = [None] * self.tokens.shape[0]
         if self.logprob_rows:
             entries = _position_entries(host, self.logprob_ks)
             for i, entry in zip(self.logprob_rows, entries, strict=True):
                 logprobs[i] = entry
-        return SamplerOutput(token_ids=host["chosen"].tolist(), logprobs=logprobs)
+        self._output = SamplerOutput(token_ids=host["chosen"].tolist(), logprobs=logprobs)
+        self.copy.release()
+        return self._output
 
 
 class Sampler:
@@ -78,6 +120,7 @@ class Sampler:
     def __init__(self, *, seed: int = 0, device: torch.device | str | None = None) -> None:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._host_buffers = HostBuffers()
         if device is not None:
             # An empty tensor names the device as logits will (``cuda`` becomes ``cuda:0``).
             self._generator(torch.empty(0, device=device).device)
@@ -95,20 +138,28 @@ class Sampler:
         and the other rows' choices are written into it."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits must be [{len(requests)}, V], got {tuple(logits.shape)}")
-        params = [r.sampling_params for r in requests]
-        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        # One pass over the rows (this runs every step for every request): which want logprobs, which draw
+        # at random, and whether any needs penalties or min_tokens bans.
+        lp_rows, random_rows, adjusted = [], [], False
+        for i, request in enumerate(requests):
+            p = request.sampling_params
+            if p.logprobs is not None:
+                lp_rows.append(i)
+            if not p.greedy:
+                random_rows.append(i)
+            if p.min_tokens or p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+                adjusted = True
         # Taken before anything touches the logits: logprobs describe the model, not the sampler.
         raw_logprobs = torch.log_softmax(_rows(logits, lp_rows).float(), dim=-1) if lp_rows else None
 
-        penalized = _penalized_or_none(logits, requests)
+        penalized = _penalized_or_none(logits, requests) if adjusted else None
         # Untouched logits stay in their own dtype: argmax agrees with float32's, and the copy is skipped.
         work = logits if penalized is None else penalized
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if greedy is None or penalized is not None:  # penalties change the argmax
+        if penalized is not None:  # penalties change the argmax
             greedy = None
         if not random_rows:
             chosen = work.argmax(dim=-1) if greedy is None else greedy
-        elif len(random_rows) == len(params):
+        elif len(random_rows) == len(requests):
             chosen = self._sample(work, requests)
         else:
             chosen = work.argmax(dim=-1) if greedy is None else greedy
@@ -116,10 +167,10 @@ class Sampler:
             chosen[index] = self._sample(work[index], [requests[i] for i in random_rows])
 
         tensors = {"chosen": chosen}
-        ks = [params[i].logprobs or 0 for i in lp_rows]
+        ks = [requests[i].sampling_params.logprobs or 0 for i in lp_rows]
         if raw_logprobs is not None:
             tensors.update(_logprob_tensors(raw_logprobs, _rows(chosen, lp_rows), max(ks)))
-        return DeviceSample(chosen, lp_rows, ks, HostCopy(tensors))
+        return DeviceSample(chosen, lp_rows, ks, HostCopy(tensors, self._host_buffers))
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)

@@ -10,7 +10,7 @@ import torch
 
 from pegainfer.outputs import Logprob
 from pegainfer.request import Request
-from pegainfer.sampler import Sampler, apply_penalties, compute_prompt_logprobs
+from pegainfer.sampler import HostBuffers, HostCopy, Sampler, apply_penalties, compute_prompt_logprobs
 from pegainfer.sampling_params import SamplingParams
 
 # Distinct values, so no filter boundary is a tie; every token keeps an expected count well above 5.
@@ -375,3 +375,30 @@ def test_precomputed_greedy_tokens_are_taken_as_they_are() -> None:
     assert out.tokens is given and given.tolist() == [2, 0]  # row 1 drew its top-1 token into it
     penalized = [make_request(0, temperature=0, repetition_penalty=1.5), make_request(1, temperature=0)]
     assert sampler.sample(logits, penalized, marker.clone()).result().token_ids == [1, 0]
+
+
+def test_results_read_twice_and_cpu_copies_pool_nothing() -> None:
+    """result() may be called again (same output); CPU tensors are plain copies, nothing pooled."""
+    buffers = HostBuffers()
+    copy = HostCopy({"chosen": torch.tensor([1, 2])}, buffers)
+    assert copy.wait()["chosen"].tolist() == [1, 2]
+    copy.release()
+    assert not buffers._free
+    sample = Sampler(seed=0).sample(torch.tensor([[0.0, 1.0]]), [make_request(0, temperature=0)])
+    assert sample.result() is sample.result() and sample.result().token_ids == [1]
+
+
+@pytest.mark.gpu
+def test_pinned_buffers_are_reused_only_after_their_result_is_read() -> None:
+    """Pinned buffers (and events) of a copy go back to the pool once read and released, so a later copy
+    reuses them; a copy still unread keeps its own."""
+    buffers = HostBuffers()
+    a = HostCopy({"chosen": torch.tensor([1, 2], device="cuda")}, buffers)
+    b = HostCopy({"chosen": torch.tensor([3, 4], device="cuda")}, buffers)  # a not read yet: its own
+    assert a.host["chosen"].data_ptr() != b.host["chosen"].data_ptr()
+    pinned = a.host["chosen"].data_ptr()
+    assert a.wait()["chosen"].tolist() == [1, 2]
+    a.release()
+    c = HostCopy({"chosen": torch.tensor([5, 6], device="cuda")}, buffers)
+    assert c.host["chosen"].data_ptr() == pinned
+    assert b.wait()["chosen"].tolist() == [3, 4] and c.wait()["chosen"].tolist() == [5, 6]
