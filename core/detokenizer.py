@@ -45,8 +45,8 @@ class IncrementalDetokenizer:
         stop: Iterable[str] = (),
         include_stop_str_in_output: bool = False,
     ) -> None:
-        self._tokenizer = tokenizer
-        self._tokenizer_decode = tokenizer.decode
+        # Straight into the tokenizer library (the window is always a list): decoding runs per token.
+        self._decode_ids = tokenizer.decoder(skip_special_tokens)
         self._skip_special_tokens = skip_special_tokens
         # Decoded lengths of single tokens, shared by every detokenizer of this tokenizer (see _prefix_length).
         self._token_lengths = _token_lengths(tokenizer, skip_special_tokens)
@@ -95,15 +95,28 @@ class IncrementalDetokenizer:
         self._add(new_token_ids)
         return self._emit(self._decode_new(final=False), check_stop)
 
+    def update_one(self, token_id: int, check_stop: bool = True) -> str | None:
+        """``update((token_id,), check_stop=check_stop)``, without the generality (every decode step
+        calls it for every request)."""
+        if self.stop_str is not None:
+            raise self._finished_error()
+        if token_id not in self._dropped_ids:
+            self._ids.append(token_id)
+        window = self._window()
+        if window is None:
+            return None
+        return self._emit(self._new_text(self._decode_ids(window), final=False), check_stop)
+
     def _add(self, new_token_ids: Sequence[int]) -> None:
         if self.stop_str is not None:
-            raise RuntimeError(
-                f"update() after stop string {self.stop_str!r} matched; the request is finished"
-            )
+            raise self._finished_error()
         ids, dropped = self._ids, self._dropped_ids
         for token_id in new_token_ids:
             if token_id not in dropped:
                 ids.append(token_id)
+
+    def _finished_error(self) -> RuntimeError:
+        return RuntimeError(f"update() after stop string {self.stop_str!r} matched; the request is finished")
 
     def _emit(self, text: str, check_stop: bool) -> str | None:
         if not text:
@@ -137,7 +150,7 @@ class IncrementalDetokenizer:
         return [i for i in ids if i not in self._dropped_ids]
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer_decode(ids, skip_special_tokens=self._skip_special_tokens)
+        return self._decode_ids(ids)
 
     def _decode_new(self, *, final: bool) -> str:
         """Text of the tokens after the read offset, decoded with a few earlier tokens as context."""
@@ -209,44 +222,13 @@ class IncrementalDetokenizer:
 def update_each(
     detokenizers: Sequence[IncrementalDetokenizer], token_ids: Sequence[int], check_stop: Sequence[bool]
 ) -> list[str | None | Exception]:
-    """``detokenizers[i].update((token_ids[i],), check_stop=check_stop[i])`` for every i, with the new text
-    of all of them decoded in one batch call per tokenizer (one call into the tokenizer library instead of
-    one per request: the engine's async decode step detokenizes every running request this way). A
-    detokenizer that fails gets its exception in its place in the result; the others go on."""
-    results: list[str | None | Exception] = [None] * len(detokenizers)
-    # (tokenizer, skip_special_tokens) -> the windows to decode and whose they are
-    batches: dict[tuple[int, bool], tuple[Tokenizer, list[list[int]], list[int]]] = {}
-    for i, (detok, token) in enumerate(zip(detokenizers, token_ids, strict=True)):
+    """``detokenizers[i].update((token_ids[i],), check_stop=check_stop[i])`` for every i (the engine's
+    decode step: one new token per request). A detokenizer that fails gets its exception in its place in
+    the result; the others go on."""
+    results: list[str | None | Exception] = []
+    for detok, token, check in zip(detokenizers, token_ids, check_stop, strict=True):
         try:
-            detok._add((token,))
-            window = detok._window()
+            results.append(detok.update_one(token, check))
         except Exception as exc:
-            results[i] = exc
-            continue
-        if window is not None:
-            key = (id(detok._tokenizer), detok._skip_special_tokens)
-            batch = batches.get(key)
-            if batch is None:
-                batch = batches[key] = (detok._tokenizer, [], [])
-            batch[1].append(window)
-            batch[2].append(i)
-    for (_, skip), (tokenizer, windows, owners) in batches.items():
-        try:
-            texts = tokenizer.decode_batch(windows, skip_special_tokens=skip)
-        except Exception:  # find the failing window(s): decode each on its own
-            texts = []
-            for j, window in zip(owners, windows, strict=True):
-                try:
-                    texts.append(tokenizer.decode(window, skip_special_tokens=skip))
-                except Exception as exc:
-                    results[j] = exc
-                    texts.append(None)
-        for j, text in zip(owners, texts, strict=True):
-            if text is None:
-                continue
-            detok = detokenizers[j]
-            try:
-                results[j] = detok._emit(detok._new_text(text, final=False), check_stop[j])
-            except Exception as exc:
-                results[j] = exc
+            results.append(exc)
     return results

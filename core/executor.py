@@ -40,7 +40,7 @@ class ExecutorCapabilities:
     carried_tokens: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class SequenceChunk:
     """The tokens one request computes this step."""
 

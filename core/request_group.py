@@ -12,7 +12,7 @@ from pegainfer.request import FINISHED_STATUSES, Request
 from pegainfer.sampling_params import RequestOutputKind, SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class SequenceState:
     """Engine-side state of one generated sequence (one of a parent's ``n``)."""
 

@@ -21,7 +21,7 @@ from pegainfer.request import Request, RequestStatus
 PROMPT_LOGPROBS_CHUNK = 256
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # the drafts included

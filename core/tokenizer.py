@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -73,11 +73,10 @@ class Tokenizer:
         """Text of `ids`, identical to transformers' `tokenizer.decode(ids, skip_special_tokens=...)`."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def decode_batch(self, batch: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
-        """``[decode(ids) for ids in batch]``, each straight into the tokenizer library. (Its own batch decode
-        hands the windows to a thread pool: slower for a step's few ids per request.)"""
-        decode = self._backend.decode
-        return [decode(ids, skip_special_tokens=skip_special_tokens) for ids in batch]
+    def decoder(self, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
+        """``decode`` for lists of ids, as one call straight into the tokenizer library (for callers that
+        decode on every generated token)."""
+        return functools.partial(self._backend.decode, skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str:
         """The vocabulary string of one id; RequestError when the id is outside the vocabulary."""

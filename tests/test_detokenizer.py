@@ -38,6 +38,9 @@ class CountingTokenizer:
         self._widths.append(len(ids))
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def decoder(self, skip_special_tokens: bool = True):
+        return lambda ids: self.decode(ids, skip_special_tokens)
+
 
 def _random_text(rng: random.Random, n: int) -> str:
     return "".join(rng.choice(PIECES) for _ in range(n))
