@@ -382,8 +382,7 @@ class LLMEngine:
                 and request.status not in FINISHED_STATUSES
             ):
                 continue  # its group (this one sequence) neither reports nor ends: nothing to do
-            rid = request.request_id
-            group = groups.get(rid if rid in groups else rid.rpartition("#")[0])
+            group = groups.get(self._group_id(request))
             if group is not None:
                 touched[group.request_id] = group
         outputs = []
