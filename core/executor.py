@@ -93,8 +93,7 @@ class ModelBatch:
 class ExecutorOutput:
     logits: torch.Tensor  # [sum of chunks' num_logits, V]: each chunk's trailing rows, in chunk order
     all_logits: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> [len, V]
-    # logits.argmax(-1), when the step computed it already (the decode graph); the sampler may write its
-    # own choices into it.
+    # logits.argmax(-1), when the step computed it already (the decode graph); read-only for the caller.
     greedy_tokens: torch.Tensor | None = None
 
 

@@ -134,8 +134,8 @@ class Sampler:
     ) -> DeviceSample:
         """Choose the tokens on the device and start copying them (and any logprobs) to the host; nothing
         here waits for the GPU, so the engine can queue the next step before reading them. ``greedy``, when
-        given, is ``logits.argmax(-1)`` computed already (the decode graph's): greedy rows take it as it is,
-        and the other rows' choices are written into it."""
+        given, is ``logits.argmax(-1)`` computed already (the decode graph's): an all-greedy batch takes it as
+        it is, a mixed one a copy with the other rows' draws written in."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits must be [{len(requests)}, V], got {tuple(logits.shape)}")
         # One pass over the rows (this runs every step for every request): which want logprobs, which draw
@@ -162,7 +162,8 @@ class Sampler:
         elif len(random_rows) == len(requests):
             chosen = self._sample(work, requests)
         else:
-            chosen = work.argmax(dim=-1) if greedy is None else greedy
+            # A copy of the given greedy tokens: they belong to the executor (an inference tensor there).
+            chosen = work.argmax(dim=-1) if greedy is None else greedy.clone()
             index = _index(random_rows, work.device)
             chosen[index] = self._sample(work[index], [requests[i] for i in random_rows])
 

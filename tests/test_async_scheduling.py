@@ -90,6 +90,31 @@ def test_mixed_batch_outputs_identical(tiny_qwen3):
     ahead.engine.buffers.check_invariants()
 
 
+def test_mixed_batch_on_the_graph_decode_path_identical(tiny_qwen3):
+    """The GPU's decode path (persistent rows, bucket padding; eager graphs on the CPU): the carried
+    tokens are gathered and the greedy argmax taken inside the graph's forward, the sampler takes those
+    greedy tokens and writes its other rows' draws into them, penalized rows are copied back in; the
+    outputs equal the synchronous run's on the same path."""
+    prompts = _prompts(5, 24)
+    sync = _llm(tiny_qwen3, False, max_num_seqs=8)
+    ahead = _llm(tiny_qwen3, True, max_num_seqs=8)
+    for llm in (sync, ahead):
+        llm.engine.executor.capture_decode_graphs(eager=True)
+    params = _mixed_params(sync, len(prompts))
+    carried = _count_carried_steps(ahead)
+    given = [0]
+    sample = ahead.engine.sampler.sample
+
+    def counting(logits, requests, greedy=None):
+        given[0] += greedy is not None
+        return sample(logits, requests, greedy)
+
+    ahead.engine.sampler.sample = counting
+    assert _summary(_generate(ahead, prompts, params)) == _summary(_generate(sync, prompts, params))
+    assert carried[0] > 10 and given[0] > 10
+    assert ahead.engine.buffers.usage() == 0.0 and not ahead.engine.has_unfinished_requests()
+
+
 def test_preemption_and_chunked_prefill_identical(tiny_qwen3):
     """A page pool too small for the batch: plans that preempt read the tokens back first."""
     prompts = _prompts(3, 10)

@@ -361,20 +361,22 @@ def test_incremental_penalty_counts_equal_a_fresh_count() -> None:
 
 
 def test_precomputed_greedy_tokens_are_taken_as_they_are() -> None:
-    """With the decode graph's argmax given, greedy rows take it (no argmax here: a marker value proves
-    it), other rows' draws are written into it, and penalties (which move the argmax) ignore it."""
+    """With the decode graph's argmax given, an all-greedy batch takes it (no argmax here: a marker value
+    proves it); a mixed batch draws its random rows into a copy (the given tokens are the executor's, an
+    inference tensor: writing into them outside inference mode would fail); penalties (which move the
+    argmax) ignore it."""
     logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0]])
     sampler = Sampler(seed=0)
-    marker = torch.tensor([2, 2])  # not the argmax of either row
+    with torch.inference_mode():
+        marker = torch.tensor([2, 2])  # not the argmax of either row
     greedy = [make_request(0, temperature=0), make_request(1, temperature=0)]
-    out = sampler.sample(logits, greedy, marker.clone())
-    assert out.tokens.tolist() == [2, 2] and out.result().token_ids == [2, 2]
-    given = marker.clone()
+    out = sampler.sample(logits, greedy, marker)
+    assert out.tokens is marker and out.result().token_ids == [2, 2]
     mixed = [make_request(0, temperature=0), make_request(1, temperature=1.0, top_k=1)]
-    out = sampler.sample(logits, mixed, given)
-    assert out.tokens is given and given.tolist() == [2, 0]  # row 1 drew its top-1 token into it
+    out = sampler.sample(logits, mixed, marker)
+    assert out.result().token_ids == [2, 0] and marker.tolist() == [2, 2]  # row 1 drew its top-1 token
     penalized = [make_request(0, temperature=0, repetition_penalty=1.5), make_request(1, temperature=0)]
-    assert sampler.sample(logits, penalized, marker.clone()).result().token_ids == [1, 0]
+    assert sampler.sample(logits, penalized, marker).result().token_ids == [1, 0]
 
 
 def test_results_read_twice_and_cpu_copies_pool_nothing() -> None:
