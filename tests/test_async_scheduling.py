@@ -18,10 +18,14 @@ from pegainfer.errors import ConfigError
 from pegainfer.sampling_params import RequestOutputKind
 
 
-def _llm(tiny_qwen3, async_scheduling: bool, **kwargs) -> LLM:
+def _llm(tiny_qwen3, async_scheduling: bool, graph_path: bool = False, **kwargs) -> LLM:
+    """``graph_path``: decode steps take the GPU's decode-graph path (eager graphs on the CPU)."""
     options = dict(dtype="float32", device="cpu", cpu_kv_cache_bytes=8 << 20, max_model_len=256)
     options.update(kwargs)
-    return LLM(str(tiny_qwen3), async_scheduling=async_scheduling, **options)
+    llm = LLM(str(tiny_qwen3), async_scheduling=async_scheduling, **options)
+    if graph_path:
+        llm.engine.executor.capture_decode_graphs(eager=True)
+    return llm
 
 
 def _count_carried_steps(llm: LLM) -> list[int]:
@@ -96,10 +100,8 @@ def test_mixed_batch_on_the_graph_decode_path_identical(tiny_qwen3):
     greedy tokens and writes its other rows' draws into them, penalized rows are copied back in; the
     outputs equal the synchronous run's on the same path."""
     prompts = _prompts(5, 24)
-    sync = _llm(tiny_qwen3, False, max_num_seqs=8)
-    ahead = _llm(tiny_qwen3, True, max_num_seqs=8)
-    for llm in (sync, ahead):
-        llm.engine.executor.capture_decode_graphs(eager=True)
+    sync = _llm(tiny_qwen3, False, graph_path=True, max_num_seqs=8)
+    ahead = _llm(tiny_qwen3, True, graph_path=True, max_num_seqs=8)
     params = _mixed_params(sync, len(prompts))
     carried = _count_carried_steps(ahead)
     given = [0]
@@ -115,15 +117,16 @@ def test_mixed_batch_on_the_graph_decode_path_identical(tiny_qwen3):
     assert ahead.engine.buffers.usage() == 0.0 and not ahead.engine.has_unfinished_requests()
 
 
-def test_preemption_and_chunked_prefill_identical(tiny_qwen3):
+@pytest.mark.parametrize("graph_path", [False, True], ids=["eager", "graph-path"])
+def test_preemption_and_chunked_prefill_identical(tiny_qwen3, graph_path):
     """A page pool too small for the batch: plans that preempt read the tokens back first."""
     prompts = _prompts(3, 10)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     options = dict(
         num_gpu_blocks_override=18, block_size=4, max_num_batched_tokens=16, max_num_seqs=6, max_model_len=64
     )
-    sync = _llm(tiny_qwen3, False, **options)
-    ahead = _llm(tiny_qwen3, True, **options)
+    sync = _llm(tiny_qwen3, False, graph_path, **options)
+    ahead = _llm(tiny_qwen3, True, graph_path, **options)
     carried = _count_carried_steps(ahead)
     preempted = _count_preemptions(ahead)
     assert _summary(_generate(ahead, prompts, params)) == _summary(_generate(sync, prompts, params))
@@ -145,12 +148,13 @@ def _count_preemptions(llm: LLM) -> list[int]:
     return count
 
 
-def test_streaming_arrivals_and_aborts(tiny_qwen3):
+@pytest.mark.parametrize("graph_path", [False, True], ids=["eager", "graph-path"])
+def test_streaming_arrivals_and_aborts(tiny_qwen3, graph_path):
     """Requests arrive and are aborted between steps (while a step is pending); DELTA outputs add up to
     the same text, the survivors are unaffected, and every page comes back."""
     results = {}
     for mode in (False, True):
-        engine = _llm(tiny_qwen3, mode, max_num_seqs=4).engine
+        engine = _llm(tiny_qwen3, mode, graph_path, max_num_seqs=4).engine
         prompts = _prompts(4, 8)
         params = SamplingParams(
             temperature=0, max_tokens=15, ignore_eos=True, output_kind=RequestOutputKind.DELTA
