@@ -79,8 +79,9 @@ def test_bf16_decode_logits_as_accurate_as_hf_bf16(llm, folder):
 
 
 def test_graph_decode_equals_eager_decode(folder):
-    """CUDA-graph decode gives the same greedy tokens as eager decode, over batch sizes that hit several
-    buckets (with padding rows) and requests that join and leave."""
+    """CUDA-graph decode gives the same tokens as eager decode, over batch sizes that hit several buckets
+    (with padding rows) and requests that join and leave; greedy, seeded random, penalized and logprob
+    rows share batches (the graph's own greedy tokens, and the sampler's draws beside them)."""
     common = dict(DECODE_LLM, max_num_seqs=16)
     graph_llm = LLM(str(folder), **common)
     eager_llm = LLM(str(folder), enforce_eager=True, **common)
@@ -88,8 +89,15 @@ def test_graph_decode_equals_eager_decode(folder):
     assert not eager_llm.engine.executor.capabilities.cuda_graphs
     rng = random.Random(2)
     prompts = [[rng.randrange(990) for _ in range(rng.randrange(3, 90))] for _ in range(11)]
+    kinds = [
+        dict(temperature=0),
+        dict(temperature=0.8, top_k=50, seed=7),
+        dict(temperature=0, repetition_penalty=1.2),
+        dict(temperature=0, logprobs=2),
+    ]
     params = [
-        SamplingParams(temperature=0, max_tokens=rng.randrange(5, 60), ignore_eos=True) for _ in prompts
+        SamplingParams(max_tokens=rng.randrange(5, 60), ignore_eos=True, **kinds[i % len(kinds)])
+        for i in range(len(prompts))
     ]
     graph = graph_llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     eager = eager_llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
