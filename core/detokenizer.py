@@ -14,15 +14,15 @@ _PROMPT_CONTEXT_TOKENS = 5
 # Text still ending in U+FFFD after this many held tokens, with another U+FFFD before it, is invalid UTF-8
 # (a model emitting stray bytes); emitting it then keeps the decode window, and the work per token, bounded.
 _MAX_HELD_TOKENS = 8
-# Bound of each tokenizer's cache of single-token text lengths (a vocabulary's worth).
+# Bound of each tokenizer's cache of single-token texts (a vocabulary's worth).
 _MAX_CACHED_TOKENS = 1 << 18
-_TOKEN_LENGTHS: weakref.WeakKeyDictionary[object, dict[bool, dict[int, int]]] = weakref.WeakKeyDictionary()
+_TOKEN_TEXTS: weakref.WeakKeyDictionary[object, dict[bool, dict[int, str]]] = weakref.WeakKeyDictionary()
 
 
-def _token_lengths(tokenizer: Tokenizer, skip_special_tokens: bool) -> dict[int, int]:
-    """The shared cache of ``len(tokenizer.decode([id], skip_special_tokens))`` by id."""
+def _token_texts(tokenizer: Tokenizer, skip_special_tokens: bool) -> dict[int, str]:
+    """The shared cache of ``tokenizer.decode([id], skip_special_tokens)`` by id."""
     try:
-        per_flag = _TOKEN_LENGTHS.setdefault(tokenizer, {})
+        per_flag = _TOKEN_TEXTS.setdefault(tokenizer, {})
     except TypeError:  # not weakly referenceable: a private cache
         per_flag = {}
     return per_flag.setdefault(skip_special_tokens, {})
@@ -48,8 +48,12 @@ class IncrementalDetokenizer:
         # Straight into the tokenizer library (the window is always a list): decoding runs per token.
         self._decode_ids = tokenizer.decoder(skip_special_tokens)
         self._skip_special_tokens = skip_special_tokens
-        # Decoded lengths of single tokens, shared by every detokenizer of this tokenizer (see _prefix_length).
-        self._token_lengths = _token_lengths(tokenizer, skip_special_tokens)
+        # Texts of single tokens, shared by every detokenizer of this tokenizer (see _prefix_length).
+        self._token_texts = _token_texts(tokenizer, skip_special_tokens)
+        # Byte-level decoders concatenate: after a token whose text is complete characters, a token whose
+        # text alone is complete characters adds exactly that text, so update_one looks it up instead of
+        # decoding (the common case of a generated token).
+        self._concatenates = tokenizer.decodes_by_concatenation
         # Tokens that decode drops anyway are never stored, so runs of them cannot widen the decode window.
         self._dropped_ids = tokenizer.all_special_ids if skip_special_tokens else frozenset()
         self._stop = tuple(dict.fromkeys(s for s in stop if s))
@@ -100,12 +104,29 @@ class IncrementalDetokenizer:
         calls it for every request)."""
         if self.stop_str is not None:
             raise self._finished_error()
-        if token_id not in self._dropped_ids:
-            self._ids.append(token_id)
+        if token_id in self._dropped_ids:
+            return None  # nothing new: decode drops it
+        ids = self._ids
+        if self._concatenates and len(ids) == 1 and self._read_offset == 1:
+            previous, text = self._complete_text(ids[0]), self._complete_text(token_id)
+            if previous is not None and text is not None:
+                ids[0] = token_id  # the window moves on to the new token, as _new_text would
+                self._prefix_len = len(text)
+                return self._emit(text, check_stop)
+        ids.append(token_id)
         window = self._window()
         if window is None:
             return None
         return self._emit(self._new_text(self._decode_ids(window), final=False), check_stop)
+
+    def _complete_text(self, token_id: int) -> str | None:
+        """The token's text when it is whole characters on its own (not empty, no U+FFFD), else None."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._decode([token_id])
+            if len(self._token_texts) < _MAX_CACHED_TOKENS:
+                self._token_texts[token_id] = text
+        return text if text and _REPLACEMENT_CHAR not in text else None
 
     def _add(self, new_token_ids: Sequence[int]) -> None:
         if self.stop_str is not None:
@@ -164,9 +185,9 @@ class IncrementalDetokenizer:
         if offset == len(ids):
             return None
         if self._prefix_len is None:
-            # After each emitted token the context is that one token: its text length is looked up.
-            prefix_len = self._token_lengths.get(ids[0]) if offset == 1 else None
-            self._prefix_len = self._prefix_length() if prefix_len is None else prefix_len
+            # After each emitted token the context is that one token: its text is looked up.
+            text = self._token_texts.get(ids[0]) if offset == 1 else None
+            self._prefix_len = self._prefix_length() if text is None else len(text)
         return ids
 
     def _new_text(self, decoded: str, *, final: bool) -> str:
@@ -187,13 +208,13 @@ class IncrementalDetokenizer:
         return new_text
 
     def _prefix_length(self) -> int:
-        """len(decode(_ids[:_read_offset])); a single token's is remembered for every detokenizer of this
-        tokenizer (a decode is a pure function of its ids)."""
+        """len(decode(_ids[:_read_offset])); a single token's text is remembered for every detokenizer of
+        this tokenizer (a decode is a pure function of its ids)."""
         offset = self._read_offset
-        length = len(self._decode(self._ids[:offset]))
-        if offset == 1 and len(self._token_lengths) < _MAX_CACHED_TOKENS:
-            self._token_lengths[self._ids[0]] = length
-        return length
+        text = self._decode(self._ids[:offset])
+        if offset == 1 and len(self._token_texts) < _MAX_CACHED_TOKENS:
+            self._token_texts[self._ids[0]] = text
+        return len(text)
 
     def _commit(self, text: str, check_stop: bool = True) -> str | None:
         """Append decoded text, cut it at the earliest stop string, and return that stop string."""

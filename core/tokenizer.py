@@ -73,6 +73,12 @@ class Tokenizer:
         """Text of `ids`, identical to transformers' `tokenizer.decode(ids, skip_special_tokens=...)`."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @functools.cached_property
+    def decodes_by_concatenation(self) -> bool:
+        """Whether the decoder is byte-level only: a sequence's text is then the UTF-8 decode of its tokens'
+        bytes one after the other, so tokens that are whole characters decode alone as in any sequence."""
+        return isinstance(self._backend.decoder, tokenizers.decoders.ByteLevel)
+
     def decoder(self, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
         """``decode`` for lists of ids, as one call straight into the tokenizer library (for callers that
         decode on every generated token)."""

@@ -30,9 +30,11 @@ def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 class CountingTokenizer:
     """``tok`` that records the number of ids of every decode call in ``widths``."""
 
-    def __init__(self, tok: Tokenizer, widths: list[int]) -> None:
+    def __init__(self, tok: Tokenizer, widths: list[int], concatenates: bool = False) -> None:
         self._tok, self._widths = tok, widths
         self.all_special_ids = tok.all_special_ids
+        # False: the general path (a window decode per token), whatever ``tok`` allows.
+        self.decodes_by_concatenation = concatenates
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         self._widths.append(len(ids))
@@ -274,3 +276,40 @@ def test_update_each_isolates_a_failing_detokenizer(tok: Tokenizer) -> None:
     got = update_each([fine[0], stopped, fine[1]], [ids[0]] * 3, [True] * 3)
     assert got[0] is None and got[2] is None and isinstance(got[1], RuntimeError)
     assert [d.get_delta(finished=True) for d in fine] == [tok.decode(ids[:1])] * 2
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+@pytest.mark.parametrize("seed", range(8))
+def test_one_token_steps_equal_the_general_update(
+    tok: Tokenizer, seed: int, skip_special_tokens: bool
+) -> None:
+    """update_one (a byte-level tokenizer's tokens that are whole characters are looked up, not decoded)
+    gives the deltas and text of update(), over text and over arbitrary ids (special tokens, stray
+    bytes of multi-byte characters included)."""
+    rng = random.Random(seed)
+    ids = tok.encode(_random_text(rng, rng.randint(5, 40)))
+    ids += [rng.randrange(tok.vocab_size) for _ in range(rng.randint(0, 30))]
+    if seed % 2:
+        rng.shuffle(ids)  # stray bytes and special tokens between the words
+    assert tok.decodes_by_concatenation
+    one = IncrementalDetokenizer(tok, tok.encode(PROMPT), skip_special_tokens=skip_special_tokens)
+    general = IncrementalDetokenizer(tok, tok.encode(PROMPT), skip_special_tokens=skip_special_tokens)
+    for token in ids:
+        assert one.update_one(token) == general.update((token,))
+        assert one.get_delta(finished=False) == general.get_delta(finished=False)
+    assert one.get_delta(finished=True) == general.get_delta(finished=True)
+    assert one.output_text == general.output_text == tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_whole_character_tokens_are_looked_up_not_decoded(tok: Tokenizer) -> None:
+    """With a byte-level tokenizer a steady stream of whole-character tokens decodes each distinct token
+    once (its text is cached for every detokenizer), never a window."""
+    widths: list[int] = []
+    ids = tok.encode(" the cat sat on the mat. the cat sat on the mat.")
+    detok = IncrementalDetokenizer(CountingTokenizer(tok, widths, concatenates=True), [])
+    detok.update_one(ids[0])
+    widths.clear()
+    for token in ids[1:]:
+        detok.update_one(token)
+    assert set(widths) <= {1} and len(widths) <= len(set(ids[1:]))
+    assert detok.output_text == tok.decode(ids)
