@@ -46,7 +46,7 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
     ) -> None:
         # Straight into the tokenizer library (the window is always a list): decoding runs per token.
-        self._decode_ids = tokenizer.decoder(skip_special_tokens)
+        self._decode = tokenizer.decoder(skip_special_tokens)
         self._skip_special_tokens = skip_special_tokens
         # Texts of single tokens, shared by every detokenizer of this tokenizer (see _prefix_length).
         self._token_texts = _token_texts(tokenizer, skip_special_tokens)
@@ -117,7 +117,7 @@ class IncrementalDetokenizer:
         window = self._window()
         if window is None:
             return None
-        return self._emit(self._new_text(self._decode_ids(window), final=False), check_stop)
+        return self._emit(self._new_text(self._decode(window), final=False), check_stop)
 
     def _complete_text(self, token_id: int) -> str | None:
         """The token's text when it is whole characters on its own (not empty, no U+FFFD), else None."""
@@ -169,9 +169,6 @@ class IncrementalDetokenizer:
 
     def _kept(self, ids: Sequence[int]) -> list[int]:
         return [i for i in ids if i not in self._dropped_ids]
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._decode_ids(ids)
 
     def _decode_new(self, *, final: bool) -> str:
         """Text of the tokens after the read offset, decoded with a few earlier tokens as context."""
