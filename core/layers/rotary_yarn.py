@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,6 +33,25 @@ class YarnScaling:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+
+    @classmethod
+    def from_params(
+        cls, params: dict[str, Any], max_position_embeddings: int, attention_factor: float | None
+    ) -> YarnScaling:
+        """From a config's rope keys with a ``factor`` (the caller checks the rope type and the factor);
+        ``max_position_embeddings`` stands in for a missing ``original_max_position_embeddings``."""
+        return cls(
+            factor=float(params["factor"]),
+            original_max_position_embeddings=int(
+                params.get("original_max_position_embeddings") or max_position_embeddings
+            ),
+            beta_fast=float(params.get("beta_fast") or 32),
+            beta_slow=float(params.get("beta_slow") or 1),
+            mscale=params.get("mscale"),
+            mscale_all_dim=params.get("mscale_all_dim"),
+            attention_factor=attention_factor,
+            truncate=bool(params.get("truncate", True)),
+        )
 
     def cos_sin_factor(self) -> float:
         """The factor cos and sin are multiplied by (``attention_factor`` unless given explicitly)."""

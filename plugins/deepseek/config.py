@@ -222,17 +222,8 @@ def parse_rope(cfg: dict[str, Any], *, force_interleaved: bool = False) -> RopeC
         )
     if "factor" not in merged:
         raise CheckpointError("config.json: a 'yarn' rope scaling needs 'factor'")
-    yarn = YarnScaling(
-        factor=float(merged["factor"]),
-        original_max_position_embeddings=int(
-            merged.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 4096)
-        ),
-        beta_fast=float(merged.get("beta_fast") or 32),
-        beta_slow=float(merged.get("beta_slow") or 1),
-        mscale=merged.get("mscale"),
-        mscale_all_dim=merged.get("mscale_all_dim"),
-        attention_factor=merged.get("attention_factor"),
-        truncate=bool(merged.get("truncate", True)),
+    yarn = YarnScaling.from_params(
+        merged, cfg.get("max_position_embeddings", 4096), merged.get("attention_factor")
     )
     return RopeConfig(theta, "yarn", yarn, interleaved)
 

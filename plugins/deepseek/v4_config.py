@@ -191,17 +191,10 @@ def _rope(params: dict[str, Any], cfg: dict[str, Any], yarn_attention_factor: fl
             "with a 'factor')"
         )
     attention_factor = params.get("attention_factor", yarn_attention_factor)
-    yarn = YarnScaling(
-        factor=float(params["factor"]),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 1048576)
-        ),
-        beta_fast=float(params.get("beta_fast") or 32),
-        beta_slow=float(params.get("beta_slow") or 1),
-        mscale=params.get("mscale"),
-        mscale_all_dim=params.get("mscale_all_dim"),
-        attention_factor=None if attention_factor is None else float(attention_factor),
-        truncate=bool(params.get("truncate", True)),
+    yarn = YarnScaling.from_params(
+        params,
+        cfg.get("max_position_embeddings", 1048576),
+        None if attention_factor is None else float(attention_factor),
     )
     return V4Rope(theta, yarn)
 
