@@ -8,6 +8,7 @@ same model here as there.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,10 +89,7 @@ class DeepseekV3Dims:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> DeepseekV3Dims:
-        def need(key: str) -> Any:
-            if cfg.get(key) is None:
-                raise CheckpointError(f"config.json lacks '{key}', which a DeepSeek-V3 checkpoint must have")
-            return cfg[key]
+        need = functools.partial(required_key, cfg, family="DeepSeek-V3")
 
         _check_supported(cfg)
         indexer = parse_indexer(cfg)
@@ -200,6 +198,13 @@ def _check_supported(cfg: dict[str, Any]) -> None:
                 f"config.json: {key}={cfg[key]!r} is not supported by the DeepSeek-V3 plugin (expected "
                 f"{' or '.join(map(repr, allowed))})"
             )
+
+
+def required_key(cfg: dict[str, Any], key: str, *, family: str) -> Any:
+    """``cfg[key]``; a CheckpointError naming the key when it is missing or null."""
+    if cfg.get(key) is None:
+        raise CheckpointError(f"config.json lacks '{key}', which a {family} checkpoint must have")
+    return cfg[key]
 
 
 def parse_rope(cfg: dict[str, Any], *, force_interleaved: bool = False) -> RopeConfig:

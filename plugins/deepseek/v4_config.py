@@ -8,12 +8,13 @@ old config means the same model here as there.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 from pegainfer.errors import CheckpointError
 from pegainfer.layers.rotary_yarn import YarnScaling
-from pegainfer_deepseek.config import Fp8Config, parse_quantization
+from pegainfer_deepseek.config import Fp8Config, parse_quantization, required_key
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"  # compressed entries chosen per query by a lightning indexer
@@ -71,10 +72,7 @@ class DeepseekV4Dims:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> DeepseekV4Dims:
-        def need(key: str) -> Any:
-            if cfg.get(key) is None:
-                raise CheckpointError(f"config.json lacks '{key}', which a DeepSeek-V4 checkpoint must have")
-            return cfg[key]
+        need = functools.partial(required_key, cfg, family="DeepSeek-V4")
 
         for key, allowed in (("hidden_act", "silu"), ("scoring_func", "sqrtsoftplus")):
             if cfg.get(key, allowed) != allowed:
