@@ -147,7 +147,7 @@ class Sampler:
                 lp_rows.append(i)
             if not p.greedy:
                 random_rows.append(i)
-            if p.min_tokens or p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+            if p.min_tokens or _needs_penalties(p):
                 adjusted = True
         # Taken before anything touches the logits: logprobs describe the model, not the sampler.
         raw_logprobs = torch.log_softmax(_rows(logits, lp_rows).float(), dim=-1) if lp_rows else None
@@ -249,8 +249,8 @@ def _penalized_or_none(logits: torch.Tensor, requests: list[Request]) -> torch.T
             banned = [t for t in banned if 0 <= t < vocab]
             ban_rows.extend([i] * len(banned))
             ban_ids.extend(banned)
-        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-            penalty_rows.append(i)  # _needs_penalties(p), inlined: this loop runs for every row
+        if _needs_penalties(p):
+            penalty_rows.append(i)
     if not ban_rows and not penalty_rows:
         return None
 
