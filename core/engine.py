@@ -425,7 +425,7 @@ class LLMEngine:
             request = item.request
             # Finished when the last step's tokens were read: its row is dropped.
             if request.status not in FINISHED_STATUSES:
-                request.all_token_ids.append(PENDING_TOKEN)  # Request.append_pending_token, inlined
+                request.append_pending_token()
                 row_of[request.serial] = row
         self._pending = _PendingStep(sampling, sample, row_of)
 
