@@ -53,22 +53,19 @@ class HostBuffers:
 
 
 class HostCopy:
-    """Device tensors copied into host memory without blocking the host (pinned buffers and an event on
-    CUDA; a plain copy elsewhere); :meth:`wait` before reading them. With ``buffers`` the pinned tensors
-    and the event come from there, and :meth:`release` hands them back once read."""
+    """Device tensors copied into host memory without blocking the host (pinned buffers and an event from
+    ``buffers`` on CUDA; a plain copy elsewhere); :meth:`wait` before reading them, :meth:`release` once
+    read hands the pinned buffers and the event back."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], buffers: HostBuffers | None = None) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor], buffers: HostBuffers) -> None:
         self._event = None
         self._buffers = buffers
         self.host: dict[str, torch.Tensor] = {}
         for name, t in tensors.items():
-            if t.is_cuda and buffers is not None:
-                host = buffers.tensor(t)
-            else:
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            host = buffers.tensor(t) if t.is_cuda else torch.empty(t.shape, dtype=t.dtype)
             self.host[name] = host.copy_(t, non_blocking=t.is_cuda)
             if t.is_cuda and self._event is None:
-                self._event = torch.cuda.Event() if buffers is None else buffers.event()
+                self._event = buffers.event()
         if self._event is not None:
             self._event.record()
 
@@ -79,9 +76,9 @@ class HostCopy:
 
     def release(self) -> None:
         """After :meth:`wait`, when nothing reads ``host`` any more: its buffers may take the next copy."""
-        if self._buffers is not None and self._event is not None:
+        if self._event is not None:
             self._buffers.release(list(self.host.values()), self._event)
-        self.host, self._event, self._buffers = {}, None, None
+        self.host, self._event = {}, None
 
 
 @dataclass
