@@ -40,6 +40,7 @@ def _rms_norm_kernel(
     eps,
     BLOCK: tl.constexpr,
     HAS_RES: tl.constexpr,
+    HAS_W: tl.constexpr,
     FIX: tl.constexpr,
     FIX_OUT: tl.constexpr,
     PDL: tl.constexpr,
@@ -58,12 +59,13 @@ def _rms_norm_kernel(
         x = s.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
     y = cast_to(x * rstd, dtype, FIX).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, cast_to(y * w, out_ptr.dtype.element_ty, FIX_OUT), mask=mask)
+    if HAS_W:
+        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, cast_to(y, out_ptr.dtype.element_ty, FIX_OUT), mask=mask)
 
 
 def _rms_norm_launch(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, out: torch.Tensor
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float, out: torch.Tensor
 ) -> None:
     n = x.shape[-1]
     if n > 65536:
@@ -81,7 +83,7 @@ def _rms_norm_launch(
     _rms_norm_kernel[(x2.shape[0],)](
         x2,
         r2,
-        weight,
+        x2 if weight is None else weight,
         o2,
         x2.stride(0),
         r2.stride(0),
@@ -90,6 +92,7 @@ def _rms_norm_launch(
         eps,
         BLOCK=next_pow2(n),
         HAS_RES=residual is not None,
+        HAS_W=weight is not None,
         FIX=interp_bf16(x.dtype),
         FIX_OUT=interp_bf16(out.dtype),
         num_warps=warps_for(n),
@@ -97,21 +100,25 @@ def _rms_norm_launch(
     )
 
 
+def _out_dtype(x: torch.Tensor, weight: torch.Tensor | None) -> torch.dtype:
+    return x.dtype if weight is None else torch.promote_types(x.dtype, weight.dtype)
+
+
 def rms_norm_triton(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The Triton path of :func:`rms_norm`."""
     if out is None:
-        out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+        out = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
     _rms_norm_launch(x, None, weight, eps, out)
     return out
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """:func:`pegainfer.layers.norm.rms_norm` over the last dim of x ``[..., N]`` (fp32 statistics, cast
-    to x's dtype, then times ``weight [N]``); the result has the promoted dtype of x and weight and is
+    to x's dtype, then times ``weight [N]`` unless it is None); the result has the promoted dtype of x and weight and is
     written into ``out`` when given (``out`` may be ``x``)."""
     if use_kernel(x):
         return rms_norm_triton(x, weight, eps, out=out)
@@ -122,7 +129,7 @@ def rms_norm(
 def fused_add_rms_norm_triton(
     x: torch.Tensor,
     residual: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     eps: float,
     *,
     out: torch.Tensor | None = None,
@@ -133,7 +140,7 @@ def fused_add_rms_norm_triton(
             f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}"
         )
     if out is None:
-        out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+        out = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
     _rms_norm_launch(x, residual, weight, eps, out)
     return out, residual
 
@@ -141,7 +148,7 @@ def fused_add_rms_norm_triton(
 def fused_add_rms_norm_ref(
     x: torch.Tensor,
     residual: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     eps: float,
     *,
     out: torch.Tensor | None = None,
@@ -154,7 +161,7 @@ def fused_add_rms_norm_ref(
 def fused_add_rms_norm(
     x: torch.Tensor,
     residual: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     eps: float,
     *,
     out: torch.Tensor | None = None,

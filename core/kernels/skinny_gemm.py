@@ -4,12 +4,20 @@ At batch 1..16 a projection is a weight read: every byte of ``w`` is read once a
 a few multiply-adds. On the H200 cuBLAS's small-M kernels leave 10-20% of the HBM bandwidth unused on
 the 5120-wide projections (measured side by side: ``python bench/skinny_gemm.py``).
 This kernel tiles ``w`` by ``BLOCK_N`` output rows and streams ``BLOCK_K`` columns at a time through a
-deep load pipeline. (Computing the down projection's input ``silu(gate) * up`` while loading it was
-measured 2.5x slower than the separate silu_mul kernel plus this GEMM; streaming gate and up tiles side
-by side to apply silu * up in the epilogue cost 0.35 ms per batch-1 step, and computing the RMSNorm
-before a projection inside it (each program re-reading the row) 0.15 ms: none is offered.)
+deep load pipeline.
+
+Three neighbours of a decoder layer's projections run inside it, each without an extra pass over memory
+(at batch 1 every small kernel costs a few microseconds of dependent-launch latency, ~120 of them a
+step): the RMSNorm before a projection (its statistic gathers from the x tiles the loop loads anyway and
+scales the output rows, its weight folded into ``w``), SiLU·mul after gate|up (rows interleaved so each
+program holds whole gate, up pairs) and the residual add after o_proj and down. Earlier forms measured
+slower and are not offered: computing ``silu(gate) * up`` while loading the down projection's input
+(2.5x), streaming separate gate and up tiles side by side (+0.35 ms a batch-1 step), and normalising
+the row before the loop with the norm's weight applied to each x tile (+0.15 ms: three loads a step).
 
 - :func:`skinny_linear`: the dispatching entry (Triton on CUDA for ``M <= DISPATCH_ROWS``, else F.linear).
+- ``pegainfer.layers.norm.fold_rms_norm_weight`` and ``pegainfer.layers.activation.interleave_gate_up`` give
+  the weights the layouts those options take.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ from pegainfer.kernels._triton import (
     triton,
     use_kernel,
 )
+from pegainfer.kernels.activations import silu_mul_ref
+from pegainfer.layers.norm import rms_norm as rms_norm_ref
 
 #: Most rows of x the kernel takes (x is padded to a 16-, 32- or 64-row tile).
 MAX_ROWS = 64
@@ -59,18 +69,24 @@ def _skinny_gemm_kernel(
     x_ptr,
     w_ptr,
     bias_ptr,
+    res_ptr,
     out_ptr,
     M,
     N,
     K,
     stride_xm,
     stride_wn,
+    stride_rm,
     stride_om,
+    eps,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
+    NORM: tl.constexpr,
+    SILU: tl.constexpr,
+    RESIDUAL: tl.constexpr,
     FIX: tl.constexpr,
     PREC: tl.constexpr,
     PDL: tl.constexpr,
@@ -86,27 +102,53 @@ def _skinny_gemm_kernel(
     # w is the tensor cores' wide operand ([BLOCK_N, BLOCK_K] @ [BLOCK_K, BLOCK_M]): a 16-row x would
     # waste most of an MMA tile as the wide one, and the sweep measured this form 5-30% faster.
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # With NORM, x's sum of squares (its RMSNorm statistic) gathers from the x tiles the loop loads anyway.
+    sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     k0 = 0
     if PDL:
         # The weights are constant: fetch the first block while the previous kernel is still finishing,
         # and only then wait for it (x is its output).
         w = _load_block(w_ptrs, 0, K, offs_k, col_ok, EVEN_K)
         pdl_start(PDL)
-        acc += mma(w, tl.trans(_load_block(x_ptrs, 0, K, offs_k, row_ok, EVEN_K)), FIX, PREC)
+        x = _load_block(x_ptrs, 0, K, offs_k, row_ok, EVEN_K)
+        if NORM:
+            sq += x.to(tl.float32) * x.to(tl.float32)
+        acc += mma(w, tl.trans(x), FIX, PREC)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         k0 = BLOCK_K
     for k in range(k0, K, BLOCK_K):
         x = _load_block(x_ptrs, k, K, offs_k, row_ok, EVEN_K)
         w = _load_block(w_ptrs, k, K, offs_k, col_ok, EVEN_K)
+        if NORM:
+            sq += x.to(tl.float32) * x.to(tl.float32)
         acc += mma(w, tl.trans(x), FIX, PREC)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     acc = tl.trans(acc)
+    if NORM:
+        # rms_norm(x) @ w.T == rstd * (x @ w.T), w carrying the norm's weight (fold_rms_norm_weight).
+        acc = acc * tl.rsqrt(tl.sum(sq, 1) / K + eps)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, cast_to(acc, out_ptr.dtype.element_ty, FIX), mask=row_ok & (offs_n[None, :] < N))
+    dtype: tl.constexpr = out_ptr.dtype.element_ty
+    if SILU:
+        # w's rows alternate gate, up (interleave_gate_up): each program holds whole pairs. Rounded as the
+        # GEMM's output and silu_mul's steps would be.
+        y = cast_to(acc, dtype, FIX).to(tl.float32)
+        gate, up = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))
+        act = cast_to(gate / (1.0 + tl.exp(-gate)), dtype, FIX).to(tl.float32) * up
+        offs_a = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        a_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_a[None, :]
+        tl.store(a_ptrs, cast_to(act, dtype, FIX), mask=row_ok & (offs_a[None, :] < N // 2))
+    else:
+        out_ok = row_ok & (offs_n[None, :] < N)
+        if RESIDUAL:
+            # The residual stream's add, rounded as torch's ``residual + linear(x)`` rounds.
+            r = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=out_ok, other=0.0)
+            acc = cast_to(acc, dtype, FIX).to(tl.float32) + r.to(tl.float32)
+        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, cast_to(acc, dtype, FIX), mask=out_ok)
 
 
 def default_config(n: int, k: int, m: int = 1, element_size: int = 2) -> SkinnyConfig:
@@ -128,10 +170,12 @@ def skinny_linear_triton(
     bias: torch.Tensor | None = None,
     *,
     config: SkinnyConfig | None = None,
+    norm_eps: float | None = None,
+    silu: bool = False,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton path of :func:`skinny_linear` for ``x`` ``[..., K]`` with at most ``MAX_ROWS`` rows."""
-    k = w.shape[1]
-    n = w.shape[0]
+    n, k = w.shape
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -142,27 +186,71 @@ def skinny_linear_triton(
     m = x2.shape[0]
     if m > MAX_ROWS:
         raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {m}")
+    if silu and (residual is not None or n % 2):
+        raise ValueError("silu takes an even number of interleaved gate, up rows and no residual")
     cfg = config or default_config(n, k, m, x.element_size())
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    n_out = n // 2 if silu else n
+    if residual is None:
+        out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    else:
+        if residual.shape != (*x.shape[:-1], n) or residual.dtype != x.dtype or residual.stride(-1) != 1:
+            raise ValueError(
+                f"residual {tuple(residual.shape)} {residual.dtype} must be x @ w.T's, contiguous"
+            )
+        out = residual.view(m, n)
     if m:
         _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](
-            x2, w, bias if bias is not None else w, out, m, n, k, x2.stride(0), w.stride(0), out.stride(0),
+            x2, w, bias if bias is not None else w, out, out, m, n, k, x2.stride(0), w.stride(0),
+            out.stride(0), out.stride(0), 0.0 if norm_eps is None else norm_eps,
             BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, FIX=interp_bf16(x.dtype),
-            PREC=dot_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **pdl_launch(x),
+            HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, NORM=norm_eps is not None, SILU=silu,
+            RESIDUAL=residual is not None, FIX=interp_bf16(x.dtype), PREC=dot_precision(x.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x),
         )  # fmt: skip
-    return out.reshape(*x.shape[:-1], n)
+    return out.reshape(*x.shape[:-1], n_out)
 
 
-def skinny_linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, w, bias)
+def skinny_linear_ref(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm_eps: float | None = None,
+    silu: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    if norm_eps is not None:
+        x = rms_norm_ref(x, None, norm_eps)
+    y = F.linear(x, w, bias)
+    if silu:
+        return silu_mul_ref(y)
+    return y if residual is None else residual.copy_(residual + y)
 
 
-def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, bias)``: the skinny kernel for at most ``DISPATCH_ROWS`` 16-bit rows on CUDA, the torch
-    reference otherwise."""
+def takes_kernel(x: torch.Tensor) -> bool:
+    """Whether :func:`skinny_linear` runs the kernel for ``x``: at most ``DISPATCH_ROWS`` 16-bit rows on
+    CUDA (cuBLAS wins above)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if use_kernel(x) and rows <= DISPATCH_ROWS and x.dtype in (torch.bfloat16, torch.float16):
-        return skinny_linear_triton(x, w, bias)
-    return skinny_linear_ref(x, w, bias)
+    return use_kernel(x) and rows <= DISPATCH_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm_eps: float | None = None,
+    silu: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``F.linear(x, w, bias)``, the kernel where :func:`takes_kernel`, the torch reference otherwise. Each
+    option moves a neighbouring op of a decoder layer into the GEMM, where it costs no extra pass:
+
+    - ``norm_eps``: ``x`` is taken un-normed and RMSNorm'ed first; ``w`` must carry the norm's weight
+      (``layers.norm.fold_rms_norm_weight``), as the kernel scales each output row by x's ``1 / rms`` instead;
+    - ``silu``: ``w``'s rows alternate gate, up (``layers.activation.interleave_gate_up``); returns ``silu(gate) * up``,
+      ``[..., N / 2]``;
+    - ``residual``: returns ``residual + x @ w.T``, written into ``residual`` in place."""
+    if takes_kernel(x):
+        return skinny_linear_triton(x, w, bias, norm_eps=norm_eps, silu=silu, residual=residual)
+    return skinny_linear_ref(x, w, bias, norm_eps=norm_eps, silu=silu, residual=residual)

@@ -5,8 +5,16 @@ from __future__ import annotations
 import torch
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * (x / rms(x)).to(x.dtype)``, the order transformers uses (the cast comes before the scale)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``weight * (x / rms(x)).to(x.dtype)``, the order transformers uses (the cast comes before the scale);
+    without ``weight`` (folded into the next projection) the unscaled ``(x / rms(x)).to(x.dtype)``."""
     x32 = x.float()
-    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * y.to(x.dtype)
+    y = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return y if weight is None else weight * y
+
+
+def fold_rms_norm_weight(w: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+    """``w`` with the preceding RMSNorm's weight multiplied into its columns (in fp32, rounded once): then
+    ``rms_norm(x, norm_weight) @ w.T`` is ``rms_norm(x, None) @ fold.T``, and the decode GEMM can apply
+    the norm as one scale per output row."""
+    return (w.float() * norm_weight.float()).to(w.dtype)

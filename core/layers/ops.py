@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import torch
 
+from pegainfer.layers.activation import silu_mul as silu_mul_ref
 from pegainfer.layers.attention import use_triton, write_kv
 from pegainfer.layers.norm import rms_norm as rms_norm_ref
 from pegainfer.layers.rotary import RotaryEmbedding
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     if use_triton(x):
         from pegainfer.kernels import norms
 
@@ -22,7 +23,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(
-    delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual += delta`` then its RMSNorm; returns (normed, residual). On CUDA one kernel, in place."""
     if use_triton(delta):
@@ -43,13 +44,55 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of a packed ``[..., 2I]`` gate|up projection."""
+    """``silu(gate) * up`` of a packed ``[..., 2I]`` gate|up projection whose columns alternate gate, up."""
     if use_triton(gate_up):
         from pegainfer.kernels import activations
 
         return activations.silu_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
+    return silu_mul_ref(gate_up)
+
+
+def norm_linear(
+    residual: torch.Tensor,
+    delta: torch.Tensor | None,
+    w: torch.Tensor,
+    eps: float,
+    bias: torch.Tensor | None = None,
+    *,
+    silu: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The projection by ``w`` of ``rms_norm(residual + delta)`` (``delta`` None: nothing left to add),
+    ``w`` carrying the norm's weight (``skinny_gemm.fold_rms_norm_weight``); with ``silu`` ``w`` is an
+    interleaved gate|up and the result its activation. Returns (output, residual + delta).
+
+    Where the skinny kernel runs (decode rows on CUDA, after :func:`residual_linear` added in its GEMM)
+    the norm and the activation happen inside this GEMM; elsewhere a fused add + norm, the GEMM and
+    silu_mul, as many launches as with the norm's weight kept."""
+    if use_triton(residual):
+        from pegainfer.kernels import skinny_gemm
+
+        if delta is None and skinny_gemm.takes_kernel(residual):
+            return skinny_gemm.skinny_linear_triton(residual, w, bias, norm_eps=eps, silu=silu), residual
+    if delta is None:
+        h = rms_norm(residual, None, eps)
+    else:
+        h, residual = add_rms_norm(delta, residual, None, eps)
+    out = linear(h, w, bias)
+    return (silu_mul(out) if silu else out), residual
+
+
+def residual_linear(
+    x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x @ w.T`` for the residual stream: added inside the GEMM where the skinny kernel runs (returns
+    (residual updated in place, None)), else returned as the delta that the next :func:`norm_linear`
+    adds in its fused norm (returns (residual, delta))."""
+    if use_triton(x):
+        from pegainfer.kernels import skinny_gemm
+
+        if skinny_gemm.takes_kernel(x):
+            return skinny_gemm.skinny_linear_triton(x, w, residual=residual), None
+    return residual, linear(x, w)
 
 
 def qk_norm_rope_write_kv(

@@ -1,7 +1,10 @@
 """Qwen3 dense (``Qwen3ForCausalLM``): q/k RMSNorm before rotary, GQA, SwiGLU, tied or untied embeddings.
 
 Any Qwen3 dense size loads (0.6B-32B); 14B is the flagship. q|k|v and gate|up are packed into one
-weight each at load time, so each is one GEMM.
+weight each at load time, so each is one GEMM; gate and up rows alternate, and each RMSNorm's weight
+is folded into the projection it feeds (input norm into q|k|v, post-attention norm into gate|up, the
+final norm into an untied lm_head). So at decode the norm, SiLU·mul and the residual adds run inside the
+skinny GEMMs (layers/ops.py): five launches a layer besides attention instead of nine.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from pegainfer.buffer_specs import BufferSpec, PagedKVSpec, TransientSpec, dtype
 from pegainfer.config import ModelConfig
 from pegainfer.errors import CheckpointError
 from pegainfer.layers import ops
+from pegainfer.layers.activation import interleave_gate_up
 from pegainfer.layers.attention import attention_scratch, paged_attention
+from pegainfer.layers.norm import fold_rms_norm_weight
 from pegainfer.layers.rotary import RotaryEmbedding, rope_parameters
 from pegainfer.loader import CheckpointReader
 from pegainfer.model_api import CausalLM, ForwardBatch
@@ -82,13 +87,12 @@ class Qwen3DecoderLayer(nn.Module):
         self.dims = dims
         d, h = dims.head_dim, dims.hidden_size
         self.q_size, self.kv_size = dims.num_heads * d, dims.num_kv_heads * d
-        self.input_layernorm = _param(h, dtype=dtype)
+        # input_layernorm's weight lives in qkv_proj's columns, post_attention_layernorm's in gate_up_proj's.
         self.qkv_proj = _param(self.q_size + 2 * self.kv_size, h, dtype=dtype)
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype) if dims.attention_bias else None
         self.q_norm = _param(d, dtype=dtype)
         self.k_norm = _param(d, dtype=dtype)
         self.o_proj = _param(h, self.q_size, dtype=dtype)
-        self.post_attention_layernorm = _param(h, dtype=dtype)
         self.gate_up_proj = _param(2 * dims.intermediate_size, h, dtype=dtype)
         self.down_proj = _param(h, dims.intermediate_size, dtype=dtype)
         self.scale = d**-0.5
@@ -100,15 +104,11 @@ class Qwen3DecoderLayer(nn.Module):
         batch: ForwardBatch,
         cache: torch.Tensor,
         rotary: RotaryEmbedding,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``residual + delta`` is the layer's input (``delta`` is the previous layer's MLP output, added
-        here so the add and this layer's first norm are one fused op); returns (residual, MLP output)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``residual + delta`` is the layer's input (``delta``: the previous layer's MLP output when it was
+        not added inside its GEMM, see ``ops.residual_linear``); returns the same pair after the layer."""
         dims, eps, t = self.dims, self.dims.rms_norm_eps, residual.shape[0]
-        if delta is None:
-            h = ops.rms_norm(residual, self.input_layernorm, eps)
-        else:
-            h, residual = ops.add_rms_norm(delta, residual, self.input_layernorm, eps)
-        qkv = ops.linear(h, self.qkv_proj, self.qkv_bias)
+        qkv, residual = ops.norm_linear(residual, delta, self.qkv_proj, eps, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = ops.qk_norm_rope_write_kv(
             q.view(t, dims.num_heads, dims.head_dim),
@@ -123,13 +123,9 @@ class Qwen3DecoderLayer(nn.Module):
             batch.attn.slot_mapping,
         )
         attn = paged_attention(q, cache, batch.attn, self.scale)
-        h, residual = ops.add_rms_norm(
-            ops.linear(attn.reshape(t, self.q_size), self.o_proj),
-            residual,
-            self.post_attention_layernorm,
-            eps,
-        )
-        return residual, ops.linear(ops.silu_mul(ops.linear(h, self.gate_up_proj)), self.down_proj)
+        residual, delta = ops.residual_linear(attn.reshape(t, self.q_size), self.o_proj, residual)
+        act, residual = ops.norm_linear(residual, delta, self.gate_up_proj, eps, silu=True)
+        return ops.residual_linear(act, self.down_proj, residual)
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         dims, h, d = self.dims, self.dims.hidden_size, self.dims.head_dim
@@ -139,16 +135,14 @@ class Qwen3DecoderLayer(nn.Module):
             return reader.get(prefix + name, shape, dtype)
 
         with torch.no_grad():
-            self.input_layernorm.copy_(get("input_layernorm.weight", h))
-            self.qkv_proj.copy_(
-                torch.cat(
-                    [
-                        get("self_attn.q_proj.weight", self.q_size, h),
-                        get("self_attn.k_proj.weight", self.kv_size, h),
-                        get("self_attn.v_proj.weight", self.kv_size, h),
-                    ]
-                )
+            qkv = torch.cat(
+                [
+                    get("self_attn.q_proj.weight", self.q_size, h),
+                    get("self_attn.k_proj.weight", self.kv_size, h),
+                    get("self_attn.v_proj.weight", self.kv_size, h),
+                ]
             )
+            self.qkv_proj.copy_(fold_rms_norm_weight(qkv, get("input_layernorm.weight", h)))
             if self.qkv_bias is not None:
                 self.qkv_bias.copy_(
                     torch.cat(
@@ -162,11 +156,9 @@ class Qwen3DecoderLayer(nn.Module):
             self.q_norm.copy_(get("self_attn.q_norm.weight", d))
             self.k_norm.copy_(get("self_attn.k_norm.weight", d))
             self.o_proj.copy_(get("self_attn.o_proj.weight", h, self.q_size))
-            self.post_attention_layernorm.copy_(get("post_attention_layernorm.weight", h))
             i = dims.intermediate_size
-            self.gate_up_proj.copy_(
-                torch.cat([get("mlp.gate_proj.weight", i, h), get("mlp.up_proj.weight", i, h)])
-            )
+            gate_up = interleave_gate_up(get("mlp.gate_proj.weight", i, h), get("mlp.up_proj.weight", i, h))
+            self.gate_up_proj.copy_(fold_rms_norm_weight(gate_up, get("post_attention_layernorm.weight", h)))
             self.down_proj.copy_(get("mlp.down_proj.weight", h, i))
 
 
@@ -177,10 +169,10 @@ class Qwen3ForCausalLM(CausalLM):
         self.dtype = dtype
         self.embed_tokens = _param(dims.vocab_size, dims.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(Qwen3DecoderLayer(dims, i, dtype) for i in range(dims.num_layers))
-        self.norm = _param(dims.hidden_size, dtype=dtype)
-        self.lm_head = (
-            None if dims.tie_word_embeddings else _param(dims.vocab_size, dims.hidden_size, dtype=dtype)
-        )
+        # The final norm's weight is folded into an untied lm_head; tied, it stays (the embedding is shared).
+        tied = dims.tie_word_embeddings
+        self.norm = _param(dims.hidden_size, dtype=dtype) if tied else None
+        self.lm_head = None if tied else _param(dims.vocab_size, dims.hidden_size, dtype=dtype)
         self.rotary = RotaryEmbedding(dims.head_dim, dims.rope_theta, max_model_len, dims.rope_type)
         self.max_model_len = max_model_len
 
@@ -206,11 +198,12 @@ class Qwen3ForCausalLM(CausalLM):
             )
             for layer in self.layers:
                 layer.load(reader, f"model.layers.{layer.layer_index}.")
-            self.norm.copy_(reader.get("model.norm.weight", (dims.hidden_size,), self.dtype))
-            if self.lm_head is not None:
-                self.lm_head.copy_(
-                    reader.get("lm_head.weight", (dims.vocab_size, dims.hidden_size), self.dtype)
-                )
+            norm = reader.get("model.norm.weight", (dims.hidden_size,), self.dtype)
+            if self.lm_head is None:
+                self.norm.copy_(norm)
+            else:
+                lm_head = reader.get("lm_head.weight", (dims.vocab_size, dims.hidden_size), self.dtype)
+                self.lm_head.copy_(fold_rms_norm_weight(lm_head, norm))
 
     def buffer_specs(self) -> list[BufferSpec]:
         return [
@@ -242,17 +235,18 @@ class Qwen3ForCausalLM(CausalLM):
     def run_layers(
         self, x: torch.Tensor, batch: ForwardBatch, caches: dict[int, torch.Tensor]
     ) -> torch.Tensor:
-        """The decoder stack and the final norm over input embeddings ``x``."""
+        """The decoder stack over input embeddings ``x``: the residual stream before the final norm, which
+        :meth:`compute_logits` applies (inside the lm_head GEMM where it can)."""
         delta = None
         for layer in self.layers:
             x, delta = layer(x, delta, batch, caches[layer.layer_index], self.rotary)
-        if delta is None:  # a model without layers
-            return ops.rms_norm(x, self.norm, self.dims.rms_norm_eps)
-        return ops.add_rms_norm(delta, x, self.norm, self.dims.rms_norm_eps)[0]
+        return x if delta is None else x + delta
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return ops.linear(hidden, weight).float()
+        eps = self.dims.rms_norm_eps
+        if self.lm_head is None:
+            return ops.linear(ops.rms_norm(hidden, self.norm, eps), self.embed_tokens).float()
+        return ops.norm_linear(hidden, None, self.lm_head, eps)[0].float()
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self.embed_tokens)

@@ -45,6 +45,22 @@ def test_rms_norm(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_without_weight(dtype):
+    """A norm whose weight is folded into the next projection: the plain normalised row, with or
+    without the residual add."""
+    gen = torch.Generator().manual_seed(11)
+    x, res = _rand(gen, 3, 200, dtype=dtype, scale=3.0), _rand(gen, 3, 200, dtype=dtype)
+    ref = norms.rms_norm_ref(x, None, 1e-6)
+    assert torch.equal(ref, norms.rms_norm_ref(x, torch.ones(200, dtype=dtype, device=DEVICE), 1e-6))
+    assert_ulp_close(norms.rms_norm_triton(x, None, 1e-6), ref)
+    res_k, res_r = res.clone(), res.clone()
+    out, _ = norms.fused_add_rms_norm_triton(x, res_k, None, 1e-6)
+    ref_out, _ = norms.fused_add_rms_norm_ref(x, res_r, None, 1e-6)
+    assert torch.equal(res_k, res_r)
+    assert_ulp_close(out, ref_out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fused_add_rms_norm_updates_residual_in_place(dtype):
     gen = torch.Generator().manual_seed(2)
     x, res, w = (
@@ -118,6 +134,13 @@ def test_silu_mul(dtype, shape):
     out = torch.full((*shape[:-1], shape[-1] // 2), float("nan"), dtype=dtype, device=DEVICE)
     assert activations.silu_mul_triton(x, out=out) is out
     assert_ulp_close(out, activations.silu_mul_ref(x))
+
+
+def test_silu_mul_pairs_alternating_columns():
+    """Columns alternate gate, up: the layout interleave_gate_up gives the packed weight."""
+    gate, up = torch.randn(2, 5), torch.randn(2, 5)
+    packed = torch.stack((gate, up), dim=-1).flatten(-2)
+    assert torch.equal(activations.silu_mul_ref(packed), torch.nn.functional.silu(gate) * up)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
