@@ -46,6 +46,7 @@ __all__ = [
     "interp_bf16",
     "cast_to",
     "num_sms",
+    "shared_memory_per_sm",
     "mma",
     "pdl_launch",
     "pdl_start",
@@ -128,6 +129,21 @@ def num_sms(device: torch.device) -> int:
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_COUNT[index]
+
+
+_SMEM: dict[int, int] = {}
+
+
+def shared_memory_per_sm(device: torch.device) -> int:
+    """Shared memory of one multiprocessor of ``device`` in bytes (cached); the H100/H200's 228 KiB off
+    CUDA or where torch does not report it."""
+    if device.type != "cuda":
+        return 228 * 1024
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMEM:
+        props = torch.cuda.get_device_properties(index)
+        _SMEM[index] = getattr(props, "shared_memory_per_multiprocessor", 0) or 228 * 1024
+    return _SMEM[index]
 
 
 _PDL: dict[int, bool] = {}

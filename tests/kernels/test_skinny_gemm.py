@@ -15,6 +15,8 @@ from pegainfer.kernels.skinny_gemm import (
     DISPATCH_ROWS,
     MAX_ROWS,
     SkinnyConfig,
+    _one_program_per_sm,
+    default_config,
     skinny_linear,
     skinny_linear_ref,
     skinny_linear_triton,
@@ -152,3 +154,12 @@ def test_dispatch_off_cuda_takes_the_reference_with_every_option():
     assert torch.equal(skinny_linear(x, w, silu=True), skinny_linear_ref(x, w, silu=True))
     expected = res + torch.nn.functional.linear(x, w)
     assert torch.equal(skinny_linear(x, w, residual=res.clone()), expected)
+
+
+def test_early_launch_only_for_one_program_per_multiprocessor():
+    """PDL for the 5120-wide projections' deep tiles, not for gate|up's or lm_head's smaller ones, whose
+    early programs would pile onto the idle multiprocessors (docs/benchmarks.md, fifth run)."""
+    x = torch.empty(1, 5120, dtype=torch.bfloat16)
+    assert _one_program_per_sm(default_config(7168, 5120), 16, x)  # q|k|v, o_proj, down
+    assert not _one_program_per_sm(default_config(34816, 5120), 16, x)  # gate|up
+    assert not _one_program_per_sm(default_config(151936, 5120), 16, x)  # lm_head
