@@ -7,6 +7,12 @@ context is cut into ``num_splits`` equal chunks (whole ``BLOCK_N`` tiles); each 
 partial (max, sum, unnormalised acc) and a small second kernel merges them. With one split the first
 kernel writes the output itself.
 
+With :class:`DecodeRope` the kernel also takes the layer's q/k RMSNorm and rotary and the cache write of
+the new token (otherwise the separate ``rope_kv.qk_norm_rope`` kernel): every program normalises and
+rotates its group's q heads (into ``out``, which is free scratch until the result lands there), and the
+program whose chunk holds the last position normalises and rotates the new k and writes k and v into
+their page before it reads the chunk. At batch 1 that saves one dependent launch per layer.
+
 CUDA-graph friendly: no host syncs; the grid depends only on the batch size (a graph bucket) and
 ``num_splits``, chosen from static maxima, never from the current lengths. Chunk sizes are computed
 on the device from ``seq_lens``, so splits without work exit at once. Rows with ``seq_len == 0``
@@ -16,6 +22,7 @@ on the device from ``seq_lens``, so splits without work exit at once. Rows with 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -32,12 +39,31 @@ from pegainfer.kernels._triton import (
     triton,
     use_kernel,
 )
+from pegainfer.kernels.rope_kv import _norm_rope_heads, qk_norm_rope_ref
 from pegainfer.layers.attention import AttentionMetadata, paged_attention_reference
+from pegainfer.layers.rotary import RotaryEmbedding
 
 #: The reduce kernel merges at most this many partials per row; chunks grow beyond it instead.
 MAX_SPLITS = 64
 #: A split covers at least this many tokens (a split's fixed cost is a q load and a partial write).
 MIN_TOKENS_PER_SPLIT = 64
+
+
+@dataclass(frozen=True)
+class DecodeRope:
+    """What the decode kernel needs to apply the layer's q/k RMSNorm and rotary itself and write the new
+    token into the cache: q is then passed un-normed, and ``k``, ``v`` ``[B, kv_heads, D]`` are the new
+    token's (the kernel may overwrite ``k``: it is scratch afterwards); ``positions`` and ``slot_mapping``
+    ``[>=B]``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    rotary: RotaryEmbedding
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    eps: float
 
 
 def decode_num_splits(
@@ -70,9 +96,18 @@ def _decode_partial_kernel(
     part_acc_ptr,
     part_m_ptr,
     part_l_ptr,
+    k_new_ptr,
+    v_new_ptr,
+    qw_ptr,
+    kw_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    slot_ptr,
     scale_log2,
     num_splits,
     num_heads,
+    num_kv_heads,
     stride_qb,
     stride_qh,
     stride_cblk,
@@ -81,6 +116,12 @@ def _decode_partial_kernel(
     stride_bt,
     stride_ob,
     stride_oh,
+    stride_kb,
+    stride_kh,
+    stride_vb,
+    stride_vh,
+    stride_cos,
+    eps,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
@@ -88,6 +129,11 @@ def _decode_partial_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
+    ROPE: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    REST: tl.constexpr,
+    BLOCK_REST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     FIX: tl.constexpr,
     PDL: tl.constexpr,
@@ -110,9 +156,42 @@ def _decode_partial_kernel(
     row64 = row.to(tl.int64)
 
     if start < seq_len:
-        q = tl.load(
-            q_ptr + row64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_hd, other=0.0
-        )
+        if ROPE:
+            pos = tl.load(pos_ptr + row)
+            # This group's heads only (the rest masked as head num_heads): with one split another
+            # program's finished output may already sit in the rows of ``out`` beyond them.
+            group_heads = tl.where(mask_h, heads, num_heads)
+            _norm_rope_heads(
+                q_ptr, stride_qb, stride_qh, out_ptr, stride_ob, stride_oh, qw_ptr, cos_ptr, sin_ptr,
+                stride_cos, pos, row64, group_heads, num_heads, eps, k_ptr, 0, stride_chead, -1,
+                HEAD_DIM, HALF, BLOCK_HALF, REST, BLOCK_REST, False, FIX,
+            )  # fmt: skip
+            if (seq_len - 1 >= start) & (seq_len - 1 < end):
+                # The new token's k (rotated in place, its raw value is not needed again) and v go into
+                # their page before this program reads it.
+                slot = tl.load(slot_ptr + row)
+                slot_off = (slot // PAGE) * stride_cblk + (slot % PAGE) * stride_ctok
+                one_head = tl.where(offs_h == 0, kvh, num_kv_heads)
+                _norm_rope_heads(
+                    k_new_ptr, stride_kb, stride_kh, k_new_ptr, stride_kb, stride_kh, kw_ptr, cos_ptr,
+                    sin_ptr, stride_cos, pos, row64, one_head, num_kv_heads, eps, k_ptr, slot_off,
+                    stride_chead, slot, HEAD_DIM, HALF, BLOCK_HALF, REST, BLOCK_REST, True, FIX,
+                )  # fmt: skip
+                if slot >= 0:
+                    v_new = tl.load(v_new_ptr + row64 * stride_vb + kvh * stride_vh + offs_d, mask=mask_d)
+                    tl.store(v_ptr + slot_off + kvh.to(tl.int64) * stride_chead + offs_d, v_new, mask=mask_d)
+            tl.debug_barrier()
+            q = tl.load(
+                out_ptr + row64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                mask=mask_hd,
+                other=0.0,
+            )
+        else:
+            q = tl.load(
+                q_ptr + row64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_hd,
+                other=0.0,
+            )
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -212,6 +291,22 @@ def _check(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq
         raise ValueError(f"block_tables/seq_lens have fewer rows than q ({q.shape[0]})")
 
 
+def _check_rope(rope: DecodeRope, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    for name in ("k", "v"):
+        t = getattr(rope, name)
+        if t.shape[0] < batch or tuple(t.shape[1:]) != (kv_heads, head_dim) or t.stride(-1) != 1:
+            raise ValueError(
+                f"rope.{name} must be [>={batch}, {kv_heads}, {head_dim}] with a contiguous last dim"
+            )
+        if t.dtype != dtype:
+            raise ValueError(f"rope.{name} is {t.dtype}, the cache {dtype}")
+    rot = rope.rotary.rotary_dim
+    if rot % 2 or rot > head_dim:
+        raise ValueError(f"rotary_dim {rot} must be even and at most head_dim {head_dim}")
+    if rope.positions.shape[0] < batch or rope.slot_mapping.shape[0] < batch:
+        raise ValueError(f"rope.positions and rope.slot_mapping need at least {batch} rows")
+
+
 def paged_decode_attention_triton(
     q: torch.Tensor,
     cache: torch.Tensor,
@@ -225,6 +320,7 @@ def paged_decode_attention_triton(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    rope: DecodeRope | None = None,
 ) -> torch.Tensor:
     """The Triton path of :func:`paged_decode_attention` (any device under ``TRITON_INTERPRET=1``).
 
@@ -256,6 +352,16 @@ def paged_decode_attention_triton(
     else:
         part_acc = part_m = part_l = out  # unused
     k_cache, v_cache = cache[0], cache[1]
+    if rope is not None:
+        _check_rope(rope, batch, kv_heads, head_dim, cache.dtype)
+        half = rope.rotary.rotary_dim // 2
+        k_new, v_new, cos, sin = rope.k, rope.v, rope.rotary.cos, rope.rotary.sin
+        tensors = (k_new, v_new, rope.q_weight, rope.k_weight, cos, sin, rope.positions, rope.slot_mapping)
+    else:
+        half, k_new, v_new, cos = 0, q, q, q
+        tensors = (q,) * 8
+    if out.stride(-1) != 1:
+        raise ValueError("out needs a contiguous last dimension")
     _decode_partial_kernel[(batch, kv_heads, num_splits)](
         q,
         k_cache,
@@ -266,9 +372,11 @@ def paged_decode_attention_triton(
         part_acc,
         part_m,
         part_l,
+        *tensors,
         scale * math.log2(math.e),
         num_splits,
         num_heads,
+        kv_heads,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -277,6 +385,12 @@ def paged_decode_attention_triton(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
+        cos.stride(0),
+        rope.eps if rope is not None else 0.0,
         GROUP=group,
         HEAD_DIM=head_dim,
         PAGE=page,
@@ -284,6 +398,11 @@ def paged_decode_attention_triton(
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         SPLIT=split,
+        ROPE=rope is not None,
+        HALF=half,
+        BLOCK_HALF=next_pow2(max(half, 1)),
+        REST=head_dim - 2 * half if rope is not None else 0,
+        BLOCK_REST=next_pow2(max(head_dim - 2 * half, 1)),
         DOT_PREC=dot_precision(q.dtype),
         FIX=interp_bf16(q.dtype),
         num_warps=num_warps,
@@ -320,11 +439,18 @@ def paged_decode_attention_ref(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    rope: DecodeRope | None = None,
 ) -> torch.Tensor:
     """The torch reference: :func:`pegainfer.layers.attention.paged_attention_reference` over decode rows only
-    (it syncs on ``max(seq_lens)``); padding rows (``seq_len == 0``) give zeros."""
+    (it syncs on ``max(seq_lens)``); padding rows (``seq_len == 0``) give zeros. With ``rope``, first
+    ``rope_kv.qk_norm_rope_ref`` with its cache write."""
     _check(q, cache, block_tables, seq_lens)
     batch = q.shape[0]
+    if rope is not None:
+        q, k = qk_norm_rope_ref(
+            q, rope.k, rope.q_weight, rope.k_weight, rope.rotary, rope.positions[:batch], rope.eps,
+            kv_cache=cache, v=rope.v, slot_mapping=rope.slot_mapping[:batch],
+        )  # fmt: skip
     seq_lens = seq_lens[:batch]
     meta = AttentionMetadata(
         block_size=cache.shape[2],
@@ -354,6 +480,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
+    rope: DecodeRope | None = None,
 ) -> torch.Tensor:
     """Decode attention: q ``[B, heads, D]`` (bf16/fp16/fp32, last dim contiguous) against the paged
     cache ``[2, blocks, block_size, kv_heads, D]`` of the same dtype, row ``b`` reading ``seq_lens[b]``
@@ -362,9 +489,11 @@ def paged_decode_attention(
 
     ``num_splits``/``max_seq_len`` set the split-K factor from static sizes (default: the block
     table's capacity), so a captured graph stays valid for any lengths. Triton on CUDA, the torch
-    reference elsewhere."""
+    reference elsewhere. With ``rope`` (:class:`DecodeRope`) q comes un-normed and the layer's q/k norm,
+    rotary and the new token's cache write happen here."""
     if use_kernel(q):
         return paged_decode_attention_triton(
-            q, cache, block_tables, seq_lens, scale, out=out, num_splits=num_splits, max_seq_len=max_seq_len
-        )
-    return paged_decode_attention_ref(q, cache, block_tables, seq_lens, scale, out=out)
+            q, cache, block_tables, seq_lens, scale, out=out, num_splits=num_splits, max_seq_len=max_seq_len,
+            rope=rope,
+        )  # fmt: skip
+    return paged_decode_attention_ref(q, cache, block_tables, seq_lens, scale, out=out, rope=rope)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from pegainfer.layers.activation import silu_mul as silu_mul_ref
-from pegainfer.layers.attention import use_triton, write_kv
+from pegainfer.layers.attention import AttentionMetadata, paged_attention, use_triton, write_kv
 from pegainfer.layers.norm import rms_norm as rms_norm_ref
 from pegainfer.layers.rotary import RotaryEmbedding
 
@@ -93,6 +93,36 @@ def residual_linear(
         if skinny_gemm.takes_kernel(x):
             return skinny_gemm.skinny_linear_triton(x, w, residual=residual), None
     return residual, linear(x, w)
+
+
+def qk_norm_rope_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    rotary: RotaryEmbedding,
+    positions: torch.Tensor,
+    eps: float,
+    cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`qk_norm_rope_write_kv` then ``paged_attention``: the attention output ``[T, H, D]``. A batch of
+    decode rows only on CUDA takes one kernel (the decode attention normalises and rotates its q and the
+    new k and writes the cache itself); ``k`` is scratch afterwards."""
+    if use_triton(q) and meta.num_decodes and not meta.prefills:
+        from pegainfer.kernels import paged_decode_attention as decode
+
+        rope = decode.DecodeRope(k, v, q_weight, k_weight, rotary, positions, meta.slot_mapping, eps)
+        return decode.paged_decode_attention(
+            q, cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
+            max_seq_len=meta.max_decode_seq_len, rope=rope,
+        )  # fmt: skip
+    q, _ = qk_norm_rope_write_kv(
+        q, k, v, q_weight, k_weight, rotary, positions, eps, cache, meta.slot_mapping
+    )
+    return paged_attention(q, cache, meta, scale)
 
 
 def qk_norm_rope_write_kv(

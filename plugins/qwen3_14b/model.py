@@ -21,7 +21,7 @@ from pegainfer.config import ModelConfig
 from pegainfer.errors import CheckpointError
 from pegainfer.layers import ops
 from pegainfer.layers.activation import interleave_gate_up
-from pegainfer.layers.attention import attention_scratch, paged_attention
+from pegainfer.layers.attention import attention_scratch
 from pegainfer.layers.norm import fold_rms_norm_weight
 from pegainfer.layers.rotary import RotaryEmbedding, rope_parameters
 from pegainfer.loader import CheckpointReader
@@ -110,7 +110,7 @@ class Qwen3DecoderLayer(nn.Module):
         dims, eps, t = self.dims, self.dims.rms_norm_eps, residual.shape[0]
         qkv, residual = ops.norm_linear(residual, delta, self.qkv_proj, eps, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = ops.qk_norm_rope_write_kv(
+        attn = ops.qk_norm_rope_attention(
             q.view(t, dims.num_heads, dims.head_dim),
             k.view(t, dims.num_kv_heads, dims.head_dim),
             v.view(t, dims.num_kv_heads, dims.head_dim),
@@ -120,9 +120,9 @@ class Qwen3DecoderLayer(nn.Module):
             batch.positions,
             eps,
             cache,
-            batch.attn.slot_mapping,
+            batch.attn,
+            self.scale,
         )
-        attn = paged_attention(q, cache, batch.attn, self.scale)
         residual, delta = ops.residual_linear(attn.reshape(t, self.q_size), self.o_proj, residual)
         act, residual = ops.norm_linear(residual, delta, self.gate_up_proj, eps, silu=True)
         return ops.residual_linear(act, self.down_proj, residual)

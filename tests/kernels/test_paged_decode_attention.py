@@ -14,11 +14,13 @@ import torch
 from kernel_helpers import DEVICE, PagedKV, rel_err
 
 from pegainfer.kernels.paged_decode_attention import (
+    DecodeRope,
     decode_num_splits,
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_decode_attention_triton,
 )
+from pegainfer.layers.rotary import RotaryEmbedding
 
 BLOCK = 16
 
@@ -95,3 +97,65 @@ def test_dispatch_takes_reference_off_cuda():
     cache = cache.nan_to_num(0.0).cpu()
     got = paged_decode_attention(q.cpu(), cache, tables.cpu(), seq_lens.cpu(), 0.125)
     assert torch.equal(got, paged_decode_attention_ref(q.cpu(), cache, tables.cpu(), seq_lens.cpu(), 0.125))
+
+
+def _rope_case(seed, heads, kv_heads, head_dim, rotary_dim, lens, dtype):
+    """A decode batch before the layer's q/k norm and rotary: the cache holds every row's context but the
+    new (last) token, whose slot is NaN until written; q and the new k, v are raw views of one q|k|v."""
+    q, cache, tables, seq_lens = _case(seed, heads, kv_heads, head_dim, lens, dtype)
+    gen = torch.Generator().manual_seed(seed + 100)
+    b = len(lens)
+    positions = (seq_lens.long() - 1).clamp_min(0)
+    blocks = tables.long().gather(1, (positions // BLOCK)[:, None]).squeeze(1)
+    slots = torch.where(seq_lens > 0, blocks * BLOCK + positions % BLOCK, -1)
+    cache.flatten(1, 2)[:, slots[seq_lens > 0]] = float("nan")
+    qkv = (torch.randn(b, (heads + 2 * kv_heads) * head_dim, generator=gen) * 2).to(dtype).to(DEVICE)
+    q = qkv[:, : heads * head_dim].view(b, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(b, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(b, kv_heads, head_dim)
+    weights = [torch.randn(head_dim, generator=gen).to(dtype).to(DEVICE) for _ in range(2)]
+    rotary = RotaryEmbedding(rotary_dim, 1e6, 4096).to(DEVICE)
+    return q, cache, tables, seq_lens, (k, v, *weights, rotary, positions, slots.to(DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,rotary_dim",
+    [(8, 2, 64, 64), (5, 1, 64, 32), (16, 2, 128, 128)],
+    ids=["g4-d64", "g5-partial-rotary", "g8-d128"],
+)
+@pytest.mark.parametrize("num_splits", [1, 3, None], ids=["splits1", "splits3", "splits-auto"])
+def test_decode_with_rope_equals_rope_then_attention(
+    dtype, heads, kv_heads, head_dim, rotary_dim, num_splits
+):
+    """The fused q/k norm + rotary + cache write: the same output and the same cache as the reference
+    sequence (rope_kv's reference with its write, then attention), the padding row writing nothing."""
+    lens = [1, 37, 0, 203, 16]
+    q, cache, tables, seq_lens, rope_args = _rope_case(5, heads, kv_heads, head_dim, rotary_dim, lens, dtype)
+    k, v, *rest = rope_args
+    ref_cache = cache.nan_to_num(0.0)  # the reference reads (and masks) past each row's length
+    ref_rope = DecodeRope(k.clone(), v, *rest, eps=1e-6)
+    ref = paged_decode_attention_ref(q, ref_cache, tables, seq_lens, head_dim**-0.5, rope=ref_rope)
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
+    rope = DecodeRope(k.clone(), v, *rest, eps=1e-6)
+    got = paged_decode_attention_triton(
+        q, cache, tables, seq_lens, head_dim**-0.5, out=out, num_splits=num_splits, rope=rope
+    )
+    assert got.data_ptr() == out.data_ptr()
+    ulp = 1e-6 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(cache.nan_to_num(0.0), ref_cache, rtol=ulp, atol=ulp)
+    assert not cache.flatten(1, 2)[:, rest[-1][seq_lens > 0]].isnan().any(), "every new token is written"
+    assert rel_err(got, ref) < (3e-5 if dtype == torch.float32 else 5e-3)
+    assert torch.equal(got[2], torch.zeros_like(got[2])), "a padding row (seq_len 0) must give zeros"
+
+
+def test_decode_with_rope_rejects_mismatched_inputs():
+    q, cache, tables, seq_lens, (k, v, *rest) = _rope_case(6, 4, 2, 64, 64, [5, 9], torch.float32)
+    with pytest.raises(ValueError, match="rope.k"):
+        paged_decode_attention_triton(
+            q, cache, tables, seq_lens, 0.125, rope=DecodeRope(k[:, :1], v, *rest, 1e-6)
+        )
+    with pytest.raises(ValueError, match="rope.v"):
+        paged_decode_attention_triton(
+            q, cache, tables, seq_lens, 0.125, rope=DecodeRope(k, v.double(), *rest, 1e-6)
+        )
