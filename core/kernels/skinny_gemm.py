@@ -189,7 +189,14 @@ def skinny_linear_triton(
     silu: bool = False,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The Triton path of :func:`skinny_linear` for ``x`` ``[..., K]`` with at most ``MAX_ROWS`` rows."""
+    """The Triton path of :func:`skinny_linear` for ``x`` ``[..., K]`` with at most ``MAX_ROWS`` rows.
+    Each option moves a neighbouring op of a decoder layer into the GEMM, where it costs no extra pass:
+
+    - ``norm_eps``: ``x`` is taken un-normed and RMSNorm'ed first; ``w`` must carry the norm's weight
+      (``layers.norm.fold_rms_norm_weight``), as the kernel scales each output row by x's ``1 / rms``;
+    - ``silu``: ``w``'s rows alternate gate, up (``layers.activation.interleave_gate_up``); returns
+      ``silu(gate) * up``, ``[..., N / 2]``;
+    - ``residual``: returns ``residual + x @ w.T``, written into ``residual`` in place."""
     n, k = w.shape
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -236,6 +243,7 @@ def skinny_linear_ref(
     silu: bool = False,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """The torch reference of :func:`skinny_linear_triton`, options included."""
     if norm_eps is not None:
         x = rms_norm_ref(x, None, norm_eps)
     y = F.linear(x, w, bias)
@@ -251,23 +259,10 @@ def takes_kernel(x: torch.Tensor) -> bool:
     return use_kernel(x) and rows <= DISPATCH_ROWS and x.dtype in (torch.bfloat16, torch.float16)
 
 
-def skinny_linear(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    norm_eps: float | None = None,
-    silu: bool = False,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``F.linear(x, w, bias)``, the kernel where :func:`takes_kernel`, the torch reference otherwise. Each
-    option moves a neighbouring op of a decoder layer into the GEMM, where it costs no extra pass:
-
-    - ``norm_eps``: ``x`` is taken un-normed and RMSNorm'ed first; ``w`` must carry the norm's weight
-      (``layers.norm.fold_rms_norm_weight``), as the kernel scales each output row by x's ``1 / rms`` instead;
-    - ``silu``: ``w``'s rows alternate gate, up (``layers.activation.interleave_gate_up``); returns ``silu(gate) * up``,
-      ``[..., N / 2]``;
-    - ``residual``: returns ``residual + x @ w.T``, written into ``residual`` in place."""
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, bias)``: the kernel where :func:`takes_kernel`, the torch reference otherwise.
+    (``ops.norm_linear`` and ``ops.residual_linear`` call :func:`skinny_linear_triton` with its options:
+    the RMSNorm before a projection, SiLU·mul after gate|up and the residual add inside the GEMM.)"""
     if takes_kernel(x):
-        return skinny_linear_triton(x, w, bias, norm_eps=norm_eps, silu=silu, residual=residual)
-    return skinny_linear_ref(x, w, bias, norm_eps=norm_eps, silu=silu, residual=residual)
+        return skinny_linear_triton(x, w, bias)
+    return skinny_linear_ref(x, w, bias)
