@@ -62,7 +62,7 @@ def norm_linear(
     silu: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The projection by ``w`` of ``rms_norm(residual + delta)`` (``delta`` None: nothing left to add),
-    ``w`` carrying the norm's weight (``skinny_gemm.fold_rms_norm_weight``); with ``silu`` ``w`` is an
+    ``w`` carrying the norm's weight (``layers.norm.fold_rms_norm_weight``); with ``silu`` ``w`` is an
     interleaved gate|up and the result its activation. Returns (output, residual + delta).
 
     Where the skinny kernel runs (decode rows on CUDA, after :func:`residual_linear` added in its GEMM)

@@ -3,8 +3,9 @@
 Any Qwen3 dense size loads (0.6B-32B); 14B is the flagship. q|k|v and gate|up are packed into one
 weight each at load time, so each is one GEMM; gate and up rows alternate, and each RMSNorm's weight
 is folded into the projection it feeds (input norm into q|k|v, post-attention norm into gate|up, the
-final norm into an untied lm_head). So at decode the norm, SiLU·mul and the residual adds run inside the
-skinny GEMMs (layers/ops.py): five launches a layer besides attention instead of nine.
+final norm into an untied lm_head). So at decode the norms, SiLU·mul and the residual adds run inside the
+skinny GEMMs and q/k norm + rotary inside the decode attention (layers/ops.py): six launches a layer
+instead of ten.
 """
 
 from __future__ import annotations
