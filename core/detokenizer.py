@@ -259,18 +259,3 @@ class IncrementalDetokenizer:
             self._frozen.append(tail[:split])
         self._tail = tail[split:]
         return self.stop_str
-
-
-def update_each(
-    detokenizers: Sequence[IncrementalDetokenizer], token_ids: Sequence[int], check_stop: Sequence[bool]
-) -> list[str | None | Exception]:
-    """``detokenizers[i].update((token_ids[i],), check_stop=check_stop[i])`` for every i (the engine's
-    decode step: one new token per request). A detokenizer that fails gets its exception in its place in
-    the result; the others go on."""
-    results: list[str | None | Exception] = []
-    for detok, token, check in zip(detokenizers, token_ids, check_stop, strict=True):
-        try:
-            results.append(detok.update_one(token, check))
-        except Exception as exc:
-            results.append(exc)
-    return results

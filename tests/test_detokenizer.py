@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from pegainfer.detokenizer import IncrementalDetokenizer, update_each
+from pegainfer.detokenizer import IncrementalDetokenizer
 from pegainfer.testing.tiny_tokenizer import write_tiny_tokenizer
 from pegainfer.tokenizer import Tokenizer
 
@@ -234,9 +234,9 @@ def test_include_stop_str_streams_without_holding_back(tok: Tokenizer) -> None:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_update_each_equals_one_update_per_detokenizer(tok: Tokenizer, seed: int) -> None:
-    """The engine's batched step (one batch decode for every request) gives each detokenizer the text,
-    deltas and stop strings its own update would: mixed flags, stop strings, invalid bytes, min_tokens."""
+def test_one_token_steps_equal_update_with_mixed_options(tok: Tokenizer, seed: int) -> None:
+    """The engine's step (update_one for every request) gives each detokenizer the text, deltas and stop
+    strings its general update would: mixed flags, stop strings, invalid bytes, min_tokens."""
     rng = random.Random(seed)
     streams, pairs = [], []
     for i in range(8):
@@ -256,26 +256,14 @@ def test_update_each_equals_one_update_per_detokenizer(tok: Tokenizer, seed: int
     for step in range(max(map(len, streams))):
         live = [i for i, ids in enumerate(streams) if step < len(ids) and pairs[i][0].stop_str is None]
         check = [step >= 2 or i % 2 == 0 for i in live]  # some requests still below min_tokens
-        got = update_each([pairs[i][0] for i in live], [streams[i][step] for i in live], check)
-        for i, c, stop in zip(live, check, got, strict=True):
-            batched, single = pairs[i]
+        for i, c in zip(live, check, strict=True):
+            one, single = pairs[i]
+            stop = one.update_one(streams[i][step], c)
             assert stop == single.update((streams[i][step],), check_stop=c)
-            assert batched.get_delta(finished=False) == single.get_delta(finished=False)
-    for batched, single in pairs:
-        assert batched.get_delta(finished=True) == single.get_delta(finished=True)
-        assert batched.output_text == single.output_text and batched.stop_str == single.stop_str
-
-
-def test_update_each_isolates_a_failing_detokenizer(tok: Tokenizer) -> None:
-    """A detokenizer that raises (updated after its stop string) gets its exception in its place; the
-    others in the same batch still get their text."""
-    stopped = IncrementalDetokenizer(tok, [], stop=["cat"])
-    assert stopped.update(tok.encode("the cat")) == "cat"
-    fine = [IncrementalDetokenizer(tok, []) for _ in range(2)]
-    ids = tok.encode(" sat")
-    got = update_each([fine[0], stopped, fine[1]], [ids[0]] * 3, [True] * 3)
-    assert got[0] is None and got[2] is None and isinstance(got[1], RuntimeError)
-    assert [d.get_delta(finished=True) for d in fine] == [tok.decode(ids[:1])] * 2
+            assert one.get_delta(finished=False) == single.get_delta(finished=False)
+    for one, single in pairs:
+        assert one.get_delta(finished=True) == single.get_delta(finished=True)
+        assert one.output_text == single.output_text and one.stop_str == single.stop_str
 
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
