@@ -19,6 +19,7 @@ from pegainfer.loader import read_generation_config
 from pegainfer.memory_plan import MemoryPlan, plan_memory
 from pegainfer.model_loader import LoadedModel, load_model
 from pegainfer.outputs import PositionLogprobs, RequestOutput
+from pegainfer.persistent_batch import PersistentDecodeBatch
 from pegainfer.request import FINISHED_STATUSES, PENDING_TOKEN, Request, RequestStatus
 from pegainfer.request_group import RequestGroup, SequenceState
 from pegainfer.sampler import DeviceSample, Sampler, compute_prompt_logprobs
@@ -121,6 +122,7 @@ class LLMEngine:
         #: Whether steps are launched ahead of the last step's tokens; may be flipped between steps.
         self.async_scheduling = self._async_scheduling(config)
         self._pending: _PendingStep | None = None
+        self._decode_batch = PersistentDecodeBatch()
         self._wait_s = 0.0
 
     @property
@@ -282,6 +284,18 @@ class LLMEngine:
     # ------------------------------------------------------------------------------------------ the step
 
     def _build_batch(self, plan: SchedulerOutput) -> ModelBatch:
+        """The step's batch: last step's moved on in the steady state of async decoding (see
+        PersistentDecodeBatch), else a chunk built for every planned request."""
+        step = self.stats["steps"]
+        if self._pending is not None:
+            batch = self._decode_batch.reuse(plan.scheduled, self._pending.sample.tokens, step)
+            if batch is not None:
+                return batch
+        batch = self._new_batch(plan)
+        self._decode_batch.remember(plan.scheduled, batch, step)
+        return batch
+
+    def _new_batch(self, plan: SchedulerOutput) -> ModelBatch:
         chunks = []
         pending = self._pending
         block_table, state_slot = self.buffers.block_table, self.buffers.state_slot
