@@ -41,6 +41,7 @@ class PersistentDecodeBatch:
         for item, chunk in zip(scheduled, batch.chunks, strict=True):
             chunk.start = item.start
         batch.carried_tokens = carried
+        batch.moved_on = True
         self._step = step
         return batch
 

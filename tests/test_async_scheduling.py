@@ -65,6 +65,22 @@ def _check_reused_batches(llm: LLM) -> list[int]:
     return reused
 
 
+def _count_moved_on_graph_steps(llm: LLM) -> list[int]:
+    """Count the decode-graph steps the executor ran from the row inputs it kept for a moved-on batch."""
+    executor = llm.engine.executor
+    count = [0]
+    execute = executor.execute
+
+    def counting(batch):
+        kept = executor._graph_rows
+        out = execute(batch)
+        count[0] += batch.moved_on and kept is not None and executor._graph_rows is kept
+        return out
+
+    executor.execute = counting
+    return count
+
+
 def _prompts(seed: int, count: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(1, 1000) for _ in range(rng.randrange(3, 40))] for _ in range(count)]
@@ -136,8 +152,9 @@ def test_mixed_batch_on_the_graph_decode_path_identical(tiny_qwen3):
 
     ahead.engine.sampler.sample = counting
     reused = _check_reused_batches(ahead)
+    kept = _count_moved_on_graph_steps(ahead)
     assert _summary(_generate(ahead, prompts, params)) == _summary(_generate(sync, prompts, params))
-    assert carried[0] > 10 and given[0] > 10 and reused[0] > 0
+    assert carried[0] > 10 and given[0] > 10 and reused[0] > 0 and kept[0] > 0
     assert ahead.engine.buffers.usage() == 0.0 and not ahead.engine.has_unfinished_requests()
 
 
@@ -154,8 +171,9 @@ def test_preemption_and_chunked_prefill_identical(tiny_qwen3, graph_path):
     carried = _count_carried_steps(ahead)
     preempted = _count_preemptions(ahead)
     reused = _check_reused_batches(ahead)
+    kept = _count_moved_on_graph_steps(ahead)
     assert _summary(_generate(ahead, prompts, params)) == _summary(_generate(sync, prompts, params))
-    assert carried[0] > 0 and preempted[0] > 0 and reused[0] > 0
+    assert carried[0] > 0 and preempted[0] > 0 and reused[0] > 0 and (kept[0] > 0) == graph_path
     ahead.engine.buffers.check_invariants()
 
 
