@@ -70,11 +70,13 @@ class BufferManager(ABC):
 
     @abstractmethod
     def block_table(self, request_id: str) -> list[int]:
-        """The page ids of ``request_id`` in token order (live list: do not mutate)."""
+        """The page ids of ``request_id`` in token order: a live list (do not mutate), the same one, extended
+        in place, for as long as the request holds its pages."""
 
     @abstractmethod
     def state_slot(self, request_id: str) -> int | None:
-        """The recurrent-state slot of ``request_id``, or None when the model has no recurrent state."""
+        """The recurrent-state slot of ``request_id`` (the same until the request is freed), or None when the
+        model has no recurrent state."""
 
     @abstractmethod
     def usage(self) -> float:

@@ -72,6 +72,9 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         # len(decode(_ids[:_read_offset])), kept while the window's context stays the same (None: unknown).
         self._prefix_len: int | None = None
+        # The decoder is byte-level and the context decodes to whole characters (no U+FFFD): the text after
+        # it is the new tokens' own (see update_one). False while _prefix_len is None.
+        self._clean_prefix = False
 
         self._frozen: list[str] = []
         self._tail = ""
@@ -106,26 +109,40 @@ class IncrementalDetokenizer:
             raise self._finished_error()
         if token_id in self._dropped_ids:
             return None  # nothing new: decode drops it
-        ids = self._ids
-        if self._concatenates and len(ids) == 1 and self._read_offset == 1:
-            previous, text = self._complete_text(ids[0]), self._complete_text(token_id)
-            if previous is not None and text is not None:
-                ids[0] = token_id  # the window moves on to the new token, as _new_text would
-                self._prefix_len = len(text)
-                return self._emit(text, check_stop)
-        ids.append(token_id)
-        window = self._window()
-        if window is None:
-            return None
-        return self._emit(self._new_text(self._decode(window), final=False), check_stop)
+        ids, offset = self._ids, self._read_offset
+        if self._concatenates:
+            # A byte-level decoder's UTF-8 resynchronizes after whole characters and at a token that is whole
+            # characters on its own: from there the new tokens' text is their own decode, whatever the
+            # context (one token's is looked up).
+            if len(ids) == offset:
+                text = self._complete_text(token_id)
+                if text is not None:  # the common case: the token's text, emitted at once
+                    self._ids, self._read_offset = [token_id], 1
+                    self._prefix_len, self._clean_prefix = len(text), True
+                    return self._emit(text, check_stop)
+            ids.append(token_id)
+            if self._clean_prefix or self._complete_text(ids[offset]) is not None:
+                new_text = (
+                    self._token_text(token_id) if len(ids) - offset == 1 else self._decode(ids[offset:])
+                )
+                return self._emit(self._new_text(new_text, final=False, own=True), check_stop)
+        else:
+            ids.append(token_id)
+        new_text = self._decode(self._window())[self._prefix_len :]
+        return self._emit(self._new_text(new_text, final=False), check_stop)
 
-    def _complete_text(self, token_id: int) -> str | None:
-        """The token's text when it is whole characters on its own (not empty, no U+FFFD), else None."""
+    def _token_text(self, token_id: int) -> str:
+        """``decode([token_id])``, from the cache shared by this tokenizer's detokenizers."""
         text = self._token_texts.get(token_id)
         if text is None:
             text = self._decode([token_id])
             if len(self._token_texts) < _MAX_CACHED_TOKENS:
                 self._token_texts[token_id] = text
+        return text
+
+    def _complete_text(self, token_id: int) -> str | None:
+        """The token's text when it is whole characters on its own (not empty, no U+FFFD), else None."""
+        text = self._token_text(token_id)
         return text if text and _REPLACEMENT_CHAR not in text else None
 
     def _add(self, new_token_ids: Sequence[int]) -> None:
@@ -173,7 +190,9 @@ class IncrementalDetokenizer:
     def _decode_new(self, *, final: bool) -> str:
         """Text of the tokens after the read offset, decoded with a few earlier tokens as context."""
         window = self._window()
-        return "" if window is None else self._new_text(self._decode(window), final=final)
+        if window is None:
+            return ""
+        return self._new_text(self._decode(window)[self._prefix_len :], final=final, own=self._clean_prefix)
 
     def _window(self) -> list[int] | None:
         """The ids to decode for the text after the read offset (None: nothing new), the context first;
@@ -184,13 +203,16 @@ class IncrementalDetokenizer:
         if self._prefix_len is None:
             # After each emitted token the context is that one token: its text is looked up.
             text = self._token_texts.get(ids[0]) if offset == 1 else None
-            self._prefix_len = self._prefix_length() if text is None else len(text)
+            if text is None:
+                text = self._prefix_text()
+            self._prefix_len = len(text)
+            self._clean_prefix = self._concatenates and _REPLACEMENT_CHAR not in text
         return ids
 
-    def _new_text(self, decoded: str, *, final: bool) -> str:
-        """The new tokens' text, given the decode of :meth:`_window`'s ids; "" while it is held back."""
+    def _new_text(self, new_text: str, *, final: bool, own: bool = False) -> str:
+        """The new tokens' text (what follows the context's in the decode of :meth:`_window`'s ids) as it
+        may be emitted; "" while it is held back. ``own``: ``new_text`` is the new tokens' decode alone."""
         ids, offset = self._ids, self._read_offset
-        new_text = decoded[self._prefix_len :]
         held = len(ids) - offset
         if not final and held < _MAX_HELD_TOKENS and (not new_text or new_text.endswith(_REPLACEMENT_CHAR)):
             # Nothing visible yet, or a multi-byte character is still arriving: wait rather than emit U+FFFD.
@@ -201,17 +223,19 @@ class IncrementalDetokenizer:
             return ""
         self._ids = ids[offset:]
         self._read_offset = len(self._ids)
-        self._prefix_len = None
+        # The emitted tokens are the next context: its text is known when new_text is theirs alone.
+        self._prefix_len = len(new_text) if own else None
+        self._clean_prefix = own and _REPLACEMENT_CHAR not in new_text
         return new_text
 
-    def _prefix_length(self) -> int:
-        """len(decode(_ids[:_read_offset])); a single token's text is remembered for every detokenizer of
-        this tokenizer (a decode is a pure function of its ids)."""
+    def _prefix_text(self) -> str:
+        """decode(_ids[:_read_offset]); a single token's text is remembered for every detokenizer of this
+        tokenizer (a decode is a pure function of its ids)."""
         offset = self._read_offset
         text = self._decode(self._ids[:offset])
         if offset == 1 and len(self._token_texts) < _MAX_CACHED_TOKENS:
             self._token_texts[self._ids[0]] = text
-        return len(text)
+        return text
 
     def _commit(self, text: str, check_stop: bool = True) -> str | None:
         """Append decoded text, cut it at the earliest stop string, and return that stop string."""
@@ -235,18 +259,3 @@ class IncrementalDetokenizer:
             self._frozen.append(tail[:split])
         self._tail = tail[split:]
         return self.stop_str
-
-
-def update_each(
-    detokenizers: Sequence[IncrementalDetokenizer], token_ids: Sequence[int], check_stop: Sequence[bool]
-) -> list[str | None | Exception]:
-    """``detokenizers[i].update((token_ids[i],), check_stop=check_stop[i])`` for every i (the engine's
-    decode step: one new token per request). A detokenizer that fails gets its exception in its place in
-    the result; the others go on."""
-    results: list[str | None | Exception] = []
-    for detok, token, check in zip(detokenizers, token_ids, check_stop, strict=True):
-        try:
-            results.append(detok.update_one(token, check))
-        except Exception as exc:
-            results.append(exc)
-    return results

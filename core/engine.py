@@ -12,13 +12,14 @@ import torch
 from pegainfer.buffer_specs import TransientSpec, dtype_size
 from pegainfer.buffers import PagedBufferManager
 from pegainfer.config import EngineConfig
-from pegainfer.detokenizer import IncrementalDetokenizer, update_each
+from pegainfer.detokenizer import IncrementalDetokenizer
 from pegainfer.errors import ConfigError, RequestError
 from pegainfer.executor import Executor, LocalExecutor, ModelBatch, SequenceChunk
 from pegainfer.loader import read_generation_config
 from pegainfer.memory_plan import MemoryPlan, plan_memory
 from pegainfer.model_loader import LoadedModel, load_model
 from pegainfer.outputs import PositionLogprobs, RequestOutput
+from pegainfer.persistent_batch import PersistentDecodeBatch
 from pegainfer.request import FINISHED_STATUSES, PENDING_TOKEN, Request, RequestStatus
 from pegainfer.request_group import RequestGroup, SequenceState
 from pegainfer.sampler import DeviceSample, Sampler, compute_prompt_logprobs
@@ -121,6 +122,7 @@ class LLMEngine:
         #: Whether steps are launched ahead of the last step's tokens; may be flipped between steps.
         self.async_scheduling = self._async_scheduling(config)
         self._pending: _PendingStep | None = None
+        self._decode_batch = PersistentDecodeBatch()
         self._wait_s = 0.0
 
     @property
@@ -282,6 +284,18 @@ class LLMEngine:
     # ------------------------------------------------------------------------------------------ the step
 
     def _build_batch(self, plan: SchedulerOutput) -> ModelBatch:
+        """The step's batch: last step's moved on in the steady state of async decoding (see
+        PersistentDecodeBatch), else a chunk built for every planned request."""
+        step = self.stats["steps"]
+        if self._pending is not None:
+            batch = self._decode_batch.reuse(plan.scheduled, self._pending.sample.tokens, step)
+            if batch is not None:
+                return batch
+        batch = self._new_batch(plan)
+        self._decode_batch.remember(plan.scheduled, batch, step)
+        return batch
+
+    def _new_batch(self, plan: SchedulerOutput) -> ModelBatch:
         chunks = []
         pending = self._pending
         block_table, state_slot = self.buffers.block_table, self.buffers.state_slot
@@ -484,11 +498,11 @@ class LLMEngine:
         self._after_tokens([(seq, token, logprobs)])
 
     def _after_tokens(self, done: list[tuple[SequenceState, int, PositionLogprobs | None]]) -> None:
-        """Account each sequence's newest token: logprobs, detokenizing (all of them in one batch), stop
-        and length checks. A request that fails here is finished with an error; the others go on."""
+        """Account each sequence's newest token: logprobs, detokenizing, stop and length checks (one pass:
+        this runs for every request of every step). A request that fails here is finished with an error;
+        the others go on."""
         self.stats["generation_tokens"] += len(done)
         max_model_len = self.max_model_len
-        may_stop = []
         for seq, token, logprobs in done:
             request = seq.request
             if logprobs is not None and seq.logprobs is not None:
@@ -497,22 +511,20 @@ class LLMEngine:
                     seq.cumulative_logprob += logprobs[token].logprob
                 except Exception as exc:
                     self._fail(request, exc)
-            # Before min_tokens no stop condition applies (the sampler already bans EOS and stop ids), stop
-            # strings included, as in vLLM.
-            min_tokens = request.sampling_params.min_tokens
-            may_stop.append(
-                not min_tokens or len(request.all_token_ids) - len(request.prompt_token_ids) >= min_tokens
-            )
-        stops = update_each([seq.detokenizer for seq, _, _ in done], [t for _, t, _ in done], may_stop)
-        for (seq, token, _), stop_str, check in zip(done, stops, may_stop, strict=True):
-            request = seq.request
-            if request.status in FINISHED_STATUSES:
-                continue  # failed above
-            if isinstance(stop_str, Exception):
-                self._fail(request, stop_str)
-                continue
             params = request.sampling_params
             num_tokens = len(request.all_token_ids)
+            num_output = num_tokens - len(request.prompt_token_ids)
+            # Before min_tokens no stop condition applies (the sampler already bans EOS and stop ids), stop
+            # strings included, as in vLLM.
+            check = not params.min_tokens or num_output >= params.min_tokens
+            try:  # a failed request's text still takes its last token
+                stop_str = seq.detokenizer.update_one(token, check)
+            except Exception as exc:
+                if request.status not in FINISHED_STATUSES:
+                    self._fail(request, exc)
+                continue
+            if request.status in FINISHED_STATUSES:
+                continue  # failed above
             status = None
             if stop_str is not None:
                 status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
@@ -520,9 +532,7 @@ class LLMEngine:
                 status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
             elif check and not params.ignore_eos and token in params.eos_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
-            elif (
-                num_tokens - len(request.prompt_token_ids) >= params.max_tokens or num_tokens >= max_model_len
-            ):
+            elif num_output >= params.max_tokens or num_tokens >= max_model_len:
                 status = RequestStatus.FINISHED_LENGTH
             if status is not None:
                 try:

@@ -10,23 +10,16 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
-from operator import attrgetter
 
 import torch
 
 from pegainfer.buffers import PagedBufferManager
 from pegainfer.cuda_graphs import DecodeGraphs, graph_buckets
 from pegainfer.decode_buffers import DecodeBuffers
+from pegainfer.decode_rows import DecodeRows
 from pegainfer.errors import ExecutorError
 from pegainfer.layers.attention import AttentionMetadata, PrefillSegment
 from pegainfer.model_api import CausalLM, ForwardBatch
-
-# Field getters for the per-row lists of the decode rows (C-level, one pass each). A row's owner is the
-# request (serials are unique per process) in its preemption epoch.
-_ROW_OWNER = attrgetter("serial", "request_id", "epoch")
-_START = attrgetter("start")
-_BLOCK_TABLE = attrgetter("block_table")
-_CARRY_FROM = attrgetter("carry_from")
 
 
 @dataclass(frozen=True)
@@ -87,6 +80,9 @@ class ModelBatch:
     hidden_states: torch.Tensor | None = None
     #: The previous step's sampled tokens, on the device, for chunks with ``carry_from >= 0``.
     carried_tokens: torch.Tensor | None = None
+    #: This is the last executed batch (the same object) moved on to the next step: only its chunks'
+    #: ``start`` and ``carried_tokens`` changed, so the executor may keep what it drew from the rest.
+    moved_on: bool = False
 
 
 @dataclass
@@ -150,6 +146,8 @@ class LocalExecutor(Executor):
         self.decode = DecodeBuffers(max_num_seqs, -(-max_model_len // self.block_size), self.device)
         self.max_model_len = max_model_len
         self.graphs: DecodeGraphs | None = None
+        # The last batch run on the decode-graph path and its rows' inputs (kept while it is moved on).
+        self._graph_rows: DecodeRows | None = None
         self._launch_s = 0.0
 
     def capture_decode_graphs(self, *, eager: bool = False) -> None:
@@ -177,17 +175,17 @@ class LocalExecutor(Executor):
             return self.model.embed(torch.tensor(token_ids, dtype=torch.int64, device=self.device))
 
     def _prepare_decode_rows(
-        self, decodes: list[SequenceChunk], carried: torch.Tensor | None, pad_to: int | None = None
+        self, rows: DecodeRows, carried: torch.Tensor | None, pad_to: int | None = None
     ) -> list[int]:
-        carry = list(map(_CARRY_FROM, decodes))
+        carry = rows.carry_from
         if carried is None and carry and max(carry) >= 0:
             raise ExecutorError("a decode chunk carries its token from the last step, but the batch has none")
         return self.decode.prepare(
-            list(map(_ROW_OWNER, decodes)),
-            [c.token_ids[0] for c in decodes],
-            list(map(_START, decodes)),
-            list(map(_BLOCK_TABLE, decodes)),
-            [c.state_slot or 0 for c in decodes],
+            rows.owners,
+            rows.token_ids,
+            rows.positions(),
+            rows.block_tables,
+            rows.state_slots,
             self.block_size,
             carry_from=carry if carried is not None else None,
             carried=carried,
@@ -200,11 +198,12 @@ class LocalExecutor(Executor):
         (a graph launched while its previous replay still runs may block until that one is done)."""
         return self.decode.wait_time_s + self._launch_s
 
-    def _execute_graph(self, decodes: list[SequenceChunk], carried: torch.Tensor | None) -> ExecutorOutput:
+    def _execute_graph(self, decode_rows: DecodeRows, carried: torch.Tensor | None) -> ExecutorOutput:
+        size = len(decode_rows.chunks)
         # The graph's bucket: its padding rows go up with the batch's (see DecodeGraphs.run).
-        rows = self._prepare_decode_rows(decodes, carried, pad_to=self.graphs.bucket_for(len(decodes)))
+        rows = self._prepare_decode_rows(decode_rows, carried, pad_to=self.graphs.bucket_for(size))
         t0 = time.perf_counter()
-        logits = self.graphs.run(len(decodes))
+        logits = self.graphs.run(size)
         self._launch_s += time.perf_counter() - t0
         greedy = self.decode.sampled_rows(len(rows))
         if rows == list(range(len(rows))):  # the usual case: rows already in batch order, no gather
@@ -250,14 +249,19 @@ class LocalExecutor(Executor):
             raise ExecutorError(
                 f"{type(self.model).__name__} does not embed on the device: the batch must carry hidden_states"
             )
+        self._kept_hidden.clear()
+        graph_rows = self._graph_rows
+        if batch.moved_on and graph_rows is not None and graph_rows.batch is batch:
+            return self._execute_graph(graph_rows, batch.carried_tokens)  # the same path as last step
         decodes = [c for c in batch.chunks if len(c.token_ids) == 1]
         prefills = (
             [c for c in batch.chunks if len(c.token_ids) > 1] if len(decodes) < len(batch.chunks) else []
         )
-        self._kept_hidden.clear()
         if self.graphs is not None and not prefills and len(decodes) <= self.graphs.max_batch:
             if all(c.needs_logits and not c.all_logits and not c.keep_hidden for c in decodes):
-                return self._execute_graph(decodes, batch.carried_tokens)
+                self._graph_rows = DecodeRows.of(batch, decodes)
+                return self._execute_graph(self._graph_rows, batch.carried_tokens)
+        self._graph_rows = None
         ids, pos, slots, segments = self._prefill_inputs(prefills)
         num_prefill = len(ids)
         dev = self.device
@@ -272,7 +276,7 @@ class LocalExecutor(Executor):
         token_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)
         if decodes:
-            rows = self._prepare_decode_rows(decodes, batch.carried_tokens)
+            rows = self._prepare_decode_rows(DecodeRows.of(batch, decodes), batch.carried_tokens)
             b = len(decodes)
             for chunk, row in zip(decodes, rows, strict=True):
                 first_row[id(chunk)] = num_prefill + row

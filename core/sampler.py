@@ -118,6 +118,9 @@ class Sampler:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
         self._host_buffers = HostBuffers()
+        # The last batch's requests and what _scan found in them: a decode batch repeats step after step.
+        self._scanned: list[Request] = []
+        self._scan_result: tuple[list[int], list[int], bool] = ([], [], False)
         if device is not None:
             # An empty tensor names the device as logits will (``cuda`` becomes ``cuda:0``).
             self._generator(torch.empty(0, device=device).device)
@@ -135,17 +138,7 @@ class Sampler:
         it is, a mixed one a copy with the other rows' draws written in."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits must be [{len(requests)}, V], got {tuple(logits.shape)}")
-        # One pass over the rows (this runs every step for every request): which want logprobs, which draw
-        # at random, and whether any needs penalties or min_tokens bans.
-        lp_rows, random_rows, adjusted = [], [], False
-        for i, request in enumerate(requests):
-            p = request.sampling_params
-            if p.logprobs is not None:
-                lp_rows.append(i)
-            if not p.greedy:
-                random_rows.append(i)
-            if p.min_tokens or _needs_penalties(p):
-                adjusted = True
+        lp_rows, random_rows, adjusted = self._scan(requests)
         # Taken before anything touches the logits: logprobs describe the model, not the sampler.
         raw_logprobs = torch.log_softmax(_rows(logits, lp_rows).float(), dim=-1) if lp_rows else None
 
@@ -169,6 +162,24 @@ class Sampler:
         if raw_logprobs is not None:
             tensors.update(_logprob_tensors(raw_logprobs, _rows(chosen, lp_rows), max(ks)))
         return DeviceSample(chosen, lp_rows, ks, HostCopy(tensors, self._host_buffers))
+
+    def _scan(self, requests: list[Request]) -> tuple[list[int], list[int], bool]:
+        """The rows that want logprobs, the rows that draw at random, and whether any row needs penalties or
+        min_tokens bans: one pass over the rows, or none when the requests are the last call's (a request's
+        sampling params never change)."""
+        if requests == self._scanned:  # identity per element: Request has no __eq__
+            return self._scan_result
+        lp_rows, random_rows, adjusted = [], [], False
+        for i, request in enumerate(requests):
+            p = request.sampling_params
+            if p.logprobs is not None:
+                lp_rows.append(i)
+            if not p.greedy:
+                random_rows.append(i)
+            if p.min_tokens or _needs_penalties(p):
+                adjusted = True
+        self._scanned, self._scan_result = list(requests), (lp_rows, random_rows, adjusted)
+        return self._scan_result
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)

@@ -23,18 +23,26 @@ PROMPT_LOGPROBS_CHUNK = 256
 
 @dataclass(slots=True)
 class ScheduledRequest:
+    """One request's share of a step (made for every running request of every step: nothing computed in
+    the constructor)."""
+
     request: Request
     num_new_tokens: int  # the drafts included
-    start: int = -1  # position of the first token computed this step (set at planning time)
-    samples: bool = False  # the step reaches the request's last known token, so a new token is sampled
+    start: int  # position of the first token computed this step: the request's computed tokens
+    samples: bool  # the step reaches the request's last known token, so a new token is sampled
     #: Drafts verified this step (positions after the last known token); the last ``len`` of the tokens.
     spec_token_ids: list[int] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        if self.start < 0:
-            self.start = self.request.num_computed_tokens
-            known = self.num_new_tokens - len(self.spec_token_ids)
-            self.samples = self.start + known == self.request.num_tokens
+    @classmethod
+    def next_tokens(
+        cls, request: Request, num_new_tokens: int, spec_token_ids: list[int] | None = None
+    ) -> ScheduledRequest:
+        """The request's next ``num_new_tokens`` tokens (``spec_token_ids`` the last of them) from its
+        computed ones."""
+        spec = spec_token_ids or []
+        start = request.num_computed_tokens
+        samples = start + num_new_tokens - len(spec) == request.num_tokens
+        return cls(request, num_new_tokens, start, samples, spec)
 
 
 @dataclass
@@ -186,7 +194,7 @@ class ContinuousBatchingScheduler(Scheduler):
                 spec = self._spec_fits(request, budget)
                 request.spec_token_ids = spec  # drafts that do not fit are dropped: the row decodes normally
                 if spec:
-                    scheduled.append(ScheduledRequest(request, 1 + len(spec), spec_token_ids=spec))
+                    scheduled.append(ScheduledRequest.next_tokens(request, 1 + len(spec), spec))
                     budget -= 1 + len(spec)
                     i += 1
                     continue
@@ -233,7 +241,7 @@ class ContinuousBatchingScheduler(Scheduler):
             self._waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            output.scheduled.append(ScheduledRequest(request, n))
+            output.scheduled.append(ScheduledRequest.next_tokens(request, n))
             budget -= n
         return output
 

@@ -43,6 +43,44 @@ def _count_carried_steps(llm: LLM) -> list[int]:
     return seen
 
 
+def _check_reused_batches(llm: LLM) -> list[int]:
+    """Wrap the engine's batch building so every batch it hands the executor is compared with one built
+    afresh for the same plan (chunk for chunk, the carried tokens the same tensor); counts the steps that
+    moved last step's batch on instead of building one."""
+    engine = llm.engine
+    build = engine._build_batch
+    reused = [0]
+    last: list[object] = [None]
+
+    def checked(plan):
+        batch = build(plan)
+        fresh = engine._new_batch(plan)
+        assert batch.chunks == fresh.chunks
+        assert batch.carried_tokens is fresh.carried_tokens and batch.hidden_states is fresh.hidden_states
+        reused[0] += batch is last[0]
+        last[0] = batch
+        return batch
+
+    engine._build_batch = checked
+    return reused
+
+
+def _count_moved_on_graph_steps(llm: LLM) -> list[int]:
+    """Count the decode-graph steps the executor ran from the row inputs it kept for a moved-on batch."""
+    executor = llm.engine.executor
+    count = [0]
+    execute = executor.execute
+
+    def counting(batch):
+        kept = executor._graph_rows
+        out = execute(batch)
+        count[0] += batch.moved_on and kept is not None and executor._graph_rows is kept
+        return out
+
+    executor.execute = counting
+    return count
+
+
 def _prompts(seed: int, count: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(1, 1000) for _ in range(rng.randrange(3, 40))] for _ in range(count)]
@@ -88,8 +126,9 @@ def test_mixed_batch_outputs_identical(tiny_qwen3):
     ahead = _llm(tiny_qwen3, True, max_num_seqs=8)
     params = _mixed_params(sync, len(prompts))
     carried = _count_carried_steps(ahead)
+    reused = _check_reused_batches(ahead)
     assert _summary(_generate(ahead, prompts, params)) == _summary(_generate(sync, prompts, params))
-    assert carried[0] > 10
+    assert carried[0] > 10 and reused[0] > 0
     assert ahead.engine.buffers.usage() == 0.0 and not ahead.engine.has_unfinished_requests()
     ahead.engine.buffers.check_invariants()
 
@@ -112,8 +151,10 @@ def test_mixed_batch_on_the_graph_decode_path_identical(tiny_qwen3):
         return sample(logits, requests, greedy)
 
     ahead.engine.sampler.sample = counting
+    reused = _check_reused_batches(ahead)
+    kept = _count_moved_on_graph_steps(ahead)
     assert _summary(_generate(ahead, prompts, params)) == _summary(_generate(sync, prompts, params))
-    assert carried[0] > 10 and given[0] > 10
+    assert carried[0] > 10 and given[0] > 10 and reused[0] > 0 and kept[0] > 0
     assert ahead.engine.buffers.usage() == 0.0 and not ahead.engine.has_unfinished_requests()
 
 
@@ -129,8 +170,10 @@ def test_preemption_and_chunked_prefill_identical(tiny_qwen3, graph_path):
     ahead = _llm(tiny_qwen3, True, graph_path, **options)
     carried = _count_carried_steps(ahead)
     preempted = _count_preemptions(ahead)
+    reused = _check_reused_batches(ahead)
+    kept = _count_moved_on_graph_steps(ahead)
     assert _summary(_generate(ahead, prompts, params)) == _summary(_generate(sync, prompts, params))
-    assert carried[0] > 0 and preempted[0] > 0
+    assert carried[0] > 0 and preempted[0] > 0 and reused[0] > 0 and (kept[0] > 0) == graph_path
     ahead.engine.buffers.check_invariants()
 
 
@@ -154,7 +197,9 @@ def test_streaming_arrivals_and_aborts(tiny_qwen3, graph_path):
     the same text, the survivors are unaffected, and every page comes back."""
     results = {}
     for mode in (False, True):
-        engine = _llm(tiny_qwen3, mode, graph_path, max_num_seqs=4).engine
+        llm = _llm(tiny_qwen3, mode, graph_path, max_num_seqs=4)
+        reused = _check_reused_batches(llm)
+        engine = llm.engine
         prompts = _prompts(4, 8)
         params = SamplingParams(
             temperature=0, max_tokens=15, ignore_eos=True, output_kind=RequestOutputKind.DELTA
@@ -176,6 +221,7 @@ def test_streaming_arrivals_and_aborts(tiny_qwen3, graph_path):
                 break
         assert engine.buffers.usage() == 0.0
         engine.buffers.check_invariants()
+        assert (reused[0] > 0) == mode
         results[mode] = {
             rid: ([t for ids, _ in chunks for t in ids], "".join(text for _, text in chunks))
             for rid, chunks in texts.items()

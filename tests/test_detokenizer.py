@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from pegainfer.detokenizer import IncrementalDetokenizer, update_each
+from pegainfer.detokenizer import IncrementalDetokenizer
 from pegainfer.testing.tiny_tokenizer import write_tiny_tokenizer
 from pegainfer.tokenizer import Tokenizer
 
@@ -234,9 +234,9 @@ def test_include_stop_str_streams_without_holding_back(tok: Tokenizer) -> None:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_update_each_equals_one_update_per_detokenizer(tok: Tokenizer, seed: int) -> None:
-    """The engine's batched step (one batch decode for every request) gives each detokenizer the text,
-    deltas and stop strings its own update would: mixed flags, stop strings, invalid bytes, min_tokens."""
+def test_one_token_steps_equal_update_with_mixed_options(tok: Tokenizer, seed: int) -> None:
+    """The engine's step (update_one for every request) gives each detokenizer the text, deltas and stop
+    strings its general update would: mixed flags, stop strings, invalid bytes, min_tokens."""
     rng = random.Random(seed)
     streams, pairs = [], []
     for i in range(8):
@@ -256,26 +256,14 @@ def test_update_each_equals_one_update_per_detokenizer(tok: Tokenizer, seed: int
     for step in range(max(map(len, streams))):
         live = [i for i, ids in enumerate(streams) if step < len(ids) and pairs[i][0].stop_str is None]
         check = [step >= 2 or i % 2 == 0 for i in live]  # some requests still below min_tokens
-        got = update_each([pairs[i][0] for i in live], [streams[i][step] for i in live], check)
-        for i, c, stop in zip(live, check, got, strict=True):
-            batched, single = pairs[i]
+        for i, c in zip(live, check, strict=True):
+            one, single = pairs[i]
+            stop = one.update_one(streams[i][step], c)
             assert stop == single.update((streams[i][step],), check_stop=c)
-            assert batched.get_delta(finished=False) == single.get_delta(finished=False)
-    for batched, single in pairs:
-        assert batched.get_delta(finished=True) == single.get_delta(finished=True)
-        assert batched.output_text == single.output_text and batched.stop_str == single.stop_str
-
-
-def test_update_each_isolates_a_failing_detokenizer(tok: Tokenizer) -> None:
-    """A detokenizer that raises (updated after its stop string) gets its exception in its place; the
-    others in the same batch still get their text."""
-    stopped = IncrementalDetokenizer(tok, [], stop=["cat"])
-    assert stopped.update(tok.encode("the cat")) == "cat"
-    fine = [IncrementalDetokenizer(tok, []) for _ in range(2)]
-    ids = tok.encode(" sat")
-    got = update_each([fine[0], stopped, fine[1]], [ids[0]] * 3, [True] * 3)
-    assert got[0] is None and got[2] is None and isinstance(got[1], RuntimeError)
-    assert [d.get_delta(finished=True) for d in fine] == [tok.decode(ids[:1])] * 2
+            assert one.get_delta(finished=False) == single.get_delta(finished=False)
+    for one, single in pairs:
+        assert one.get_delta(finished=True) == single.get_delta(finished=True)
+        assert one.output_text == single.output_text and one.stop_str == single.stop_str
 
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
@@ -313,3 +301,60 @@ def test_whole_character_tokens_are_looked_up_not_decoded(tok: Tokenizer) -> Non
         detok.update_one(token)
     assert set(widths) <= {1} and len(widths) <= len(set(ids[1:]))
     assert detok.output_text == tok.decode(ids)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+@pytest.mark.parametrize("seed", range(12))
+def test_byte_level_steps_equal_window_decodes(tok: Tokenizer, seed: int, skip_special_tokens: bool) -> None:
+    """A byte-level tokenizer's update_one takes a token's text as its own after whole characters and at
+    a whole-character token (no window decode): over streams dense in stray and partial bytes, special
+    tokens and stop strings, it gives the deltas, stops and text of the window decodes of the general
+    path (a tokenizer that does not claim to concatenate)."""
+    rng = random.Random(200 + seed)
+    broken = [i for i in range(256) if "\ufffd" in tok.decode([i])]
+    ids = []
+    while len(ids) < 120:
+        pick = rng.random()
+        if pick < 0.4:  # runs long enough to be flushed as invalid, or to complete a character
+            ids.extend(rng.choice(broken) for _ in range(rng.randint(1, 12)))
+        elif pick < 0.8:
+            ids.extend(tok.encode(_random_text(rng, 1)))
+        else:
+            ids.append(rng.randrange(tok.vocab_size))
+    options = {
+        "skip_special_tokens": skip_special_tokens,
+        "stop": ["€", "never"] if seed % 3 == 0 else (),
+        "include_stop_str_in_output": seed % 2 == 0,
+    }
+    prompt = tok.encode(PROMPT)
+    fast = IncrementalDetokenizer(tok, prompt, **options)
+    windows = IncrementalDetokenizer(CountingTokenizer(tok, []), prompt, **options)
+    for token in ids:
+        stop = fast.update_one(token)
+        assert stop == windows.update_one(token)
+        assert fast.get_delta(finished=False) == windows.get_delta(finished=False)
+        if stop is not None:
+            break
+    assert fast.get_delta(finished=True) == windows.get_delta(finished=True)
+    assert fast.output_text == windows.output_text
+
+
+def test_whole_character_token_after_stray_bytes_is_looked_up(tok: Tokenizer) -> None:
+    """After held or flushed partial characters, a token that is whole characters on its own needs no
+    decode of the window before it: its text is looked up (the window restarts at it)."""
+    widths: list[int] = []
+    counting = CountingTokenizer(tok, widths, concatenates=True)
+    broken = [i for i in range(256) if tok.decode([i]) == "\ufffd"]
+    words = tok.encode(" the cat sat")
+    IncrementalDetokenizer(counting, []).update([*words, *broken[:3]])  # every single-token text cached
+    detok = IncrementalDetokenizer(counting, [])
+    for token in [*words, broken[0], *words, broken[1], broken[2], *words]:
+        detok.update_one(token)
+    widths.clear()
+    detok.update_one(broken[0])  # held after a whole-character token: looked up
+    detok.update_one(words[0])  # closes the held byte: one decode of the two new tokens
+    detok.update_one(words[1])  # whole characters after an invalid byte: looked up
+    assert widths == [2]
+    detok.finish()
+    expected = [*words, broken[0], *words, broken[1], broken[2], *words, broken[0], *words[:2]]
+    assert detok.output_text == tok.decode(expected)

@@ -142,6 +142,49 @@ def test_abort_frees_pages_at_once(llm):
     engine.buffers.check_invariants()
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_failing_detokenizer_ends_only_its_request(tiny_qwen3, async_scheduling):
+    """A request whose detokenizing raises ends with an error (its text up to then kept); the requests
+    decoding beside it go on to their own end, with the text they have alone."""
+    llm = LLM(
+        str(tiny_qwen3),
+        dtype="float32",
+        device="cpu",
+        cpu_kv_cache_bytes=8 << 20,
+        max_model_len=256,
+        async_scheduling=async_scheduling,
+    )
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = _one(llm, params).outputs[0]
+    for rid in ("a", "b", "c"):
+        engine.add_request(rid, None, params, prompt_token_ids=PROMPT)
+    for _ in range(4):
+        engine.step()
+    detok = engine._sequences["b"].detokenizer
+    update_one = detok.update_one
+    calls = []
+
+    def broken(token, check_stop=True):
+        calls.append(token)
+        if len(calls) == 2:
+            raise RuntimeError("broken detokenizer")
+        return update_one(token, check_stop)
+
+    detok.update_one = broken
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step())
+    failed = outputs["b"].outputs[0]
+    assert failed.finish_reason == "error" and len(calls) == 2
+    assert failed.text == llm.get_tokenizer().decode(failed.token_ids[: len(failed.token_ids) - 1])
+    for rid in ("a", "c"):
+        out = outputs[rid].outputs[0]
+        assert (out.token_ids, out.text, out.finish_reason) == (alone.token_ids, alone.text, "length")
+    engine.buffers.check_invariants()
+    assert engine.buffers.usage() == 0
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "param"),
     [

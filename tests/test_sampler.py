@@ -404,3 +404,31 @@ def test_pinned_buffers_are_reused_only_after_their_result_is_read() -> None:
     c = HostCopy({"chosen": torch.tensor([5, 6], device="cuda")}, buffers)
     assert c.host["chosen"].data_ptr() == pinned
     assert b.wait()["chosen"].tolist() == [3, 4] and c.wait()["chosen"].tolist() == [5, 6]
+
+
+def test_a_repeated_batch_is_sampled_as_a_fresh_one() -> None:
+    """The sampler reuses its scan of the rows when a call's requests are the last call's; any other
+    batch (other requests, other order, the caller's list changed in place) is scanned anew: every call
+    gives what a fresh sampler gives."""
+    greedy = make_request("g", temperature=0)
+    lp = make_request("l", temperature=0, logprobs=2)
+    drawn = make_request("d", temperature=1.0, seed=7)
+    banned = make_request("b", temperature=0, min_tokens=3, stop_token_ids=[0])
+    logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    reused = Sampler(seed=1)
+    requests = [greedy, lp, drawn]
+    batches = [requests, requests, [drawn, lp, greedy], [greedy, lp, banned], [greedy, lp, banned]]
+    for batch in batches:
+        for r in (drawn, *batch):  # equal draws: the seeded row's generator starts over each call
+            r.generator = None
+        got = reused.sample(logits, batch).result()
+        for r in batch:
+            r.generator = None
+        want = Sampler(seed=1).sample(logits, batch).result()
+        assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
+    reused.sample(logits, requests).result()
+    requests[2] = banned  # the same list object, now other requests
+    logits[2, 0] = 10.0  # the banned id would win
+    got = reused.sample(logits, requests).result()
+    assert got.token_ids[2] != 0  # the ban is applied: the scan was redone
+    assert got.token_ids == Sampler(seed=1).sample(logits, requests).result().token_ids
