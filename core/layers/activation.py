@@ -9,8 +9,10 @@ import torch.nn.functional as F
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of a packed ``[..., 2I]`` gate|up projection whose columns alternate gate 0,
     up 0, gate 1, ... (so a decode GEMM tile holds whole pairs and applies it in its epilogue)."""
-    gate, up = gate_up.unflatten(-1, (-1, 2)).unbind(-1)
-    return F.silu(gate) * up
+    # silu over the whole contiguous row, then the gate columns picked: twice the silu work but on the CPU
+    # 2x faster than silu over the stride-2 gate view, and rounded as transformers' silu of a
+    # contiguous gate_proj output (the strided form differs by an ulp).
+    return F.silu(gate_up)[..., 0::2] * gate_up[..., 1::2]
 
 
 def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
