@@ -16,16 +16,19 @@ _PROMPT_CONTEXT_TOKENS = 5
 _MAX_HELD_TOKENS = 8
 # Bound of each tokenizer's cache of single-token texts (a vocabulary's worth).
 _MAX_CACHED_TOKENS = 1 << 18
-_TOKEN_TEXTS: weakref.WeakKeyDictionary[object, dict[bool, dict[int, str]]] = weakref.WeakKeyDictionary()
+_TOKEN_TEXTS: weakref.WeakKeyDictionary[object, dict[tuple[bool, bool], dict[int, str]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def _token_texts(tokenizer: Tokenizer, skip_special_tokens: bool) -> dict[int, str]:
-    """The shared cache of ``tokenizer.decode([id], skip_special_tokens)`` by id."""
+def _token_texts(tokenizer: Tokenizer, skip_special_tokens: bool, complete: bool = False) -> dict[int, str]:
+    """The shared cache of ``tokenizer.decode([id], skip_special_tokens)`` by id; with ``complete``, the
+    one of the texts that are whole characters (see ``IncrementalDetokenizer._complete_text``)."""
     try:
-        per_flag = _TOKEN_TEXTS.setdefault(tokenizer, {})
+        per_kind = _TOKEN_TEXTS.setdefault(tokenizer, {})
     except TypeError:  # not weakly referenceable: a private cache
-        per_flag = {}
-    return per_flag.setdefault(skip_special_tokens, {})
+        per_kind = {}
+    return per_kind.setdefault((skip_special_tokens, complete), {})
 
 
 class IncrementalDetokenizer:
@@ -50,6 +53,9 @@ class IncrementalDetokenizer:
         self._skip_special_tokens = skip_special_tokens
         # Texts of single tokens, shared by every detokenizer of this tokenizer (see _prefix_length).
         self._token_texts = _token_texts(tokenizer, skip_special_tokens)
+        # The same for the tokens whose text is whole characters and that decode does not drop: what
+        # update_one's common case looks up (byte-level decoders only; empty otherwise).
+        self._complete_texts = _token_texts(tokenizer, skip_special_tokens, complete=True)
         # Byte-level decoders concatenate: after a token whose text is complete characters, a token whose
         # text alone is complete characters adds exactly that text, so update_one looks it up instead of
         # decoding (the common case of a generated token).
@@ -105,6 +111,15 @@ class IncrementalDetokenizer:
     def update_one(self, token_id: int, check_stop: bool = True) -> str | None:
         """``update((token_id,), check_stop=check_stop)``, without the generality (every decode step
         calls it for every request)."""
+        text = self._complete_texts.get(token_id)
+        if text is not None and len(self._ids) == self._read_offset and self.stop_str is None:
+            # The common case (see below), first and inline: a whole-character token after whole characters.
+            self._ids, self._read_offset = [token_id], 1
+            self._prefix_len, self._clean_prefix = len(text), True
+            if self._stop:
+                return self._commit(text, check_stop)
+            self._frozen.append(text)
+            return None
         if self.stop_str is not None:
             raise self._finished_error()
         if token_id in self._dropped_ids:
@@ -143,7 +158,11 @@ class IncrementalDetokenizer:
     def _complete_text(self, token_id: int) -> str | None:
         """The token's text when it is whole characters on its own (not empty, no U+FFFD), else None."""
         text = self._token_text(token_id)
-        return text if text and _REPLACEMENT_CHAR not in text else None
+        if not text or _REPLACEMENT_CHAR in text:
+            return None
+        if token_id not in self._dropped_ids and len(self._complete_texts) < _MAX_CACHED_TOKENS:
+            self._complete_texts[token_id] = text
+        return text
 
     def _add(self, new_token_ids: Sequence[int]) -> None:
         if self.stop_str is not None:

@@ -221,7 +221,14 @@ class LLMEngine:
         for i in range(params.n):
             child_params = params if params.seed is None else params.clone(seed=params.seed + i)
             child_id = child_ids[i]
-            request = Request(child_id, prompt_token_ids, child_params, arrival_time=arrival, prompt=prompt)
+            request = Request(
+                child_id,
+                prompt_token_ids,
+                child_params,
+                arrival_time=arrival,
+                prompt=prompt,
+                max_model_len=self.max_model_len,
+            )
             seq = SequenceState(
                 request,
                 i,
@@ -418,14 +425,12 @@ class LLMEngine:
         preempt, and no pending request is sure to end with its pending token (it would be planned again)."""
         if not self.scheduler.can_schedule_ahead():
             return False
-        max_model_len = self.max_model_len
         for item in self._pending.items:
             request = item.request
-            num_tokens = len(request.all_token_ids)
             if (
-                num_tokens - len(request.prompt_token_ids) >= request.sampling_params.max_tokens
-                or num_tokens >= max_model_len
-            ) and request.status not in FINISHED_STATUSES:
+                len(request.all_token_ids) >= request.max_num_tokens
+                and request.status not in FINISHED_STATUSES
+            ):
                 return False
         return True
 
@@ -502,7 +507,6 @@ class LLMEngine:
         this runs for every request of every step). A request that fails here is finished with an error;
         the others go on."""
         self.stats["generation_tokens"] += len(done)
-        max_model_len = self.max_model_len
         for seq, token, logprobs in done:
             request = seq.request
             if logprobs is not None and seq.logprobs is not None:
@@ -511,12 +515,10 @@ class LLMEngine:
                     seq.cumulative_logprob += logprobs[token].logprob
                 except Exception as exc:
                     self._fail(request, exc)
-            params = request.sampling_params
             num_tokens = len(request.all_token_ids)
-            num_output = num_tokens - len(request.prompt_token_ids)
             # Before min_tokens no stop condition applies (the sampler already bans EOS and stop ids), stop
             # strings included, as in vLLM.
-            check = not params.min_tokens or num_output >= params.min_tokens
+            check = num_tokens >= request.min_num_tokens
             try:  # a failed request's text still takes its last token
                 stop_str = seq.detokenizer.update_one(token, check)
             except Exception as exc:
@@ -528,11 +530,11 @@ class LLMEngine:
             status = None
             if stop_str is not None:
                 status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
-            elif check and token in params.stop_token_ids:
-                status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
-            elif check and not params.ignore_eos and token in params.eos_token_ids:
+            elif check and token in request.stop_ids:
                 status = RequestStatus.FINISHED_STOPPED
-            elif num_output >= params.max_tokens or num_tokens >= max_model_len:
+                if token in request.sampling_params.stop_token_ids:  # EOS leaves no stop reason
+                    request.stop_reason = token
+            elif num_tokens >= request.max_num_tokens:
                 status = RequestStatus.FINISHED_LENGTH
             if status is not None:
                 try:

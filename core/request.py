@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import sys
 import time
 
 import torch
@@ -56,6 +57,7 @@ class Request:
         *,
         arrival_time: float | None = None,
         prompt: str | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         self.request_id = request_id
         # Unique for the process: a reused request id never aliases an earlier request's device state.
@@ -68,6 +70,18 @@ class Request:
         # prompt + output in one list, appended in place, so nothing per step is O(length).
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # The stop conditions in the form the engine checks for every token (prompt + output counts):
+        # a request ends by length at ``max_num_tokens`` (max_tokens, or the model's context); before
+        # ``min_num_tokens`` no stop condition applies; ``stop_ids`` stop it (its stop_token_ids, and EOS
+        # unless ignore_eos).
+        limits = [len(self.all_token_ids) + sampling_params.max_tokens] if sampling_params.max_tokens else []
+        if max_model_len is not None:
+            limits.append(max_model_len)
+        self.max_num_tokens = min(limits, default=sys.maxsize)
+        self.min_num_tokens = len(self.all_token_ids) + sampling_params.min_tokens
+        self.stop_ids = frozenset(sampling_params.stop_token_ids or ()) | frozenset(
+            () if sampling_params.ignore_eos else sampling_params.eos_token_ids
+        )
         # Speculative decoding: draft tokens for the positions after the last one, verified next step
         # (never part of ``all_token_ids``), and this request's draft/accept counts for its metrics.
         self.spec_token_ids: list[int] = []

@@ -358,3 +358,17 @@ def test_whole_character_token_after_stray_bytes_is_looked_up(tok: Tokenizer) ->
     detok.finish()
     expected = [*words, broken[0], *words, broken[1], broken[2], *words, broken[0], *words[:2]]
     assert detok.output_text == tok.decode(expected)
+
+
+def test_skipped_special_token_stays_dropped_after_a_keeping_detokenizer(tok: Tokenizer) -> None:
+    """The shared cache of whole-character texts is kept per skip_special_tokens: a special token that one
+    detokenizer keeps (and so caches) is still dropped by one that skips special tokens."""
+    special = next(iter(tok.all_special_ids))
+    word = tok.encode(" cat")[0]
+    keeping = IncrementalDetokenizer(tok, [], skip_special_tokens=False)
+    skipping = IncrementalDetokenizer(tok, [], skip_special_tokens=True)
+    for detok in (keeping, skipping, keeping, skipping):
+        detok.update_one(word)
+        detok.update_one(special)
+    assert keeping.output_text == tok.decode([word, special] * 2, skip_special_tokens=False)
+    assert skipping.output_text == tok.decode([word, special] * 2, skip_special_tokens=True) == " cat cat"

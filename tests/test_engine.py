@@ -68,8 +68,14 @@ def test_eos_from_generation_config_stops(tiny_qwen3):
     llm.get_tokenizer().add_eos_token_ids([ref[2]])
     out = _one(llm, SamplingParams(temperature=0, max_tokens=20)).outputs[0]
     assert out.token_ids[-1] == ref[2] and out.finish_reason == "stop"
+    assert out.stop_reason is None  # EOS names no stop reason
     ignored = _one(llm, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)).outputs[0]
     assert ignored.token_ids == ref
+    # An EOS id that is also a stop token id stops (ignore_eos or not) and is the stop reason.
+    for ignore_eos in (False, True):
+        params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=ignore_eos, stop_token_ids=[ref[2]])
+        both = _one(llm, params).outputs[0]
+        assert both.token_ids[-1] == ref[2] and both.stop_reason == ref[2]
 
 
 def test_n_sequences_with_seed_are_distinct_and_reproducible(llm):

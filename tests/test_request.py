@@ -1,0 +1,29 @@
+"""Request: the stop conditions it derives from its sampling params, in the form the engine checks."""
+
+from __future__ import annotations
+
+import sys
+
+from pegainfer.request import Request
+from pegainfer.sampling_params import SamplingParams
+
+
+def test_length_limit_is_max_tokens_or_the_model_context() -> None:
+    prompt = [5, 6, 7]
+    assert Request("a", prompt, SamplingParams(max_tokens=4)).max_num_tokens == 7
+    assert Request("a", prompt, SamplingParams(max_tokens=4), max_model_len=6).max_num_tokens == 6
+    assert Request("a", prompt, SamplingParams(max_tokens=None), max_model_len=9).max_num_tokens == 9
+    assert Request("a", prompt, SamplingParams(max_tokens=None)).max_num_tokens == sys.maxsize
+
+
+def test_min_tokens_and_stop_ids() -> None:
+    prompt = [5, 6, 7]
+    params = SamplingParams(min_tokens=2, stop_token_ids=[9], eos_token_ids=(1, 2))
+    request = Request("a", prompt, params)
+    assert request.min_num_tokens == 5
+    assert request.stop_ids == {1, 2, 9}
+    ignoring = Request(
+        "b", prompt, SamplingParams(stop_token_ids=[9, 1], ignore_eos=True, eos_token_ids=(1, 2))
+    )
+    assert ignoring.min_num_tokens == 3
+    assert ignoring.stop_ids == {1, 9}  # a stop token id stops even when it is an EOS id too
