@@ -77,6 +77,10 @@ class DecodeBuffers:
         self._sampled_views: dict[int, torch.Tensor] = {}
         self._own_index = np.arange(max_num_seqs, 2 * max_num_seqs, dtype=np.int64)  # row r: its staged token
         self._padded = (0, 0)  # the last prepare's batch and the rows it uploaded (padding included)
+        # The last prepare's owners (the caller's list itself) and whether a row carried its token: what
+        # ``same_rows`` checks and keeps.
+        self._last_request_ids: Sequence[Hashable] | None = None
+        self._carries = False
         #: Block-table entries written since start; tests use it to prove unchanged rows are left alone.
         self.block_entries_written = 0
         #: Seconds spent waiting for the previous upload (host-time accounting in the benchmarks).
@@ -115,6 +119,7 @@ class DecodeBuffers:
         carry_from: Sequence[int] | None = None,
         carried: torch.Tensor | None = None,
         pad_to: int | None = None,
+        same_rows: bool = False,
     ) -> list[int]:
         """Write one decode row per request; returns each request's row (the batch is rows ``[0, B)``).
 
@@ -122,11 +127,18 @@ class DecodeBuffers:
         request whose ``carry_from`` is ``i >= 0`` takes ``carried[i]`` (a device tensor of the previous
         step's sampled tokens) as its token instead of ``token_ids``' entry, once :meth:`gather_inputs`
         has run. With ``pad_to`` the rows up to it are uploaded as copies of row 0 already (``pad_rows``
-        then has only the block tables left)."""
+        then has only the block tables left).
+
+        ``same_rows``: the caller passes the last call's ``request_ids`` list again, with the same tokens,
+        state slots, carry indices and ``pad_to``; only the positions moved on and the block tables may
+        have grown. The staging then keeps the rest, and only positions, slots and lengths are written."""
         if self._upload_done is not None:
             t0 = time.perf_counter()
             self._upload_done.synchronize()  # the last step's upload has left the staging buffers
             self.wait_time_s += time.perf_counter() - t0
+        if same_rows and request_ids is self._last_request_ids and self._padded[0] == len(request_ids):
+            return self._move_on(positions, block_tables, block_size, carried)
+        self._last_request_ids = None  # until this call has written every row
         batch = len(request_ids)
         staged = self._staged
         if request_ids == self._last_keys:  # the same requests as last step, in the same order: same rows
@@ -164,17 +176,14 @@ class DecodeBuffers:
             # staging goes up whole, and a replay of more rows than a step wrote embeds whatever it holds).
             np.copyto(values[0], 0, where=carries)
             np.copyto(index, own, where=~carries)
-            if carries.any():
+            self._carries = bool(carries.any())
+            if self._carries:
                 self._hold_sampled(carried)
         else:
             values[4] = own
+            self._carries = False
         pos = values[1]
-        page_index = pos // block_size
-        if (page_index >= have).any():
-            raise IndexError("a decode position lies past its request's block table")
-        slots = values[2]
-        slots -= page_index * block_size  # the offset in the page ...
-        slots += self._tables[rows_np, page_index] * np.int64(block_size)  # ... plus the page's first slot
+        values[2] = self._slots(rows_np, pos, have, block_size)
         staged[:5, at] = values
         lens = self._lens
         lens[at] = pos + 1
@@ -183,10 +192,46 @@ class DecodeBuffers:
             staged[:, batch:size] = staged[:, :1]
             lens[batch:size] = lens[0]
         self._padded = (batch, size)
+        self._last_request_ids = request_ids
+        self._upload_rows()
+        return rows
+
+    def _move_on(
+        self,
+        positions: Sequence[int],
+        block_tables: Sequence[list[int]],
+        block_size: int,
+        carried: torch.Tensor | None,
+    ) -> list[int]:
+        """``prepare`` of the last call's rows at new positions (see ``same_rows``)."""
+        rows, rows_np, at = self._last_rows, self._last_rows_np, self._last_at
+        have = self._write_tables(rows, rows_np, block_tables)
+        if self._carries:
+            self._hold_sampled(carried)
+        pos = np.array(positions, dtype=np.int64)
+        staged = self._staged
+        staged[1, at] = pos
+        staged[2, at] = self._slots(rows_np, pos, have, block_size)
+        lens = self._lens
+        lens[at] = pos + 1
+        batch, size = self._padded
+        if size > batch:
+            staged[1:3, batch:size] = staged[1:3, :1]
+            lens[batch:size] = lens[0]
+        self._upload_rows()
+        return rows
+
+    def _slots(self, rows_np: np.ndarray, pos: np.ndarray, have: np.ndarray, block_size: int) -> np.ndarray:
+        """Each row's cache slot for its position: the page's first slot plus the offset in the page."""
+        page_index = pos // block_size
+        if (page_index >= have).any():
+            raise IndexError("a decode position lies past its request's block table")
+        return self._tables[rows_np, page_index] * np.int64(block_size) + (pos - page_index * block_size)
+
+    def _upload_rows(self) -> None:
         self._upload.copy_(self._upload_staging, non_blocking=self._non_blocking)
         if self._upload_done is not None:
             self._upload_done.record()
-        return rows
 
     def _hold_sampled(self, carried: torch.Tensor) -> None:
         """Make ``sampled`` hold the last step's tokens ``carried`` (nothing to do when they are the decode

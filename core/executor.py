@@ -175,7 +175,11 @@ class LocalExecutor(Executor):
             return self.model.embed(torch.tensor(token_ids, dtype=torch.int64, device=self.device))
 
     def _prepare_decode_rows(
-        self, rows: DecodeRows, carried: torch.Tensor | None, pad_to: int | None = None
+        self,
+        rows: DecodeRows,
+        carried: torch.Tensor | None,
+        pad_to: int | None = None,
+        moved_on: bool = False,
     ) -> list[int]:
         carry = rows.carry_from
         if carried is None and carry and max(carry) >= 0:
@@ -190,6 +194,7 @@ class LocalExecutor(Executor):
             carry_from=carry if carried is not None else None,
             carried=carried,
             pad_to=pad_to,
+            same_rows=moved_on,
         )
 
     @property
@@ -198,10 +203,15 @@ class LocalExecutor(Executor):
         (a graph launched while its previous replay still runs may block until that one is done)."""
         return self.decode.wait_time_s + self._launch_s
 
-    def _execute_graph(self, decode_rows: DecodeRows, carried: torch.Tensor | None) -> ExecutorOutput:
+    def _execute_graph(
+        self, decode_rows: DecodeRows, carried: torch.Tensor | None, moved_on: bool = False
+    ) -> ExecutorOutput:
         size = len(decode_rows.chunks)
-        # The graph's bucket: its padding rows go up with the batch's (see DecodeGraphs.run).
-        rows = self._prepare_decode_rows(decode_rows, carried, pad_to=self.graphs.bucket_for(size))
+        # The graph's bucket: its padding rows go up with the batch's (see DecodeGraphs.run). A batch moved on
+        # changed only its positions since its rows were last prepared.
+        rows = self._prepare_decode_rows(
+            decode_rows, carried, pad_to=self.graphs.bucket_for(size), moved_on=moved_on
+        )
         t0 = time.perf_counter()
         logits = self.graphs.run(size)
         self._launch_s += time.perf_counter() - t0
@@ -252,7 +262,7 @@ class LocalExecutor(Executor):
         self._kept_hidden.clear()
         graph_rows = self._graph_rows
         if batch.moved_on and graph_rows is not None and graph_rows.batch is batch:
-            return self._execute_graph(graph_rows, batch.carried_tokens)  # the same path as last step
+            return self._execute_graph(graph_rows, batch.carried_tokens, moved_on=True)  # as last step
         decodes = [c for c in batch.chunks if len(c.token_ids) == 1]
         prefills = (
             [c for c in batch.chunks if len(c.token_ids) > 1] if len(decodes) < len(batch.chunks) else []

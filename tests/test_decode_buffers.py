@@ -376,6 +376,49 @@ def test_pad_rows_replicate_row_zero(in_upload: bool) -> None:
     assert_rows(buf, [*reqs, d], rows)
 
 
+@pytest.mark.parametrize("carry", [False, True])
+@pytest.mark.parametrize("pad_to", [None, 8])
+def test_same_rows_moved_on_equal_a_full_prepare(carry: bool, pad_to: int | None) -> None:
+    """``same_rows`` (the last call's owners list, only positions and tables moved on) uploads exactly what
+    a full prepare of the same inputs does, over steps that cross pages and a row order out of batch order;
+    a call with other owners in between makes the next one a full prepare again."""
+    fast, full = make(max_num_seqs=8, max_blocks=16), make(max_num_seqs=8, max_blocks=16)
+    reqs = [Fake(k, [10 * i], 1 + i) for i, k in enumerate("abc")]
+    prepare(fast, [reqs[2], reqs[0]])  # rows so that the next batch is placed out of order
+    prepare(full, [reqs[2], reqs[0]])
+    keys = [r.key for r in reqs]
+    tokens = [-1] * 3 if carry else [r.token for r in reqs]
+    carried = torch.tensor([70, 80, 90]) if carry else None
+    carry_from = [2, 0, 1] if carry else None
+    page = 100
+    for step in range(3 * BS):
+        if step == BS:  # another batch in between: its rows' staging is not the moved-on batch's
+            for buf in (fast, full):
+                prepare(buf, reqs[:1])
+        rows = [
+            buf.prepare(
+                keys,
+                tokens,
+                [r.pos for r in reqs],
+                [r.pages for r in reqs],
+                [5, 6, 7],
+                BS,
+                carry_from=carry_from,
+                carried=carried,
+                pad_to=pad_to,
+                same_rows=same,
+            )
+            for buf, same in ((fast, step > 0), (full, False))
+        ]
+        assert rows[0] == rows[1] and (rows[0] != [0, 1, 2] or step >= BS)
+        assert torch.equal(fast._device, full._device)
+        assert torch.equal(fast.block_tables, full.block_tables)
+        assert fast.gather_inputs(pad_to or 3).tolist() == full.gather_inputs(pad_to or 3).tolist()
+        for r in reqs:
+            page += 1
+            r.advance(page)
+
+
 # -------------------------------------------------------------------------------- property test
 
 
