@@ -6,6 +6,7 @@ device tensors (KV pages, state pools) are allocated once from the memory plan a
 
 from __future__ import annotations
 
+import sys
 from abc import ABC, abstractmethod
 
 import torch
@@ -102,6 +103,9 @@ class PagedBufferManager(BufferManager):
         self.device = torch.device(device)
         self.pool = BlockPool(plan.num_blocks)
         self._tables: dict[str, list[int]] = {}
+        # Tokens each request's pages cover (all of them without paged layers) once it holds its pages and
+        # its slot: allocate_slots' common case is one lookup.
+        self._capacity: dict[str, int] = {}
         self._slots: dict[str, int] = {}
         self._free_slots: list[int] = list(range(plan.num_state_slots - 1, -1, -1))
         self._has_state = plan.num_state_slots > 0
@@ -137,15 +141,7 @@ class PagedBufferManager(BufferManager):
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         rid = request.request_id
-        table = self._tables.get(rid)
-        if (
-            table is not None
-            and (
-                not self._paged
-                or request.num_computed_tokens + num_new_tokens <= len(table) * self.block_size
-            )
-            and (not self._has_state or rid in self._slots)
-        ):
+        if request.num_computed_tokens + num_new_tokens <= self._capacity.get(rid, -1):
             return True  # the common decode step: the last page still has room (no page needed)
         need = self._pages_needed(request, num_new_tokens)
         if self._has_state and rid not in self._slots and not self._free_slots:
@@ -160,10 +156,12 @@ class PagedBufferManager(BufferManager):
             for pools in self.states.values():
                 for tensor in pools.values():
                     tensor[slot].zero_()
+        self._capacity[rid] = len(self._tables[rid]) * self.block_size if self._paged else sys.maxsize
         return True
 
     def free(self, request: Request) -> None:
         rid = request.request_id
+        self._capacity.pop(rid, None)
         pages = self._tables.pop(rid, None)
         if pages:
             self.pool.free(pages)
@@ -197,6 +195,10 @@ class PagedBufferManager(BufferManager):
         assert len(free) == len(set(free)), "a page is on the free list twice"
         assert all(0 <= p < self.pool.num_blocks for p in owned + free), "a page id is out of range"
         assert len(owned) + len(free) == self.pool.num_blocks, "pages were lost"
+        for rid, capacity in self._capacity.items():
+            assert capacity == (len(self._tables[rid]) * self.block_size if self._paged else sys.maxsize), (
+                "a request's recorded capacity is not its pages'"
+            )
         slots = list(self._slots.values())
         assert len(self._free_slots) == len(set(self._free_slots)), "a state slot is on the free list twice"
         assert all(0 <= s < self.plan.num_state_slots for s in slots + self._free_slots), (

@@ -190,6 +190,17 @@ class ContinuousBatchingScheduler(Scheduler):
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
+            computed = request.num_computed_tokens
+            if (
+                len(request.all_token_ids) - computed == 1
+                and not request.spec_token_ids
+                and allocate_slots(request, 1)
+            ):
+                # The steady state first: a decoding request computes its one last token and samples the next.
+                scheduled.append(ScheduledRequest(request, 1, computed, True))
+                budget -= 1
+                i += 1
+                continue
             if request.spec_token_ids:
                 spec = self._spec_fits(request, budget)
                 request.spec_token_ids = spec  # drafts that do not fit are dropped: the row decodes normally
@@ -198,7 +209,6 @@ class ContinuousBatchingScheduler(Scheduler):
                     budget -= 1 + len(spec)
                     i += 1
                     continue
-            computed = request.num_computed_tokens
             # A decoding request computes its one last token (what _chunk gives it, whatever the limits).
             n = 1 if len(request.all_token_ids) - computed == 1 else self._chunk(request, budget)
             if n <= 0:

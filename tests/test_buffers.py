@@ -92,6 +92,27 @@ def test_allocate_slots_grows_table_append_only() -> None:
     mgr.check_invariants()
 
 
+def test_allocate_slots_takes_pages_exactly_when_the_held_ones_are_full() -> None:
+    """One token at a time, a page is taken exactly at each page boundary; a freed (preempted) request
+    starts again from no pages and no slot."""
+    mgr = make_manager(num_blocks=8, block_size=4, num_state_slots=2, specs=[KV, STATE])
+    req = make_request("r")
+    for computed in range(12):
+        req.num_computed_tokens = computed
+        free = mgr.pool.num_free
+        assert mgr.allocate_slots(req, 1)
+        assert free - mgr.pool.num_free == (computed % 4 == 0)
+        assert mgr.state_slot("r") is not None
+        mgr.check_invariants()
+    assert len(mgr.block_table("r")) == 3
+    mgr.free(req)
+    req.num_computed_tokens = 0
+    assert mgr.block_table("r") == [] and mgr.state_slot("r") is None
+    assert mgr.allocate_slots(req, 1)
+    assert len(mgr.block_table("r")) == 1 and mgr.state_slot("r") is not None
+    mgr.check_invariants()
+
+
 def test_allocate_slots_short_changes_nothing() -> None:
     """When pages are short allocate_slots returns False and takes nothing."""
     mgr = make_manager(num_blocks=3, block_size=4)
