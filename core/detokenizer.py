@@ -135,6 +135,12 @@ class IncrementalDetokenizer:
                     self._ids, self._read_offset = [token_id], 1
                     self._prefix_len, self._clean_prefix = len(text), True
                     return self._emit(text, check_stop)
+                if self._clean_prefix:
+                    own = self._token_text(token_id)
+                    if not own or own.endswith(_REPLACEMENT_CHAR):
+                        # The first bytes of a character, or nothing visible: held, as _new_text holds them.
+                        ids.append(token_id)
+                        return None
             ids.append(token_id)
             if self._clean_prefix or self._complete_text(ids[offset]) is not None:
                 new_text = (
