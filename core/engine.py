@@ -396,12 +396,7 @@ class LLMEngine:
         touched: dict[str, RequestGroup] = {}
         for item in items:
             request = item.request
-            params = request.sampling_params
-            if (
-                params.output_kind is RequestOutputKind.FINAL_ONLY
-                and params.n == 1
-                and request.status not in FINISHED_STATUSES
-            ):
+            if not request.reports_progress and request.status not in FINISHED_STATUSES:
                 continue  # its group (this one sequence) neither reports nor ends: nothing to do
             group = groups.get(self._group_id(request))
             if group is not None:

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from pegainfer.sampling_params import SamplingParams
+from pegainfer.sampling_params import RequestOutputKind, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -81,6 +81,11 @@ class Request:
         self.min_num_tokens = len(self.all_token_ids) + sampling_params.min_tokens
         self.stop_ids = frozenset(sampling_params.stop_token_ids or ()) | frozenset(
             () if sampling_params.ignore_eos else sampling_params.eos_token_ids
+        )
+        # Whether the engine may report this request before it finishes: not when only the final output
+        # of a single sequence is asked for (its user request then neither reports nor ends on its steps).
+        self.reports_progress = sampling_params.output_kind is not RequestOutputKind.FINAL_ONLY or (
+            sampling_params.n != 1
         )
         # Speculative decoding: draft tokens for the positions after the last one, verified next step
         # (never part of ``all_token_ids``), and this request's draft/accept counts for its metrics.

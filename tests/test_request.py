@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from pegainfer.request import Request
-from pegainfer.sampling_params import SamplingParams
+from pegainfer.sampling_params import RequestOutputKind, SamplingParams
 
 
 def test_length_limit_is_max_tokens_or_the_model_context() -> None:
@@ -27,3 +27,11 @@ def test_min_tokens_and_stop_ids() -> None:
     )
     assert ignoring.min_num_tokens == 3
     assert ignoring.stop_ids == {1, 9}  # a stop token id stops even when it is an EOS id too
+
+
+def test_reports_progress_unless_only_the_final_output_of_one_sequence() -> None:
+    final_only = RequestOutputKind.FINAL_ONLY
+    assert not Request("a", [1], SamplingParams(output_kind=final_only)).reports_progress
+    assert Request("a", [1], SamplingParams(output_kind=final_only, n=2)).reports_progress
+    assert Request("a", [1], SamplingParams(output_kind=RequestOutputKind.DELTA)).reports_progress
+    assert Request("a", [1], SamplingParams(output_kind=RequestOutputKind.CUMULATIVE)).reports_progress
