@@ -108,43 +108,26 @@ def qk_norm_rope_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """:func:`qk_norm_rope_write_kv` then ``paged_attention``: the attention output ``[T, H, D]``. A batch of
-    decode rows only on CUDA takes one kernel (the decode attention normalises and rotates its q and the
-    new k and writes the cache itself); ``k`` is scratch afterwards."""
-    if use_triton(q) and meta.num_decodes and not meta.prefills:
-        from pegainfer.kernels import paged_decode_attention as decode
-
-        rope = decode.DecodeRope(k, v, q_weight, k_weight, rotary, positions, meta.slot_mapping, eps)
-        return decode.paged_decode_attention(
-            q, cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
-            max_seq_len=meta.max_decode_seq_len, rope=rope,
-        )  # fmt: skip
-    q, _ = qk_norm_rope_write_kv(
-        q, k, v, q_weight, k_weight, rotary, positions, eps, cache, meta.slot_mapping
-    )
-    return paged_attention(q, cache, meta, scale)
-
-
-def qk_norm_rope_write_kv(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    rotary: RotaryEmbedding,
-    positions: torch.Tensor,
-    eps: float,
-    cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head RMSNorm of q ``[T, H, D]`` and k ``[T, KVH, D]``, rotary at ``positions``, and k, v written
-    into the pages at ``slot_mapping``; returns the rotated (q, k)."""
+    """Per-head RMSNorm of q ``[T, H, D]`` and k ``[T, KVH, D]``, rotary at ``positions``, k and v written
+    into the pages at ``meta.slot_mapping``, then ``paged_attention``: the attention output ``[T, H, D]``.
+    On CUDA a batch of decode rows only takes one kernel (the decode attention normalises and rotates its
+    q and the new k and writes the cache itself), any other batch the rope kernel then attention; ``k``
+    is scratch afterwards."""
+    slot_mapping = meta.slot_mapping
     if use_triton(q):
+        from pegainfer.kernels import paged_decode_attention as decode
         from pegainfer.kernels import rope_kv
 
-        return rope_kv.qk_norm_rope(
+        if meta.num_decodes and not meta.prefills:
+            rope = decode.DecodeRope(k, v, q_weight, k_weight, rotary, positions, slot_mapping, eps)
+            return decode.paged_decode_attention(
+                q, cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
+                max_seq_len=meta.max_decode_seq_len, rope=rope,
+            )  # fmt: skip
+        q, _ = rope_kv.qk_norm_rope(
             q, k, q_weight, k_weight, rotary, positions, eps, kv_cache=cache, v=v, slot_mapping=slot_mapping
         )
-    q, k = rotary(positions, rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps))
-    write_kv(cache, k, v, slot_mapping)
-    return q, k
+    else:
+        q, k = rotary(positions, rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps))
+        write_kv(cache, k, v, slot_mapping)
+    return paged_attention(q, cache, meta, scale)
