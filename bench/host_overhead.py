@@ -155,13 +155,13 @@ def bench_host(
     ``no_forward`` the timed steps' decode forward returns stored random logits instead of running."""
     engine = llm.engine
     engine.async_scheduling = async_scheduling
-    vocab = engine.model.vocab_size
+    vocab = engine.executor.runner.model.vocab_size
     params = SamplingParams(
         temperature=0, max_tokens=steps + 16, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
     )
     prompts = [[rng.randrange(1, vocab) for _ in range(ctx)] for _ in range(batch)]
     ids = start_decoding(engine, f"h{batch}", prompts, params)
-    graphs = engine.executor.graphs
+    graphs = engine.executor.runner.graphs
     timed_forward = graphs._forward if graphs is not None else None
     if no_forward:
         bank = torch.randn(16, graphs.max_batch, vocab, generator=torch.Generator().manual_seed(batch))
@@ -260,8 +260,8 @@ def main() -> None:
     if args.no_forward and not args.graph_path:
         parser.error("--no-forward replaces the decode graphs' forward: it needs the graph path")
     llm = build(folder, max(batches + sync), args.ctx + args.steps + 64, args.graph_path)
-    timer = ForwardTimer(llm.engine.model)
-    graphs = llm.engine.executor.graphs
+    timer = ForwardTimer(llm.engine.executor.runner.model)
+    graphs = llm.engine.executor.runner.graphs
     if graphs is not None:  # the decode graph's whole forward: on a GPU, all of it runs inside the graph
         graphs._forward = timer.timed(graphs._forward)
     rng = random.Random(0)

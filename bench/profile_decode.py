@@ -32,7 +32,7 @@ def main() -> None:
     for _ in range(4):
         engine.step()
     torch.cuda.synchronize()
-    graphs = engine.executor.graphs
+    graphs = engine.executor.runner.graphs
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             graphs.run(args.batch)

@@ -133,7 +133,7 @@ def bench_decode(
     step_ms = (time.perf_counter() - t0) * 1e3 / steps
     check_all_running(engine, batch)
     host_ms = step_ms - (engine.wait_time_s - waited) * 1e3 / steps
-    graphs = engine.executor.graphs
+    graphs = engine.executor.runner.graphs
     gpu_ms = cuda_time_ms(lambda: graphs.run(batch), reps=10) if graphs is not None else float("nan")
     for rid in ids:
         engine.abort_request(rid)
@@ -230,7 +230,7 @@ def main() -> None:
     table = []
     decode = {}
     llm = build(folder, max_num_seqs=max(batches), max_model_len=args.ctx + args.steps + 128)
-    model = llm.engine.model
+    model = llm.engine.executor.runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     embed_bytes = model.embed_tokens.numel() * model.embed_tokens.element_size()
     for batch in [] if args.skip_decode else batches:

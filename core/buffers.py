@@ -1,7 +1,9 @@
-"""The BufferManager seam: who owns which pages, state slots and device buffers.
+"""The BufferManager seam: who owns which pages and state slots.
 
-Bookkeeping (pages, block tables, slots) is plain Python so the scheduler can consult it cheaply; the
-device tensors (KV pages, state pools) are allocated once from the memory plan and never resized.
+Bookkeeping (pages, block tables, slots) is plain Python on the engine's side so the scheduler can consult
+it cheaply; it touches no tensor. The device tensors those indices address (KV pages, state pools) belong
+to each tensor-parallel rank's model runner (``device_buffers.DeviceBuffers``), allocated once from the
+same memory plan, so an index means the same page or slot on every rank.
 """
 
 from __future__ import annotations
@@ -9,9 +11,6 @@ from __future__ import annotations
 import sys
 from abc import ABC, abstractmethod
 
-import torch
-
-from pegainfer.buffer_specs import PAGED_SPECS, BufferSpec, RecurrentStateSpec
 from pegainfer.memory_plan import MemoryPlan
 from pegainfer.request import Request
 
@@ -46,11 +45,14 @@ class BlockPool:
 
 
 class BufferManager(ABC):
-    """Owns one replica's device memory: paged caches, block tables, recurrent-state slots.
+    """Hands out one replica's pages, block tables and recurrent-state slots (indices into the device
+    buffers every rank allocated from ``plan``).
 
     Rules: a request's block table only grows while it holds pages (append-only), so a consumer may
-    cache a copy and rewrite only the new tail when ``table_version`` changes. ``free`` returns every
-    page and slot of a request at once. Indices are valid until the request is freed.
+    cache a copy and write only the entries added since. ``free`` returns every page and slot of a
+    request at once. Indices are valid until the request is freed. A state slot a request takes holds
+    whatever its last owner left: the model runner zeroes it when the request's first chunk (position 0)
+    runs.
     """
 
     block_size: int
@@ -96,11 +98,9 @@ class BufferManager(ABC):
 class PagedBufferManager(BufferManager):
     """The default manager: one page pool shared by every paged layer, one slot pool for recurrent state."""
 
-    def __init__(self, specs: list[BufferSpec], plan: MemoryPlan, device: torch.device | str = "cpu") -> None:
-        self.specs = specs
+    def __init__(self, plan: MemoryPlan) -> None:
         self.plan = plan
         self.block_size = plan.block_size
-        self.device = torch.device(device)
         self.pool = BlockPool(plan.num_blocks)
         self._tables: dict[str, list[int]] = {}
         # Tokens each request's pages cover (all of them without paged layers) once it holds its pages and
@@ -109,23 +109,7 @@ class PagedBufferManager(BufferManager):
         self._slots: dict[str, int] = {}
         self._free_slots: list[int] = list(range(plan.num_state_slots - 1, -1, -1))
         self._has_state = plan.num_state_slots > 0
-        self._paged = any(isinstance(spec, PAGED_SPECS) for spec in specs)
-        self.caches: dict[int, torch.Tensor] = {}
-        self.states: dict[int, dict[str, torch.Tensor]] = {}
-
-    def allocate_device_buffers(self) -> None:
-        """Allocate the page pools and state pools once, at the sizes the plan fixed."""
-        for spec in self.specs:
-            if isinstance(spec, PAGED_SPECS):
-                shape = spec.page_shape(self.plan.num_blocks, self.block_size)
-                self.caches[spec.layer_index] = torch.zeros(shape, dtype=spec.dtype, device=self.device)
-            elif isinstance(spec, RecurrentStateSpec):
-                self.states[spec.layer_index] = {
-                    name: torch.zeros(
-                        (self.plan.num_state_slots, *shape), dtype=spec.dtype, device=self.device
-                    )
-                    for name, shape in spec.shapes
-                }
+        self._paged = plan.page_bytes > 0
 
     def _pages_needed(self, request: Request, num_new_tokens: int) -> int:
         if not self._paged:
@@ -151,11 +135,7 @@ class PagedBufferManager(BufferManager):
             return False
         self._tables.setdefault(rid, []).extend(pages)
         if self._has_state and rid not in self._slots:
-            slot = self._free_slots.pop()
-            self._slots[rid] = slot
-            for pools in self.states.values():
-                for tensor in pools.values():
-                    tensor[slot].zero_()
+            self._slots[rid] = self._free_slots.pop()
         self._capacity[rid] = len(self._tables[rid]) * self.block_size if self._paged else sys.maxsize
         return True
 

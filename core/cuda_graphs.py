@@ -15,6 +15,7 @@ import logging
 import torch
 
 from pegainfer.decode_buffers import DecodeBuffers
+from pegainfer.distributed import TensorParallel
 from pegainfer.layers.attention import AttentionMetadata
 from pegainfer.model_api import CausalLM, ForwardBatch
 
@@ -35,6 +36,7 @@ class DecodeGraphs:
         decode: DecodeBuffers,
         caches: dict[int, torch.Tensor],
         states: dict[int, dict[str, torch.Tensor]],
+        tp: TensorParallel,
         *,
         block_size: int,
         max_model_len: int,
@@ -45,6 +47,7 @@ class DecodeGraphs:
         self.decode = decode
         self.caches = caches
         self.states = states
+        self.tp = tp
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.buckets = sorted(buckets)
@@ -73,6 +76,8 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         # Inside the graph: the carried tokens' gather before, the greedy choice after (into ``sampled``,
         # in row order), so neither is a launch on the host (the sampler takes the greedy tokens as they are).
+        # Tensor-parallel ranks first take rank 0's ``sampled``: rank 0 alone samples the rows that draw.
+        self.tp.broadcast(self.decode.sampled)
         self.decode.gather_inputs(size)
         hidden = self.model(self._batch(size), self.caches, self.states)
         logits = self.model.compute_logits(hidden)

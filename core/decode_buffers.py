@@ -124,9 +124,10 @@ class DecodeBuffers:
         """Write one decode row per request; returns each request's row (the batch is rows ``[0, B)``).
 
         ``request_ids`` are the rows' owners (any hashable keys: a key seen before keeps its row). A
-        request whose ``carry_from`` is ``i >= 0`` takes ``carried[i]`` (a device tensor of the previous
-        step's sampled tokens) as its token instead of ``token_ids``' entry, once :meth:`gather_inputs`
-        has run. With ``pad_to`` the rows up to it are uploaded as copies of row 0 already (``pad_rows``
+        request whose ``carry_from`` is ``i >= 0`` takes ``sampled[i]`` (the previous step's sampled
+        tokens) as its token instead of ``token_ids``' entry, once :meth:`gather_inputs` has run:
+        ``carried``, a device tensor of those tokens, is copied into ``sampled`` first; None means the
+        caller fills ``sampled`` itself before the gather (a tensor-parallel rank receives rank 0's). With ``pad_to`` the rows up to it are uploaded as copies of row 0 already (``pad_rows``
         then has only the block tables left).
 
         ``same_rows``: the caller passes the last call's ``request_ids`` list again, with the same tokens,
@@ -169,7 +170,7 @@ class DecodeBuffers:
             dtype=np.int64,
         )
         own = self._own_index[rows_np]
-        if carried is not None and carry_from is not None:
+        if carry_from is not None:
             index = values[4]
             carries = index >= 0
             # A carried row's staged token is a placeholder (PENDING_TOKEN): stage a valid id instead (the
@@ -177,7 +178,7 @@ class DecodeBuffers:
             np.copyto(values[0], 0, where=carries)
             np.copyto(index, own, where=~carries)
             self._carries = bool(carries.any())
-            if self._carries:
+            if self._carries and carried is not None:
                 self._hold_sampled(carried)
         else:
             values[4] = own
@@ -206,7 +207,7 @@ class DecodeBuffers:
         """``prepare`` of the last call's rows at new positions (see ``same_rows``)."""
         rows, rows_np, at = self._last_rows, self._last_rows_np, self._last_at
         have = self._write_tables(rows, rows_np, block_tables)
-        if self._carries:
+        if self._carries and carried is not None:
             self._hold_sampled(carried)
         pos = np.array(positions, dtype=np.int64)
         staged = self._staged
@@ -220,6 +221,11 @@ class DecodeBuffers:
             lens[batch:size] = lens[0]
         self._upload_rows()
         return rows
+
+    @property
+    def carries(self) -> bool:
+        """Whether a row of the last :meth:`prepare` takes its token from ``sampled``."""
+        return self._carries
 
     def _slots(self, rows_np: np.ndarray, pos: np.ndarray, have: np.ndarray, block_size: int) -> np.ndarray:
         """Each row's cache slot for its position: the page's first slot plus the offset in the page."""

@@ -7,7 +7,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pegainfer.executor import ModelBatch, SequenceChunk
+    from pegainfer.model_batch import ModelBatch, SequenceChunk
 
 # Field getters for the per-row lists (C-level, one pass each). A row's owner is the request (serials are
 # unique per process) in its preemption epoch.

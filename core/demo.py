@@ -1,5 +1,9 @@
-"""The embedded default model: a tiny random Qwen3 checkpoint created on first use, so a new user sees
-text come out with no download. Its weights are random, so its text is gibberish by design."""
+"""The embedded demo models: a plugin's tiny random checkpoint, written on first use, so a new user sees
+text come out with no download. Their weights are random, so their text is gibberish by design.
+
+``model=NAME`` without ``model.path`` runs that model's own demo (its registration's
+``demo_checkpoint`` writer); ``model=auto`` without a path runs ``DEFAULT_DEMO_MODEL``'s.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-DEMO_NAME = "demo-qwen3-tiny-v1"
+from pegainfer.plugins import ModelRegistration
+
+#: The model ``pegainfer generate`` / ``serve`` run with no arguments: the flagship plugin's demo.
+DEFAULT_DEMO_MODEL = "qwen3_14b"
+#: Bumped when a demo writer changes what it writes, so a cached older demo is not reused.
+DEMO_VERSION = 1
 
 
 def cache_dir() -> Path:
@@ -18,19 +27,17 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def demo_checkpoint() -> Path:
-    """The demo checkpoint folder, written atomically (temp folder + rename) the first time."""
-    from pegainfer.testing.checkpoints import write_tiny_checkpoint
-
-    target = cache_dir() / DEMO_NAME
+def demo_checkpoint(registration: ModelRegistration) -> Path:
+    """``registration``'s demo checkpoint folder, written atomically (temp folder + rename) the first time."""
+    name = f"demo-{registration.name}-v{DEMO_VERSION}"
+    target = cache_dir() / name
     if (target / "config.json").exists():
         return target
+    write = registration.load_demo_writer()
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=DEMO_NAME, dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=name, dir=target.parent))
     try:
-        write_tiny_checkpoint(
-            tmp, "qwen3", seed=1234, hidden_size=128, intermediate_size=384, num_hidden_layers=4
-        )
+        write(tmp)
         try:
             tmp.rename(target)
         except OSError:

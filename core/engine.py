@@ -1,128 +1,81 @@
-"""LLMEngine: add requests, step, abort. Each step: scheduler plan -> executor forward -> sampler ->
-detokenizer and stop checks -> outputs. The offline ``LLM`` and the HTTP server both drive this loop."""
+"""LLMEngine: add requests, step, abort. Each step is plan -> run -> postprocess -> outputs: the scheduler
+plans, the executor runs the forward on every rank, the sampler picks tokens, the output processor
+appends them (detokenizing, stop checks) and makes the outputs. The offline ``LLM`` and the HTTP server
+both drive this loop."""
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
-import torch
-
-from pegainfer.buffer_specs import TransientSpec, dtype_size
+from pegainfer.batch_builder import BatchBuilder, PendingStep
 from pegainfer.buffers import PagedBufferManager
 from pegainfer.config import EngineConfig
 from pegainfer.detokenizer import IncrementalDetokenizer
 from pegainfer.errors import ConfigError, RequestError
-from pegainfer.executor import Executor, LocalExecutor, ModelBatch, SequenceChunk
+from pegainfer.executor import Executor, ExecutorOutput, build_executor
 from pegainfer.loader import read_generation_config
-from pegainfer.memory_plan import MemoryPlan, plan_memory
-from pegainfer.model_loader import LoadedModel, load_model
-from pegainfer.outputs import PositionLogprobs, RequestOutput
-from pegainfer.persistent_batch import PersistentDecodeBatch
-from pegainfer.request import FINISHED_STATUSES, PENDING_TOKEN, Request, RequestStatus
+from pegainfer.output_processor import STAT_KEYS, OutputProcessor
+from pegainfer.outputs import RequestOutput
+from pegainfer.request import FINISHED_STATUSES, Request, RequestStatus
 from pegainfer.request_group import RequestGroup, SequenceState
-from pegainfer.sampler import DeviceSample, Sampler, compute_prompt_logprobs
-from pegainfer.sampling_params import RequestOutputKind, SamplingParams
-from pegainfer.scheduler import (
-    PROMPT_LOGPROBS_CHUNK,
-    ContinuousBatchingScheduler,
-    ScheduledRequest,
-    Scheduler,
-    SchedulerOutput,
-)
-from pegainfer.speculative import SpeculativeDecoder, draft_buffer_specs, sample_and_verify
+from pegainfer.sampler import Sampler
+from pegainfer.sampling_params import SamplingParams
+from pegainfer.scheduler import ContinuousBatchingScheduler, ScheduledRequest, Scheduler, SchedulerOutput
+from pegainfer.speculative import SpeculativeDecoder, sample_and_verify
 from pegainfer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-#: ``LLMEngine.stats`` counters (the spec_* ones: draft tokens verified and accepted, all requests).
-STAT_KEYS = ("prompt_tokens", "generation_tokens", "steps", "spec_draft_tokens", "spec_accepted_tokens")
-
-
-@dataclass
-class _PendingStep:
-    """A launched step whose sampled tokens are still on the device (async scheduling)."""
-
-    items: list[ScheduledRequest]  # the sampling items, in the sampled rows' order
-    sample: DeviceSample
-    row_of: dict[int, int]  # request serial -> its row in ``sample.tokens``
-
-
-def _memory_budget(loaded: LoadedModel, config: EngineConfig, transient_bytes: int) -> int:
-    """Bytes this replica may hold in all: on a GPU a fraction of the device; on the CPU weights +
-    transients + the configured KV budget."""
-    if loaded.device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(loaded.device)
-        # Memory our allocator holds (weights, its cache) is ours, not another process's.
-        used_by_others = total - free - torch.cuda.memory_reserved(loaded.device)
-        return int(total * config.cache.gpu_memory_utilization) - used_by_others
-    return loaded.weight_bytes + transient_bytes + config.cache.cpu_kv_cache_bytes
+__all__ = ["STAT_KEYS", "LLMEngine"]
 
 
 class LLMEngine:
+    """Requests in, outputs out: each step is plan -> run -> postprocess -> outputs.
+
+    The engine keeps host bookkeeping only (requests, pages and slots by index, sampling, detokenizing,
+    stop checks); everything on a device sits behind its ``Executor`` (``build_executor``), one model
+    runner per tensor-parallel rank, which the engine cannot tell apart."""
+
     def __init__(self, config: EngineConfig) -> None:
-        if config.parallel.tensor_parallel_size != 1:
-            raise ConfigError("parallel.tensor_parallel_size (tp) > 1 is not implemented yet; run with tp=1")
         self.config = config
-        loaded = load_model(config)
-        self.loaded = loaded
-        self.model = loaded.model
-        self.max_model_len = loaded.max_model_len
-        self.tokenizer = Tokenizer.from_pretrained(config.model.tokenizer or loaded.folder)
-        self.generation_config = read_generation_config(loaded.folder)
-        eos = self.generation_config.get("eos_token_id")
-        if eos is not None:
-            self.tokenizer.add_eos_token_ids([eos] if isinstance(eos, int) else eos)
         sched = config.scheduler
         if sched.max_num_batched_tokens < sched.max_num_seqs:
             logger.warning("max_num_batched_tokens < max_num_seqs: some running requests wait every step")
+        self.executor: Executor = build_executor(config)
+        try:
+            self._setup(config)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+
+    def _setup(self, config: EngineConfig) -> None:
+        info = self.executor.info
+        self.max_model_len = info.max_model_len
+        self.tokenizer = Tokenizer.from_pretrained(config.model.tokenizer or info.folder)
+        self.generation_config = read_generation_config(info.folder)
+        eos = self.generation_config.get("eos_token_id")
+        if eos is not None:
+            self.tokenizer.add_eos_token_ids([eos] if isinstance(eos, int) else eos)
+        self.buffers = PagedBufferManager(self.executor.plan)
+        self.scheduler: Scheduler = ContinuousBatchingScheduler(config.scheduler, self.buffers)
+        self.sampler = Sampler(seed=config.seed, device=info.device)
         num_spec = config.speculative.num_tokens
-        # Drafting adds the draft layers' caches to the pages (same block table as the main layers).
-        specs = [*self.model.buffer_specs(), *draft_buffer_specs(self.model, num_spec)]
-        transients = [*self.model.transient_specs(), *self._engine_transients()]
-        budget = _memory_budget(
-            loaded,
-            config,
-            sum(t.bytes_for(sched.max_num_batched_tokens, sched.max_num_seqs) for t in transients),
-        )
-        self.plan: MemoryPlan = plan_memory(
-            budget=budget,
-            weight_bytes=loaded.weight_bytes,
-            specs=specs,
-            transients=transients,
-            block_size=config.cache.block_size,
-            max_num_seqs=sched.max_num_seqs,
-            max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            num_blocks_override=config.cache.num_gpu_blocks_override,
-        )
-        logger.info(self.plan.describe())
-        self.buffers = PagedBufferManager(specs, self.plan, loaded.device)
-        self.buffers.allocate_device_buffers()
-        self.executor: Executor = LocalExecutor(
-            self.model,
-            self.buffers,
-            max_num_seqs=sched.max_num_seqs,
-            max_model_len=self.max_model_len,
-            num_speculative_tokens=num_spec,
-        )
-        if loaded.device.type == "cuda" and self.model.embeds_on_device:
-            self.executor.capture_decode_graphs(eager=config.enforce_eager)
-        self.scheduler: Scheduler = ContinuousBatchingScheduler(sched, self.buffers)
-        self.sampler = Sampler(seed=config.seed, device=loaded.device)
         self.speculative = (
             SpeculativeDecoder(num_spec, self.executor, self.buffers, self.scheduler, self.max_model_len)
             if num_spec
             else None
         )
-        self._groups: dict[str, RequestGroup] = {}
-        self._sequences: dict[str, SequenceState] = {}
         self.stats = dict.fromkeys(STAT_KEYS, 0)
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.stats)
+        self.batches = BatchBuilder(
+            self.buffers,
+            self.outputs.wants_prompt_logits,
+            self.speculative.drafts_for if self.speculative is not None else None,
+        )
         #: Whether steps are launched ahead of the last step's tokens; may be flipped between steps.
         self.async_scheduling = self._async_scheduling(config)
-        self._pending: _PendingStep | None = None
-        self._decode_batch = PersistentDecodeBatch()
+        self._pending: PendingStep | None = None
         self._wait_s = 0.0
 
     @property
@@ -140,37 +93,8 @@ class LLMEngine:
                 "speculative decoding; set async_scheduling=false (or leave it null)"
             )
         if wanted is None:  # on the CPU there is no GPU time to hide the host's work behind
-            return able and self.loaded.device.type == "cuda"
+            return able and self.executor.info.device.type == "cuda"
         return wanted
-
-    @property
-    def _use_graphs(self) -> bool:
-        return (
-            self.loaded.device.type == "cuda"
-            and not self.config.enforce_eager
-            and self.model.embeds_on_device
-        )
-
-    def _engine_transients(self) -> list[TransientSpec]:
-        vocab = getattr(self.model, "vocab_size", 0)
-        num_spec = self.config.speculative.num_tokens
-        max_blocks = -(-self.max_model_len // self.config.cache.block_size)
-        specs = [
-            # Logits of the sampled rows (1 + drafts per request) and the sampler's working copies of them.
-            TransientSpec("sampler", bytes_per_seq=(4 + num_spec) * vocab * dtype_size(torch.float32)),
-            # Prompt logprobs: the logits of one bounded chunk and their log-softmax copy.
-            TransientSpec("prompt_logprobs", bytes_fixed=2 * PROMPT_LOGPROBS_CHUNK * vocab * 4),
-            # Persistent decode inputs: block-table row plus token, position, length, slot and state slot.
-            TransientSpec("decode_buffers", bytes_per_seq=4 * max_blocks + 5 * 8),
-        ]
-        if self._use_graphs:
-            # The graph pool keeps the largest bucket's activations (one token per row, as the model
-            # declares them per token) and its static logits.
-            per_row = sum(t.bytes_per_token for t in self.model.transient_specs())
-            specs.append(
-                TransientSpec("cuda_graphs", bytes_fixed=64 << 20, bytes_per_seq=4 * vocab + per_row)
-            )
-        return specs
 
     # ----------------------------------------------------------------------------------------- requests
 
@@ -201,11 +125,7 @@ class LLMEngine:
         """Validate and queue a request; ``params.n`` sequences are generated from it."""
         params = params or self.default_sampling_params()
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        # A parent id and the n child ids share one namespace with every live sequence: "a" with n=2
-        # creates "a#1", which must not silently replace a live request named "a#1" (or vice versa).
-        if request_id in self._groups or any(
-            cid in self._sequences or cid in self._groups for cid in child_ids
-        ):
+        if self.outputs.id_in_use(request_id, child_ids):
             raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
         if prompt_token_ids is None:
             if prompt is None:
@@ -220,9 +140,8 @@ class LLMEngine:
         group = RequestGroup(request_id, prompt, prompt_token_ids, params, arrival)
         for i in range(params.n):
             child_params = params if params.seed is None else params.clone(seed=params.seed + i)
-            child_id = child_ids[i]
             request = Request(
-                child_id,
+                child_ids[i],
                 prompt_token_ids,
                 child_params,
                 arrival_time=arrival,
@@ -243,10 +162,9 @@ class LLMEngine:
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
             )
             group.sequences.append(seq)
-            self._sequences[child_id] = seq
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
-        self._groups[request_id] = group
+        self.outputs.add(group)
         for seq in group.sequences:
             self.scheduler.add_request(seq.request)
         self.stats["prompt_tokens"] += len(prompt_token_ids)
@@ -254,7 +172,7 @@ class LLMEngine:
     def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
             raise RequestError("the prompt is empty", param="prompt")
-        vocab = getattr(self.model, "vocab_size", None)
+        vocab = self.executor.info.vocab_size
         if vocab is not None and (min(ids) < 0 or max(ids) >= vocab):
             raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
         sched = self.config.scheduler
@@ -274,85 +192,19 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request and all its sequences; their pages and slots are freed at once."""
-        group = self._groups.pop(request_id, None)
-        if group is None:
-            return
-        for seq in group.sequences:
-            self.scheduler.finish_request(seq.request, RequestStatus.FINISHED_ABORTED)
-            self._sequences.pop(seq.request.request_id, None)
+        group = self.outputs.remove(request_id)
+        if group is not None:
+            for seq in group.sequences:
+                self.scheduler.finish_request(seq.request, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups) or self._pending is not None
+        return bool(self.outputs.groups) or self._pending is not None
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self._groups)
+        return len(self.outputs.groups)
 
     # ------------------------------------------------------------------------------------------ the step
-
-    def _build_batch(self, plan: SchedulerOutput) -> ModelBatch:
-        """The step's batch: last step's moved on in the steady state of async decoding (see
-        PersistentDecodeBatch), else a chunk built for every planned request."""
-        step = self.stats["steps"]
-        if self._pending is not None:
-            batch = self._decode_batch.reuse(plan.scheduled, self._pending.sample.tokens, step)
-            if batch is not None:
-                return batch
-        batch = self._new_batch(plan)
-        self._decode_batch.remember(plan.scheduled, batch, step)
-        return batch
-
-    def _new_batch(self, plan: SchedulerOutput) -> ModelBatch:
-        chunks = []
-        pending = self._pending
-        block_table, state_slot = self.buffers.block_table, self.buffers.state_slot
-        speculative = self.speculative
-        for item in plan.scheduled:
-            req = item.request
-            spec = item.spec_token_ids
-            start = item.start
-            end = start + item.num_new_tokens - len(spec)
-            all_ids = req.all_token_ids
-            # A group keeps prompt logprobs exactly when its requests' params ask for them.
-            all_logits = False
-            if req.sampling_params.prompt_logprobs is not None:
-                group = self._groups[self._group_id(req)]
-                all_logits = (
-                    len(group.prompt_logprobs) < req.num_prompt_tokens and start < req.num_prompt_tokens
-                )
-            carry_from = -1
-            if all_ids[end - 1] == PENDING_TOKEN:
-                # Scheduled ahead: the token is the last step's, still on the device (a decode chunk only).
-                if end - start != 1 or pending is None:
-                    raise RuntimeError(f"{req.request_id}: a pending token in a {end - start}-token chunk")
-                carry_from = pending.row_of[req.serial]
-            rid = req.request_id
-            chunks.append(
-                SequenceChunk(  # positional (cheaper for a row of every step), in the field order:
-                    rid,  # request_id
-                    all_ids[start:end] + spec if spec else all_ids[start:end],  # token_ids
-                    start,
-                    block_table(rid),
-                    state_slot(rid),
-                    False,  # needs_logits: num_logits decides
-                    all_logits,
-                    req.num_preemptions,  # epoch
-                    req.serial,
-                    (1 + len(spec)) if item.samples else 0,  # num_logits
-                    speculative is not None and speculative.drafts_for(req),  # keep_hidden
-                    carry_from,
-                )
-            )
-        batch = ModelBatch(chunks)
-        if pending is not None:
-            batch.carried_tokens = pending.sample.tokens
-        if not self.executor.capabilities.device_embedding:
-            batch.hidden_states = self.executor.embed([t for c in chunks for t in c.token_ids])
-        return batch
-
-    def _group_id(self, request: Request) -> str:
-        rid = request.request_id
-        return rid if rid in self._groups else rid.rpartition("#")[0]
 
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an output for every user request that progressed (finished ones last time).
@@ -361,59 +213,38 @@ class LLMEngine:
         decode rows take their tokens from the device, and the previous step's outputs (detokenizing,
         stop checks) are made while this step's forward runs. A step whose plan could preempt or
         recompute a request, or that follows a request's last token, reads the tokens back first."""
-        outputs: list[RequestOutput] = []
-        if self._pending is not None and not self._may_schedule_ahead():
-            outputs = self._resolve_pending()
+        outputs = (
+            self._resolve_pending() if self._pending is not None and not self._may_schedule_ahead() else []
+        )
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return outputs + (self._resolve_pending() if self._pending is not None else [])
-        batch = self._build_batch(plan)
-        result = self.executor.execute(batch)
+        result = self.executor.execute(self.batches.build(plan, self._pending, self.stats["steps"]))
         self.scheduler.update_after_step(plan)
         self.stats["steps"] += 1
         if self._pending is not None:
             outputs += self._resolve_pending()
+        return outputs + self._postprocess(plan, result)
+
+    def _postprocess(self, plan: SchedulerOutput, result: ExecutorOutput) -> list[RequestOutput]:
+        """Prompt logprobs of the chunks that asked, then the sampled tokens: left pending on the device
+        (async scheduling), or appended now (verifying drafts round by round) with their outputs."""
         if result.all_logits:  # the executor returns them exactly for the chunks that asked
-            for chunk, item in zip(batch.chunks, plan.scheduled, strict=True):
-                if chunk.all_logits:
-                    self._add_prompt_logprobs(item.request, chunk, result.all_logits[chunk.request_id])
+            for item in plan.scheduled:
+                logits = result.all_logits.get(item.request.request_id)
+                if logits is not None:
+                    self.outputs.add_prompt_logprobs(item.request, item.start, logits)
         sampling = [item for item in plan.scheduled if item.samples]
         if not sampling:
-            return outputs
+            return []
         if self.async_scheduling:
-            self._sample_ahead(result.logits, result.greedy_tokens, sampling)
-            return outputs
+            self._sample_ahead(result, sampling)
+            return []
         # One sampler call over the sampled rows, then one more per verified draft (speculative decoding).
-        accepted = sample_and_verify(self.sampler, result.logits, sampling, self._append)
+        accepted = sample_and_verify(self.sampler, result.logits, sampling, self.outputs.append)
         if self.speculative is not None:
             self.speculative.after_step(plan, sampling, accepted, self.stats)
-        return outputs + self._outputs_of(sampling)
-
-    def _outputs_of(self, items: list[ScheduledRequest]) -> list[RequestOutput]:
-        """Outputs of the groups of ``items`` (every sampled one: finished, or streaming), and the finished
-        groups forgotten."""
-        groups = self._groups
-        touched: dict[str, RequestGroup] = {}
-        for item in items:
-            request = item.request
-            if not request.reports_progress and request.status not in FINISHED_STATUSES:
-                continue  # its group (this one sequence) neither reports nor ends: nothing to do
-            group = groups.get(self._group_id(request))
-            if group is not None:
-                touched[group.request_id] = group
-        outputs = []
-        finished = []
-        for group in touched.values():
-            if group.finished:
-                finished.append(group)
-                outputs.append(group.to_output())
-            elif group.params.output_kind is not RequestOutputKind.FINAL_ONLY:
-                outputs.append(group.to_output())
-        for group in finished:
-            groups.pop(group.request_id, None)
-            for seq in group.sequences:
-                self._sequences.pop(seq.request.request_id, None)
-        return outputs
+        return self.outputs.outputs_of(sampling)
 
     def _may_schedule_ahead(self) -> bool:
         """Whether the next step can be planned before the pending tokens are known: the scheduler will not
@@ -429,11 +260,9 @@ class LLMEngine:
                 return False
         return True
 
-    def _sample_ahead(
-        self, logits: torch.Tensor, greedy: torch.Tensor | None, sampling: list[ScheduledRequest]
-    ) -> None:
+    def _sample_ahead(self, result: ExecutorOutput, sampling: list[ScheduledRequest]) -> None:
         """Sample on the device and leave the tokens pending: each live request counts one pending token."""
-        sample = self.sampler.sample(logits, [item.request for item in sampling], greedy)
+        sample = self.sampler.sample(result.logits, [item.request for item in sampling], result.greedy_tokens)
         row_of = {}
         for row, item in enumerate(sampling):
             request = item.request
@@ -441,7 +270,7 @@ class LLMEngine:
             if request.status not in FINISHED_STATUSES:
                 request.append_pending_token()
                 row_of[request.serial] = row
-        self._pending = _PendingStep(sampling, sample, row_of)
+        self._pending = PendingStep(sampling, sample, row_of)
 
     def _resolve_pending(self) -> list[RequestOutput]:
         """Read the pending step's tokens back and append them (stop checks, detokenizing, outputs)."""
@@ -449,100 +278,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         sampled = pending.sample.result()
         self._wait_s += time.perf_counter() - t0
-        resolved = []
-        done: list[tuple[SequenceState, int, PositionLogprobs | None]] = []
-        row_of, sequences = pending.row_of, self._sequences
-        token_ids, logprobs = sampled.token_ids, sampled.logprobs
-        for row, item in enumerate(pending.items):
-            request = item.request
-            if request.serial not in row_of or request.status in FINISHED_STATUSES:
-                continue  # aborted since, or finished before this row was sampled
-            seq = sequences.get(request.request_id)
-            if seq is None or seq.request is not request:
-                continue
-            token = token_ids[row]
-            request.resolve_pending_token(token)
-            done.append((seq, token, logprobs[row]))
-            resolved.append(item)
-        self._after_tokens(done)
-        return self._outputs_of(resolved)
-
-    def _add_prompt_logprobs(self, request: Request, chunk: SequenceChunk, logits: torch.Tensor) -> None:
-        group = self._groups[self._group_id(request)]
-        have = len(group.prompt_logprobs)
-        # Position p's logits score prompt token p + 1; only the prompt part of the chunk counts.
-        last = min(chunk.start + len(chunk.token_ids), request.num_prompt_tokens - 1)
-        if last <= have - 1 or chunk.start > have - 1:
-            return
-        targets = request.prompt_token_ids[have : last + 1]
-        rows = logits[have - 1 - chunk.start : have - 1 - chunk.start + len(targets)]
-        entries = compute_prompt_logprobs(rows, targets, group.params.prompt_logprobs)
-        group.prompt_logprobs.extend(self._decode_logprobs(e) for e in entries)
-
-    def _decode_logprobs(self, entry: PositionLogprobs) -> PositionLogprobs:
-        for token_id, lp in entry.items():
-            if lp.decoded_token is None:
-                lp.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return entry
-
-    def _append(self, request: Request, token: int, logprobs: PositionLogprobs | None) -> bool:
-        """Append one sampled token; False once the request finished (stopped, length, or failed)."""
-        try:
-            self._append_token(self._sequences[request.request_id], token, logprobs)
-        except Exception as exc:
-            self._fail(request, exc)
-        return not request.is_finished
-
-    def _append_token(self, seq: SequenceState, token: int, logprobs: PositionLogprobs | None) -> None:
-        seq.request.append_output_token(token)
-        self._after_tokens([(seq, token, logprobs)])
-
-    def _after_tokens(self, done: list[tuple[SequenceState, int, PositionLogprobs | None]]) -> None:
-        """Account each sequence's newest token: logprobs, detokenizing, stop and length checks (one pass:
-        this runs for every request of every step). A request that fails here is finished with an error;
-        the others go on."""
-        self.stats["generation_tokens"] += len(done)
-        for seq, token, logprobs in done:
-            request = seq.request
-            if logprobs is not None and seq.logprobs is not None:
-                try:
-                    seq.logprobs.append(self._decode_logprobs(logprobs))
-                    seq.cumulative_logprob += logprobs[token].logprob
-                except Exception as exc:
-                    self._fail(request, exc)
-            num_tokens = len(request.all_token_ids)
-            # Before min_tokens no stop condition applies (the sampler already bans EOS and stop ids), stop
-            # strings included, as in vLLM.
-            check = num_tokens >= request.min_num_tokens
-            try:  # a failed request's text still takes its last token
-                stop_str = seq.detokenizer.update_one(token, check)
-            except Exception as exc:
-                if request.status not in FINISHED_STATUSES:
-                    self._fail(request, exc)
-                continue
-            if request.status in FINISHED_STATUSES:
-                continue  # failed above
-            status = None
-            if stop_str is not None:
-                status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
-            elif check and token in request.stop_ids:
-                status = RequestStatus.FINISHED_STOPPED
-                if token in request.sampling_params.stop_token_ids:  # EOS leaves no stop reason
-                    request.stop_reason = token
-            elif num_tokens >= request.max_num_tokens:
-                status = RequestStatus.FINISHED_LENGTH
-            if status is not None:
-                try:
-                    seq.detokenizer.finish()
-                except Exception as exc:
-                    self._fail(request, exc)
-                    continue
-                self.scheduler.finish_request(request, status)
-
-    def _fail(self, request: Request, exc: Exception) -> None:
-        """One broken request must not take the others down: it ends with an error."""
-        logger.error("request %s failed: %s", request.request_id, exc, exc_info=exc)
-        self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
+        return self.outputs.outputs_of(self.outputs.resolve(pending.items, sampled, pending.row_of))
 
     def shutdown(self) -> None:
+        """Stop the executor (its rank workers, if any). Idempotent."""
         self.executor.shutdown()

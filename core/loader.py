@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from pegainfer.errors import CheckpointError
+from pegainfer.sharding import Shard, vocab_shard
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,11 +59,14 @@ def parse_dtype(name: str) -> torch.dtype:
 class CheckpointReader:
     """Finds every tensor of a folder's safetensors files (with or without an index) and reads them on demand.
 
-    Tracks which tensors were read, so a loader can report checkpoint tensors it never consumed.
+    Tracks which tensors were read, so a loader can report checkpoint tensors it never consumed. A reader
+    for tensor-parallel rank ``rank`` of ``world_size`` reads only that rank's slices of a sharded tensor
+    (``get(..., shard=...)``, see ``pegainfer.sharding``).
     """
 
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(self, folder: str | Path, *, rank: int = 0, world_size: int = 1) -> None:
         self.folder = Path(folder)
+        self.rank, self.world_size = rank, world_size
         self._where: dict[str, Path] = {}
         index = self.folder / "model.safetensors.index.json"
         if index.exists():
@@ -98,29 +102,71 @@ class CheckpointReader:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
-    def get(
-        self,
-        name: str,
-        shape: tuple[int, ...] | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> torch.Tensor:
-        """Tensor ``name`` cast to ``dtype``; CheckpointError naming tensor and file if absent or mis-shaped."""
+    def _handle(self, name: str) -> tuple[Any, Path]:
         path = self._where.get(name)
         if path is None:
             raise CheckpointError(f"tensor '{name}' is missing from the checkpoint in {self.folder}")
         handle = self._handles.get(path)
         if handle is None:
             handle = self._handles[path] = safe_open(str(path), framework="pt")
+        return handle, path
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The full shape of tensor ``name`` as stored (read from the file header only)."""
+        handle, path = self._handle(name)
         try:
-            tensor = handle.get_tensor(name)
+            return tuple(handle.get_slice(name).get_shape())
         except Exception as exc:
             raise CheckpointError(f"cannot read tensor '{name}' from {path.name}: {exc}") from None
-        if shape is not None and tuple(tensor.shape) != tuple(shape):
-            raise CheckpointError(
-                f"tensor '{name}' in {path.name} has shape {tuple(tensor.shape)}, expected {tuple(shape)}"
-            )
+
+    def get(
+        self,
+        name: str,
+        shape: tuple[int, ...] | None = None,
+        dtype: torch.dtype | None = None,
+        shard: Shard | None = None,
+    ) -> torch.Tensor:
+        """Tensor ``name`` cast to ``dtype``; CheckpointError naming tensor and file if absent or mis-shaped.
+
+        ``shape`` is the full tensor's; with ``shard`` only this reader's rank's part is read and returned
+        (see ``pegainfer.sharding``)."""
+        handle, path = self._handle(name)
+        try:
+            if shard is None:
+                tensor = handle.get_tensor(name)
+                full = tuple(tensor.shape)
+            else:
+                view = handle.get_slice(name)
+                full = tuple(view.get_shape())
+        except Exception as exc:
+            raise CheckpointError(f"cannot read tensor '{name}' from {path.name}: {exc}") from None
+        if shape is not None and full != tuple(shape):
+            raise CheckpointError(f"tensor '{name}' in {path.name} has shape {full}, expected {tuple(shape)}")
+        if shard is not None:
+            tensor = self._read_shard(name, path, view, full, shard)
         self.consumed.add(name)
         return tensor if dtype is None else tensor.to(dtype)
+
+    def _read_shard(
+        self, name: str, path: Path, view: Any, full: tuple[int, ...], shard: Shard
+    ) -> torch.Tensor:
+        dim = shard.dim % len(full)
+        ranges = shard.ranges(full[dim], self.rank, self.world_size, name)
+        parts = []
+        try:
+            for start, stop in ranges:
+                index = (slice(None),) * dim + (slice(start, stop),)
+                parts.append(view[index])
+        except Exception as exc:
+            raise CheckpointError(f"cannot read tensor '{name}' from {path.name}: {exc}") from None
+        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+        if shard.padded:
+            rows = vocab_shard(full[dim], self.world_size)
+            if tensor.shape[dim] < rows:
+                pad = list(tensor.shape)
+                pad[dim] = rows - tensor.shape[dim]
+                tensor = torch.cat([tensor, tensor.new_zeros(pad)], dim=dim)
+        return tensor
 
     def unused(self) -> list[str]:
         return sorted(set(self._where) - self.consumed)

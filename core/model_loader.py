@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,7 +10,9 @@ from typing import Any
 
 import torch
 
-from pegainfer.config import EngineConfig, ModelConfig
+from pegainfer.config import EngineConfig
+from pegainfer.demo import DEFAULT_DEMO_MODEL, demo_checkpoint
+from pegainfer.distributed import TensorParallel
 from pegainfer.errors import CheckpointError, ConfigError
 from pegainfer.loader import CheckpointReader, checkpoint_dtype, parse_dtype, read_hf_config
 from pegainfer.model_api import CausalLM
@@ -28,15 +31,6 @@ class LoadedModel:
     dtype: torch.dtype
     max_model_len: int
     weight_bytes: int
-
-
-def checkpoint_folder(model_config: ModelConfig) -> Path:
-    """``model.path``, or the embedded demo checkpoint when it is unset."""
-    if model_config.path is None:
-        from pegainfer.demo import demo_checkpoint
-
-        return demo_checkpoint()
-    return Path(model_config.path).expanduser()
 
 
 def pick_device(name: str) -> torch.device:
@@ -63,19 +57,41 @@ def text_config(hf_config: dict[str, Any]) -> dict[str, Any]:
     return hf_config.get("text_config") or hf_config
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
-    folder = checkpoint_folder(config.model)
-    hf_config = read_hf_config(folder)
+def resolve_registration(config: EngineConfig) -> tuple[ModelRegistration, Path, dict[str, Any]]:
+    """The model registration ``config`` selects, its checkpoint folder and parsed config.json. Without
+    ``model.path`` the folder is the model's embedded demo checkpoint (``pegainfer.demo``)."""
     registry = get_model_registry()
-    registration = (
-        registry.resolve(hf_config) if config.model.name == "auto" else registry.get(config.model.name)
-    )
+    name = config.model.name
+    if config.model.path is None:
+        registration = registry.get(DEFAULT_DEMO_MODEL if name == "auto" else name)
+        folder = demo_checkpoint(registration)
+        return registration, folder, read_hf_config(folder)
+    folder = Path(config.model.path).expanduser()
+    hf_config = read_hf_config(folder)
+    registration = registry.resolve(hf_config) if name == "auto" else registry.get(name)
+    return registration, folder, hf_config
+
+
+def pick_rank_device(name: str, tp: TensorParallel) -> torch.device:
+    """The device of tensor-parallel rank ``tp.rank``: its own GPU (``cuda:<rank>``) on CUDA."""
+    device = pick_device(name)
+    if device.type == "cuda" and tp.size > 1:
+        if device.index not in (None, 0):
+            raise ConfigError(f"device: '{name}' with tp={tp.size}; tensor-parallel ranks take cuda:0..tp-1")
+        return torch.device("cuda", tp.rank)
+    return device
+
+
+def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> LoadedModel:
+    """Build ``config``'s model (tensor-parallel rank ``tp``'s shard of it) and fill its weights."""
+    tp = tp or TensorParallel()
+    registration, folder, hf_config = resolve_registration(config)
     model_cls = registration.load_model_class()
     if not (isinstance(model_cls, type) and issubclass(model_cls, CausalLM)):
         raise CheckpointError(
             f"{registration.origin}: {registration.model_class} is not a pegainfer CausalLM"
         )
-    device = pick_device(config.device)
+    device = pick_rank_device(config.device, tp)
     dtype = pick_dtype(config.model.dtype, hf_config, device)
     limit = model_cls.max_context_length(text_config(hf_config))
     max_model_len = config.model.max_model_len or limit
@@ -83,12 +99,22 @@ def load_model(config: EngineConfig) -> LoadedModel:
         raise ConfigError(
             f"model.max_model_len={max_model_len} exceeds the checkpoint's max_position_embeddings ({limit})"
         )
+    kwargs: dict[str, Any] = {"dtype": dtype, "max_model_len": max_model_len}
+    if "tp" in inspect.signature(model_cls.from_hf_config).parameters:
+        kwargs["tp"] = tp
+    elif tp.size > 1:
+        raise ConfigError(
+            f"model '{registration.name}' from {registration.origin} does not support tensor parallelism "
+            f"(its from_hf_config takes no 'tp'); run it with tp=1"
+        )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     with torch.device(device):
-        model = model_cls.from_hf_config(hf_config, config.model, dtype=dtype, max_model_len=max_model_len)
+        model = model_cls.from_hf_config(hf_config, config.model, **kwargs)
     if config.model.load_format == "dummy":
         init_dummy_weights(model, seed=config.seed)
     else:
-        reader = CheckpointReader(folder)
+        reader = CheckpointReader(folder, rank=tp.rank, world_size=tp.size)
         model.load_weights(reader)
         unused = reader.unused()
         if unused:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from pegainfer.executor import ModelBatch
+from pegainfer.model_batch import ModelBatch
 from pegainfer.request import Request
 from pegainfer.scheduler import ScheduledRequest
 

@@ -27,7 +27,7 @@ from typing import Any
 import pluggy
 
 from pegainfer.config import ModelConfig
-from pegainfer.errors import ConfigError, PluginError
+from pegainfer.errors import ConfigError, PegainferError, PluginError
 
 PROJECT = "pegainfer"
 ENTRY_POINT_GROUP = "pegainfer"
@@ -71,6 +71,12 @@ class HookSpecs:
         Gets the parsed ``config.json``; returns a registered model name, or None to pass.
         """
 
+    @hookspec(firstresult=True)
+    def make_executor(self, config: Any, registration: ModelRegistration) -> Any:
+        """Build the ``pegainfer.executor.Executor`` for ``config`` (an ``EngineConfig``) whose model is
+        ``registration``, one of this plugin's own; None leaves it to the core (its local or
+        tensor-parallel executor). Called only on the plugin that registered the model."""
+
 
 @dataclass(frozen=True)
 class ModelRegistration:
@@ -78,6 +84,8 @@ class ModelRegistration:
 
     ``name`` is the Hydra ``model=`` option; ``model_class`` and ``config_schema`` are ``"module:Class"``
     strings imported only when the model is built (``config_schema`` must subclass ``ModelConfig``).
+    ``demo_checkpoint``, a ``"module:function"`` string, names ``function(folder)``, which writes the
+    model's embedded tiny demo checkpoint into ``folder``: ``model=NAME`` with no ``model.path`` runs it.
     """
 
     name: str
@@ -86,6 +94,7 @@ class ModelRegistration:
     model_types: tuple[str, ...] = ()
     config_schema: str | None = None
     description: str = ""
+    demo_checkpoint: str | None = None
     plugin: str = field(default="", compare=False)
     package: str = field(default="", compare=False)
 
@@ -97,7 +106,7 @@ class ModelRegistration:
             raise PluginError(
                 f"model name {self.name!r} is invalid: use letters, digits, '_', '.' or '-' ('auto' is reserved)"
             )
-        for key in ("model_class", "config_schema"):
+        for key in ("model_class", "config_schema", "demo_checkpoint"):
             value = getattr(self, key)
             if (value is not None or key == "model_class") and not (
                 isinstance(value, str) and _TARGET.match(value)
@@ -125,6 +134,14 @@ class ModelRegistration:
                 "is not a subclass of pegainfer.config.ModelConfig"
             )
         return schema
+
+    def load_demo_writer(self) -> Callable[[Any], Any]:
+        """Import the function that writes this model's demo checkpoint (a PluginError when it has none)."""
+        if self.demo_checkpoint is None:
+            raise PluginError(
+                f"model '{self.name}' from {self.origin} has no embedded demo checkpoint; give model.path"
+            )
+        return self._import(self.demo_checkpoint)
 
     def _import(self, target: str) -> Any:
         module_name, _, attr = target.partition(":")
@@ -297,6 +314,21 @@ def reset_plugins() -> None:
     global _state
     with _lock:
         _state = None
+
+
+def plugin_executor(config: Any, registration: ModelRegistration) -> Any:
+    """The executor the plugin that registered ``registration`` builds for ``config``, or None."""
+    manager = load_plugins()
+    others = [p for p in manager.get_plugins() if manager.get_name(p) != registration.plugin]
+    caller = manager.subset_hook_caller("make_executor", remove_plugins=others)
+    try:
+        return caller(config=config, registration=registration)
+    except PegainferError:
+        raise
+    except Exception as exc:
+        raise PluginError(
+            f"the make_executor hook of {registration.origin} failed: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _entry_points() -> list[Any]:

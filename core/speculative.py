@@ -27,19 +27,23 @@ the pool is short.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from pegainfer.buffer_specs import BufferSpec, RecurrentStateSpec
 from pegainfer.buffers import BufferManager
 from pegainfer.errors import ConfigError
-from pegainfer.executor import DraftInput, Executor
+from pegainfer.model_batch import DraftInput
 from pegainfer.outputs import PositionLogprobs
 from pegainfer.request import Request, RequestStatus
 from pegainfer.sampler import Sampler
 from pegainfer.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
 #: ``append(request, token, logprobs)`` appends one token through the stop checks; False once finished.
+if TYPE_CHECKING:
+    from pegainfer.executor import Executor
+
 AppendToken = Callable[[Request, int, PositionLogprobs | None], bool]
 
 

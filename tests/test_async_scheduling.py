@@ -47,34 +47,34 @@ def _check_reused_batches(llm: LLM) -> list[int]:
     """Wrap the engine's batch building so every batch it hands the executor is compared with one built
     afresh for the same plan (chunk for chunk, the carried tokens the same tensor); counts the steps that
     moved last step's batch on instead of building one."""
-    engine = llm.engine
-    build = engine._build_batch
+    batches = llm.engine.batches
+    build = batches.build
     reused = [0]
     last: list[object] = [None]
 
-    def checked(plan):
-        batch = build(plan)
-        fresh = engine._new_batch(plan)
+    def checked(plan, pending, step):
+        batch = build(plan, pending, step)
+        fresh = batches._new_batch(plan, pending)
         assert batch.chunks == fresh.chunks
-        assert batch.carried_tokens is fresh.carried_tokens and batch.hidden_states is fresh.hidden_states
+        assert batch.carried_tokens is fresh.carried_tokens
         reused[0] += batch is last[0]
         last[0] = batch
         return batch
 
-    engine._build_batch = checked
+    batches.build = checked
     return reused
 
 
 def _count_moved_on_graph_steps(llm: LLM) -> list[int]:
     """Count the decode-graph steps the executor ran from the row inputs it kept for a moved-on batch."""
-    executor = llm.engine.executor
+    executor, runner = llm.engine.executor, llm.engine.executor.runner
     count = [0]
     execute = executor.execute
 
     def counting(batch):
-        kept = executor._graph_rows
+        kept = runner._graph_rows
         out = execute(batch)
-        count[0] += batch.moved_on and kept is not None and executor._graph_rows is kept
+        count[0] += batch.moved_on and kept is not None and runner._graph_rows is kept
         return out
 
     executor.execute = counting

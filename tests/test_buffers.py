@@ -7,6 +7,7 @@ import torch
 
 from pegainfer.buffer_specs import PagedKVSpec, PagedLatentSpec, RecurrentStateSpec
 from pegainfer.buffers import BlockPool, PagedBufferManager
+from pegainfer.device_buffers import DeviceBuffers
 from pegainfer.memory_plan import MemoryPlan, plan_memory
 from pegainfer.request import Request
 from pegainfer.sampling_params import SamplingParams
@@ -16,10 +17,8 @@ LATENT = PagedLatentSpec(layer_index=1, latent_dim=4, rope_dim=2, dtype=torch.fl
 STATE = RecurrentStateSpec(layer_index=2, shapes=(("conv", (2, 3)), ("ssm", (2, 2))), dtype=torch.float32)
 
 
-def make_manager(
-    num_blocks: int = 8, block_size: int = 4, num_state_slots: int = 0, specs: list | None = None
-) -> PagedBufferManager:
-    plan = MemoryPlan(
+def make_plan(num_blocks: int = 8, block_size: int = 4, num_state_slots: int = 0) -> MemoryPlan:
+    return MemoryPlan(
         budget=0,
         weight_bytes=0,
         block_size=block_size,
@@ -28,7 +27,10 @@ def make_manager(
         num_state_slots=num_state_slots,
         state_bytes_per_slot=1 if num_state_slots else 0,
     )
-    return PagedBufferManager([KV] if specs is None else specs, plan)
+
+
+def make_manager(num_blocks: int = 8, block_size: int = 4, num_state_slots: int = 0) -> PagedBufferManager:
+    return PagedBufferManager(make_plan(num_blocks, block_size, num_state_slots))
 
 
 def make_request(rid: str, prompt_len: int = 4) -> Request:
@@ -95,7 +97,7 @@ def test_allocate_slots_grows_table_append_only() -> None:
 def test_allocate_slots_takes_pages_exactly_when_the_held_ones_are_full() -> None:
     """One token at a time, a page is taken exactly at each page boundary; a freed (preempted) request
     starts again from no pages and no slot."""
-    mgr = make_manager(num_blocks=8, block_size=4, num_state_slots=2, specs=[KV, STATE])
+    mgr = make_manager(num_blocks=8, block_size=4, num_state_slots=2)
     req = make_request("r")
     for computed in range(12):
         req.num_computed_tokens = computed
@@ -168,33 +170,18 @@ def test_can_admit_checks_pages_without_allocating() -> None:
 # ------------------------------------------------------------------------------------ state slots
 
 
-def test_state_slot_per_request_zeroed_on_allocation() -> None:
-    """One slot per request, the same on every call; a newly taken slot is zeroed, the others untouched."""
-    mgr = make_manager(num_blocks=8, block_size=4, num_state_slots=2, specs=[KV, LATENT, STATE])
-    mgr.allocate_device_buffers()
-    assert mgr.caches[0].shape == KV.page_shape(8, 4)
-    assert mgr.caches[1].shape == LATENT.page_shape(8, 4)
-    assert mgr.states[2]["conv"].shape == (2, 2, 3) and mgr.states[2]["ssm"].shape == (2, 2, 2)
-    for t in mgr.states[2].values():
-        t.fill_(7.0)
-
+def test_state_slot_per_request() -> None:
+    """One slot per request, the same on every call, until it is freed; a freed slot is taken again."""
+    mgr = make_manager(num_blocks=8, block_size=4, num_state_slots=2)
     a, b, c = make_request("a"), make_request("b"), make_request("c")
     assert mgr.allocate_slots(a, 4)
     sa = mgr.state_slot("a")
     assert sa is not None
-    assert all(torch.all(t[sa] == 0) for t in mgr.states[2].values())
-    assert all(torch.all(t[1 - sa] == 7) for t in mgr.states[2].values())
-    # Later steps keep the slot and its contents.
-    for t in mgr.states[2].values():
-        t[sa] = 3.0
     a.num_computed_tokens = 4
     assert mgr.allocate_slots(a, 1)
-    assert mgr.state_slot("a") == sa and all(torch.all(t[sa] == 3) for t in mgr.states[2].values())
-
+    assert mgr.state_slot("a") == sa
     assert mgr.allocate_slots(b, 4)
-    sb = mgr.state_slot("b")
-    assert sb == 1 - sa
-    assert all(torch.all(t[sb] == 0) for t in mgr.states[2].values())
+    assert mgr.state_slot("b") == 1 - sa
 
     # Slots exhausted: c cannot be admitted although pages are free, and a failed try takes nothing.
     assert mgr.pool.num_free > 0
@@ -204,18 +191,31 @@ def test_state_slot_per_request_zeroed_on_allocation() -> None:
     assert mgr.pool.num_free == free_pages and mgr.state_slot("c") is None and mgr.block_table("c") == []
     mgr.check_invariants()
 
-    # Freeing a returns its slot; c takes it, zeroed again.
+    # Freeing a returns its slot; c takes it.
     mgr.free(a)
     assert mgr.state_slot("a") is None
     assert mgr.can_admit(c, 1) and mgr.allocate_slots(c, 1)
     assert mgr.state_slot("c") == sa
-    assert all(torch.all(t[sa] == 0) for t in mgr.states[2].values())
     mgr.check_invariants()
+
+
+def test_device_buffers_follow_the_plan_and_zero_only_the_slots_asked() -> None:
+    """Page pools and state pools at the plan's sizes; ``zero_slots`` clears the given slots and no other."""
+    buffers = DeviceBuffers([KV, LATENT, STATE], make_plan(8, 4, 3), torch.device("cpu"))
+    assert buffers.caches[0].shape == KV.page_shape(8, 4)
+    assert buffers.caches[1].shape == LATENT.page_shape(8, 4)
+    assert buffers.states[2]["conv"].shape == (3, 2, 3) and buffers.states[2]["ssm"].shape == (3, 2, 2)
+    for t in buffers.states[2].values():
+        t.fill_(7.0)
+    buffers.zero_slots([0, 2])
+    for t in buffers.states[2].values():
+        assert torch.all(t[0] == 0) and torch.all(t[2] == 0) and torch.all(t[1] == 7)
+    buffers.zero_slots([])  # nothing to do
 
 
 def test_state_slot_not_taken_when_pages_short() -> None:
     """A request refused for lack of pages does not keep a state slot."""
-    mgr = make_manager(num_blocks=1, block_size=4, num_state_slots=2, specs=[KV, STATE])
+    mgr = make_manager(num_blocks=1, block_size=4, num_state_slots=2)
     a, b = make_request("a"), make_request("b")
     assert mgr.allocate_slots(a, 4)
     assert not mgr.allocate_slots(b, 1)
@@ -236,7 +236,7 @@ def test_state_only_model_needs_no_pages() -> None:
         max_model_len=64,
     )
     assert plan.num_blocks == 0 and plan.num_state_slots == 1
-    mgr = PagedBufferManager([STATE], plan)
+    mgr = PagedBufferManager(plan)
     a, b = make_request("a"), make_request("b")
     assert mgr.can_admit(a, 4) and mgr.allocate_slots(a, 4)
     assert mgr.block_table("a") == [] and mgr.state_slot("a") == 0
@@ -250,7 +250,7 @@ def test_state_only_model_needs_no_pages() -> None:
 
 
 def _busy_manager() -> PagedBufferManager:
-    mgr = make_manager(num_blocks=6, block_size=4, num_state_slots=3, specs=[KV, STATE])
+    mgr = make_manager(num_blocks=6, block_size=4, num_state_slots=3)
     mgr.allocate_slots(make_request("a"), 8)
     mgr.allocate_slots(make_request("b"), 4)
     mgr.check_invariants()

@@ -167,7 +167,7 @@ def test_a_failing_detokenizer_ends_only_its_request(tiny_qwen3, async_schedulin
         engine.add_request(rid, None, params, prompt_token_ids=PROMPT)
     for _ in range(4):
         engine.step()
-    detok = engine._sequences["b"].detokenizer
+    detok = engine.outputs.sequences["b"].detokenizer
     update_one = detok.update_one
     calls = []
 

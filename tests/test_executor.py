@@ -1,15 +1,11 @@
-"""Executor capabilities: a model that does not embed on the device gets hidden states from the engine,
-and an executor that needs them but gets none fails with a clear error."""
+"""Executor capabilities: a model that does not embed on the device gets its input embeddings from its
+model runner (``batch.hidden_states``), with the same output as embedding inside the forward."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pegainfer import LLM, SamplingParams
-from pegainfer.errors import ExecutorError
-from pegainfer.executor import ModelBatch, SequenceChunk
-from pegainfer.request import Request
 from pegainfer_qwen3_14b.model import Qwen3ForCausalLM
 
 
@@ -19,6 +15,7 @@ class HostEmbeddedQwen3(Qwen3ForCausalLM):
     embeds_on_device = False
 
     def forward(self, batch, caches, states):
+        assert batch.hidden_states is not None, "the runner must embed for a model that does not"
         return self.run_layers(batch.hidden_states, batch, caches)
 
 
@@ -47,29 +44,6 @@ def device_embedded_tokens(tiny_qwen3):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_engine_passes_hidden_states_and_output_is_unchanged(device_embedded_tokens, host_llm):
+def test_runner_passes_hidden_states_and_output_is_unchanged(device_embedded_tokens, host_llm):
     host = host_llm.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in host] == device_embedded_tokens
-
-
-def test_missing_hidden_states_is_a_clear_error(host_llm):
-    engine = host_llm.engine
-    request = Request("r", [1, 2, 3], SamplingParams())
-    assert engine.buffers.allocate_slots(request, 3)
-    chunk = SequenceChunk("r", [1, 2, 3], 0, engine.buffers.block_table("r"), needs_logits=True)
-    with pytest.raises(ExecutorError, match="must carry hidden_states"):
-        engine.executor.execute(ModelBatch([chunk]))
-    engine.buffers.free(request)
-
-
-def test_device_embedding_executor_ignores_hidden_states(tiny_qwen3):
-    llm = LLM(str(tiny_qwen3), device="cpu", cpu_kv_cache_bytes=4 << 20)
-    engine = llm.engine
-    request = Request("r", [1, 2, 3], SamplingParams())
-    assert engine.buffers.allocate_slots(request, 3)
-    chunk = SequenceChunk("r", [1, 2, 3], 0, engine.buffers.block_table("r"), needs_logits=True)
-    assert engine.executor.capabilities.device_embedding
-    junk = torch.full((3, engine.model.dims.hidden_size), float("nan"))
-    logits = engine.executor.execute(ModelBatch([chunk], hidden_states=junk)).logits
-    assert torch.isfinite(logits).all()
-    engine.buffers.free(request)

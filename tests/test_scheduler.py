@@ -9,19 +9,15 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from pegainfer.buffer_specs import PagedKVSpec
 from pegainfer.buffers import PagedBufferManager
 from pegainfer.config import SchedulerConfig
 from pegainfer.memory_plan import MemoryPlan
 from pegainfer.request import Request, RequestStatus
 from pegainfer.sampling_params import SamplingParams
 from pegainfer.scheduler import ContinuousBatchingScheduler, SchedulerOutput
-
-SPECS = [PagedKVSpec(layer_index=0, num_kv_heads=1, head_dim=1, dtype=torch.float32)]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -32,7 +28,7 @@ def make_scheduler(
     num_blocks: int = 256, block_size: int = 4, **config: object
 ) -> tuple[ContinuousBatchingScheduler, PagedBufferManager]:
     plan = MemoryPlan(budget=0, weight_bytes=0, block_size=block_size, num_blocks=num_blocks, page_bytes=1)
-    buffers = PagedBufferManager(SPECS, plan)
+    buffers = PagedBufferManager(plan)
     return ContinuousBatchingScheduler(SchedulerConfig(**config), buffers), buffers
 
 

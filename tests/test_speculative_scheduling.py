@@ -41,7 +41,7 @@ def make_scheduler(
     num_blocks: int = 256, block_size: int = 4, **config: object
 ) -> tuple[ContinuousBatchingScheduler, PagedBufferManager]:
     plan = MemoryPlan(budget=0, weight_bytes=0, block_size=block_size, num_blocks=num_blocks, page_bytes=1)
-    buffers = PagedBufferManager(SPECS, plan)
+    buffers = PagedBufferManager(plan)
     return ContinuousBatchingScheduler(SchedulerConfig(**config), buffers), buffers
 
 

@@ -39,7 +39,7 @@ _BACKSTOP_S = 2.0
 def model_names(engine: AsyncLLMEngine, config: ServerConfig) -> list[str]:
     """The names a request's ``model`` may use: the served name first, then the path as configured."""
     llm = engine.engine
-    names = [config.served_model_name or Path(llm.loaded.folder).name]
+    names = [config.served_model_name or Path(llm.executor.info.folder).name]
     path = llm.config.model.path
     if path and path not in names:
         names.append(path)

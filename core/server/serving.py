@@ -86,7 +86,7 @@ class ServingBase:
         self.tokenizer = llm.tokenizer
         self.defaults: SamplingParams = llm.default_sampling_params()
         self.max_model_len = llm.max_model_len
-        self.vocab_size = int(getattr(llm.model, "vocab_size", None) or self.tokenizer.vocab_size)
+        self.vocab_size = int(llm.executor.info.vocab_size or self.tokenizer.vocab_size)
         self.model_names = model_names
         self.model_name = model_names[0]
 

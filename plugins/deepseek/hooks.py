@@ -21,6 +21,7 @@ def register_models(register: Callable[[ModelRegistration], None]) -> None:
             architectures=("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"),
             model_types=("deepseek_v3", "deepseek_v32"),
             description="DeepSeek-V3 / R1 and V3.2 (MLA, group-routed MoE)",
+            demo_checkpoint="pegainfer_deepseek.demo:write_v3_demo_checkpoint",
         )
     )
     register(
@@ -30,6 +31,7 @@ def register_models(register: Callable[[ModelRegistration], None]) -> None:
             architectures=("DeepseekV4ForCausalLM",),
             model_types=("deepseek_v4",),
             description="DeepSeek-V4 (mHC streams, sliding + compressed attention, hash-routed MoE)",
+            demo_checkpoint="pegainfer_deepseek.demo:write_v4_demo_checkpoint",
         )
     )
 

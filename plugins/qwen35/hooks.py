@@ -27,6 +27,7 @@ def register_models(register: Callable[[ModelRegistration], None]) -> None:
             ),
             model_types=("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
             description="Qwen3.5 hybrid (Gated DeltaNet + gated attention), dense and MoE",
+            demo_checkpoint="pegainfer_qwen35.demo:write_demo_checkpoint",
         )
     )
 

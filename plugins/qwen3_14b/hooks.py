@@ -21,6 +21,7 @@ def register_models(register: Callable[[ModelRegistration], None]) -> None:
             architectures=("Qwen3ForCausalLM",),
             model_types=("qwen3",),
             description="Qwen3 dense (any size; 14B is the flagship)",
+            demo_checkpoint="pegainfer_qwen3_14b.demo:write_demo_checkpoint",
         )
     )
 

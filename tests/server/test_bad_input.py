@@ -197,5 +197,5 @@ def test_unknown_fields_are_ignored(http: httpx.Client) -> None:
 
 
 def _assert_no_leak(message: str, server: ServerHandle) -> None:
-    folder = str(server.engine.engine.loaded.folder)
+    folder = str(server.engine.engine.executor.info.folder)
     assert folder not in message and "Traceback" not in message and ".py" not in message, message

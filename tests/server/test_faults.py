@@ -22,18 +22,18 @@ def poisoned(server: ServerHandle) -> Iterator[ServerHandle]:
     """Requests with seed=POISON_SEED raise inside the engine's per-token processing."""
 
     def patch(engine) -> None:
-        original = engine._append_token
+        original = engine.outputs.after_tokens
 
-        def append(seq, token, logprobs):
-            if seq.request.sampling_params.seed == POISON_SEED:
+        def after_tokens(done):
+            if any(seq.request.sampling_params.seed == POISON_SEED for seq, _, _ in done):
                 raise RuntimeError("injected failure in /very/secret/path.py")
-            return original(seq, token, logprobs)
+            return original(done)
 
-        engine._append_token = append
+        engine.outputs.after_tokens = after_tokens
 
     server.call(patch)
     yield server
-    server.call(lambda engine: engine.__dict__.pop("_append_token"))
+    server.call(lambda engine: engine.outputs.__dict__.pop("after_tokens"))
 
 
 def test_a_failing_request_gets_500_and_the_others_finish(poisoned: ServerHandle) -> None:

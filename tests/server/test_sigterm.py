@@ -117,6 +117,6 @@ def test_sigterm_drains_then_cuts_and_exits_0(tmp_path_factory: pytest.TempPathF
         -300:
     ]
     assert "Traceback" not in stderr, stderr[-3000:]
-    assert "serving 'demo-qwen3-tiny-v1'" in stderr
+    assert "serving 'demo-qwen3_14b-v1'" in stderr
     assert "draining open requests" in stderr
     assert "engine: prompt" in stderr  # the periodic status line

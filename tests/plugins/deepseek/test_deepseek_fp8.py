@@ -99,7 +99,7 @@ def test_every_tensor_and_scale_is_consumed(folders):
 def test_dequantized_weights_equal_hand_reference(fp8_llm, folders, name, loaded):
     with safe_open(str(folders[0] / "model.safetensors"), framework="pt") as f:
         expected = _hand_dequantize(f.get_tensor(name), f.get_tensor(name + "_scale_inv"))
-    assert torch.equal(loaded(fp8_llm.engine.model), expected)
+    assert torch.equal(loaded(fp8_llm.engine.executor.runner.model), expected)
 
 
 def test_greedy_equals_the_dequantized_model(fp8_llm, folders):

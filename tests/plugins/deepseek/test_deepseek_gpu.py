@@ -68,8 +68,7 @@ def gpu_checkpoint(tmp_path_factory):
 
 
 def _execute(engine, chunks):
-    tokens = [t for chunk in chunks for t in chunk.token_ids]
-    return engine.executor.execute(ModelBatch(chunks, hidden_states=engine.executor.embed(tokens)))
+    return engine.executor.execute(ModelBatch(chunks))
 
 
 @pytest.mark.parametrize("mode", ["batch1", "batched", "decode"])

@@ -105,7 +105,7 @@ def mtp_case(llm, tiny_deepseek):
     rng = random.Random(11)
     tokens = [rng.randrange(990) for _ in range(23)]
     hidden, ref = _reference_mtp(tiny_deepseek, tokens)
-    return llm.engine.model, tokens, hidden, ref
+    return llm.engine.executor.runner.model, tokens, hidden, ref
 
 
 def _mtp_cache(model, blocks: int = 8, block_size: int = 4) -> dict[int, torch.Tensor]:
@@ -114,7 +114,7 @@ def _mtp_cache(model, blocks: int = 8, block_size: int = 4) -> dict[int, torch.T
 
 
 def test_mtp_layer_has_its_own_latent_cache(llm):
-    model = llm.engine.model
+    model = llm.engine.executor.runner.model
     (spec,) = model.mtp_buffer_specs()
     assert spec.layer_index == model.dims.num_layers
     assert spec.latent_dim + spec.rope_dim == model.dims.kv_lora_rank + model.dims.qk_rope_head_dim
@@ -184,7 +184,10 @@ def test_checkpoint_without_mtp_layer_serves_without_drafting(tiny_checkpoint_fa
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     stripped = LLM(str(folder), dtype="float32", device="cpu", cpu_kv_cache_bytes=4 << 20)
     full = LLM(str(source), dtype="float32", device="cpu", cpu_kv_cache_bytes=4 << 20)
-    assert len(stripped.engine.model.mtp) == 0 and stripped.engine.model.mtp_buffer_specs() == []
+    assert (
+        len(stripped.engine.executor.runner.model.mtp) == 0
+        and stripped.engine.executor.runner.model.mtp_buffer_specs() == []
+    )
     prompt = [[5, 6, 7, 8, 9]]
     outs = [
         llm.generate(prompt_token_ids=prompt, sampling_params=params, use_tqdm=False)
@@ -199,5 +202,7 @@ def test_config_without_mtp_builds_no_module(tiny_checkpoint_factory):
 
     folder = tiny_checkpoint_factory("deepseek_v3", num_nextn_predict_layers=0)
     assert unused_checkpoint_tensors(folder) == []
-    model = LLM(str(folder), dtype="float32", device="cpu", cpu_kv_cache_bytes=4 << 20).engine.model
+    model = LLM(
+        str(folder), dtype="float32", device="cpu", cpu_kv_cache_bytes=4 << 20
+    ).engine.executor.runner.model
     assert len(model.mtp) == 0

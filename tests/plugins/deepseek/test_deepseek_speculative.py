@@ -93,14 +93,14 @@ def test_model_without_mtp_is_a_config_error(tiny_checkpoint_factory, tiny_qwen3
 def test_off_allocates_nothing_for_drafting(base: LLM) -> None:
     engine = base.engine
     assert engine.speculative is None and engine.executor.capabilities.max_speculative_tokens == 0
-    assert sorted(engine.buffers.caches) == [0, 1, 2]
+    assert sorted(engine.executor.runner.buffers.caches) == [0, 1, 2]
 
 
 def test_on_adds_the_mtp_cache_to_the_pages(tiny_deepseek: Path, base: LLM) -> None:
     engine = _llm(tiny_deepseek, 2).engine
     assert engine.executor.capabilities.max_speculative_tokens == 2
-    assert sorted(engine.buffers.caches) == [0, 1, 2, 3]
-    assert engine.plan.page_bytes == base.engine.plan.page_bytes * 4 // 3
+    assert sorted(engine.executor.runner.buffers.caches) == [0, 1, 2, 3]
+    assert engine.executor.plan.page_bytes == base.engine.executor.plan.page_bytes * 4 // 3
 
 
 # --------------------------------------------------------------------------------- output invariance
@@ -189,7 +189,7 @@ def _patch_drafter(
     tokens ("right"), wrong ones ("wrong"), or the first right and the rest wrong ("first")."""
     engine = llm.engine
     real = engine.executor.propose
-    vocab = engine.model.vocab_size
+    vocab = engine.executor.runner.model.vocab_size
 
     def propose(inputs):
         drafts = real(inputs)
@@ -316,7 +316,7 @@ def test_proposed_drafts_match_the_mtp_run_from_scratch(checkpoint: str, request
     assert sum(o.metrics.spec_draft_tokens for o in outs) > 0
     compared = 0
     for tokens, made in seen:
-        ref, gap = _reference_drafts(engine.model, tokens, len(made))
+        ref, gap = _reference_drafts(engine.executor.runner.model, tokens, len(made))
         if gap > 1e-3:  # a near tie may flip under a different summation order
             assert made == ref, f"after {len(tokens)} tokens"
             compared += 1

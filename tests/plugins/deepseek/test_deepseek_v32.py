@@ -53,7 +53,7 @@ def _prefill(llm: LLM, rid: str, tokens: list[int], all_logits: bool = True):
     chunk = SequenceChunk(
         rid, tokens, 0, engine.buffers.block_table(rid), needs_logits=True, all_logits=all_logits
     )
-    out = engine.executor.execute(ModelBatch([chunk], hidden_states=engine.executor.embed(tokens)))
+    out = engine.executor.execute(ModelBatch([chunk]))
     return request, out
 
 
@@ -89,15 +89,15 @@ def test_unsupported_v32_settings_are_refused(override, message):
 
 
 def test_every_layer_has_a_latent_and_an_indexer_cache(llm_v32):
-    dims = llm_v32.engine.model.dims
-    caches = llm_v32.engine.buffers.caches
+    dims = llm_v32.engine.executor.runner.model.dims
+    caches = llm_v32.engine.executor.runner.buffers.caches
     layers = list(range(dims.num_layers))
     assert sorted(caches) == layers + [INDEXER_CACHE_OFFSET + layer for layer in layers]
     for layer in layers:
         assert caches[layer].shape[-1] == dims.kv_lora_rank + dims.qk_rope_head_dim
         index_cache = caches[INDEXER_CACHE_OFFSET + layer]
         assert index_cache.shape == (*caches[layer].shape[:2], dims.indexer.head_dim)
-    assert llm_v32.engine.model.num_mtp_layers == 0
+    assert llm_v32.engine.executor.runner.model.num_mtp_layers == 0
 
 
 def test_checkpoint_tensors_are_all_read(tiny_v32):
@@ -108,7 +108,7 @@ def test_cached_indexer_keys_equal_transformers_cache(llm_v32, tiny_v32):
     """The roped (half-split) and normed indexer keys per token and layer, against transformers' cache."""
     prompt = random_prompts(9, [13])[0]
     request, _ = _prefill(llm_v32, "cache-probe", prompt, all_logits=False)
-    engine, dims = llm_v32.engine, llm_v32.engine.model.dims
+    engine, dims = llm_v32.engine, llm_v32.engine.executor.runner.model.dims
     bs = engine.buffers.block_size
     table = torch.tensor(engine.buffers.block_table("cache-probe"))
     positions = torch.arange(len(prompt))
@@ -117,7 +117,7 @@ def test_cached_indexer_keys_equal_transformers_cache(llm_v32, tiny_v32):
         hf_cache = hf_model(str(tiny_v32))(torch.tensor([prompt]), use_cache=True).cache
     try:
         for layer in range(dims.num_layers):
-            ours = engine.buffers.caches[INDEXER_CACHE_OFFSET + layer].flatten(0, 1)[slots]
+            ours = engine.executor.runner.buffers.caches[INDEXER_CACHE_OFFSET + layer].flatten(0, 1)[slots]
             ref = hf_cache.layers[layer].indexer_keys[0]
             torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
     finally:
@@ -168,12 +168,10 @@ def test_decode_logits_within_tolerance(llm_v32, tiny_v32):
     table = engine.buffers.block_table("decode-probe")
     ours = []
     chunk = SequenceChunk("decode-probe", tokens[:start], 0, table, needs_logits=True)
-    ours.append(executor.execute(ModelBatch([chunk], hidden_states=executor.embed(tokens[:start]))).logits[0])
+    ours.append(executor.execute(ModelBatch([chunk])).logits[0])
     for pos in range(start, len(tokens)):
         chunk = SequenceChunk("decode-probe", [tokens[pos]], pos, table, needs_logits=True)
-        ours.append(
-            executor.execute(ModelBatch([chunk], hidden_states=executor.embed([tokens[pos]]))).logits[0]
-        )
+        ours.append(executor.execute(ModelBatch([chunk])).logits[0])
     engine.buffers.free(request)
     ref = hf_logits(tiny_v32, tokens)[start - 1 :]
     err = relative_error(torch.stack(ours), ref)

@@ -62,7 +62,7 @@ def _run_chunks(llm: LLM, rid: str, tokens: list[int], cuts: list[int]) -> list[
     for end in [*cuts, len(tokens)]:
         part = tokens[start:end]
         chunk = SequenceChunk(rid, part, start, table, needs_logits=True, all_logits=True, state_slot=slot)
-        out = executor.execute(ModelBatch([chunk], hidden_states=executor.embed(part)))
+        out = executor.execute(ModelBatch([chunk]))
         logits.append(out.all_logits[rid])
         start = end
     engine.buffers.free(request)
@@ -75,8 +75,8 @@ def _run_chunks(llm: LLM, rid: str, tokens: list[int], cuts: list[int]) -> list[
 def test_buffers_per_layer_kind(llm_v4):
     """Every layer has a state slot (window ring, compressor rings); CSA/HCA layers page their compressed
     entries, CSA layers their indexer keys too; the memory plan counts every page of them."""
-    engine, dims = llm_v4.engine, llm_v4.engine.model.dims
-    specs = engine.model.buffer_specs()
+    engine, dims = llm_v4.engine, llm_v4.engine.executor.runner.model.dims
+    specs = engine.executor.runner.model.buffer_specs()
     states = {s.layer_index: dict(s.shapes) for s in specs if isinstance(s, RecurrentStateSpec)}
     paged = {s.layer_index: s for s in specs if isinstance(s, PagedCompressedSpec)}
     assert states[0] == {"window": (8, 32)}  # sliding only
@@ -90,7 +90,7 @@ def test_buffers_per_layer_kind(llm_v4):
     assert plan.state_bytes_per_slot == sum(
         s.bytes_per_request for s in specs if isinstance(s, RecurrentStateSpec)
     )
-    assert engine.buffers.caches[2].shape[1:] == (-(-bs // 8), dims.head_dim)
+    assert engine.executor.runner.buffers.caches[2].shape[1:] == (-(-bs // 8), dims.head_dim)
 
 
 def test_checkpoint_tensors_are_all_read(tiny_v4):

@@ -1,8 +1,9 @@
 """DeepSeek-V3 on the reference path against HF transformers, float32: greedy tokens identical, logits close.
 
 Prefill runs the expanded MLA form, decode the absorbed form over the latent cache; both are compared
-with transformers' teacher-forced logits. The model takes host hidden states (``embeds_on_device`` False):
-through ``LLM`` the engine provides them, a bare executor call without them fails clearly.
+with transformers' teacher-forced logits. The model takes prepared hidden states (``embeds_on_device``
+False): its model runner embeds the batch's tokens before the forward; the model called without them
+fails clearly.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import torch
 from pegainfer import LLM, SamplingParams
 from pegainfer.errors import ExecutorError
 from pegainfer.executor import ModelBatch, SequenceChunk
+from pegainfer.layers.attention import AttentionMetadata
+from pegainfer.model_api import ForwardBatch
 from pegainfer.request import Request
 from pegainfer.testing.conformance import (
     assert_chunked_prefill_matches_hf,
@@ -50,8 +53,8 @@ def test_preempted_run_matches_hf(tiny_deepseek):
 
 
 def test_cache_holds_the_compressed_latent_only(llm):
-    dims = llm.engine.model.dims
-    caches = llm.engine.buffers.caches
+    dims = llm.engine.executor.runner.model.dims
+    caches = llm.engine.executor.runner.buffers.caches
     assert sorted(caches) == list(range(dims.num_layers))
     for cache in caches.values():
         assert cache.shape[-1] == dims.kv_lora_rank + dims.qk_rope_head_dim
@@ -65,7 +68,7 @@ def test_cached_latents_equal_transformers_cache(llm, tiny_deepseek):
 
     prompt = random_prompts(9, [13])[0]
     request, _ = _prefill(llm, "cache-probe", prompt, all_logits=False)
-    engine, dims = llm.engine, llm.engine.model.dims
+    engine, dims = llm.engine, llm.engine.executor.runner.model.dims
     table = torch.tensor(engine.buffers.block_table("cache-probe"))
     positions = torch.arange(len(prompt))
     slots = (
@@ -76,7 +79,7 @@ def test_cached_latents_equal_transformers_cache(llm, tiny_deepseek):
         hf_cache = hf_model(str(tiny_deepseek))(torch.tensor([prompt]), use_cache=True).cache
     try:
         for layer in range(dims.num_layers):
-            ours = engine.buffers.caches[layer].flatten(0, 1)[slots]
+            ours = engine.executor.runner.buffers.caches[layer].flatten(0, 1)[slots]
             latent, k_pe = ours[:, : dims.kv_lora_rank], ours[:, dims.kv_lora_rank :]
             k_pe = torch.cat([k_pe[:, 0::2], k_pe[:, 1::2]], dim=-1)
             torch.testing.assert_close(latent, hf_cache.layers[layer].keys[0, 0], rtol=1e-5, atol=1e-5)
@@ -92,7 +95,7 @@ def _prefill(llm: LLM, rid: str, tokens: list[int], all_logits: bool = True):
     chunk = SequenceChunk(
         rid, tokens, 0, engine.buffers.block_table(rid), needs_logits=True, all_logits=all_logits
     )
-    out = engine.executor.execute(ModelBatch([chunk], hidden_states=engine.executor.embed(tokens)))
+    out = engine.executor.execute(ModelBatch([chunk]))
     return request, out
 
 
@@ -119,12 +122,10 @@ def test_decode_logits_within_tolerance(llm, tiny_deepseek):
     _, out = _prefill(llm, "other", random_prompts(6, [7])[0])  # unrelated pages in between
     ours = []
     chunk = SequenceChunk("decode-probe", tokens[:start], 0, table, needs_logits=True)
-    ours.append(executor.execute(ModelBatch([chunk], hidden_states=executor.embed(tokens[:start]))).logits[0])
+    ours.append(executor.execute(ModelBatch([chunk])).logits[0])
     for pos in range(start, len(tokens)):
         chunk = SequenceChunk("decode-probe", [tokens[pos]], pos, table, needs_logits=True)
-        ours.append(
-            executor.execute(ModelBatch([chunk], hidden_states=executor.embed([tokens[pos]]))).logits[0]
-        )
+        ours.append(executor.execute(ModelBatch([chunk])).logits[0])
     engine.buffers.free(request)
     engine.buffers.free(Request("other", [0], GREEDY))
     ref = hf_logits(tiny_deepseek, tokens)[start - 1 :]
@@ -180,31 +181,30 @@ def test_checkpoint_variants_match_hf(tiny_checkpoint_factory, options):
 
 
 def test_executor_declares_host_embedding(llm):
-    assert llm.engine.model.embeds_on_device is False
+    assert llm.engine.executor.runner.model.embeds_on_device is False
     assert llm.engine.executor.capabilities.device_embedding is False
 
 
 def test_missing_hidden_states_is_a_clear_error(llm):
-    engine = llm.engine
-    request = Request("r", [1, 2, 3], GREEDY)
-    assert engine.buffers.allocate_slots(request, 3)
-    chunk = SequenceChunk("r", [1, 2, 3], 0, engine.buffers.block_table("r"), needs_logits=True)
-    try:
-        with pytest.raises(ExecutorError, match="must carry hidden_states"):
-            engine.executor.execute(ModelBatch([chunk]))
-    finally:
-        engine.buffers.free(request)
+    model = llm.engine.executor.runner.model
+    ids = torch.tensor([1, 2, 3])
+    meta = AttentionMetadata(block_size=16, slot_mapping=ids, prefills=[], num_prefill_tokens=3)
+    with pytest.raises(ExecutorError, match="must carry hidden_states"):
+        model(ForwardBatch(ids, torch.arange(3), meta), {}, {})
 
 
-def test_forward_reads_the_hidden_states_not_the_token_ids(llm, tiny_deepseek):
-    # Token ids say one prompt, hidden states another: the logits follow the hidden states.
+def test_forward_reads_the_hidden_states_not_the_token_ids(llm, tiny_deepseek, monkeypatch):
+    # Token ids say one prompt, the runner's embeddings another: the logits follow the embeddings.
     engine = llm.engine
     said, meant = random_prompts(8, [6, 6])
+    model = engine.executor.runner.model
+    embed = model.embed
+    monkeypatch.setattr(model, "embed", lambda ids: embed(torch.tensor(meant)))
     request = Request("r", said, GREEDY)
     assert engine.buffers.allocate_slots(request, len(said))
     chunk = SequenceChunk("r", said, 0, engine.buffers.block_table("r"), needs_logits=True)
     try:
-        out = engine.executor.execute(ModelBatch([chunk], hidden_states=engine.executor.embed(meant)))
+        out = engine.executor.execute(ModelBatch([chunk]))
     finally:
         engine.buffers.free(request)
     assert relative_error(out.logits[0], hf_logits(tiny_deepseek, meant)[-1]) < 1e-4

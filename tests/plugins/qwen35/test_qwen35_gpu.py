@@ -111,7 +111,7 @@ def test_bf16_decode_logits_match_hf(llm, folder):
 def test_prefill_forward_stays_within_its_transient_reserve(llm):
     """Device memory a prefill forward allocates beyond what existed before it (pass buffers and the
     reference path's temporaries) fits in the ``transient_specs`` reserve for that many tokens."""
-    model = llm.engine.model
+    model = llm.engine.executor.runner.model
     forward = model.forward
     measured: list[tuple[int, int]] = []
 

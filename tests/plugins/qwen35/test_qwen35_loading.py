@@ -111,13 +111,13 @@ def test_buffer_specs_follow_layer_types(tiny_qwen35):
     from pegainfer.buffer_specs import PagedKVSpec, RecurrentStateSpec
 
     llm = LLM(str(tiny_qwen35), dtype="float32", device="cpu", cpu_kv_cache_bytes=8 << 20)
-    config = llm.engine.model.config
-    specs = llm.engine.model.buffer_specs()
+    config = llm.engine.executor.runner.model.config
+    specs = llm.engine.executor.runner.model.buffer_specs()
     for spec, kind in zip(specs, config.layer_types, strict=True):
         assert isinstance(spec, PagedKVSpec if kind == "full_attention" else RecurrentStateSpec)
     engine = llm.engine
-    assert set(engine.buffers.caches) == set(config.layers_of("full_attention"))
-    assert set(engine.buffers.states) == set(config.layers_of("linear_attention"))
-    ssm = engine.buffers.states[0]["ssm"]
+    assert set(engine.executor.runner.buffers.caches) == set(config.layers_of("full_attention"))
+    assert set(engine.executor.runner.buffers.states) == set(config.layers_of("linear_attention"))
+    ssm = engine.executor.runner.buffers.states[0]["ssm"]
     assert ssm.dtype == torch.float32 and ssm.shape[1:] == (4, 16, 24)
-    assert engine.plan.num_state_slots == engine.config.scheduler.max_num_seqs
+    assert engine.executor.plan.num_state_slots == engine.config.scheduler.max_num_seqs

@@ -25,7 +25,7 @@ def test_declared_bytes_equal_what_a_chunk_allocates(tiny_qwen35):
         max_num_seqs=seqs,
         cpu_kv_cache_bytes=4 << 20,
     )
-    model = llm.engine.model
+    model = llm.engine.executor.runner.model
     allocated: list[pass_buffers.PassBuffers] = []
     allocate = model.allocate_pass_buffers
 
@@ -53,7 +53,7 @@ def test_declared_bytes_equal_what_a_chunk_allocates(tiny_qwen35):
     unwritten = [name for name, tensor in bufs.tensors.items() if tensor.isnan().any()]
     assert unwritten == []
     # The memory plan reserved every role at the step's token budget, before sizing the page pool.
-    plan = llm.engine.plan
+    plan = llm.engine.executor.plan
     for role, spec in specs.items():
         assert plan.transients[role] == spec.bytes_for(budget, seqs) > 0
     assert plan.budget - plan.weight_bytes - plan.transient_bytes - plan.state_bytes >= plan.kv_bytes

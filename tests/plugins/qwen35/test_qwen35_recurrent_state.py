@@ -125,7 +125,7 @@ def _prefill_in_chunks(
         slot = buffers.state_slot(rid)
         return {
             layer: {name: pool[slot].clone() for name, pool in pools.items()}
-            for layer, pools in buffers.states.items()
+            for layer, pools in engine.executor.runner.buffers.states.items()
         }
     finally:
         buffers.free(request)
@@ -136,7 +136,7 @@ def test_state_after_one_chunk_equals_several_chunks_and_decode(llm):
     one = _prefill_in_chunks(llm, "one", prompt, [40])
     chunks = _prefill_in_chunks(llm, "chunks", prompt, [3, 5, 1, 7, 24])
     decoded = _prefill_in_chunks(llm, "decoded", prompt, [30] + [1] * 10)
-    config = llm.engine.model.config
+    config = llm.engine.executor.runner.model.config
     gdn_layers = [i for i, t in enumerate(config.layer_types) if t == "linear_attention"]
     assert sorted(one) == gdn_layers  # only GDN layers hold slot state
     for layer in gdn_layers:
@@ -161,6 +161,6 @@ def test_decode_rows_update_their_slots_in_one_batched_step(llm, monkeypatch):
     calls.clear()
     batched = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in batched] == [o.outputs[0].token_ids for o in single]
-    gdn_layers = llm.engine.model.config.layer_types.count("linear_attention")
+    gdn_layers = llm.engine.executor.runner.model.config.layer_types.count("linear_attention")
     # One prefill step, then 7 decode steps of all three rows: one batched update per GDN layer per step.
     assert calls == [3] * (7 * gdn_layers)

@@ -105,7 +105,7 @@ def test_decode_rewrites_block_table_rows_only_when_pages_change(tiny_qwen3):
     llm = LLM(str(tiny_qwen3), dtype="float32", device="cpu", block_size=4, cpu_kv_cache_bytes=4 << 20)
     prompts = random_prompts(6, [3, 6, 9])
     greedy_token_ids(llm, prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-    decode = llm.engine.executor.decode
+    decode = llm.engine.executor.runner.decode
     # Each request's final table has ceil(len/4) pages; a row is written once per page plus the pages that
     # existed when it first decoded. Rewriting whole rows every step would write far more.
     pages = sum(-(-(len(p) + 20) // 4) for p in prompts)
