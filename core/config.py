@@ -52,6 +52,9 @@ class SchedulerConfig(_Section):
 
 class ParallelConfig(_Section):
     tensor_parallel_size: int = Field(default=1, ge=1)
+    #: Seconds a tensor-parallel rank waits for the others (joining, a collective, a step's plan) before
+    #: the executor fails: a rank that dies or hangs fails the open requests instead of hanging them.
+    timeout_s: float = Field(default=300.0, gt=0.0)
 
 
 class SpeculativeConfig(_Section):

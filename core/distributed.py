@@ -44,6 +44,12 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: Any = None
+    #: The rank's index among the ranks of its host: its GPU there (``torchrun``'s ``LOCAL_RANK``).
+    local_rank: int | None = None
+
+    @property
+    def device_index(self) -> int:
+        return self.rank if self.local_rank is None else self.local_rank
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size or (self.group is None) != (self.size == 1):
@@ -89,9 +95,10 @@ class TensorParallel:
         """The ranks' ``x`` (equal shapes) concatenated along ``dim`` in rank order."""
         if self.group is None:
             return x
-        out = x.new_empty((self.size, *x.shape))
-        self.group._allgather_base(out, x.contiguous()).wait()
-        return torch.cat(out.unbind(0), dim=dim)
+        x = x.contiguous()
+        out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
+        self.group._allgather_base(out, x).wait()
+        return torch.cat(out.view(self.size, *x.shape).unbind(0), dim=dim)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank ``src``'s ``x`` written into every rank's ``x``, in place; returns ``x``."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from pegainfer.config import EngineConfig
-from pegainfer.errors import ConfigError, ExecutorError, PluginError
+from pegainfer.errors import ExecutorError, PluginError
 from pegainfer.memory_plan import MemoryPlan
 from pegainfer.model_batch import (
     DraftInput,
@@ -111,5 +111,7 @@ def build_executor(config: EngineConfig) -> Executor:
             )
         return made
     if config.parallel.tensor_parallel_size > 1:
-        raise ConfigError("parallel.tensor_parallel_size (tp) > 1 is not implemented yet; run with tp=1")
+        from pegainfer.tp_executor import TensorParallelExecutor
+
+        return TensorParallelExecutor(config)
     return LocalExecutor(config)

@@ -78,7 +78,7 @@ def pick_rank_device(name: str, tp: TensorParallel) -> torch.device:
     if device.type == "cuda" and tp.size > 1:
         if device.index not in (None, 0):
             raise ConfigError(f"device: '{name}' with tp={tp.size}; tensor-parallel ranks take cuda:0..tp-1")
-        return torch.device("cuda", tp.rank)
+        return torch.device("cuda", tp.device_index)
     return device
 
 

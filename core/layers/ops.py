@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from pegainfer.distributed import TensorParallel
 from pegainfer.layers.activation import silu_mul as silu_mul_ref
 from pegainfer.layers.attention import AttentionMetadata, paged_attention, use_triton, write_kv
 from pegainfer.layers.norm import rms_norm as rms_norm_ref
@@ -82,17 +83,25 @@ def norm_linear(
 
 
 def residual_linear(
-    x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor
+    x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, tp: TensorParallel | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``x @ w.T`` for the residual stream: added inside the GEMM where the skinny kernel runs (returns
-    (residual updated in place, None)), else returned as the delta that the next :func:`norm_linear`
-    adds in its fused norm (returns (residual, delta))."""
+    (the new residual, None)), else returned as the delta that the next :func:`norm_linear` adds in its
+    fused norm (returns (residual, delta)).
+
+    With ``tp`` the projection is row-parallel (``w`` holds this rank's input columns) and its partial
+    sums are all-reduced; inside the GEMM rank 0 alone adds the residual before the reduce, so the other
+    ranks' residual is the reduced tensor returned (not the one passed in)."""
     if use_triton(x):
         from pegainfer.kernels import skinny_gemm
 
         if skinny_gemm.takes_kernel(x):
-            return skinny_gemm.skinny_linear_triton(x, w, residual=residual), None
-    return residual, linear(x, w)
+            if tp is None or tp.size == 1:
+                return skinny_gemm.skinny_linear_triton(x, w, residual=residual), None
+            partial = skinny_gemm.skinny_linear_triton(x, w, residual=residual if tp.rank == 0 else None)
+            return tp.all_reduce(partial), None
+    delta = linear(x, w)
+    return residual, (delta if tp is None else tp.all_reduce(delta))
 
 
 def qk_norm_rope_attention(
