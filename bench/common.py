@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import platform
 import statistics
 import subprocess
 import time
@@ -140,6 +141,15 @@ class Results:
         with open(self.path, "a") as f:
             for row in self.rows:
                 f.write(json.dumps(row) + "\n")
+
+
+def cpu_name() -> str:
+    """The host CPU's model name, for the records of the CPU benchmarks."""
+    info = Path("/proc/cpuinfo")
+    for line in info.read_text().splitlines() if info.exists() else []:
+        if line.startswith("model name"):
+            return "CPU " + line.split(":", 1)[1].strip()
+    return "CPU " + (platform.processor() or platform.machine())
 
 
 def _git_commit() -> str:

@@ -36,7 +36,6 @@ import collections
 import cProfile
 import itertools
 import os
-import platform
 import pstats
 import random
 import statistics
@@ -48,7 +47,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import Results, check_all_running, start_decoding
+from common import Results, check_all_running, cpu_name, start_decoding
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pegainfer.llm import LLM
@@ -221,13 +220,6 @@ def bench_host(
     return figures
 
 
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return "CPU " + line.split(":", 1)[1].strip()
-    return "CPU " + (platform.processor() or platform.machine())
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/host_overhead.jsonl"))
@@ -253,7 +245,7 @@ def main() -> None:
     torch.set_num_threads(1)  # the tiny model's matrices: thread hand-offs cost more than the arithmetic
     batches = [int(b) for b in args.batches.split(",") if b]
     sync = [int(b) for b in args.sync.split(",") if b]
-    results = Results(args.out, "python " + " ".join(sys.argv), args.commit, device=_cpu_name())
+    results = Results(args.out, "python " + " ".join(sys.argv), args.commit, device=cpu_name())
     folder = write_tiny_checkpoint(
         tempfile.mkdtemp(prefix="host-overhead-"), "qwen3", max_position_embeddings=args.ctx + args.steps + 64
     )

@@ -161,8 +161,23 @@ def _hydra_command(command: str, args: list[str], run: Callable[[DictConfig], No
     return 0
 
 
+def _serve_other_rank(cfg: DictConfig) -> bool:
+    """Under ``torchrun`` only rank 0 runs the command (the engine, the server); any other rank becomes a
+    tensor-parallel worker of the same composed config. Returns whether this process was such a rank."""
+    from pegainfer.tp_launch import launched_by_torchrun, torchrun_rank
+
+    if not launched_by_torchrun() or torchrun_rank() == 0:
+        return False
+    from pegainfer.tp_worker import run_torchrun_rank
+
+    run_torchrun_rank(build_engine_config(cfg))
+    return True
+
+
 def run_serve(cfg: DictConfig) -> None:
     """Serve the engine of a composed ``serve`` config over HTTP."""
+    if _serve_other_rank(cfg):
+        return
     engine_config = build_engine_config(cfg)
     server_config = build_server_config(cfg)
     from pegainfer.server.app import run_server  # heavy (torch, FastAPI): imported only when serving
@@ -172,6 +187,8 @@ def run_serve(cfg: DictConfig) -> None:
 
 def run_generate(cfg: DictConfig) -> None:
     """Build the engine from a composed ``generate`` config and print each completion to stdout."""
+    if _serve_other_rank(cfg):
+        return
     engine_config = build_engine_config(cfg)
     sampling_params = build_sampling_params(cfg)
     prompt_config = build_prompt_config(cfg)
@@ -179,10 +196,13 @@ def run_generate(cfg: DictConfig) -> None:
 
     llm = LLM.from_config(engine_config)
     prompts = prompt_config.all_prompts
-    if prompt_config.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], sampling_params)
-    else:
-        outputs = llm.generate(prompts, sampling_params)
+    try:
+        if prompt_config.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], sampling_params)
+        else:
+            outputs = llm.generate(prompts, sampling_params)
+    finally:
+        llm.engine.shutdown()  # tensor-parallel workers end with the command
     several = len(prompts) * sampling_params.n > 1
     for i, output in enumerate(outputs):
         for completion in output.outputs:

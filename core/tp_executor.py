@@ -114,12 +114,13 @@ class TensorParallelExecutor(Executor):
                 raise
             # Rank 0's own clear error (a ConfigError naming head counts, a CheckpointError naming a
             # tensor) stays as it is; anything else is most likely a rank that failed under it.
-            own = isinstance(exc, PegainferError) and not isinstance(exc, ExecutorError)
-            worker = None if own else self._await_worker_failure()
-            failure = self._poison(worker or f"tensor-parallel rank 0 failed: {type(exc).__name__}: {exc}")
-            if own:
+            if isinstance(exc, PegainferError) and not isinstance(exc, ExecutorError):
+                self._poison(f"tensor-parallel rank 0 failed: {type(exc).__name__}: {exc}", quiet=True)
                 raise
-            raise failure from exc
+            worker = self._await_worker_failure()
+            raise self._poison(
+                worker or f"tensor-parallel rank 0 failed: {type(exc).__name__}: {exc}"
+            ) from exc
 
     # ------------------------------------------------------------------------------------------ health
 
@@ -138,7 +139,10 @@ class TensorParallelExecutor(Executor):
         ended = self._ranks.ended()
         if not ended:
             return None
-        return f"tensor-parallel rank {ended[0]} failed: {self._ranks.failure(ended[0])}"
+        report = self._ranks.failure(ended[0])
+        if "\n" in report:
+            logger.error("tensor-parallel rank %d: %s", ended[0], report)
+        return f"tensor-parallel rank {ended[0]} failed: {report.splitlines()[0]}"
 
     def _start_monitor(self) -> None:
         if self._ranks is None:
@@ -157,10 +161,13 @@ class TensorParallelExecutor(Executor):
 
         threading.Thread(target=monitor, name="pegainfer-tp-monitor", daemon=True).start()
 
-    def _poison(self, message: str) -> ExecutorError:
+    def _poison(self, message: str, *, quiet: bool = False) -> ExecutorError:
+        """Fail the executor with ``message`` (the first failure wins); ``quiet``: the caller raises an
+        error of its own that says it all, so nothing is logged."""
         if self._failure is None:
             self._failure = ExecutorError(message)
-            logger.error("%s; the executor stops", message)
+            if not quiet:
+                logger.error("%s; the executor stops", message)
             group = getattr(getattr(self, "tp", None), "group", None)
             if group is not None:
                 try:  # wakes rank 0 if it waits in a collective for the failed rank

@@ -20,6 +20,7 @@ import pickle
 import select
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -96,6 +97,7 @@ class SpawnedRanks:
         self._errors: list[int] = []  # our read ends of the children's error pipes
         self._lifelines: list[int] = []  # our write ends of the children's lifelines
         self._reports: dict[int, str] = {}
+        self._reading = threading.Lock()  # the monitor thread and a failed step may both ask
         try:
             for rank in range(1, size):
                 self._start(rank, size, config, channel)
@@ -155,11 +157,20 @@ class SpawnedRanks:
         return list(self._errors)
 
     def ended(self) -> list[int]:
-        """The ranks whose process has ended."""
-        return [rank for rank, p in enumerate(self.processes, start=1) if p.poll() is not None]
+        """The ranks whose process has ended, or is ending: its error pipe has a report or is closed."""
+        ending = set(select.select(self._errors, [], [], 0)[0])
+        return [
+            rank
+            for rank, (process, fd) in enumerate(zip(self.processes, self._errors, strict=True), start=1)
+            if process.poll() is not None or fd in ending
+        ]
 
     def failure(self, rank: int) -> str:
         """Rank ``rank``'s own error message, if it sent one, else how it ended."""
+        with self._reading:
+            return self._report(rank)
+
+    def _report(self, rank: int) -> str:
         if rank not in self._reports:
             fd, process = self._errors[rank - 1], self.processes[rank - 1]
             chunks = []

@@ -255,13 +255,6 @@ def test_output_kinds_carry_the_same_result(llm, kind):
         assert final.token_ids == reference.token_ids and final.text == reference.text
 
 
-def test_tensor_parallel_is_refused_until_it_exists(tiny_qwen3):
-    from pegainfer.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="tensor_parallel_size"):
-        LLM(str(tiny_qwen3), device="cpu", tensor_parallel_size=2)
-
-
 def test_reused_request_id_does_not_alias_old_decode_state(tiny_qwen3):
     """A finished request's id may be reused; the new request must not read the old one's cached rows."""
     llm = LLM(str(tiny_qwen3), device="cpu", cpu_kv_cache_bytes=4 << 20)

@@ -351,3 +351,57 @@ def test_lazy_imports_name_the_plugin_and_package_on_failure() -> None:
         ModelRegistration(name="z", model_class="pegainfer.config:EngineConfig").load_model_class().__name__
         == "EngineConfig"
     )
+
+
+def test_make_executor_hook_builds_the_executor_of_its_own_models_only(tiny_qwen3) -> None:
+    """The plugin that registered a model may build its executor; no other plugin is asked."""
+    from pegainfer.executor import LocalExecutor
+    from pegainfer.llm import LLM
+
+    class CountingExecutor(LocalExecutor):
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.steps = 0
+
+        def execute(self, batch: Any) -> Any:
+            self.steps += 1
+            return super().execute(batch)
+
+    asked: list[str] = []
+
+    def own(config: Any, registration: ModelRegistration) -> Any:
+        asked.append(f"own:{registration.name}")
+        return CountingExecutor(config)
+
+    def other(config: Any, registration: ModelRegistration) -> Any:
+        asked.append(f"other:{registration.name}")
+        return None
+
+    counted = ModelRegistration("counted_qwen3", "pegainfer_qwen3_14b.model:Qwen3ForCausalLM")
+    load_plugins(
+        extra=[
+            make_plugin("counting", (counted,), extra_hooks={"make_executor": own}),
+            make_plugin("bystander", (), extra_hooks={"make_executor": other}),
+        ],
+        entry_points=False,
+    )
+    from pegainfer.config import EngineConfig
+
+    config = EngineConfig(model=ModelConfig(name="counted_qwen3", path=str(tiny_qwen3)), device="cpu")
+    llm = LLM.from_config(config)
+    out = llm.generate(prompt_token_ids=[[1, 2, 3]], use_tqdm=False)
+    assert out[0].outputs[0].token_ids
+    assert isinstance(llm.engine.executor, CountingExecutor) and llm.engine.executor.steps > 0
+    assert asked == ["own:counted_qwen3"]
+
+
+def test_make_executor_returning_something_else_names_the_plugin(tiny_qwen3) -> None:
+    from pegainfer.config import EngineConfig
+    from pegainfer.executor import build_executor
+
+    broken = ModelRegistration("odd_qwen3", "pegainfer_qwen3_14b.model:Qwen3ForCausalLM")
+    plugin = make_plugin("odd", (broken,), extra_hooks={"make_executor": lambda config, registration: 42})
+    load_plugins(extra=[plugin], entry_points=False)
+    config = EngineConfig(model=ModelConfig(name="odd_qwen3", path=str(tiny_qwen3)), device="cpu")
+    with pytest.raises(PluginError, match="plugin 'odd'.*make_executor returned int"):
+        build_executor(config)

@@ -96,7 +96,7 @@ def residual_linear(
         from pegainfer.kernels import skinny_gemm
 
         if skinny_gemm.takes_kernel(x):
-            if tp is None or tp.size == 1:
+            if tp is None or tp.group is None:
                 return skinny_gemm.skinny_linear_triton(x, w, residual=residual), None
             partial = skinny_gemm.skinny_linear_triton(x, w, residual=residual if tp.rank == 0 else None)
             return tp.all_reduce(partial), None

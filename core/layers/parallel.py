@@ -16,7 +16,7 @@ from pegainfer.distributed import TensorParallel
 
 def vocab_parallel_embed(token_ids: torch.Tensor, weight: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """Rows of the full embedding table for ``token_ids``, from this rank's shard ``weight``."""
-    if tp.size == 1:
+    if tp.group is None:
         return F.embedding(token_ids, weight)
     rows = weight.shape[0]
     local = token_ids - tp.rank * rows
@@ -27,7 +27,7 @@ def vocab_parallel_embed(token_ids: torch.Tensor, weight: torch.Tensor, tp: Tens
 
 def gather_logits(local: torch.Tensor, tp: TensorParallel, vocab_size: int) -> torch.Tensor:
     """The full ``[N, vocab_size]`` logits from each rank's ``[N, rows]`` (float32, as the sampler takes)."""
-    if tp.size == 1:
+    if tp.group is None:
         return local.float()
     full = tp.all_gather(local, dim=-1)
     return (full if full.shape[-1] == vocab_size else full[..., :vocab_size]).float()

@@ -214,3 +214,85 @@ def unused_checkpoint_tensors(folder: str | Path, name: str = "auto") -> list[st
     reader = CheckpointReader(folder)
     loaded.model.load_weights(reader)
     return reader.unused()
+
+
+def _tp_llm(folder: str | Path, tp: int, **options: Any) -> Any:
+    from pegainfer.llm import LLM
+
+    base = dict(dtype="float32", device="cpu", cpu_kv_cache_bytes=8 << 20, tensor_parallel_size=tp)
+    return LLM(str(folder), **{**base, **options})
+
+
+def assert_tensor_parallel_matches(
+    folder: str | Path,
+    *,
+    tp: int = 2,
+    async_scheduling: bool = False,
+    speculative_num_tokens: int = 0,
+    max_tokens: int = 12,
+    pages: int = 14,
+) -> None:
+    """A ``tp``-rank run of the checkpoint in ``folder`` (float32, CPU, gloo) against transformers and
+    against one rank, through two engines of ``tp`` ranks:
+
+    - default memory: one prompt alone, then a batch of mixed lengths: greedy tokens equal to
+      transformers'; logprobs (top 3) and seeded sampling equal to a one-rank engine's (logprobs within
+      1e-4); with ``speculative_num_tokens`` the batch also runs with drafts and gives the same tokens;
+    - ``pages`` 4-token pages, chunks of at most 5 tokens in 12-token steps, the decode-graph path
+      (eager buckets) and ``async_scheduling``: the batch preempts, prefills in chunks and still gives
+      transformers' tokens, and every page and slot comes back.
+    """
+    from pegainfer.sampling_params import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    single, batch = random_prompts(11, [13]), random_prompts(12, [5, 17, 1, 9])
+    expected_single, expected_batch = (
+        hf_greedy(folder, single, max_tokens),
+        hf_greedy(folder, batch, max_tokens),
+    )
+    one = _tp_llm(folder, 1)
+    llm = _tp_llm(folder, tp, speculative_num_tokens=speculative_num_tokens)
+    try:
+        assert greedy_token_ids(llm, single, greedy) == expected_single, (
+            "tp: one prompt differs from transformers"
+        )
+        assert greedy_token_ids(llm, batch, greedy) == expected_batch, (
+            "tp: the batch differs from transformers"
+        )
+        checks = [
+            SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True),
+            SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=max_tokens, ignore_eos=True),
+        ]
+        for params in checks:
+            ours = llm.generate(prompt_token_ids=batch, sampling_params=params, use_tqdm=False)
+            ref = one.generate(prompt_token_ids=batch, sampling_params=params, use_tqdm=False)
+            for a, b in zip(ours, ref, strict=True):
+                assert a.outputs[0].token_ids == b.outputs[0].token_ids, f"tp: {params} differs from one rank"
+                for lp_a, lp_b in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or [], strict=True):
+                    assert lp_a.keys() == lp_b.keys()
+                    assert all(abs(lp_a[t].logprob - lp_b[t].logprob) < 1e-4 for t in lp_a)
+        llm.engine.buffers.check_invariants()
+    finally:
+        llm.engine.shutdown()
+    small = _tp_llm(
+        folder,
+        tp,
+        block_size=4,
+        num_gpu_blocks_override=pages,
+        max_model_len=32,
+        long_prefill_token_threshold=5,
+        max_num_batched_tokens=12,
+        async_scheduling=async_scheduling,
+    )
+    try:
+        if async_scheduling:
+            small.engine.executor.capture_decode_graphs(eager=True)
+        outs = small.generate(prompt_token_ids=batch, sampling_params=greedy, use_tqdm=False)
+        assert sum(o.metrics.num_preemptions for o in outs) > 0, (
+            "tp: the pool was large enough to preempt nothing"
+        )
+        assert [o.outputs[0].token_ids for o in outs] == expected_batch, "tp: the preempted batch differs"
+        small.engine.buffers.check_invariants()
+        assert small.engine.buffers.pool.num_free == pages
+    finally:
+        small.engine.shutdown()

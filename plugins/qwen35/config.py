@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pegainfer.distributed import TensorParallel
 from pegainfer.errors import CheckpointError
 
 LINEAR = "linear_attention"
@@ -175,3 +176,78 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, float]:
             f"config.json: rope_type '{rope_type}' is not supported by the qwen35 plugin (only 'default')"
         )
     return float(theta), float(factor)
+
+
+@dataclass(frozen=True)
+class Qwen35Shard:
+    """What one tensor-parallel rank holds of each layer (the full counts at tp = 1).
+
+    - gated attention: its query heads (each with its output gate) and its key/value heads, replicated
+      over ``tp / num_kv_heads`` consecutive ranks when there are fewer than ranks (``kv_pieces`` distinct
+      shards);
+    - Gated DeltaNet: its key heads and value heads, both split evenly, so local value head j still reads
+      local key head ``j // (Hv / Hk)`` (the GVA mapping of the whole layer, rank by rank);
+    - feed-forward: its share of the intermediate features (dense MLP; every routed expert and the shared
+      expert under MoE).
+
+    Only the counts of the layer kinds and the FFN the model has are checked (``tp.split``/``tp.heads``
+    raise a ConfigError naming the count), before any weight is read.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    kv_pieces: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+
+    @classmethod
+    def of(cls, config: Qwen35Config, tp: TensorParallel | None = None) -> Qwen35Shard:
+        tp = tp or TensorParallel()
+        nq, nkv, kv_pieces = config.num_heads, config.num_kv_heads, config.num_kv_heads
+        if config.layers_of(FULL):
+            nq = tp.split(config.num_heads, "num_attention_heads")
+            nkv, _ = tp.heads(config.num_kv_heads, "num_key_value_heads")
+            kv_pieces = min(config.num_kv_heads, tp.size)
+        hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+        if config.layers_of(LINEAR):
+            hk = tp.split(hk, "linear_num_key_heads")
+            hv = tp.split(hv, "linear_num_value_heads")
+        inter, ie, is_ = (
+            config.intermediate_size,
+            config.moe_intermediate_size,
+            config.shared_expert_intermediate_size,
+        )
+        if config.is_moe:
+            ie = tp.split(ie, "moe_intermediate_size")
+            is_ = tp.split(is_, "shared_expert_intermediate_size")
+        else:
+            inter = tp.split(inter, "intermediate_size")
+        return cls(
+            num_heads=nq,
+            num_kv_heads=nkv,
+            kv_pieces=kv_pieces,
+            linear_num_key_heads=hk,
+            linear_num_value_heads=hv,
+            linear_key_head_dim=config.linear_key_head_dim,
+            linear_value_head_dim=config.linear_value_head_dim,
+            intermediate_size=inter,
+            moe_intermediate_size=ie,
+            shared_expert_intermediate_size=is_,
+        )
+
+    @property
+    def key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim

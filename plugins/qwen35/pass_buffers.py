@@ -11,6 +11,10 @@ Two more roles are no buffers but declared bounds on temporaries (``SCRATCH_ROLE
 copies, the delta rule's block matrices), and ``decode_state_scratch`` per sequence, for the fp32 copies
 of the slot states a decode step gathers, updates and scatters back. Fused kernels make them smaller; the
 memory plan must still count them for the reference path.
+
+Under tensor parallelism every width is the rank's (``Qwen35Shard``): its heads, its conv channels, its
+share of the FFN features; the hidden-size roles stay whole (the row-parallel outputs are all-reduced in
+place in ``mixer_out`` / ``mlp_down``), and so does the replicated router.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from pegainfer.buffer_specs import TransientSpec, dtype_size
-from pegainfer_qwen35.config import FULL, LINEAR, Qwen35Config
+from pegainfer_qwen35.config import FULL, LINEAR, Qwen35Config, Qwen35Shard
 from pegainfer_qwen35.delta_rule import CHUNK_SIZE
 
 ROLE_PREFIX = "qwen35."
@@ -38,12 +42,16 @@ class Role:
         return self.width * dtype_size(self.dtype)
 
 
-def pass_buffer_roles(config: Qwen35Config, dtype: torch.dtype) -> list[Role]:
-    """The roles a forward allocates, from the geometry. Only the layer kinds present get their roles."""
+def pass_buffer_roles(
+    config: Qwen35Config, dtype: torch.dtype, shard: Qwen35Shard | None = None
+) -> list[Role]:
+    """The roles a forward allocates, from the rank-local geometry (``shard``; None: the whole model).
+    Only the layer kinds present get their roles."""
+    s = shard or Qwen35Shard.of(config)
     h = config.hidden_size
     roles = [Role(name, h, dtype) for name in ("hidden_a", "hidden_b", "normed", "mixer_out", "mlp_down")]
     if config.layers_of(FULL):
-        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        q, kv = s.num_heads * config.head_dim, s.num_kv_heads * config.head_dim
         roles += [
             Role("attn_qkv", 2 * q + 2 * kv, dtype),  # per head [query | gate], then k, then v
             Role("attn_q", q, dtype),  # after q_norm and rotary
@@ -51,19 +59,15 @@ def pass_buffer_roles(config: Qwen35Config, dtype: torch.dtype) -> list[Role]:
             Role("attn_out", q, dtype),  # attention output times sigmoid(gate)
         ]
     if config.layers_of(LINEAR):
-        hv = config.linear_num_value_heads
+        hv = s.linear_num_value_heads
         roles += [
-            Role("gdn_proj", config.conv_dim + config.value_dim + 2 * hv, dtype),  # q|k|v, z, b, a
-            Role("gdn_conv", config.conv_dim, dtype),  # after the causal conv and SiLU
-            Role("gdn_core", config.value_dim, dtype),  # delta-rule output
-            Role("gdn_gated", config.value_dim, dtype),  # gated RMSNorm output
+            Role("gdn_proj", s.conv_dim + s.value_dim + 2 * hv, dtype),  # q|k|v, z, b, a
+            Role("gdn_conv", s.conv_dim, dtype),  # after the causal conv and SiLU
+            Role("gdn_core", s.value_dim, dtype),  # delta-rule output
+            Role("gdn_gated", s.value_dim, dtype),  # gated RMSNorm output
         ]
     if config.is_moe:
-        k, ie, is_ = (
-            config.num_experts_per_tok,
-            config.moe_intermediate_size,
-            config.shared_expert_intermediate_size,
-        )
+        k, ie, is_ = config.num_experts_per_tok, s.moe_intermediate_size, s.shared_expert_intermediate_size
         roles += [
             Role("moe_router", config.num_experts, dtype),
             Role("moe_rows", k * h, dtype),  # each token's row once per chosen expert, grouped by expert
@@ -76,16 +80,17 @@ def pass_buffer_roles(config: Qwen35Config, dtype: torch.dtype) -> list[Role]:
             Role("shared_gate", 1, dtype),
         ]
     else:
-        i = config.intermediate_size
+        i = s.intermediate_size
         roles += [Role("mlp_gate_up", 2 * i, dtype), Role("mlp_act", i, dtype)]
     return roles
 
 
-def reference_scratch_bytes_per_token(config: Qwen35Config) -> int:
-    """A bound on the per-token temporaries alive at once inside one layer of the torch reference path."""
+def reference_scratch_bytes_per_token(config: Qwen35Config, shard: Qwen35Shard | None = None) -> int:
+    """A bound on the per-token temporaries alive at once inside one layer of the torch reference path
+    (the rank's value heads under tensor parallelism)."""
     f32 = 4
     hv, dk, dv, c = (
-        config.linear_num_value_heads,
+        (shard or Qwen35Shard.of(config)).linear_num_value_heads,
         config.linear_key_head_dim,
         config.linear_value_head_dim,
         CHUNK_SIZE,
@@ -98,20 +103,23 @@ def reference_scratch_bytes_per_token(config: Qwen35Config) -> int:
     return gdn + norms + router
 
 
-def transient_specs(config: Qwen35Config, dtype: torch.dtype) -> list[TransientSpec]:
+def transient_specs(
+    config: Qwen35Config, dtype: torch.dtype, shard: Qwen35Shard | None = None
+) -> list[TransientSpec]:
+    s = shard or Qwen35Shard.of(config)
     specs = [
         TransientSpec(ROLE_PREFIX + role.name, bytes_per_token=role.bytes_per_token)
-        for role in pass_buffer_roles(config, dtype)
+        for role in pass_buffer_roles(config, dtype, s)
     ]
     specs.append(
         TransientSpec(
-            ROLE_PREFIX + "reference_scratch", bytes_per_token=reference_scratch_bytes_per_token(config)
+            ROLE_PREFIX + "reference_scratch", bytes_per_token=reference_scratch_bytes_per_token(config, s)
         )
     )
     if config.layers_of(LINEAR):
         # Gathered state, decayed state, the rank-1 update and the new state of one GDN layer, in fp32.
-        state = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
-        window = config.conv_dim * config.conv_kernel
+        state = s.linear_num_value_heads * s.linear_key_head_dim * s.linear_value_head_dim
+        window = s.conv_dim * config.conv_kernel
         specs.append(
             TransientSpec(ROLE_PREFIX + "decode_state_scratch", bytes_per_seq=4 * 4 * (state + window))
         )

@@ -4,56 +4,28 @@ server.drain_timeout, ends the ones still running after it with an error event, 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
+from server_process import console_script, free_port, wait_healthy
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 
 
-def _console_script() -> str:
-    script = Path(sys.executable).with_name("pegainfer")
-    found = str(script) if script.exists() else shutil.which("pegainfer")
-    assert found, "the `pegainfer` console script is not installed: pip install -e ."
-    return found
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_healthy(url: str, process: subprocess.Popen, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.communicate()[1][-2000:]
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError("the server did not become healthy")
-
-
 def test_sigterm_drains_then_cuts_and_exits_0(tmp_path_factory: pytest.TempPathFactory) -> None:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if k != "PEGAINFER_API_KEY"}
     # No model.path: the embedded demo model, written to a cache of the test session's own.
     env["PEGAINFER_CACHE"] = str(tmp_path_factory.getbasetemp() / "pegainfer-cache")
     process = subprocess.Popen(
         [
-            _console_script(),
+            console_script(),
             "serve",
             "device=cpu",
             "model.dtype=float32",
@@ -68,7 +40,7 @@ def test_sigterm_drains_then_cuts_and_exits_0(tmp_path_factory: pytest.TempPathF
         text=True,
     )
     try:
-        _wait_healthy(url, process)
+        wait_healthy(url, process)
         results: dict[str, str] = {}
 
         def stream(name: str, body: dict) -> None:
