@@ -107,8 +107,8 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
             f"model '{registration.name}' from {registration.origin} does not support tensor parallelism "
             f"(its from_hf_config takes no 'tp'); run it with tp=1"
         )
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if device.index is not None and device.type == "cuda":
+        torch.cuda.set_device(device)  # a rank's collectives and graphs run on its own GPU
     with torch.device(device):
         model = model_cls.from_hf_config(hf_config, config.model, **kwargs)
     if config.model.load_format == "dummy":
