@@ -10,6 +10,7 @@ set -euo pipefail
 base=$(cd "$1" && pwd); base_commit=$2; new_commit=$3; out=$4; rounds=${5:-2}
 here=$(pwd)
 mkdir -p "$out"
+rm -rf /tmp/ab-base /tmp/ab-new  # a warm machine keeps the last call's
 python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/ab-base "$base"
 python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/ab-new "$here"
 args=(--steps 64 --skip-peer --skip-prefill --batches 1,64 --sync-batches "")
