@@ -217,10 +217,21 @@ def unused_checkpoint_tensors(folder: str | Path, name: str = "auto") -> list[st
 
 
 def _tp_llm(folder: str | Path, tp: int, **options: Any) -> Any:
+    """An engine of ``tp`` ranks whose ``carried_steps[0]`` counts the steps that took a token from the
+    device (scheduled ahead of the last step's read-back)."""
     from pegainfer.llm import LLM
 
     base = dict(dtype="float32", device="cpu", cpu_kv_cache_bytes=8 << 20, tensor_parallel_size=tp)
-    return LLM(str(folder), **{**base, **options})
+    llm = LLM(str(folder), **{**base, **options})
+    executor = llm.engine.executor
+    execute, llm.carried_steps = executor.execute, [0]
+
+    def counting(batch: Any) -> Any:
+        llm.carried_steps[0] += any(c.carry_from >= 0 for c in batch.chunks)
+        return execute(batch)
+
+    executor.execute = counting
+    return llm
 
 
 def assert_tensor_parallel_matches(
@@ -237,10 +248,12 @@ def assert_tensor_parallel_matches(
 
     - default memory: one prompt alone, then a batch of mixed lengths: greedy tokens equal to
       transformers'; logprobs (top 3) and seeded sampling equal to a one-rank engine's (logprobs within
-      1e-4); with ``speculative_num_tokens`` the batch also runs with drafts and gives the same tokens;
+      1e-4); with ``speculative_num_tokens`` every greedy run drafts (the tokens stay transformers');
     - ``pages`` 4-token pages, chunks of at most 5 tokens in 12-token steps, the decode-graph path
-      (eager buckets) and ``async_scheduling``: the batch preempts, prefills in chunks and still gives
-      transformers' tokens, and every page and slot comes back.
+      (eager buckets): the batch preempts, prefills in chunks and still gives transformers' tokens, and
+      every page and slot comes back.
+
+    Both engines schedule ahead when ``async_scheduling`` is set (the first on the plain decode path).
     """
     from pegainfer.sampling_params import SamplingParams
 
@@ -251,7 +264,9 @@ def assert_tensor_parallel_matches(
         hf_greedy(folder, batch, max_tokens),
     )
     one = _tp_llm(folder, 1)
-    llm = _tp_llm(folder, tp, speculative_num_tokens=speculative_num_tokens)
+    llm = _tp_llm(
+        folder, tp, speculative_num_tokens=speculative_num_tokens, async_scheduling=async_scheduling
+    )
     try:
         assert greedy_token_ids(llm, single, greedy) == expected_single, (
             "tp: one prompt differs from transformers"
@@ -272,6 +287,7 @@ def assert_tensor_parallel_matches(
                     assert lp_a.keys() == lp_b.keys()
                     assert all(abs(lp_a[t].logprob - lp_b[t].logprob) < 1e-4 for t in lp_a)
         llm.engine.buffers.check_invariants()
+        assert (llm.carried_steps[0] > 0) == async_scheduling, "tp: async scheduling did not schedule ahead"
     finally:
         llm.engine.shutdown()
     small = _tp_llm(
@@ -294,5 +310,6 @@ def assert_tensor_parallel_matches(
         assert [o.outputs[0].token_ids for o in outs] == expected_batch, "tp: the preempted batch differs"
         small.engine.buffers.check_invariants()
         assert small.engine.buffers.pool.num_free == pages
+        assert (small.carried_steps[0] > 0) == async_scheduling, "tp: async scheduling did not schedule ahead"
     finally:
         small.engine.shutdown()

@@ -4,6 +4,12 @@
 not two halves of the whole projection. q and k get zero-centred ``(1 + w)`` RMSNorms per head, then
 partial half-split rotary on their first ``rotary_dim`` channels; causal GQA with scale head_dim^-0.5;
 the output is multiplied by ``sigmoid(gate)`` before ``o_proj``.
+
+Tensor parallelism splits it by heads: ``q_proj``'s rows are head-major, so an even split gives each rank
+whole heads with their own gates; key/value heads are split too, or replicated over consecutive ranks when
+there are fewer than ranks (each rank's query heads are exactly the ones its kv head serves); the q/k norms
+are replicated; ``o_proj`` is row-parallel and its partial output is all-reduced in place. The KV cache
+holds the rank's kv heads.
 """
 
 from __future__ import annotations
@@ -12,11 +18,13 @@ import torch
 from torch import nn
 
 from pegainfer.buffer_specs import PagedKVSpec
+from pegainfer.distributed import TensorParallel
 from pegainfer.layers.attention import paged_attention, write_kv
 from pegainfer.layers.rotary import RotaryEmbedding
 from pegainfer.loader import CheckpointReader
 from pegainfer.model_api import ForwardBatch
-from pegainfer_qwen35.config import Qwen35Config
+from pegainfer.sharding import Shard, split
+from pegainfer_qwen35.config import Qwen35Config, Qwen35Shard
 from pegainfer_qwen35.norms import rms_norm_zero_centred
 from pegainfer_qwen35.pass_buffers import PassBuffers
 
@@ -26,12 +34,21 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, config: Qwen35Config, layer_index: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: Qwen35Config,
+        layer_index: int,
+        dtype: torch.dtype,
+        shard: Qwen35Shard | None = None,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.layer_index = layer_index
+        self.tp = tp or TensorParallel()
+        self.shard = s = shard or Qwen35Shard.of(config, self.tp)
         d = config.head_dim
-        self.q_size, self.kv_size = config.num_heads * d, config.num_kv_heads * d
+        self.q_size, self.kv_size = s.num_heads * d, s.num_kv_heads * d  # this rank's heads
         self.qkv_proj = _param(2 * self.q_size + 2 * self.kv_size, config.hidden_size, dtype=dtype)
         self.q_norm = _param(d, dtype=dtype)
         self.k_norm = _param(d, dtype=dtype)
@@ -40,7 +57,7 @@ class GatedAttention(nn.Module):
 
     def cache_spec(self) -> PagedKVSpec:
         return PagedKVSpec(
-            self.layer_index, self.config.num_kv_heads, self.config.head_dim, self.qkv_proj.dtype
+            self.layer_index, self.shard.num_kv_heads, self.config.head_dim, self.qkv_proj.dtype
         )
 
     def forward(
@@ -53,7 +70,7 @@ class GatedAttention(nn.Module):
     ) -> torch.Tensor:
         """Mixer output of the normed rows ``x`` ``[T, H]`` into ``bufs.mixer_out``; writes K/V pages."""
         c, t = self.config, x.shape[0]
-        nq, nkv, d, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
+        nq, nkv, d, eps = self.shard.num_heads, self.shard.num_kv_heads, c.head_dim, c.rms_norm_eps
         qkv = torch.matmul(x, self.qkv_proj.t(), out=bufs.attn_qkv)
         query_gate, k, v = qkv.split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
         query, gate = query_gate.view(t, nq, 2 * d).split(d, dim=-1)
@@ -67,24 +84,30 @@ class GatedAttention(nn.Module):
         gated = torch.mul(
             o.view(t, self.q_size), torch.sigmoid(gate).reshape(t, self.q_size), out=bufs.attn_out
         )
-        return torch.matmul(gated, self.o_proj.t(), out=bufs.mixer_out)
+        out = torch.matmul(gated, self.o_proj.t(), out=bufs.mixer_out)
+        return self.tp.all_reduce(out)  # row-parallel: the ranks' partial sums
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
-        h, d, dtype = self.config.hidden_size, self.config.head_dim, self.qkv_proj.dtype
+        c, dtype = self.config, self.qkv_proj.dtype
+        h, d = c.hidden_size, c.head_dim
+        q, kv = c.num_heads * d, c.num_kv_heads * d  # the checkpoint's full sizes
+        # q_proj's rows are head-major ([query | gate] per head): an even split is whole heads with their
+        # gates. k/v: as many pieces as there are distinct kv shards. o_proj: the matching input columns.
+        heads, kv_heads, columns = split(0), split(0, self.shard.kv_pieces), split(1)
 
-        def get(name: str, *shape: int) -> torch.Tensor:
-            return reader.get(prefix + name, shape, dtype)
+        def get(name: str, shape: tuple[int, ...], shard: Shard | None = None) -> torch.Tensor:
+            return reader.get(prefix + name, shape, dtype, shard)
 
         with torch.no_grad():
             self.qkv_proj.copy_(
                 torch.cat(
                     [
-                        get("q_proj.weight", 2 * self.q_size, h),
-                        get("k_proj.weight", self.kv_size, h),
-                        get("v_proj.weight", self.kv_size, h),
+                        get("q_proj.weight", (2 * q, h), heads),
+                        get("k_proj.weight", (kv, h), kv_heads),
+                        get("v_proj.weight", (kv, h), kv_heads),
                     ]
                 )
             )
-            self.q_norm.copy_(get("q_norm.weight", d))
-            self.k_norm.copy_(get("k_norm.weight", d))
-            self.o_proj.copy_(get("o_proj.weight", h, self.q_size))
+            self.q_norm.copy_(get("q_norm.weight", (d,)))
+            self.k_norm.copy_(get("k_norm.weight", (d,)))
+            self.o_proj.copy_(get("o_proj.weight", (h, q), columns))

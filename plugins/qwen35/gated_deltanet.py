@@ -10,6 +10,14 @@ end of the chunk); all decode rows of a step run as one batch, gathering and sca
 The padding rows of a CUDA-graph bucket replicate row 0 (its slot, its inputs): they scatter the same new
 state into the same slot, so the repeated index is harmless.
 Value head j reads q/k head ``j // (Hv / Hk)`` (consecutive heads share, as transformers does).
+
+Tensor parallelism splits the layer by heads: each rank holds Hk/tp key heads and Hv/tp value heads, so
+local value head j reads local key head ``j // (Hv / Hk)`` as on one rank. ``in_proj_qkv`` and the conv
+channels are stitched per segment (this rank's q heads | k heads | v heads; an even split of the packed
+dimension would hand rank 0 all of q and part of k), ``in_proj_z/b/a``, ``dt_bias`` and ``A_log`` are split
+by value heads, the gated norm's per-head weight is replicated and ``out_proj`` is row-parallel: its
+partial output is all-reduced in place. The conv window and the delta-rule state are the rank's channels
+and heads only; they are never reduced.
 """
 
 from __future__ import annotations
@@ -21,9 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pegainfer.buffer_specs import RecurrentStateSpec
+from pegainfer.distributed import TensorParallel
 from pegainfer.loader import CheckpointReader
 from pegainfer.model_api import ForwardBatch
-from pegainfer_qwen35.config import Qwen35Config
+from pegainfer.sharding import Shard, split, stitch
+from pegainfer_qwen35.config import Qwen35Config, Qwen35Shard
 from pegainfer_qwen35.delta_rule import (
     causal_conv_prefill,
     causal_conv_step,
@@ -73,26 +83,36 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, config: Qwen35Config, layer_index: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: Qwen35Config,
+        layer_index: int,
+        dtype: torch.dtype,
+        shard: Qwen35Shard | None = None,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.layer_index = layer_index
-        h, hv = config.hidden_size, config.linear_num_value_heads
-        self.splits = [config.conv_dim, config.value_dim, hv, hv]
-        self.in_proj = _param(sum(self.splits), h, dtype=dtype)  # [q|k|v ; z ; b ; a]
-        self.conv_weight = _param(config.conv_dim, config.conv_kernel, dtype=dtype)
+        self.tp = tp or TensorParallel()
+        self.shard = s = shard or Qwen35Shard.of(config, self.tp)
+        h, hv = config.hidden_size, s.linear_num_value_heads
+        self.splits = [s.conv_dim, s.value_dim, hv, hv]
+        self.in_proj = _param(sum(self.splits), h, dtype=dtype)  # [q|k|v ; z ; b ; a], this rank's heads
+        self.conv_weight = _param(s.conv_dim, config.conv_kernel, dtype=dtype)
         self.dt_bias = _param(hv, dtype=dtype)
         self.A_log = _param(hv, dtype=dtype)
         self.norm = _param(config.linear_value_head_dim, dtype=dtype)
-        self.out_proj = _param(h, config.value_dim, dtype=dtype)
+        self.out_proj = _param(h, s.value_dim, dtype=dtype)
 
     def state_spec(self) -> RecurrentStateSpec:
-        c = self.config
+        """The slot state of this rank's conv channels and value heads."""
+        c, s = self.config, self.shard
         return RecurrentStateSpec(
             self.layer_index,
             (
-                ("conv", (c.conv_dim, c.conv_kernel - 1)),
-                ("ssm", (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)),
+                ("conv", (s.conv_dim, c.conv_kernel - 1)),
+                ("ssm", (s.linear_num_value_heads, s.linear_key_head_dim, s.linear_value_head_dim)),
             ),
             STATE_DTYPE,
         )
@@ -101,19 +121,19 @@ class GatedDeltaNet(nn.Module):
         self, x: torch.Tensor, rows: RecurrentRows, state: dict[str, torch.Tensor], bufs: PassBuffers
     ) -> torch.Tensor:
         """Mixer output of the normed rows ``x`` ``[T, H]`` into ``bufs.mixer_out``; updates the slots."""
-        c = self.config
+        c, s = self.config, self.shard
         t = x.shape[0]
         hk, hv, dk, dv = (
-            c.linear_num_key_heads,
-            c.linear_num_value_heads,
-            c.linear_key_head_dim,
-            c.linear_value_head_dim,
+            s.linear_num_key_heads,
+            s.linear_num_value_heads,
+            s.linear_key_head_dim,
+            s.linear_value_head_dim,
         )
         proj = torch.matmul(x, self.in_proj.t(), out=bufs.gdn_proj)
         mixed, z, b, a = proj.split(self.splits, dim=-1)
         conv = self._conv(mixed, rows, state["conv"], bufs.gdn_conv)
 
-        q, k, v = conv.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+        q, k, v = conv.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
         q = l2_normalise(q.reshape(t, hk, dk).float()) * dk**-0.5
         k = l2_normalise(k.reshape(t, hk, dk).float())
         q, k = (y.repeat_interleave(hv // hk, dim=1) for y in (q, k))
@@ -146,7 +166,8 @@ class GatedDeltaNet(nn.Module):
         gated = gated_rms_norm(
             core, z.reshape(t, hv, dv), self.norm, c.rms_norm_eps, out=bufs.gdn_gated.view(t, hv, dv)
         )
-        return torch.matmul(gated.view(t, c.value_dim), self.out_proj.t(), out=bufs.mixer_out)
+        out = torch.matmul(gated.view(t, s.value_dim), self.out_proj.t(), out=bufs.mixer_out)
+        return self.tp.all_reduce(out)  # row-parallel: the ranks' partial sums
 
     def _conv(
         self, mixed: torch.Tensor, rows: RecurrentRows, windows: torch.Tensor, out: torch.Tensor
@@ -170,23 +191,26 @@ class GatedDeltaNet(nn.Module):
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         c, h = self.config, self.config.hidden_size
         hv, dtype = c.linear_num_value_heads, self.in_proj.dtype
+        # q|k|v: each segment split by heads on its own (never an even split of the packed dimension);
+        # z, b, a, dt_bias, A_log: this rank's value heads; out_proj: the matching input columns.
+        qkv, heads, columns = stitch(0, c.key_dim, c.key_dim, c.value_dim), split(0), split(1)
 
-        def get(name: str, *shape: int) -> torch.Tensor:
-            return reader.get(prefix + name, shape, dtype)
+        def get(name: str, shape: tuple[int, ...], shard: Shard | None = None) -> torch.Tensor:
+            return reader.get(prefix + name, shape, dtype, shard)
 
         with torch.no_grad():
             self.in_proj.copy_(
                 torch.cat(
                     [
-                        get("in_proj_qkv.weight", c.conv_dim, h),
-                        get("in_proj_z.weight", c.value_dim, h),
-                        get("in_proj_b.weight", hv, h),
-                        get("in_proj_a.weight", hv, h),
+                        get("in_proj_qkv.weight", (c.conv_dim, h), qkv),
+                        get("in_proj_z.weight", (c.value_dim, h), heads),
+                        get("in_proj_b.weight", (hv, h), heads),
+                        get("in_proj_a.weight", (hv, h), heads),
                     ]
                 )
             )
-            self.conv_weight.copy_(get("conv1d.weight", c.conv_dim, 1, c.conv_kernel)[:, 0])
-            self.dt_bias.copy_(get("dt_bias", hv))
-            self.A_log.copy_(get("A_log", hv))
-            self.norm.copy_(get("norm.weight", c.linear_value_head_dim))
-            self.out_proj.copy_(get("out_proj.weight", h, c.value_dim))
+            self.conv_weight.copy_(get("conv1d.weight", (c.conv_dim, 1, c.conv_kernel), qkv)[:, 0])
+            self.dt_bias.copy_(get("dt_bias", (hv,), heads))
+            self.A_log.copy_(get("A_log", (hv,), heads))
+            self.norm.copy_(get("norm.weight", (c.linear_value_head_dim,)))
+            self.out_proj.copy_(get("out_proj.weight", (h, c.value_dim), columns))

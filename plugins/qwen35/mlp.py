@@ -1,4 +1,8 @@
-"""The dense SwiGLU feed-forward of Qwen3.5: ``down(silu(gate(x)) * up(x))``, gate|up packed in one GEMM."""
+"""The dense SwiGLU feed-forward of Qwen3.5: ``down(silu(gate(x)) * up(x))``, gate|up packed in one GEMM.
+
+Tensor parallelism splits the intermediate features: gate and up are column-parallel (this rank's rows),
+down row-parallel (the matching columns), and its partial output is all-reduced in place.
+"""
 
 from __future__ import annotations
 
@@ -6,32 +10,45 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pegainfer.distributed import TensorParallel
 from pegainfer.loader import CheckpointReader
+from pegainfer.sharding import split
 from pegainfer_qwen35.pass_buffers import PassBuffers
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype,
+        tp: TensorParallel | None = None,
+    ) -> None:
+        """``intermediate_size`` is the checkpoint's; the rank holds ``intermediate_size / tp.size``."""
         super().__init__()
+        self.tp = tp = tp or TensorParallel()
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size, dtype=dtype), False)
-        self.down_proj = nn.Parameter(torch.empty(hidden_size, intermediate_size, dtype=dtype), False)
+        local = tp.split(intermediate_size, "intermediate_size")
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * local, hidden_size, dtype=dtype), False)
+        self.down_proj = nn.Parameter(torch.empty(hidden_size, local, dtype=dtype), False)
 
     def forward(self, x: torch.Tensor, bufs: PassBuffers, *, static_shapes: bool = False) -> torch.Tensor:
         """MLP output of the normed rows ``x`` into ``bufs.mlp_down`` (its shapes are always static)."""
         gate, up = torch.matmul(x, self.gate_up_proj.t(), out=bufs.mlp_gate_up).chunk(2, dim=-1)
         act = torch.mul(F.silu(gate), up, out=bufs.mlp_act)
-        return torch.matmul(act, self.down_proj.t(), out=bufs.mlp_down)
+        out = torch.matmul(act, self.down_proj.t(), out=bufs.mlp_down)
+        return self.tp.all_reduce(out)  # row-parallel: the ranks' partial sums
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         h, i, dtype = self.hidden_size, self.intermediate_size, self.down_proj.dtype
+        rows, columns = split(0), split(1)
         with torch.no_grad():
             self.gate_up_proj.copy_(
                 torch.cat(
                     [
-                        reader.get(prefix + "gate_proj.weight", (i, h), dtype),
-                        reader.get(prefix + "up_proj.weight", (i, h), dtype),
+                        reader.get(prefix + "gate_proj.weight", (i, h), dtype, rows),
+                        reader.get(prefix + "up_proj.weight", (i, h), dtype, rows),
                     ]
                 )
             )
-            self.down_proj.copy_(reader.get(prefix + "down_proj.weight", (h, i), dtype))
+            self.down_proj.copy_(reader.get(prefix + "down_proj.weight", (h, i), dtype, columns))

@@ -8,6 +8,12 @@ Memory: full-attention layers use the paged KV cache; each GDN layer keeps its c
 state in the request's state slot (``RecurrentStateSpec``). A forward allocates its pass buffers once
 (``pass_buffers.py``) and every layer reuses them. Only the language model is loaded: the vision tower and
 the MTP head of the published checkpoints are skipped with a log line.
+
+Tensor parallelism (``tp``): every rank holds its heads of each mixer and its share of each FFN's features
+(``Qwen35Shard``, checked before any weight is read; see each module for its split), the rows of the
+vocab-parallel embedding and lm_head, and replicated layer norms and final norm. Each layer all-reduces
+its mixer's and its FFN's partial outputs in place; the caches, slot states and pass buffers are sized
+from the rank's geometry. At tp = 1 every collective is a no-op and the model is the single-rank one.
 """
 
 from __future__ import annotations
@@ -21,12 +27,15 @@ from torch import nn
 
 from pegainfer.buffer_specs import BufferSpec, TransientSpec
 from pegainfer.config import ModelConfig
+from pegainfer.distributed import TensorParallel
+from pegainfer.layers.parallel import gather_logits, vocab_parallel_embed
 from pegainfer.layers.rotary import RotaryEmbedding
 from pegainfer.loader import CheckpointReader
 from pegainfer.model_api import CausalLM, ForwardBatch
+from pegainfer.sharding import vocab_shard, vocab_split
 from pegainfer_qwen35 import pass_buffers
 from pegainfer_qwen35.attention import GatedAttention
-from pegainfer_qwen35.config import FULL, LINEAR, Qwen35Config, text_part
+from pegainfer_qwen35.config import FULL, LINEAR, Qwen35Config, Qwen35Shard, text_part
 from pegainfer_qwen35.gated_deltanet import GatedDeltaNet, RecurrentRows
 from pegainfer_qwen35.mlp import DenseMLP
 from pegainfer_qwen35.moe import SparseMoE
@@ -40,21 +49,32 @@ SKIPPED_PARTS = (("model.visual.", "vision-tower"), ("mtp.", "MTP-head"))
 
 
 class Qwen35DecoderLayer(nn.Module):
-    def __init__(self, config: Qwen35Config, layer_index: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: Qwen35Config,
+        layer_index: int,
+        dtype: torch.dtype,
+        shard: Qwen35Shard | None = None,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.layer_index = layer_index
         self.kind = config.layer_types[layer_index]
+        tp = tp or TensorParallel()
+        shard = shard or Qwen35Shard.of(config, tp)
         h = config.hidden_size
         self.input_layernorm = nn.Parameter(torch.empty(h, dtype=dtype), requires_grad=False)
         self.post_attention_layernorm = nn.Parameter(torch.empty(h, dtype=dtype), requires_grad=False)
         self.mixer: GatedDeltaNet | GatedAttention = (
-            GatedDeltaNet(config, layer_index, dtype)
+            GatedDeltaNet(config, layer_index, dtype, shard, tp)
             if self.kind == LINEAR
-            else GatedAttention(config, layer_index, dtype)
+            else GatedAttention(config, layer_index, dtype, shard, tp)
         )
         self.mlp: SparseMoE | DenseMLP = (
-            SparseMoE(config, dtype) if config.is_moe else DenseMLP(h, config.intermediate_size, dtype)
+            SparseMoE(config, dtype, shard, tp)
+            if config.is_moe
+            else DenseMLP(h, config.intermediate_size, dtype, tp)
         )
 
     def buffer_spec(self) -> BufferSpec:
@@ -98,31 +118,49 @@ class Qwen35DecoderLayer(nn.Module):
 
 
 class Qwen35ForCausalLM(CausalLM):
-    def __init__(self, config: Qwen35Config, *, dtype: torch.dtype, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: Qwen35Config,
+        *,
+        dtype: torch.dtype,
+        max_model_len: int,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
-        h, v = config.hidden_size, config.vocab_size
-        self.embed_tokens = nn.Parameter(torch.empty(v, h, dtype=dtype), requires_grad=False)
-        self.layers = nn.ModuleList(Qwen35DecoderLayer(config, i, dtype) for i in range(config.num_layers))
+        self.tp = tp = tp or TensorParallel()
+        # Every head and feature count is checked against tp here, before any weight is read.
+        self.shard = shard = Qwen35Shard.of(config, tp)
+        h, rows = config.hidden_size, vocab_shard(config.vocab_size, tp.size)
+        self.embed_tokens = nn.Parameter(torch.empty(rows, h, dtype=dtype), requires_grad=False)
+        self.layers = nn.ModuleList(
+            Qwen35DecoderLayer(config, i, dtype, shard, tp) for i in range(config.num_layers)
+        )
         self.norm = nn.Parameter(torch.empty(h, dtype=dtype), requires_grad=False)
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Parameter(torch.empty(v, h, dtype=dtype), requires_grad=False)
+            else nn.Parameter(torch.empty(rows, h, dtype=dtype), requires_grad=False)
         )
         self.rotary = (
             RotaryEmbedding(config.rotary_dim, config.rope_theta, max_model_len)
             if config.layers_of(FULL)
             else None
         )
-        self.pass_buffer_roles = pass_buffers.pass_buffer_roles(config, dtype)
+        self.pass_buffer_roles = pass_buffers.pass_buffer_roles(config, dtype, shard)
 
     @classmethod
     def from_hf_config(
-        cls, hf_config: dict[str, Any], model_config: ModelConfig, *, dtype: torch.dtype, max_model_len: int
+        cls,
+        hf_config: dict[str, Any],
+        model_config: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        max_model_len: int,
+        tp: TensorParallel | None = None,
     ) -> Qwen35ForCausalLM:
-        return cls(Qwen35Config.from_hf_config(hf_config), dtype=dtype, max_model_len=max_model_len)
+        return cls(Qwen35Config.from_hf_config(hf_config), dtype=dtype, max_model_len=max_model_len, tp=tp)
 
     @staticmethod
     def max_context_length(hf_config: dict[str, Any]) -> int:
@@ -136,17 +174,18 @@ class Qwen35ForCausalLM(CausalLM):
 
     def load_weights(self, reader: CheckpointReader) -> None:
         c = self.config
+        table = (c.vocab_size, c.hidden_size)
         # The published VLM files nest the language model; text-only files keep it at ``model.``.
         prefix = "model.language_model." if "model.language_model.embed_tokens.weight" in reader else "model."
         with torch.no_grad():
             self.embed_tokens.copy_(
-                reader.get(prefix + "embed_tokens.weight", (c.vocab_size, c.hidden_size), self.dtype)
+                reader.get(prefix + "embed_tokens.weight", table, self.dtype, vocab_split())
             )
             for layer in self.layers:
                 layer.load(reader, f"{prefix}layers.{layer.layer_index}.")
             self.norm.copy_(reader.get(prefix + "norm.weight", (c.hidden_size,), self.dtype))
             if self.lm_head is not None:
-                self.lm_head.copy_(reader.get("lm_head.weight", (c.vocab_size, c.hidden_size), self.dtype))
+                self.lm_head.copy_(reader.get("lm_head.weight", table, self.dtype, vocab_split()))
         self._skip_unused_parts(reader)
 
     def _skip_unused_parts(self, reader: CheckpointReader) -> None:
@@ -172,7 +211,7 @@ class Qwen35ForCausalLM(CausalLM):
         return [layer.buffer_spec() for layer in self.layers]
 
     def transient_specs(self) -> list[TransientSpec]:
-        return pass_buffers.transient_specs(self.config, self.dtype)
+        return pass_buffers.transient_specs(self.config, self.dtype, self.shard)
 
     def allocate_pass_buffers(self, num_tokens: int) -> PassBuffers:
         """The buffers one forward of ``num_tokens`` rows uses (what ``transient_specs`` reserves)."""
@@ -185,7 +224,10 @@ class Qwen35ForCausalLM(CausalLM):
     ) -> torch.Tensor:
         bufs = self.allocate_pass_buffers(batch.token_ids.shape[0])
         x, y = bufs.hidden_a, bufs.hidden_b
-        torch.index_select(self.embed_tokens, 0, batch.token_ids, out=x)
+        if self.tp.size == 1:
+            torch.index_select(self.embed_tokens, 0, batch.token_ids, out=x)
+        else:
+            x.copy_(vocab_parallel_embed(batch.token_ids, self.embed_tokens, self.tp))
         rows = RecurrentRows.from_batch(batch) if self.config.layers_of(LINEAR) else None
         for layer in self.layers:
             i = layer.layer_index
@@ -195,7 +237,7 @@ class Qwen35ForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+        return gather_logits(F.linear(hidden, weight), self.tp, self.config.vocab_size)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(token_ids, self.embed_tokens)
+        return vocab_parallel_embed(token_ids, self.embed_tokens, self.tp)

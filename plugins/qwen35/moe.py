@@ -12,6 +12,16 @@ as transformers adds them):
   runs one GEMM over its rows; the row counts are read on the host.
 - static (decode-only steps, which the engine captures in CUDA graphs): no host sync and shapes fixed by
   T; every expert runs on every row and rows that did not choose it are weighted by zero.
+
+Tensor parallelism splits the intermediate features, not the experts: every rank holds every expert with
+Ie/tp of its features (gate/up rows, the matching down columns) and the shared expert split the same way,
+while the router and ``shared_expert_gate`` are replicated, so every rank routes the same tokens to the same
+experts. The per-token weight and the shared gate are scalars per row, so they scale the partial sums as
+they would the whole one, and the routed sum plus the gated shared expert is all-reduced once at the end.
+Why not expert parallel: here every rank does the same work whatever the routing (with whole experts a
+skewed batch loads one rank), the static decode schedule keeps its shapes (every rank runs its share of
+every expert on every row, so the CUDA graphs capture the same launches), and there is one all-reduce of
+``[T, H]`` a layer and no all-to-all of the routed rows.
 """
 
 from __future__ import annotations
@@ -20,8 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pegainfer.distributed import TensorParallel
 from pegainfer.loader import CheckpointReader
-from pegainfer_qwen35.config import Qwen35Config
+from pegainfer.sharding import Shard, split, stitch
+from pegainfer_qwen35.config import Qwen35Config, Qwen35Shard
 from pegainfer_qwen35.pass_buffers import PassBuffers
 
 
@@ -30,11 +42,19 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, config: Qwen35Config, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: Qwen35Config,
+        dtype: torch.dtype,
+        shard: Qwen35Shard | None = None,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp or TensorParallel()
+        self.shard = s = shard or Qwen35Shard.of(config, self.tp)
         h, e = config.hidden_size, config.num_experts
-        ie, is_ = config.moe_intermediate_size, config.shared_expert_intermediate_size
+        ie, is_ = s.moe_intermediate_size, s.shared_expert_intermediate_size  # this rank's features
         self.router = _param(e, h, dtype=dtype)
         self.experts_gate_up = _param(e, 2 * ie, h, dtype=dtype)
         self.experts_down = _param(e, h, ie, dtype=dtype)
@@ -64,7 +84,7 @@ class SparseMoE(nn.Module):
         shared_act = torch.mul(F.silu(gate), up, out=bufs.shared_act)
         shared = torch.matmul(shared_act, self.shared_down.t(), out=bufs.shared_out)
         shared.mul_(torch.sigmoid(torch.matmul(x, self.shared_gate.t(), out=bufs.shared_gate)))
-        return y.add_(shared)
+        return self.tp.all_reduce(y.add_(shared))  # the ranks' partial sums, once
 
     def _expert(
         self, expert: int, rows: torch.Tensor, gate_up: torch.Tensor, act: torch.Tensor, out: torch.Tensor
@@ -82,7 +102,7 @@ class SparseMoE(nn.Module):
         y: torch.Tensor,
     ) -> None:
         c, (t, h) = self.config, x.shape
-        k, ie = c.num_experts_per_tok, c.moe_intermediate_size
+        k, ie = c.num_experts_per_tok, self.shard.moe_intermediate_size
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
         token_of = order // k
@@ -109,7 +129,7 @@ class SparseMoE(nn.Module):
         y: torch.Tensor,
     ) -> None:
         c, (t, h) = self.config, x.shape
-        ie = c.moe_intermediate_size
+        ie = self.shard.moe_intermediate_size
         shape, dev = (t, c.num_experts), x.device
         dense = torch.zeros(shape, dtype=weights.dtype, device=dev).scatter_(1, experts, weights)
         skipped = torch.ones(shape, dtype=torch.bool, device=dev).scatter_(1, experts, False)
@@ -124,30 +144,39 @@ class SparseMoE(nn.Module):
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         c, dtype = self.config, self.router.dtype
         h, e = c.hidden_size, c.num_experts
-        ie, is_ = c.moe_intermediate_size, c.shared_expert_intermediate_size
+        ie, is_ = c.moe_intermediate_size, c.shared_expert_intermediate_size  # the checkpoint's full sizes
+        # Intermediate split: this rank's gate and up rows, the matching down columns; router and shared
+        # gate replicated.
+        rows, columns = split(0), split(1)
 
-        def get(name: str, *shape: int) -> torch.Tensor:
-            return reader.get(prefix + name, shape, dtype)
+        def get(name: str, shape: tuple[int, ...], shard: Shard | None = None) -> torch.Tensor:
+            return reader.get(prefix + name, shape, dtype, shard)
 
         with torch.no_grad():
-            self.router.copy_(get("gate.weight", e, h))
+            self.router.copy_(get("gate.weight", (e, h)))
             if prefix + "experts.gate_up_proj" in reader:  # stacked already (transformers' in-memory layout)
-                self.experts_gate_up.copy_(get("experts.gate_up_proj", e, 2 * ie, h))
-                self.experts_down.copy_(get("experts.down_proj", e, h, ie))
+                # [E, gate | up, H]: the gate and the up rows each split on their own.
+                self.experts_gate_up.copy_(get("experts.gate_up_proj", (e, 2 * ie, h), stitch(1, ie, ie)))
+                self.experts_down.copy_(get("experts.down_proj", (e, h, ie), split(2)))
             else:  # one expert at a time, as the published checkpoints store them
                 for i in range(e):
                     p = f"experts.{i}."
                     self.experts_gate_up[i].copy_(
-                        torch.cat([get(p + "gate_proj.weight", ie, h), get(p + "up_proj.weight", ie, h)])
+                        torch.cat(
+                            [
+                                get(p + "gate_proj.weight", (ie, h), rows),
+                                get(p + "up_proj.weight", (ie, h), rows),
+                            ]
+                        )
                     )
-                    self.experts_down[i].copy_(get(p + "down_proj.weight", h, ie))
+                    self.experts_down[i].copy_(get(p + "down_proj.weight", (h, ie), columns))
             self.shared_gate_up.copy_(
                 torch.cat(
                     [
-                        get("shared_expert.gate_proj.weight", is_, h),
-                        get("shared_expert.up_proj.weight", is_, h),
+                        get("shared_expert.gate_proj.weight", (is_, h), rows),
+                        get("shared_expert.up_proj.weight", (is_, h), rows),
                     ]
                 )
             )
-            self.shared_down.copy_(get("shared_expert.down_proj.weight", h, is_))
-            self.shared_gate.copy_(get("shared_expert_gate.weight", 1, h))
+            self.shared_down.copy_(get("shared_expert.down_proj.weight", (h, is_), columns))
+            self.shared_gate.copy_(get("shared_expert_gate.weight", (1, h)))

@@ -84,8 +84,12 @@ def test_qwen35_tp2_serves_the_openai_client_and_sigterm_leaves_no_worker(tmp_pa
             model=model, messages=[{"role": "user", "content": "Hello!"}], max_tokens=6, temperature=0
         )
         assert chat.choices[0].message.content is not None
-        stream = client.completions.create(model=model, prompt=[1, 2, 3], max_tokens=5, stream=True)
-        assert sum(1 for chunk in stream if chunk.choices) >= 5
+        stream = client.completions.create(
+            model=model, prompt=[1, 2, 3], max_tokens=5, stream=True, stream_options={"include_usage": True}
+        )
+        chunks = list(stream)
+        assert chunks[-1].usage.completion_tokens == 5
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     except BaseException:
         process.kill()
         raise
