@@ -82,15 +82,27 @@ def pick_rank_device(name: str, tp: TensorParallel) -> torch.device:
     return device
 
 
-def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> LoadedModel:
-    """Build ``config``'s model (tensor-parallel rank ``tp``'s shard of it) and fill its weights."""
-    tp = tp or TensorParallel()
-    registration, folder, hf_config = resolve_registration(config)
+def model_class(registration: ModelRegistration, tp_size: int = 1) -> type[CausalLM]:
+    """The registration's CausalLM class; a ConfigError when ``tp_size`` > 1 and the class takes no ``tp``
+    (a model written before tensor parallelism, or one that does not shard)."""
     model_cls = registration.load_model_class()
     if not (isinstance(model_cls, type) and issubclass(model_cls, CausalLM)):
         raise CheckpointError(
             f"{registration.origin}: {registration.model_class} is not a pegainfer CausalLM"
         )
+    if tp_size > 1 and "tp" not in inspect.signature(model_cls.from_hf_config).parameters:
+        raise ConfigError(
+            f"model '{registration.name}' from {registration.origin} does not support tensor parallelism "
+            f"(its from_hf_config takes no 'tp'); run it with tp=1"
+        )
+    return model_cls
+
+
+def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> LoadedModel:
+    """Build ``config``'s model (tensor-parallel rank ``tp``'s shard of it) and fill its weights."""
+    tp = tp or TensorParallel()
+    registration, folder, hf_config = resolve_registration(config)
+    model_cls = model_class(registration, tp.size)
     device = pick_rank_device(config.device, tp)
     dtype = pick_dtype(config.model.dtype, hf_config, device)
     limit = model_cls.max_context_length(text_config(hf_config))
@@ -102,11 +114,6 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
     kwargs: dict[str, Any] = {"dtype": dtype, "max_model_len": max_model_len}
     if "tp" in inspect.signature(model_cls.from_hf_config).parameters:
         kwargs["tp"] = tp
-    elif tp.size > 1:
-        raise ConfigError(
-            f"model '{registration.name}' from {registration.origin} does not support tensor parallelism "
-            f"(its from_hf_config takes no 'tp'); run it with tp=1"
-        )
     if device.index is not None and device.type == "cuda":
         torch.cuda.set_device(device)  # a rank's collectives and graphs run on its own GPU
     with torch.device(device):

@@ -30,6 +30,7 @@ from pegainfer.distributed import TensorParallel, new_group
 from pegainfer.errors import ExecutorError, PegainferError
 from pegainfer.executor import Executor
 from pegainfer.model_batch import DraftInput, ExecutorCapabilities, ExecutorOutput, ModelBatch
+from pegainfer.model_loader import model_class, resolve_registration
 from pegainfer.model_runner import ModelRunner
 from pegainfer.step_channel import DistChannel, ShmChannel
 from pegainfer.step_message import StepEncoder
@@ -46,6 +47,9 @@ class TensorParallelExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         self.size = size = config.parallel.tensor_parallel_size
         device, backend = check_devices(config)
+        model_class(
+            resolve_registration(config)[0], size
+        )  # a model that cannot shard: before any rank starts
         self._failure: ExecutorError | None = None
         self._closed = False
         self._ranks: SpawnedRanks | None = None

@@ -150,3 +150,14 @@ def test_an_installed_broken_plugin_is_named_and_the_others_keep_working(tmp_pat
     assert "broken (pegainfer-broken-plugin): import of pegainfer_broken.hooks failed" in result.stdout
     assert any(line.startswith("toy_qwen3") for line in result.stdout.splitlines())
     assert any(line.startswith("qwen3_14b") for line in result.stdout.splitlines())
+
+
+def test_a_model_that_takes_no_tp_is_refused_at_tp2_naming_it(toy_checkpoint: Path) -> None:
+    """The toy's from_hf_config predates tensor parallelism (no ``tp`` keyword): tp=2 is a clear error,
+    tp=1 keeps working."""
+    from pegainfer.llm import LLM
+
+    with pytest.raises(
+        ConfigError, match="model 'toy_qwen3' from plugin .* does not support tensor parallelism"
+    ):
+        LLM(str(toy_checkpoint), device="cpu", cpu_kv_cache_bytes=4 << 20, tensor_parallel_size=2)
