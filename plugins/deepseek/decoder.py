@@ -1,10 +1,16 @@
-"""One DeepSeek-V3 decoder layer: ``h = x + MLA(norm(x))``, then ``x = h + FFN(norm(h))``."""
+"""One DeepSeek-V3 decoder layer: ``h = x + MLA(norm(x))``, then ``x = h + FFN(norm(h))``.
+
+Under tensor parallelism the residual stream is replicated; MLA all-reduces its output projection and
+the FFN (dense SwiGLU or MoE, each holding its share of the intermediate features) returns a partial
+sum that is all-reduced here, once per layer.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from pegainfer.distributed import TensorParallel
 from pegainfer.layers.norm import rms_norm
 from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding
 from pegainfer.model_api import ForwardBatch
@@ -18,17 +24,20 @@ from pegainfer_deepseek.params import param
 class DecoderLayer(nn.Module):
     """Dense SwiGLU below ``first_k_dense_replace``, routed MoE from there on (MTP layers included)."""
 
-    def __init__(self, dims: DeepseekV3Dims, layer_index: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, dims: DeepseekV3Dims, layer_index: int, dtype: torch.dtype, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
         self.dims = dims
         self.layer_index = layer_index
+        self.tp = tp = tp or TensorParallel()
         self.input_layernorm = param(dims.hidden_size, dtype=dtype)
-        self.self_attn = MLAttention(dims, dtype)
+        self.self_attn = MLAttention(dims, dtype, tp)
         self.post_attention_layernorm = param(dims.hidden_size, dtype=dtype)
         self.mlp: nn.Module = (
-            MoE(dims, dtype)
+            MoE(dims, dtype, tp)
             if dims.is_moe_layer(layer_index)
-            else SwiGLU(dims.hidden_size, dims.intermediate_size, dtype)
+            else SwiGLU(dims.hidden_size, dims.intermediate_size, dtype, tp=tp)
         )
 
     def forward(
@@ -46,7 +55,7 @@ class DecoderLayer(nn.Module):
             rms_norm(x, self.input_layernorm, eps), batch, cache, rotary, index_cache, index_rotary
         )
         x = x + attn
-        return x + self.mlp(rms_norm(x, self.post_attention_layernorm, eps))
+        return x + self.tp.all_reduce(self.mlp(rms_norm(x, self.post_attention_layernorm, eps)))
 
     def load(self, reader: WeightReader, prefix: str) -> None:
         h, dtype = self.dims.hidden_size, self.input_layernorm.dtype

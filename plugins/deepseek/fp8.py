@@ -3,14 +3,22 @@
 A quantized projection ``X.weight`` is stored as float8_e4m3fn next to ``X.weight_scale_inv`` (float32,
 one value per ``block`` = 128×128 tile, edge tiles partial); the real weight is their product with each
 scale broadcast over its tile. Unquantized tensors (norms, router, embeddings) are read as they are.
+
+Under tensor parallelism a tensor read with a shard rule (``pegainfer.sharding``) is read as the rank's
+slices only; for a quantized one, so are the rows (or columns) of ``weight_scale_inv`` whose tiles cover
+those slices. A slice need not start on a tile boundary (small checkpoints, or a block larger than a
+rank's share): the first tile's scale is then applied from an offset into it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from pegainfer.errors import CheckpointError
 from pegainfer.loader import CheckpointReader
+from pegainfer.sharding import Shard
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -20,14 +28,34 @@ def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tupl
     columns ``[j·bi, (j+1)·bi)``."""
     bo, bi = block
     out, inp = weight.shape
-    expected = (-(-out // bo), -(-inp // bi))
+    expected = _scale_shape((out, inp), block)
     if tuple(scale_inv.shape) != expected:
-        raise CheckpointError(
-            f"weight_scale_inv has shape {tuple(scale_inv.shape)}, expected {expected} for a {out}×{inp} "
-            f"weight in {bo}×{bi} blocks"
-        )
+        raise CheckpointError(_scale_shape_error(tuple(scale_inv.shape), (out, inp), block))
     scale = scale_inv.float().repeat_interleave(bo, dim=0)[:out].repeat_interleave(bi, dim=1)[:, :inp]
     return weight.float() * scale
+
+
+def _scale_shape(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
+    return -(-shape[0] // block[0]), -(-shape[1] // block[1])
+
+
+def _scale_shape_error(actual: tuple[int, ...], shape: tuple[int, int], block: tuple[int, int]) -> str:
+    return (
+        f"weight_scale_inv has shape {actual}, expected {_scale_shape(shape, block)} for a "
+        f"{shape[0]}×{shape[1]} weight in {block[0]}×{block[1]} blocks"
+    )
+
+
+@dataclass(frozen=True)
+class _Tiles(Shard):
+    """Tiles ``[start, stop)`` along ``dim`` of a scale tensor, whatever the rank: the tiles that cover
+    one of the weight's shard ranges."""
+
+    start: int = 0
+    stop: int = 0
+
+    def ranges(self, length: int, rank: int, size: int, name: str) -> list[tuple[int, int]]:
+        return [(self.start, self.stop)]
 
 
 class WeightReader:
@@ -40,10 +68,13 @@ class WeightReader:
     def __contains__(self, name: str) -> bool:
         return name in self.reader
 
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def get(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, shard: Shard | None = None
+    ) -> torch.Tensor:
+        """Tensor ``name`` (full shape ``shape``) in ``dtype``; with ``shard`` only this rank's part."""
         scale_name = name + "_scale_inv"
         if scale_name not in self.reader:
-            tensor = self.reader.get(name, shape)
+            tensor = self.reader.get(name, shape, shard=shard)
             if tensor.dtype in FP8_DTYPES:  # a bare cast would drop the block scales
                 raise CheckpointError(f"tensor '{name}' is stored in FP8 without its '{scale_name}'")
             return tensor.to(dtype)
@@ -51,9 +82,48 @@ class WeightReader:
             raise CheckpointError(
                 f"tensor '{scale_name}' is in the checkpoint but config.json has no FP8 quantization_config"
             )
-        weight = self.reader.get(name, shape)
+        weight = self.reader.get(name, shape, shard=shard)
         try:
-            dense = dequantize_blocks(weight, self.reader.get(scale_name), self.block)
+            if shard is None:
+                dense = dequantize_blocks(weight, self.reader.get(scale_name), self.block)
+            else:
+                dense = weight.float() * self._shard_scale(name, scale_name, shard, weight.shape)
         except CheckpointError as exc:
             raise CheckpointError(f"tensor '{scale_name}': {exc}") from None
         return dense.to(dtype)
+
+    def _shard_scale(self, name: str, scale_name: str, shard: Shard, local: tuple[int, ...]) -> torch.Tensor:
+        """The float32 scale of every element of the rank's part (``local``, as read) of weight ``name``,
+        from the tiles that cover it: only the tile rows (or columns) of the rank's ranges are read."""
+        assert self.block is not None
+        shape = self.reader.shape(name)
+        if len(shape) != 2:
+            raise CheckpointError(f"a block-quantized weight must be 2-D, '{name}' has shape {shape}")
+        full = (shape[0], shape[1])
+        stored = self.reader.shape(scale_name)
+        if stored != _scale_shape(full, self.block):
+            raise CheckpointError(_scale_shape_error(stored, full, self.block))
+        dim = shard.dim % 2
+        other = 1 - dim
+        block, block_other = self.block[dim], self.block[other]
+        pieces = []
+        for start, stop in shard.ranges(full[dim], self.reader.rank, self.reader.world_size, name):
+            if start == stop:
+                continue
+            first, last = start // block, -(-stop // block)
+            tiles = self.reader.get(scale_name, shard=_Tiles(dim, start=first, stop=last)).float()
+            pieces.append(
+                tiles.repeat_interleave(block, dim=dim).narrow(dim, start - first * block, stop - start)
+            )
+        other_len = stored[other]
+        if pieces:
+            scale = torch.cat(pieces, dim=dim)
+        else:  # a rank that holds only padding rows
+            scale = torch.zeros((0, other_len) if dim == 0 else (other_len, 0))
+        scale = scale.repeat_interleave(block_other, dim=other).narrow(other, 0, full[other])
+        missing = local[dim] - scale.shape[dim]
+        if missing > 0:  # zero padding (vocab-parallel rows): its weight rows are zeros anyway
+            pad = list(scale.shape)
+            pad[dim] = missing
+            scale = torch.cat([scale, scale.new_zeros(pad)], dim=dim)
+        return scale

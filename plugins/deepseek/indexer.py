@@ -12,6 +12,11 @@ those. When a query sees at most ``index_topk`` positions it keeps them all (den
 
 The reference implementation's Hadamard rotation (dot products unchanged) and FP8 rounding of the
 scores are not applied, as in transformers.
+
+Under tensor parallelism the indexer is replicated, weights and key cache alike: every rank scores and
+selects the same positions from its replicated inputs (the layer's normed input and MLA's replicated
+``cq``). Its weights are small, and splitting its heads would need an all-reduce of the ``[T, context]``
+score matrix in every layer before the top-k, more traffic than the layer's own all-reduces.
 """
 
 from __future__ import annotations

@@ -11,6 +11,12 @@ The rope channels stay in the checkpoint's pairing (interleaved by default) for 
 
 DeepSeek-V3.2 adds a DSA lightning indexer (``indexer.py``) to every layer: it selects, per query, the
 cached positions attention may use, and both forms mask every other key.
+
+Tensor parallelism splits the heads: a rank holds its heads' rows of ``q_proj`` / ``q_b_proj`` and of
+``kv_b_proj`` (each head's ``[nope | v]`` rows) and their columns of ``o_proj``, whose partial output is
+all-reduced (its bias added once, after the sum). The down projections ``q_a_proj`` and
+``kv_a_proj_with_mqa`` and their norms are replicated: the latent is the same on every rank, so each
+rank's latent cache holds the whole latent (and the indexer, replicated too, sees the whole ``cq``).
 """
 
 from __future__ import annotations
@@ -19,10 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pegainfer.distributed import TensorParallel
 from pegainfer.layers.attention import AttentionMetadata
 from pegainfer.layers.norm import rms_norm
 from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding
 from pegainfer.model_api import ForwardBatch
+from pegainfer.sharding import split
 from pegainfer_deepseek.config import DeepseekV3Dims
 from pegainfer_deepseek.fp8 import WeightReader
 from pegainfer_deepseek.indexer import IndexSelection, LightningIndexer
@@ -39,10 +47,14 @@ def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) 
 
 
 class MLAttention(nn.Module):
-    def __init__(self, dims: DeepseekV3Dims, dtype: torch.dtype) -> None:
+    """``num_heads`` is this rank's share of the heads under tensor parallelism (``tp``)."""
+
+    def __init__(self, dims: DeepseekV3Dims, dtype: torch.dtype, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.dims = dims
-        h, nh = dims.hidden_size, dims.num_heads
+        self.tp = tp = tp or TensorParallel()
+        self.num_heads = nh = tp.split(dims.num_heads, "num_attention_heads")
+        h = dims.hidden_size
         rq, rkv, dr = dims.q_lora_rank, dims.kv_lora_rank, dims.qk_rope_head_dim
         q_out = nh * dims.qk_head_dim
         if rq is None:
@@ -86,15 +98,18 @@ class MLAttention(nn.Module):
                 if index_cache is None or index_rotary is None:
                     raise ValueError("a DeepSeek-V3.2 layer needs its indexer cache and half-split rope")
                 selection = self.indexer(x, cq, batch, index_cache, index_rotary)
-        q_nope, q_pe = q.view(t, dims.num_heads, dims.qk_head_dim).split([dn, dr], dim=-1)
+        q_nope, q_pe = q.view(t, self.num_heads, dims.qk_head_dim).split([dn, dr], dim=-1)
         c, k_pe = F.linear(x, self.kv_a_proj_with_mqa, self.kv_a_bias).split([rkv, dr], dim=-1)
         c = rms_norm(c, self.kv_a_layernorm, eps)
         q_pe, k_pe = rotary(batch.positions, q_pe, k_pe.unsqueeze(1))
         write_latent(cache, torch.cat([c, k_pe.squeeze(1)], dim=-1), batch.attn.slot_mapping)
-        out = q.new_empty(t, dims.num_heads, dims.v_head_dim)
+        out = q.new_empty(t, self.num_heads, dims.v_head_dim)
         self._prefill(q_nope, q_pe, cache, batch.attn, out, selection)
         self._decode(q_nope, q_pe, cache, batch.attn, out, selection)
-        return F.linear(out.flatten(1), self.o_proj, self.o_bias)
+        if self.tp.size == 1:
+            return F.linear(out.flatten(1), self.o_proj, self.o_bias)
+        attn = self.tp.all_reduce(F.linear(out.flatten(1), self.o_proj))
+        return attn if self.o_bias is None else attn + self.o_bias
 
     def _prefill(
         self,
@@ -107,7 +122,7 @@ class MLAttention(nn.Module):
     ) -> None:
         """Expanded form: per-head keys ``[k_nope | k_pe]`` and values from each segment's cached latents."""
         dims = self.dims
-        nh, dn, rkv = dims.num_heads, dims.qk_nope_head_dim, dims.kv_lora_rank
+        nh, dn, rkv = self.num_heads, dims.qk_nope_head_dim, dims.kv_lora_rank
         flat = cache.flatten(0, 1)
         for i, seg in enumerate(meta.prefills):
             positions = torch.arange(seg.ctx_len, device=q_nope.device)
@@ -140,7 +155,7 @@ class MLAttention(nn.Module):
         if not meta.num_decodes:
             return
         dims = self.dims
-        nh, dn, rkv = dims.num_heads, dims.qk_nope_head_dim, dims.kv_lora_rank
+        nh, dn, rkv = self.num_heads, dims.qk_nope_head_dim, dims.kv_lora_rank
         rows = slice(meta.num_prefill_tokens, meta.num_prefill_tokens + meta.num_decodes)
         w_kv = self.kv_b_proj.view(nh, dn + dims.v_head_dim, rkv)
         w_uk, w_uv = w_kv[:, :dn], w_kv[:, dn:]
@@ -160,23 +175,28 @@ class MLAttention(nn.Module):
         out[rows] = torch.einsum("bhr,hvr->bhv", o_latent, w_uv)
 
     def load(self, reader: WeightReader, prefix: str) -> None:
-        p = prefix + "self_attn."
+        dims, p = self.dims, prefix + "self_attn."
+        nh, h = dims.num_heads, dims.hidden_size
+        q_out, kv_out = nh * dims.qk_head_dim, nh * (dims.qk_nope_head_dim + dims.v_head_dim)
+        heads, columns = split(0), split(1)  # by heads: each head's rows (columns of o_proj) contiguous
+        # (name, parameter, full shape, shard rule); None shape: replicated, the parameter's own.
         named = [
-            ("q_proj.weight", getattr(self, "q_proj", None)),
-            ("q_a_proj.weight", getattr(self, "q_a_proj", None)),
-            ("q_a_proj.bias", self.q_a_bias),
-            ("q_a_layernorm.weight", getattr(self, "q_a_layernorm", None)),
-            ("q_b_proj.weight", getattr(self, "q_b_proj", None)),
-            ("kv_a_proj_with_mqa.weight", self.kv_a_proj_with_mqa),
-            ("kv_a_proj_with_mqa.bias", self.kv_a_bias),
-            ("kv_a_layernorm.weight", self.kv_a_layernorm),
-            ("kv_b_proj.weight", self.kv_b_proj),
-            ("o_proj.weight", self.o_proj),
-            ("o_proj.bias", self.o_bias),
+            ("q_proj.weight", getattr(self, "q_proj", None), (q_out, h), heads),
+            ("q_a_proj.weight", getattr(self, "q_a_proj", None), None, None),
+            ("q_a_proj.bias", self.q_a_bias, None, None),
+            ("q_a_layernorm.weight", getattr(self, "q_a_layernorm", None), None, None),
+            ("q_b_proj.weight", getattr(self, "q_b_proj", None), (q_out, dims.q_lora_rank), heads),
+            ("kv_a_proj_with_mqa.weight", self.kv_a_proj_with_mqa, None, None),
+            ("kv_a_proj_with_mqa.bias", self.kv_a_bias, None, None),
+            ("kv_a_layernorm.weight", self.kv_a_layernorm, None, None),
+            ("kv_b_proj.weight", self.kv_b_proj, (kv_out, dims.kv_lora_rank), heads),
+            ("o_proj.weight", self.o_proj, (h, nh * dims.v_head_dim), columns),
+            ("o_proj.bias", self.o_bias, None, None),
         ]
         with torch.no_grad():
-            for name, target in named:
+            for name, target, shape, shard in named:
                 if target is not None:
-                    target.copy_(reader.get(p + name, tuple(target.shape), target.dtype))
+                    full = tuple(target.shape) if shape is None else shape
+                    target.copy_(reader.get(p + name, full, target.dtype, shard))
         if self.indexer is not None:
             self.indexer.load(reader, prefix)

@@ -8,6 +8,14 @@ Its MTP layer is not served (drafting would need the MTP layer's indexer cache t
 
 The model does not embed on the device: the engine calls ``embed`` on the host side and passes the
 result as ``batch.hidden_states`` (already in the device layout: prefill segments, then decode rows).
+
+Tensor parallelism (``tp``): each rank holds its heads of MLA (``mla.py``), its share of every SwiGLU's
+and expert's intermediate features (``moe.py``) and its rows of the vocab-parallel embedding and
+lm_head (the MTP module's too); the router, the latent down projections, the norms and V3.2's indexer
+are replicated. Two all-reduces a layer (attention output, FFN output), one for the embedding
+(``embed`` runs on every rank: the ids are there anyway, hidden states would cost far more to ship) and
+a gather of the logits. The latent cache is the whole latent on every rank, so the cache specs do not
+depend on ``tp``; the activation estimate counts the rank's own heads and features.
 """
 
 from __future__ import annotations
@@ -21,11 +29,14 @@ from torch import nn
 
 from pegainfer.buffer_specs import BufferSpec, PagedLatentSpec, TransientSpec, dtype_size
 from pegainfer.config import ModelConfig
+from pegainfer.distributed import TensorParallel
 from pegainfer.errors import ExecutorError
 from pegainfer.layers.norm import rms_norm
+from pegainfer.layers.parallel import gather_logits, vocab_parallel_embed
 from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding, default_inv_freq, yarn_inv_freq
 from pegainfer.loader import CheckpointReader
 from pegainfer.model_api import CausalLM, ForwardBatch
+from pegainfer.sharding import vocab_shard, vocab_split
 from pegainfer_deepseek.config import DeepseekV3Dims
 from pegainfer_deepseek.decoder import DecoderLayer
 from pegainfer_deepseek.fp8 import WeightReader
@@ -53,24 +64,48 @@ def build_rotary(
     )
 
 
+def check_tensor_parallel(dims: DeepseekV3Dims, tp: TensorParallel) -> None:
+    """Every count ``tp`` must split, checked before anything is allocated or read: a ConfigError names
+    the first that does not divide (heads, then the dense and expert intermediate sizes)."""
+    tp.split(dims.num_heads, "num_attention_heads")
+    moe_layers = dims.num_layers + dims.num_mtp_layers > dims.first_k_dense_replace
+    if min(dims.first_k_dense_replace, dims.num_layers) > 0:
+        tp.split(dims.intermediate_size, "intermediate_size")
+    if moe_layers:
+        tp.split(dims.moe_intermediate_size, "moe_intermediate_size")
+        if dims.n_shared_experts:
+            tp.split(
+                dims.moe_intermediate_size * dims.n_shared_experts, "moe_intermediate_size * n_shared_experts"
+            )
+
+
 class DeepseekV3ForCausalLM(CausalLM):
     embeds_on_device = False
 
-    def __init__(self, dims: DeepseekV3Dims, *, dtype: torch.dtype, max_model_len: int) -> None:
+    def __init__(
+        self,
+        dims: DeepseekV3Dims,
+        *,
+        dtype: torch.dtype,
+        max_model_len: int,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         self.dims = dims
         self.dtype = dtype
-        h, v = dims.hidden_size, dims.vocab_size
-        self.embed_tokens = param(v, h, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(dims, i, dtype) for i in range(dims.num_layers))
+        self.tp = tp = tp or TensorParallel()
+        check_tensor_parallel(dims, tp)
+        h, rows = dims.hidden_size, vocab_shard(dims.vocab_size, tp.size)
+        self.embed_tokens = param(rows, h, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(dims, i, dtype, tp) for i in range(dims.num_layers))
         self.norm = param(h, dtype=dtype)
-        self.lm_head = None if dims.tie_word_embeddings else param(v, h, dtype=dtype)
+        self.lm_head = None if dims.tie_word_embeddings else param(rows, h, dtype=dtype)
         # V3.2's MTP layer would need its own indexer cache among the draft caches: not served.
         num_mtp = 0 if dims.indexer is not None else dims.num_mtp_layers
         if dims.indexer is not None and dims.num_mtp_layers:
             logger.info("DeepSeek-V3.2: the MTP layer is not served (no drafting with the DSA indexer yet)")
         self.mtp = nn.ModuleList(
-            MultiTokenPredictor(dims, dims.num_layers + k, dtype) for k in range(num_mtp)
+            MultiTokenPredictor(dims, dims.num_layers + k, dtype, tp) for k in range(num_mtp)
         )
         self.rotary = build_rotary(dims, max_model_len)
         self.index_rotary = (
@@ -79,9 +114,16 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     @classmethod
     def from_hf_config(
-        cls, hf_config: dict[str, Any], model_config: ModelConfig, *, dtype: torch.dtype, max_model_len: int
+        cls,
+        hf_config: dict[str, Any],
+        model_config: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        max_model_len: int,
+        tp: TensorParallel | None = None,
     ) -> DeepseekV3ForCausalLM:
-        return cls(DeepseekV3Dims.from_hf_config(hf_config), dtype=dtype, max_model_len=max_model_len)
+        dims = DeepseekV3Dims.from_hf_config(hf_config)
+        return cls(dims, dtype=dtype, max_model_len=max_model_len, tp=tp)
 
     @staticmethod
     def max_context_length(hf_config: dict[str, Any]) -> int:
@@ -102,10 +144,12 @@ class DeepseekV3ForCausalLM(CausalLM):
         weights = WeightReader(reader, dims.fp8.block if dims.fp8 else None)
         shape = (dims.vocab_size, dims.hidden_size)
         with torch.no_grad():
-            self.embed_tokens.copy_(weights.get("model.embed_tokens.weight", shape, self.dtype))
+            self.embed_tokens.copy_(
+                weights.get("model.embed_tokens.weight", shape, self.dtype, vocab_split())
+            )
             self.norm.copy_(weights.get("model.norm.weight", (dims.hidden_size,), self.dtype))
             if self.lm_head is not None:
-                self.lm_head.copy_(weights.get("lm_head.weight", shape, self.dtype))
+                self.lm_head.copy_(weights.get("lm_head.weight", shape, self.dtype, vocab_split()))
         for layer in self.layers:
             layer.load(weights, f"model.layers.{layer.layer_index}.")
         if self.mtp and f"model.layers.{dims.num_layers}.eh_proj.weight" not in reader:
@@ -139,15 +183,16 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     def transient_specs(self) -> list[TransientSpec]:
         """Activations per scheduled token (attention projections, expanded prefill keys and values, MoE
-        intermediates), in the compute dtype. The reference path's score matrices are not counted."""
-        d = self.dims
+        intermediates), in the compute dtype, for this rank's heads and intermediate features. The
+        reference path's score matrices are not counted."""
+        d, size = self.dims, self.tp.size
         per_head = d.qk_head_dim * 2 + d.v_head_dim * 2 + d.qk_nope_head_dim
         widths = (
             6 * d.hidden_size
             + (d.q_lora_rank or 0)
             + d.kv_lora_rank * 2
-            + d.num_heads * per_head
-            + 3 * max(d.intermediate_size, d.moe_intermediate_size * max(1, d.n_shared_experts))
+            + d.num_heads // size * per_head
+            + 3 * max(d.intermediate_size, d.moe_intermediate_size * max(1, d.n_shared_experts)) // size
         )
         if d.indexer is not None:  # indexer queries, key, head weights (float32: counted twice)
             widths += d.indexer.n_heads * (d.indexer.head_dim + 2) + d.indexer.head_dim
@@ -170,10 +215,11 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+        return gather_logits(F.linear(hidden, weight), self.tp, self.dims.vocab_size)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(token_ids, self.embed_tokens)
+        """Input embeddings ``[T, H]``, the whole rows on every rank (vocab-parallel + all-reduce)."""
+        return vocab_parallel_embed(token_ids, self.embed_tokens, self.tp)
 
     def mtp_forward(
         self,

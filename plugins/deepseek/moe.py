@@ -5,6 +5,16 @@ group-limited (rank groups by the sum of their two best biased scores, keep ``to
 take the top ``num_experts_per_tok`` experts inside them); the weights are the *unbiased* scores of the
 chosen experts, renormalised when ``norm_topk_prob`` and multiplied by ``routed_scaling_factor``. The
 router runs in fp32 whatever the model dtype (its weights are fp32 in the real checkpoint).
+
+Tensor parallelism splits every expert's intermediate features (``moe_intermediate_size / tp`` per rank:
+gate and up split along dim 0, down along dim 1), not the experts themselves. Every rank then routes
+the same (replicated) tokens with the same replicated router and runs the same loop over the chosen
+experts on its slice, so the work per rank is ``1 / tp`` of the block's whatever the routing does, and
+no token has to move between ranks. Expert parallelism (``n_routed_experts / tp`` whole experts per
+rank) would need the same single all-reduce here, but its load follows the routing: a rank whose experts
+are popular in a batch does more of the work while the others wait at the collective. The shared
+experts are split the same way, and the block returns this rank's partial sum of routed + shared
+output: the decoder layer all-reduces it once (``DecoderLayer.forward``), as it does the dense SwiGLU's.
 """
 
 from __future__ import annotations
@@ -13,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pegainfer.distributed import TensorParallel
+from pegainfer.sharding import split
 from pegainfer_deepseek.config import DeepseekV3Dims
 from pegainfer_deepseek.fp8 import WeightReader
 from pegainfer_deepseek.params import param
@@ -52,26 +64,39 @@ def routed_experts(
 
 
 class SwiGLU(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up packed into one weight (gate rows first)."""
+    """``down(silu(gate(x)) * up(x))`` with gate and up packed into one weight (gate rows first).
+
+    Under tensor parallelism (``tp``) the rank holds ``intermediate / tp`` features (gate and up split
+    along dim 0, down along dim 1) and ``forward`` returns its partial output: the caller all-reduces."""
 
     def __init__(
-        self, hidden: int, intermediate: int, dtype: torch.dtype, limit: float | None = None
+        self,
+        hidden: int,
+        intermediate: int,
+        dtype: torch.dtype,
+        limit: float | None = None,
+        *,
+        tp: TensorParallel | None = None,
+        what: str = "intermediate_size",
     ) -> None:
         super().__init__()
+        tp = tp or TensorParallel()
         self.intermediate = intermediate
+        self.local = local = tp.split(intermediate, what)
         self.limit = limit
-        self.gate_up_proj = param(2 * intermediate, hidden, dtype=dtype)
-        self.down_proj = param(hidden, intermediate, dtype=dtype)
+        self.gate_up_proj = param(2 * local, hidden, dtype=dtype)
+        self.down_proj = param(hidden, local, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return swiglu(x, self.gate_up_proj, self.down_proj, self.limit)
 
     def load(self, reader: WeightReader, prefix: str) -> None:
         i, h, dtype = self.intermediate, self.down_proj.shape[0], self.down_proj.dtype
+        local = self.local
         with torch.no_grad():
-            self.gate_up_proj[:i].copy_(reader.get(prefix + "gate_proj.weight", (i, h), dtype))
-            self.gate_up_proj[i:].copy_(reader.get(prefix + "up_proj.weight", (i, h), dtype))
-            self.down_proj.copy_(reader.get(prefix + "down_proj.weight", (h, i), dtype))
+            self.gate_up_proj[:local].copy_(reader.get(prefix + "gate_proj.weight", (i, h), dtype, split(0)))
+            self.gate_up_proj[local:].copy_(reader.get(prefix + "up_proj.weight", (i, h), dtype, split(0)))
+            self.down_proj.copy_(reader.get(prefix + "down_proj.weight", (h, i), dtype, split(1)))
 
 
 class GroupLimitedRouter(nn.Module):
@@ -108,16 +133,31 @@ class GroupLimitedRouter(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts (stacked: gate|up ``[E, 2Ie, H]``, down ``[E, H, Ie]``) plus the shared experts."""
+    """Routed experts (stacked: gate|up ``[E, 2Ie, H]``, down ``[E, H, Ie]``) plus the shared experts.
 
-    def __init__(self, dims: DeepseekV3Dims, dtype: torch.dtype) -> None:
+    Under tensor parallelism ``Ie`` is this rank's ``moe_intermediate_size / tp`` (see the module
+    docstring) and ``forward`` returns the rank's partial output, all-reduced by the decoder layer."""
+
+    def __init__(self, dims: DeepseekV3Dims, dtype: torch.dtype, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        tp = tp or TensorParallel()
         self.dims = dims
         e, h, i = dims.n_routed_experts, dims.hidden_size, dims.moe_intermediate_size
+        self.local = local = tp.split(i, "moe_intermediate_size")
         self.gate = GroupLimitedRouter(dims)
-        self.experts_gate_up = param(e, 2 * i, h, dtype=dtype)
-        self.experts_down = param(e, h, i, dtype=dtype)
-        self.shared_experts = SwiGLU(h, i * dims.n_shared_experts, dtype) if dims.n_shared_experts else None
+        self.experts_gate_up = param(e, 2 * local, h, dtype=dtype)
+        self.experts_down = param(e, h, local, dtype=dtype)
+        self.shared_experts = (
+            SwiGLU(
+                h,
+                i * dims.n_shared_experts,
+                dtype,
+                tp=tp,
+                what="moe_intermediate_size * n_shared_experts",
+            )
+            if dims.n_shared_experts
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
@@ -128,13 +168,15 @@ class MoE(nn.Module):
 
     def load(self, reader: WeightReader, prefix: str) -> None:
         dims, dtype = self.dims, self.experts_down.dtype
-        h, i = dims.hidden_size, dims.moe_intermediate_size
+        h, i, local = dims.hidden_size, dims.moe_intermediate_size, self.local
+        rows, columns = split(0), split(1)
         self.gate.load(reader, prefix + "gate.")
         with torch.no_grad():
             for e in range(dims.n_routed_experts):
                 p = f"{prefix}experts.{e}."
-                self.experts_gate_up[e, :i].copy_(reader.get(p + "gate_proj.weight", (i, h), dtype))
-                self.experts_gate_up[e, i:].copy_(reader.get(p + "up_proj.weight", (i, h), dtype))
-                self.experts_down[e].copy_(reader.get(p + "down_proj.weight", (h, i), dtype))
+                gate_up = self.experts_gate_up[e]
+                gate_up[:local].copy_(reader.get(p + "gate_proj.weight", (i, h), dtype, rows))
+                gate_up[local:].copy_(reader.get(p + "up_proj.weight", (i, h), dtype, rows))
+                self.experts_down[e].copy_(reader.get(p + "down_proj.weight", (h, i), dtype, columns))
         if self.shared_experts is not None:
             self.shared_experts.load(reader, prefix + "shared_experts.")

@@ -15,6 +15,9 @@ Buffers, per layer (see docs/architecture.md, "DeepSeek-V4 state"):
 The MTP layers of the release checkpoints are not served: transformers does not implement them, so there
 is no reference to check a drafting path against. The model does not embed on the device (like V3, the
 reference path is not graph-captured).
+
+Tensor parallelism is refused (``from_hf_config`` raises a ConfigError at tp > 1): the grouped output
+projection, the hyper-connection streams, the compressors and the hash-routed MoE are not sharded yet.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from pegainfer.buffer_specs import (
     dtype_size,
 )
 from pegainfer.config import ModelConfig
-from pegainfer.errors import ExecutorError
+from pegainfer.distributed import TensorParallel
+from pegainfer.errors import ConfigError, ExecutorError
 from pegainfer.layers.attention import QUERY_BLOCK
 from pegainfer.loader import CheckpointReader
 from pegainfer.model_api import CausalLM, ForwardBatch
@@ -70,8 +74,21 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     @classmethod
     def from_hf_config(
-        cls, hf_config: dict[str, Any], model_config: ModelConfig, *, dtype: torch.dtype, max_model_len: int
+        cls,
+        hf_config: dict[str, Any],
+        model_config: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        max_model_len: int,
+        tp: TensorParallel | None = None,
     ) -> DeepseekV4ForCausalLM:
+        """``tp`` is accepted so that tensor parallelism is refused here, with V4's own reason."""
+        if tp is not None and tp.size > 1:
+            raise ConfigError(
+                f"DeepSeek-V4 does not support tensor parallelism yet (tensor_parallel_size={tp.size}): "
+                "its grouped output projection, hyper-connection streams, compressors and hash-routed "
+                "MoE are not sharded; run it with tensor_parallel_size=1"
+            )
         dims = DeepseekV4Dims.from_hf_config(hf_config)
         if int(hf_config.get("num_nextn_predict_layers") or 0):
             logger.info("DeepSeek-V4: the MTP layers are not served (transformers has no reference for them)")

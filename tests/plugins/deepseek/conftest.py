@@ -1,11 +1,15 @@
-"""Fixtures of the DeepSeek plugin tests: a tiny V3 checkpoint (with MTP layer) and a float32 LLM on it."""
+"""Fixtures of the DeepSeek plugin tests: a tiny V3 checkpoint (with MTP layer), its "aligned" copy whose
+MTP layer drafts well, and a float32 LLM on the tiny checkpoint."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 
 @pytest.fixture(scope="session")
@@ -19,3 +23,24 @@ def llm(tiny_deepseek: Path):
     from pegainfer import LLM
 
     return LLM(str(tiny_deepseek), dtype="float32", device="cpu", cpu_kv_cache_bytes=8 << 20)
+
+
+@pytest.fixture(scope="session")
+def aligned_deepseek(tiny_deepseek: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint made nearly a bigram model (every o_proj and down projection scaled by 0.1, so
+    the next token depends mostly on the current one) whose MTP layer is that bigram: it reads only the
+    embedding half of ``eh_proj`` and shares the main embedding, final norm and head."""
+    folder = Path(shutil.copytree(tiny_deepseek, tmp_path_factory.mktemp("aligned") / "ckpt"))
+    tensors = load_file(str(folder / "model.safetensors"))
+    for name in list(tensors):
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[name] = tensors[name] * 0.1
+    mtp = "model.layers.3."
+    h = tensors["model.norm.weight"].shape[0]
+    tensors[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors[mtp + "enorm.weight"] = torch.ones(h)
+    tensors[mtp + "eh_proj.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+    tensors[mtp + "shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
+    tensors[mtp + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder

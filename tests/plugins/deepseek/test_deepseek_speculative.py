@@ -12,12 +12,10 @@ proposes equal those of the MTP module run from scratch over the whole sequence,
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from pegainfer import LLM
 from pegainfer.errors import ConfigError
@@ -46,27 +44,6 @@ def _steps(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY):
     before = dict(llm.engine.stats)
     outs = _run(llm, prompts, params)
     return outs, {key: llm.engine.stats[key] - before[key] for key in before}
-
-
-@pytest.fixture(scope="module")
-def aligned_deepseek(tiny_deepseek: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny checkpoint made nearly a bigram model (every o_proj and down projection scaled by 0.1, so
-    the next token depends mostly on the current one) whose MTP layer is that bigram: it reads only the
-    embedding half of ``eh_proj`` and shares the main embedding, final norm and head."""
-    folder = Path(shutil.copytree(tiny_deepseek, tmp_path_factory.mktemp("aligned") / "ckpt"))
-    tensors = load_file(str(folder / "model.safetensors"))
-    for name in list(tensors):
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            tensors[name] = tensors[name] * 0.1
-    mtp = "model.layers.3."
-    h = tensors["model.norm.weight"].shape[0]
-    tensors[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
-    tensors[mtp + "enorm.weight"] = torch.ones(h)
-    tensors[mtp + "eh_proj.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
-    tensors[mtp + "shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
-    tensors[mtp + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
-    save_file(tensors, str(folder / "model.safetensors"))
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,101 @@
+"""DeepSeek-V3 and V3.2 over two tensor-parallel ranks (gloo, CPU, float32): the same tokens as
+transformers and as one rank (single, batched, logprobs, seeded sampling, chunked prefill with
+preemption), V3 drafting with its MTP layer (random drafts, and an aligned MTP layer whose drafts are
+accepted: still the non-speculative greedy output), a block-FP8 checkpoint whose shard boundaries fall
+inside its 128x128 scale blocks, and DeepSeek-V4's refusal through the engine. Async scheduling is not
+available for these models (they do not embed on the device).
+
+What each rank holds is checked without engines in ``test_deepseek_tp_sharding.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pegainfer import LLM, SamplingParams
+from pegainfer.errors import ConfigError
+from pegainfer.testing.conformance import assert_tensor_parallel_matches, random_prompts
+from pegainfer.testing.tiny_deepseek import write_fp8_copy
+
+pytestmark = pytest.mark.slow
+
+
+def _llm(folder: Path, tp: int, k: int = 0) -> LLM:
+    return LLM(
+        str(folder),
+        dtype="float32",
+        device="cpu",
+        cpu_kv_cache_bytes=8 << 20,
+        tensor_parallel_size=tp,
+        speculative_num_tokens=k,
+    )
+
+
+def _steps(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], dict]:
+    before = dict(llm.engine.stats)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], {k: v - before[k] for k, v in llm.engine.stats.items()}
+
+
+def test_v3_with_mtp_drafts_matches_transformers_and_one_rank(tiny_deepseek: Path) -> None:
+    # Every greedy run of the two-rank engines drafts two tokens a step with the MTP layer.
+    assert_tensor_parallel_matches(tiny_deepseek, speculative_num_tokens=2)
+
+
+def test_v32_matches_transformers_and_one_rank(tiny_checkpoint_factory) -> None:
+    # A vocabulary the ranks do not divide: the last rank's embedding and lm_head rows are padding.
+    assert_tensor_parallel_matches(tiny_checkpoint_factory("deepseek_v32", vocab_size=1001))
+
+
+def test_accepted_mtp_drafts_give_the_non_speculative_output(aligned_deepseek: Path) -> None:
+    """With drafts that are mostly right, two ranks drafting give one rank's greedy tokens without
+    drafting, accept as many drafts as one rank drafting does (the draft logits are gathered, so both
+    ranks draft the same tokens), and take fewer steps."""
+    prompts = random_prompts(5, [5, 17, 3, 30])
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ref, ref_stats = _steps(_llm(aligned_deepseek, 1), prompts, params)
+    one_tokens, one_stats = _steps(_llm(aligned_deepseek, 1, k=2), prompts, params)
+    llm = _llm(aligned_deepseek, 2, k=2)
+    try:
+        tokens, stats = _steps(llm, prompts, params)
+        llm.engine.buffers.check_invariants()
+    finally:
+        llm.engine.shutdown()
+    assert tokens == one_tokens == ref
+    assert stats["spec_accepted_tokens"] / stats["spec_draft_tokens"] > 0.25
+    assert stats["steps"] < ref_stats["steps"] - 3
+    assert (stats["spec_draft_tokens"], stats["spec_accepted_tokens"]) == (
+        one_stats["spec_draft_tokens"],
+        one_stats["spec_accepted_tokens"],
+    )
+
+
+def test_fp8_checkpoint_gives_one_ranks_tokens(tiny_checkpoint_factory, tmp_path: Path) -> None:
+    # 4 heads, 288 dense and 48 expert features: each rank's rows and columns start inside a 128x128
+    # scale block (q_b_proj rows 64, kv_b_proj rows 80, o_proj columns 48, experts 24, dense 144).
+    source = tiny_checkpoint_factory(
+        "deepseek_v3",
+        seed=5,
+        hidden_size=160,
+        intermediate_size=288,
+        moe_intermediate_size=48,
+        q_lora_rank=144,
+        kv_lora_rank=136,
+        num_hidden_layers=2,
+    )
+    folder = write_fp8_copy(source, tmp_path / "fp8")
+    prompts = random_prompts(3, [7, 19, 30])
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    one, _ = _steps(_llm(folder, 1), prompts, params)
+    llm = _llm(folder, 2)
+    try:
+        assert _steps(llm, prompts, params)[0] == one
+    finally:
+        llm.engine.shutdown()
+
+
+def test_v4_is_refused_by_a_two_rank_engine(tiny_checkpoint_factory) -> None:
+    with pytest.raises(ConfigError, match="DeepSeek-V4 does not support tensor parallelism yet"):
+        _llm(tiny_checkpoint_factory("deepseek_v4"), 2)
