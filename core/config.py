@@ -36,7 +36,7 @@ class ModelConfig(_Section):
 class CacheConfig(_Section):
     block_size: int = Field(default=16, ge=1, le=1024)
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
-    # Bytes the KV pool may use on the CPU (there is no device memory to measure there).
+    # Bytes the KV pool may use on the CPU, per tensor-parallel rank (there is no device memory to measure).
     cpu_kv_cache_bytes: int = Field(default=1 << 30, ge=1)
     # Fixed page count, bypassing the memory plan (tests force preemption with it).
     num_gpu_blocks_override: int | None = Field(default=None, ge=1)

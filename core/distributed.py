@@ -31,10 +31,17 @@ MULTICAST_OFF_ENV = {
 }
 
 
-def disable_multicast() -> None:
-    """Keep NVLink multicast off in this process and its children (``MULTICAST_OFF_ENV``)."""
+#: NCCL's watchdog on a collective that fails or times out: abort the communicators and let the waiting
+#: call raise (2), not end the process (torch's default), so the engine fails its requests and lives on.
+NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+
+
+def set_collective_env() -> None:
+    """In this process and its children: NVLink multicast off (``MULTICAST_OFF_ENV``, always) and NCCL's
+    error handling (``NCCL_ERROR_HANDLING``, unless the user chose one)."""
     for key, value in MULTICAST_OFF_ENV.items():
         os.environ[key] = value
+    os.environ.setdefault(*NCCL_ERROR_HANDLING)
 
 
 @dataclass(frozen=True)

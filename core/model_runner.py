@@ -94,12 +94,21 @@ class ModelRunner:
         if graphs:
             self.capture_decode_graphs(eager=config.enforce_eager)
 
+    def check_graph_path(self, *, eager: bool = False) -> None:
+        """ExecutorError unless ``capture_decode_graphs(eager=eager)`` can run here."""
+        if (self.device.type != "cuda" and not eager) or not self.capabilities.device_embedding:
+            raise ExecutorError("decode CUDA graphs need a CUDA device and a model that embeds on the device")
+
+    def check_drafting(self) -> None:
+        """ExecutorError unless ``propose`` can run (the model drafts and drafting is on)."""
+        if not self.capabilities.max_speculative_tokens:
+            raise ExecutorError("this executor does not draft (capabilities.max_speculative_tokens is 0)")
+
     def capture_decode_graphs(self, *, eager: bool = False) -> None:
         """Capture CUDA graphs for decode-only steps (needs a CUDA device and device embedding); with
         ``eager`` decode-only steps run the same bucket-padded forward without graphs (on any device: the
         CPU benchmark of the host's work takes the GPU's decode path this way)."""
-        if (self.device.type != "cuda" and not eager) or not self.capabilities.device_embedding:
-            raise ExecutorError("decode CUDA graphs need a CUDA device and a model that embeds on the device")
+        self.check_graph_path(eager=eager)
         graphs = DecodeGraphs(
             self.model,
             self.decode,
@@ -329,8 +338,7 @@ class ModelRunner:
         Those chained rows write the cache beyond the accepted positions: garbage that the next step's
         pass 1 overwrites before anything reads it. Every rank drafts the same tokens: the draft logits
         are gathered on every rank before their argmax."""
-        if not self.capabilities.max_speculative_tokens:
-            raise ExecutorError("this executor does not draft (capabilities.max_speculative_tokens is 0)")
+        self.check_drafting()
         drafts: list[list[int]] = [[] for _ in inputs]
         if not inputs:
             return drafts

@@ -17,8 +17,6 @@ collective or a plan that waits longer than ``parallel.timeout_s`` fails the sam
 from __future__ import annotations
 
 import logging
-import select
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -47,34 +45,37 @@ class TensorParallelExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         self.size = size = config.parallel.tensor_parallel_size
         device, backend = check_devices(config)
-        model_class(
-            resolve_registration(config)[0], size
-        )  # a model that cannot shard: before any rank starts
+        # A model that cannot shard is refused before any rank starts.
+        model_class(resolve_registration(config)[0], size)
         self._failure: ExecutorError | None = None
         self._closed = False
         self._ranks: SpawnedRanks | None = None
         self._channel: ShmChannel | DistChannel | None = None
         self._encoder = StepEncoder()
-        self._stop_monitor = threading.Event()
         try:
             if launched_by_torchrun():
                 tp, plan_group = torchrun_groups(config)
                 self._channel = DistChannel(plan_group)
             else:
                 self._channel = ShmChannel(size - 1, config.parallel.timeout_s)
-                self._ranks = SpawnedRanks(config, self._channel)
+                self._ranks = ranks = SpawnedRanks(config, self._channel)
                 rank_device = torch.device("cuda", 0) if device.type == "cuda" else None
-                group = new_group(self._ranks.store, 0, size, backend, config.parallel.timeout_s, rank_device)
+                timeout = config.parallel.timeout_s
+                group = ranks.join_group(
+                    lambda: new_group(ranks.store, 0, size, backend, timeout, rank_device)
+                )
                 tp = TensorParallel(0, size, group)
+                executor = weakref.ref(self)  # the monitor thread must not keep the executor alive
+                ranks.watch(lambda rank: _on_rank_end(executor, rank))
             self.tp = tp
-            self._start_monitor()
             self.runner = self._guarded(ModelRunner, config, tp)
         except BaseException:
             self.shutdown()
             raise
         self.info = self.runner.info
         self.plan = self.runner.plan
-        self._finalizer = weakref.finalize(self, _stop, self._ranks, self._channel, self._stop_monitor)
+        # Collected without shutdown (or at exit): the workers are told to go at once.
+        self._finalizer = weakref.finalize(self, _release, self._ranks, self._channel, False)
         logger.info("tensor parallelism: %d ranks over %s", size, backend)
 
     @property
@@ -89,13 +90,18 @@ class TensorParallelExecutor(Executor):
 
     def execute(self, batch: ModelBatch) -> ExecutorOutput:
         self._send(self._encoder.batch(batch))
-        return self._guarded(self.runner.execute, batch)
+        out = self._guarded(self.runner.execute, batch)
+        if self._failure is not None:  # a rank failed while the step ran: its logits cannot be trusted
+            raise self._failure
+        return out
 
     def propose(self, inputs: list[DraftInput]) -> list[list[int]]:
+        self.runner.check_drafting()  # before the ranks are told: a refusal must not fail them
         self._send(self._encoder.drafts(inputs))
         return self._guarded(self.runner.propose, inputs)
 
     def capture_decode_graphs(self, *, eager: bool = False) -> None:
+        self.runner.check_graph_path(eager=eager)
         self._send(("capture", eager))
         self._guarded(self.runner.capture_decode_graphs, eager=eager)
 
@@ -121,26 +127,19 @@ class TensorParallelExecutor(Executor):
             if isinstance(exc, PegainferError) and not isinstance(exc, ExecutorError):
                 self._poison(f"tensor-parallel rank 0 failed: {type(exc).__name__}: {exc}", quiet=True)
                 raise
-            worker = self._await_worker_failure()
+            worker = self._worker_failure(wait_s=2.0)
             raise self._poison(
                 worker or f"tensor-parallel rank 0 failed: {type(exc).__name__}: {exc}"
             ) from exc
 
     # ------------------------------------------------------------------------------------------ health
 
-    def _await_worker_failure(self, grace_s: float = 2.0) -> str | None:
-        """A worker's failure, waiting ``grace_s`` for one: a collective may fail on rank 0 a moment
-        before the rank that caused it has fully ended."""
+    def _worker_failure(self, wait_s: float = 0.0) -> str | None:
+        """The first worker that ended, with its error, if one did (waiting up to ``wait_s`` for one: a
+        collective may fail on rank 0 a moment before the rank that caused it has fully ended)."""
         if self._ranks is None:
             return None
-        select.select(self._ranks.sentinels, [], [], grace_s)
-        return self._worker_failure()
-
-    def _worker_failure(self) -> str | None:
-        """The first worker that ended, with its error, if one did."""
-        if self._ranks is None:
-            return None
-        ended = self._ranks.ended()
+        ended = self._ranks.wait_for_an_end(wait_s) if wait_s else self._ranks.ended()
         if not ended:
             return None
         report = self._ranks.failure(ended[0])
@@ -148,38 +147,21 @@ class TensorParallelExecutor(Executor):
             logger.error("tensor-parallel rank %d: %s", ended[0], report)
         return f"tensor-parallel rank {ended[0]} failed: {report.splitlines()[0]}"
 
-    def _start_monitor(self) -> None:
-        if self._ranks is None:
-            return  # torchrun watches its ranks and ends the group when one fails
-        sentinels = self._ranks.sentinels
-        stop = self._stop_monitor
-        executor = weakref.ref(self)  # the thread must not keep the executor alive
-
-        def monitor() -> None:
-            while not stop.is_set():
-                if select.select(sentinels, [], [], 0.2)[0] and not stop.is_set():
-                    alive = executor()
-                    if alive is not None:
-                        alive._poison(alive._worker_failure() or "a tensor-parallel rank ended")
-                    return
-
-        threading.Thread(target=monitor, name="pegainfer-tp-monitor", daemon=True).start()
-
     def _poison(self, message: str, *, quiet: bool = False) -> ExecutorError:
-        """Fail the executor with ``message`` (the first failure wins); ``quiet``: the caller raises an
-        error of its own that says it all, so nothing is logged."""
+        """Fail the executor with ``message`` (the first failure wins): wake rank 0 from a collective it
+        waits in, end the other ranks. ``quiet``: the caller raises an error of its own that says it all."""
         if self._failure is None:
             self._failure = ExecutorError(message)
             if not quiet:
                 logger.error("%s; the executor stops", message)
             group = getattr(getattr(self, "tp", None), "group", None)
             if group is not None:
-                try:  # wakes rank 0 if it waits in a collective for the failed rank
+                try:
                     group.abort()
                 except Exception as exc:  # an abort that fails leaves the collective's own timeout
                     logger.debug("process group abort failed: %s", exc)
             if self._ranks is not None:
-                self._ranks.stop(grace_s=0.0)
+                self._ranks.terminate(grace_s=0.0, cut_lifelines=True)
         return self._failure
 
     def shutdown(self) -> None:
@@ -187,24 +169,31 @@ class TensorParallelExecutor(Executor):
         if self._closed:
             return
         self._closed = True
-        self._stop_monitor.set()
+        told = False
         if self._failure is None and self._channel is not None and hasattr(self, "runner"):
             try:
                 self._channel.send(("stop",))
+                told = True
             except Exception as exc:  # the workers are stopped below either way
                 logger.debug("stop message not delivered: %s", exc)
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
-            finalizer()
-        else:
-            _stop(self._ranks, self._channel, self._stop_monitor)
+            finalizer.detach()
+        _release(self._ranks, self._channel, told)
 
 
-def _stop(
-    ranks: SpawnedRanks | None, channel: ShmChannel | DistChannel | None, monitor: threading.Event
-) -> None:
-    monitor.set()
+def _on_rank_end(executor: weakref.ref, rank: int) -> None:
+    """The monitor's call when a worker ends: the executor (if it still exists) is failed."""
+    alive = executor()
+    if alive is not None and not alive._closed:
+        alive._poison(alive._worker_failure() or f"tensor-parallel rank {rank} ended")
+
+
+def _release(ranks: SpawnedRanks | None, channel: ShmChannel | DistChannel | None, told: bool) -> None:
+    """End the workers (given ``told``: a stop message was sent, a moment to obey it) and free what this
+    side holds of them."""
     if ranks is not None:
-        ranks.stop()
+        ranks.terminate(grace_s=5.0 if told else 0.0, cut_lifelines=not told)
+        ranks.release()
     if isinstance(channel, ShmChannel):
         channel.close()

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from pegainfer.config import EngineConfig
-from pegainfer.distributed import TensorParallel, backend_for, create_store, disable_multicast, new_group
+from pegainfer.distributed import TensorParallel, backend_for, create_store, new_group, set_collective_env
 from pegainfer.errors import ConfigError, ExecutorError
 from pegainfer.model_loader import pick_device
 from pegainfer.step_channel import ShmChannel
@@ -72,7 +73,7 @@ def torchrun_groups(config: EngineConfig) -> tuple[TensorParallel, Any]:
     if world != size:
         raise ConfigError(f"torchrun started {world} ranks, but tp={size}; launch exactly tp ranks")
     device, backend = check_devices(config)
-    disable_multicast()
+    set_collective_env()
     timeout = config.parallel.timeout_s
     store, rank, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout)))
     local = int(os.environ.get("LOCAL_RANK", rank))
@@ -85,31 +86,39 @@ def torchrun_groups(config: EngineConfig) -> tuple[TensorParallel, Any]:
 class SpawnedRanks:
     """Ranks 1..size-1 as child processes of this one (``python -m pegainfer.tp_worker``: a fresh
     interpreter that loads the plugins, its shard and its buffers itself, and never runs the user's
-    main module). Each child gets its step-channel pipe ends, a pipe to report a failure on, and a
-    lifeline pipe whose end-of-file (this process gone) makes it exit."""
+    main module). Each child gets its step-channel pipe ends, a pipe to report a failure on (whose
+    end-of-file also says the child ended), and a lifeline pipe whose end-of-file makes it exit.
+
+    ``watch`` starts a thread that calls back once a child ends; ``terminate`` ends the children;
+    ``release`` (after that) stops the thread and closes every pipe end this side holds."""
 
     def __init__(self, config: EngineConfig, channel: ShmChannel) -> None:
         size = config.parallel.tensor_parallel_size
-        timeout = config.parallel.timeout_s
-        disable_multicast()  # the children inherit the environment
+        self.timeout_s = timeout = config.parallel.timeout_s
+        set_collective_env()  # the children inherit the environment
         self.store = create_store("127.0.0.1", 0, size, is_master=True, timeout_s=timeout)
         self.processes: list[subprocess.Popen] = []
         self._errors: list[int] = []  # our read ends of the children's error pipes
         self._lifelines: list[int] = []  # our write ends of the children's lifelines
         self._reports: dict[int, str] = {}
         self._reading = threading.Lock()  # the monitor thread and a failed step may both ask
+        self._stop_watching = threading.Event()
+        self._monitor: threading.Thread | None = None
         try:
             for rank in range(1, size):
                 self._start(rank, size, config, channel)
             self._wait_ready(timeout)
         except BaseException:
-            self.stop(grace_s=0.0)
+            self.terminate(grace_s=0.0)
+            self.release()
             raise
 
     def _start(self, rank: int, size: int, config: EngineConfig, channel: ShmChannel) -> None:
         error_r, error_w = os.pipe()
         life_r, life_w = os.pipe()
         ready, free = channel.reader_fds(rank - 1)
+        self._errors.append(error_r)
+        self._lifelines.append(life_w)
         spec = WorkerSpec(
             rank,
             size,
@@ -122,17 +131,17 @@ class SpawnedRanks:
             life_r,
             torch.get_num_threads(),
         )
-        process = subprocess.Popen(
-            [sys.executable, "-m", "pegainfer.tp_worker"],
-            stdin=subprocess.PIPE,
-            pass_fds=(ready, free, error_w, life_r),
-        )
-        for fd in (error_w, life_r):
-            os.close(fd)
-        channel.close_reader_ends(rank - 1)
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "pegainfer.tp_worker"],
+                stdin=subprocess.PIPE,
+                pass_fds=(ready, free, error_w, life_r),
+            )
+        finally:
+            for fd in (error_w, life_r):
+                os.close(fd)
+            channel.close_reader_ends(rank - 1)
         self.processes.append(process)
-        self._errors.append(error_r)
-        self._lifelines.append(life_w)
         process.stdin.write(pickle.dumps(spec))
         process.stdin.close()
 
@@ -151,10 +160,28 @@ class SpawnedRanks:
                 )
             time.sleep(0.01)
 
-    @property
-    def sentinels(self) -> list[int]:
-        """File descriptors that turn readable when a child ends (its error pipe's end-of-file)."""
-        return list(self._errors)
+    def join_group(self, make_group: Callable[[], Any]) -> Any:
+        """``make_group()`` (rank 0's side of the group, which blocks until every rank joined), unless a
+        child ends first: then an ExecutorError with that rank's own message, at once."""
+        made: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                made["group"] = make_group()
+            except BaseException as exc:  # handed to the waiting thread
+                made["error"] = exc
+
+        joiner = threading.Thread(target=join, name="pegainfer-tp-join", daemon=True)
+        joiner.start()
+        while joiner.is_alive():
+            joiner.join(0.05)
+            ended = self.ended()
+            if ended and "group" not in made:
+                rank = ended[0]
+                raise ExecutorError(f"tensor-parallel rank {rank} failed to start: {self.failure(rank)}")
+        if "error" in made:
+            raise made["error"]
+        return made["group"]
 
     def ended(self) -> list[int]:
         """The ranks whose process has ended, or is ending: its error pipe has a report or is closed."""
@@ -165,30 +192,56 @@ class SpawnedRanks:
             if process.poll() is not None or fd in ending
         ]
 
+    def wait_for_an_end(self, timeout_s: float) -> list[int]:
+        """The ranks that ended within ``timeout_s`` (returns as soon as one does)."""
+        select.select(self._errors, [], [], timeout_s)
+        return self.ended()
+
+    def watch(self, on_end: Callable[[int], None]) -> None:
+        """Call ``on_end(rank)`` (on a thread of its own) when the first child ends."""
+        errors, stop = list(self._errors), self._stop_watching
+
+        def monitor() -> None:
+            while not stop.is_set():
+                if select.select(errors, [], [], 0.2)[0] and not stop.is_set():
+                    on_end(self.ended()[0])
+                    return
+
+        self._monitor = threading.Thread(target=monitor, name="pegainfer-tp-monitor", daemon=True)
+        self._monitor.start()
+
     def failure(self, rank: int) -> str:
         """Rank ``rank``'s own error message, if it sent one, else how it ended."""
         with self._reading:
-            return self._report(rank)
+            if rank not in self._reports:
+                self._reports[rank] = self._read_report(rank)
+            return self._reports[rank]
 
-    def _report(self, rank: int) -> str:
-        if rank not in self._reports:
-            fd, process = self._errors[rank - 1], self.processes[rank - 1]
-            chunks = []
+    def _read_report(self, rank: int) -> str:
+        fd, process = self._errors[rank - 1], self.processes[rank - 1]
+        chunks = []
+        try:
             while select.select([fd], [], [], 1.0)[0]:
                 chunk = os.read(fd, 1 << 16)
                 if not chunk:
                     break
                 chunks.append(chunk)
-            text = b"".join(chunks).decode(errors="replace").strip()
-            try:
-                code = process.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                code = None
-            self._reports[rank] = text or f"the process ended with exit code {code}"
-        return self._reports[rank]
+        except (OSError, ValueError):  # released already: how it ended is all there is
+            pass
+        text = b"".join(chunks).decode(errors="replace").strip()
+        try:
+            code = process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            code = None
+        return text or f"the process ended with exit code {code}"
 
-    def stop(self, grace_s: float = 5.0) -> None:
-        """Wait up to ``grace_s`` for the children to end, then terminate and kill what is left."""
+    def terminate(self, grace_s: float, *, cut_lifelines: bool = False) -> None:
+        """Wait up to ``grace_s`` for the children to end (``cut_lifelines``: tell them to, first), then
+        terminate and kill what is left."""
+        if cut_lifelines:
+            for fd in self._lifelines:
+                _close(fd)
+            self._lifelines = []
         deadline = time.monotonic() + grace_s
         for process in self.processes:
             try:
@@ -203,9 +256,16 @@ class SpawnedRanks:
                         process.wait(1.0)
                     except subprocess.TimeoutExpired:
                         pass
-        for fd in self._lifelines:
+
+    def release(self) -> None:
+        """Stop watching and close this side's pipe ends (after ``terminate``). Idempotent."""
+        self._stop_watching.set()
+        monitor = self._monitor
+        if monitor is not None and monitor is not threading.current_thread():
+            monitor.join()
+        for fd in (*self._lifelines, *self._errors):
             _close(fd)
-        self._lifelines = []
+        self._lifelines, self._errors = [], []
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,16 @@ from typing import Any
 
 import torch
 
-from pegainfer.distributed import TensorParallel, backend_for, create_store, disable_multicast, new_group
+from pegainfer.distributed import TensorParallel, backend_for, create_store, new_group, set_collective_env
 from pegainfer.errors import ExecutorError
 from pegainfer.model_loader import pick_device
 from pegainfer.model_runner import ModelRunner
 from pegainfer.step_channel import DistChannel, ShmReader
 from pegainfer.step_message import StepDecoder
 from pegainfer.tp_launch import READY_KEY, WorkerSpec, torchrun_groups
+
+#: The most of a failure report a rank sends (a pipe's buffer holds it without a reader).
+REPORT_BYTES = 16 << 10
 
 
 def serve(runner: ModelRunner, channel: Any) -> None:
@@ -61,7 +64,7 @@ def _hold_lifeline(fd: int) -> None:
 def spawned_main(spec: WorkerSpec) -> None:
     """A child rank: join the group, build the runner, serve rank 0's plans; report any failure."""
     _hold_lifeline(spec.lifeline_fd)
-    disable_multicast()
+    set_collective_env()
     torch.set_num_threads(spec.num_threads)
     try:
         timeout = spec.config.parallel.timeout_s
@@ -73,9 +76,9 @@ def spawned_main(spec: WorkerSpec) -> None:
         runner = ModelRunner(spec.config, TensorParallel(spec.rank, spec.size, group))
         serve(runner, ShmReader(spec.shm_name, spec.ready_fd, spec.free_fd, timeout))
     except BaseException as exc:
-        report = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
-        try:
-            os.write(spec.error_fd, report.encode(errors="replace"))
+        report = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}".encode(errors="replace")
+        try:  # one write of at most a pipe's buffer: rank 0 reads it after this process ended
+            os.write(spec.error_fd, report[:REPORT_BYTES])
         finally:
             os._exit(1)
     os._exit(0)

@@ -201,3 +201,63 @@ def test_ranks_keep_their_own_block_tables_between_steps(tiny_qwen3):
         ]
     finally:
         llm.engine.shutdown()
+
+
+def test_a_rank_that_ends_before_joining_the_group_is_reported_at_once(tiny_qwen3):
+    """A rank that reached the store but died before its group formed: rank 0 does not wait out the
+    group's timeout, and names the rank."""
+    from pegainfer.hydra_config import build_engine_config, compose
+    from pegainfer.step_channel import ShmChannel
+    from pegainfer.tp_launch import SpawnedRanks
+
+    config = build_engine_config(
+        compose("generate", [f"model.path={tiny_qwen3}", "device=cpu", "tp=2", "parallel.timeout_s=60"])
+    )
+    channel = ShmChannel(1, 60)
+    ranks = SpawnedRanks(config, channel)
+    try:
+        os.kill(ranks.processes[0].pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(ExecutorError, match="rank 1 failed to start"):
+            ranks.join_group(lambda: time.sleep(60))
+        assert time.monotonic() - started < 5
+    finally:
+        ranks.terminate(grace_s=0.0, cut_lifelines=True)
+        ranks.release()
+        channel.close()
+
+
+def test_a_refused_call_does_not_fail_the_ranks(tiny_qwen3):
+    """Rank 0 refuses what it cannot do before telling the others, so the executor lives on."""
+    llm = _tp_llm(tiny_qwen3)
+    try:
+        with pytest.raises(ExecutorError, match="need a CUDA device"):
+            llm.engine.executor.capture_decode_graphs()  # on the CPU only the eager path exists
+        with pytest.raises(ExecutorError, match="does not draft"):
+            llm.engine.executor.propose([])
+        assert llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=GREEDY, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_an_executor_dropped_without_shutdown_ends_its_workers_at_once(tiny_qwen3):
+    import gc
+
+    llm = _tp_llm(tiny_qwen3)
+    pids = [p.pid for p in _workers(llm)]
+    started = time.monotonic()
+    del llm
+    gc.collect()
+    _wait_gone(pids, timeout=5.0)
+    assert time.monotonic() - started < 3
+
+
+def test_engines_in_turn_leave_no_file_descriptor_behind(tiny_qwen3):
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    _tp_llm(tiny_qwen3).engine.shutdown()  # the first engine opens what stays open (imports, the store)
+    before = open_fds()
+    for _ in range(2):
+        _tp_llm(tiny_qwen3).engine.shutdown()
+    assert open_fds() == before
