@@ -60,3 +60,19 @@ def test_torchrun_launch_gives_the_one_rank_text(cache):
         _pegainfer(),
     ]
     assert _run(torchrun, cache, "qwen3_14b", "tp=2") == one
+
+
+def test_deepseek_v4_demo_runs_and_refuses_two_ranks_saying_why(cache):
+    assert _run([_pegainfer()], cache, "deepseek_v4").strip()
+    env = {**os.environ, "PEGAINFER_CACHE": str(cache)}
+    refused = subprocess.run(
+        [_pegainfer(), "generate", *ARGS, "model=deepseek_v4", "tp=2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert (
+        refused.stderr.startswith("error: ") and "tp" in refused.stderr and "Traceback" not in refused.stderr
+    )
