@@ -227,6 +227,18 @@ def dequantize_fp8_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple
     return q.float() * scale
 
 
+#: A tiny DeepSeek-V3 shape whose FP8 blocks (128x128) and tensor-parallel shards do not line up: its
+#: projections are wider than one block but not a multiple of it.
+UNALIGNED_SHAPE = {
+    "hidden_size": 160,
+    "intermediate_size": 288,
+    "moe_intermediate_size": 48,
+    "q_lora_rank": 144,
+    "kv_lora_rank": 136,
+    "num_hidden_layers": 2,
+}
+
+
 def write_fp8_copy(
     source: str | Path,
     destination: str | Path,

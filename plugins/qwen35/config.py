@@ -28,8 +28,29 @@ def text_part(hf_config: dict[str, Any]) -> dict[str, Any]:
     return text if isinstance(text, dict) else hf_config
 
 
+class _LinearAttentionWidths:
+    """The packed widths of a Gated DeltaNet layer from its head counts (a whole layer's or one rank's)."""
+
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+
 @dataclass(frozen=True)
-class Qwen35Config:
+class Qwen35Config(_LinearAttentionWidths):
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -59,18 +80,6 @@ class Qwen35Config:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
-
-    @property
-    def key_dim(self) -> int:
-        return self.linear_num_key_heads * self.linear_key_head_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.linear_num_value_heads * self.linear_value_head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        return 2 * self.key_dim + self.value_dim
 
     def layers_of(self, kind: str) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == kind]
@@ -179,7 +188,7 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, float]:
 
 
 @dataclass(frozen=True)
-class Qwen35Shard:
+class Qwen35Shard(_LinearAttentionWidths):
     """What one tensor-parallel rank holds of each layer (the full counts at tp = 1).
 
     - gated attention: its query heads (each with its output gate) and its key/value heads, replicated
@@ -239,15 +248,3 @@ class Qwen35Shard:
             moe_intermediate_size=ie,
             shared_expert_intermediate_size=is_,
         )
-
-    @property
-    def key_dim(self) -> int:
-        return self.linear_num_key_heads * self.linear_key_head_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.linear_num_value_heads * self.linear_value_head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        return 2 * self.key_dim + self.value_dim

@@ -18,22 +18,14 @@ from safetensors import safe_open
 
 from pegainfer import LLM, SamplingParams
 from pegainfer.testing.conformance import hf_greedy, unused_checkpoint_tensors
-from pegainfer.testing.tiny_deepseek import write_fp8_copy
+from pegainfer.testing.tiny_deepseek import UNALIGNED_SHAPE, write_fp8_copy
 
-WIDE = {
-    "hidden_size": 160,
-    "intermediate_size": 288,
-    "moe_intermediate_size": 48,
-    "q_lora_rank": 144,
-    "kv_lora_rank": 136,
-    "num_hidden_layers": 2,
-}
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def folders(tiny_checkpoint_factory, tmp_path_factory):
-    source = tiny_checkpoint_factory("deepseek_v3", seed=5, **WIDE)
+    source = tiny_checkpoint_factory("deepseek_v3", seed=5, **UNALIGNED_SHAPE)
     root = tmp_path_factory.mktemp("fp8")
     return write_fp8_copy(source, root / "fp8"), write_fp8_copy(
         source, root / "dequantized", dequantized=True

@@ -19,21 +19,10 @@ from pegainfer.config import ModelConfig
 from pegainfer.distributed import TensorParallel
 from pegainfer.errors import ConfigError
 from pegainfer.loader import CheckpointReader
-from pegainfer.testing.tiny_deepseek import deepseek_v3_config, write_fp8_copy
+from pegainfer.testing.tiny_deepseek import UNALIGNED_SHAPE, deepseek_v3_config, write_fp8_copy
 from pegainfer_deepseek.config import DeepseekV3Dims
 from pegainfer_deepseek.model import DeepseekV3ForCausalLM
 from pegainfer_deepseek.v4_model import DeepseekV4ForCausalLM
-
-#: Shapes whose shards do not line up with 128x128 (or 48x40) blocks: per rank 2 heads (q_b 64 rows,
-#: kv_b 80 rows, o_proj 48 columns), 144 dense and 24 expert features.
-WIDE = {
-    "hidden_size": 160,
-    "intermediate_size": 288,
-    "moe_intermediate_size": 48,
-    "q_lora_rank": 144,
-    "kv_lora_rank": 136,
-    "num_hidden_layers": 2,
-}
 
 
 def _tp(rank: int, size: int = 2) -> TensorParallel:
@@ -85,7 +74,9 @@ def expected_shard(name: str, full: torch.Tensor, rank: int) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def checkpoints(tiny_checkpoint_factory, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp-shards")
-    wide = tiny_checkpoint_factory("deepseek_v3", seed=5, **WIDE)
+    # Per rank 2 heads (q_b 64 rows, kv_b 80 rows, o_proj 48 columns), 144 dense and 24 expert features:
+    # no shard lines up with the 128x128 (or 48x40) blocks.
+    wide = tiny_checkpoint_factory("deepseek_v3", seed=5, **UNALIGNED_SHAPE)
     return {
         # A vocabulary two ranks do not divide (the last rank's rows are zero padding), attention biases.
         "v3": tiny_checkpoint_factory("deepseek_v3", vocab_size=1001, attention_bias=True),
