@@ -2,6 +2,10 @@
 
 A model returns a list of these from ``CausalLM.buffer_specs()``; the BufferManager plans memory from
 them and hands out pages, state slots and tensors. Paged specs share one block table per request.
+
+A layer's main cache is ``caches[layer_index]``; a paged spec with a ``name`` is an extra cache of that
+layer (DeepSeek-V3.2's indexer keys beside its MLA latents), ``caches[(layer_index, name)]``: see
+``cache_key``.
 """
 
 from __future__ import annotations
@@ -9,6 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+#: The key of a cache in the model's ``caches``: its layer, or (layer, name) for a layer's named extra cache.
+CacheKey = int | tuple[int, str]
+
+
+def cache_key(layer_index: int, name: str = "") -> CacheKey:
+    """``caches``' key for layer ``layer_index``'s cache called ``name`` ("": the layer's main cache)."""
+    return (layer_index, name) if name else layer_index
 
 
 def dtype_size(dtype: torch.dtype) -> int:
@@ -23,6 +35,12 @@ class PagedKVSpec:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    #: "" for the layer's main cache, else the name of an extra cache of the layer (``cache_key``).
+    name: str = ""
+
+    @property
+    def key(self) -> CacheKey:
+        return cache_key(self.layer_index, self.name)
 
     @property
     def bytes_per_token(self) -> int:
@@ -40,6 +58,12 @@ class PagedLatentSpec:
     latent_dim: int
     rope_dim: int
     dtype: torch.dtype
+    #: "" for the layer's main cache, else the name of an extra cache of the layer (``cache_key``).
+    name: str = ""
+
+    @property
+    def key(self) -> CacheKey:
+        return cache_key(self.layer_index, self.name)
 
     @property
     def bytes_per_token(self) -> int:
@@ -84,6 +108,12 @@ class PagedCompressedSpec:
     entry_dim: int
     ratio: int
     dtype: torch.dtype
+    #: "" for the layer's main cache, else the name of an extra cache of the layer (``cache_key``).
+    name: str = ""
+
+    @property
+    def key(self) -> CacheKey:
+        return cache_key(self.layer_index, self.name)
 
     def rows_per_page(self, block_size: int) -> int:
         return -(-block_size // self.ratio)

@@ -14,6 +14,7 @@ import logging
 
 import torch
 
+from pegainfer.buffer_specs import CacheKey
 from pegainfer.decode_buffers import DecodeBuffers
 from pegainfer.distributed import TensorParallel
 from pegainfer.layers.attention import AttentionMetadata
@@ -34,7 +35,7 @@ class DecodeGraphs:
         self,
         model: CausalLM,
         decode: DecodeBuffers,
-        caches: dict[int, torch.Tensor],
+        caches: dict[CacheKey, torch.Tensor],
         states: dict[int, dict[str, torch.Tensor]],
         tp: TensorParallel,
         *,

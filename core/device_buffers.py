@@ -9,22 +9,23 @@ from __future__ import annotations
 
 import torch
 
-from pegainfer.buffer_specs import PAGED_SPECS, BufferSpec, RecurrentStateSpec
+from pegainfer.buffer_specs import PAGED_SPECS, BufferSpec, CacheKey, RecurrentStateSpec
 from pegainfer.memory_plan import MemoryPlan
 
 
 class DeviceBuffers:
-    """``caches[layer]``: the layer's page pool; ``states[layer][name]``: ``[num_state_slots, *shape]``."""
+    """``caches[spec.key]``: a layer's page pool (``buffer_specs.cache_key``); ``states[layer][name]``:
+    ``[num_state_slots, *shape]``."""
 
     def __init__(self, specs: list[BufferSpec], plan: MemoryPlan, device: torch.device) -> None:
         self.plan = plan
         self.device = device
-        self.caches: dict[int, torch.Tensor] = {}
+        self.caches: dict[CacheKey, torch.Tensor] = {}
         self.states: dict[int, dict[str, torch.Tensor]] = {}
         for spec in specs:
             if isinstance(spec, PAGED_SPECS):
                 shape = spec.page_shape(plan.num_blocks, plan.block_size)
-                self.caches[spec.layer_index] = torch.zeros(shape, dtype=spec.dtype, device=device)
+                self.caches[spec.key] = torch.zeros(shape, dtype=spec.dtype, device=device)
             elif isinstance(spec, RecurrentStateSpec):
                 self.states[spec.layer_index] = {
                     name: torch.zeros((plan.num_state_slots, *shape), dtype=spec.dtype, device=device)

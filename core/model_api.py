@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from pegainfer.buffer_specs import BufferSpec, TransientSpec
+from pegainfer.buffer_specs import BufferSpec, CacheKey, TransientSpec
 from pegainfer.config import ModelConfig
 from pegainfer.layers.attention import AttentionMetadata
 from pegainfer.loader import CheckpointReader
@@ -66,7 +66,10 @@ class CausalLM(torch.nn.Module, ABC):
 
     @abstractmethod
     def forward(
-        self, batch: ForwardBatch, caches: dict[int, torch.Tensor], states: dict[int, dict[str, torch.Tensor]]
+        self,
+        batch: ForwardBatch,
+        caches: dict[CacheKey, torch.Tensor],
+        states: dict[int, dict[str, torch.Tensor]],
     ) -> torch.Tensor:
         """Final hidden states ``[T, H]`` (after the last norm) for every token of ``batch``."""
 
@@ -75,5 +78,38 @@ class CausalLM(torch.nn.Module, ABC):
         """Vocabulary logits ``[N, V]`` for the given rows of hidden states."""
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Input embeddings, used by the engine for models with ``embeds_on_device = False``."""
+        """Input embeddings, which the model runner puts into ``batch.hidden_states`` for models with
+        ``embeds_on_device = False``."""
         raise NotImplementedError(f"{type(self).__name__} embeds on the device; embed() is not offered")
+
+    # ------------------------------------------------------------------------------------- drafting
+    # Speculative decoding with the model's own draft (MTP) modules (``speculative.num_tokens=k``): a model
+    # that drafts overrides all three; docs/speculative.md describes how the engine uses them.
+
+    @property
+    def num_mtp_layers(self) -> int:
+        """Draft modules loaded (0: the model does not draft; a checkpoint may have stripped them)."""
+        return 0
+
+    def mtp_buffer_specs(self) -> list[BufferSpec]:
+        """The caches of the draft modules, one spec per module (not part of ``buffer_specs``: a run that
+        does not draft does not pay for them)."""
+        return []
+
+    def mtp_forward(
+        self,
+        hidden_states: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        batch: ForwardBatch,
+        caches: dict[CacheKey, torch.Tensor],
+        *,
+        depth: int = 0,
+        return_hidden: bool = False,
+        logit_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Draft logits ``[T, V]`` (float32) of draft module ``depth`` for the token after next: row r pairs
+        the main model's final hidden state at ``batch.positions[r]`` with ``next_token_ids[r]``, the token
+        at the following position, and writes the module's cache there. ``return_hidden``: also the module's
+        output hidden states (every row), the input of a further chained draft; ``logit_rows``: logits of
+        those rows only."""
+        raise NotImplementedError(f"{type(self).__name__} has no draft modules")

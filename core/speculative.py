@@ -43,18 +43,19 @@ from pegainfer.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 #: ``append(request, token, logprobs)`` appends one token through the stop checks; False once finished.
 if TYPE_CHECKING:
     from pegainfer.executor import Executor
+    from pegainfer.model_api import CausalLM
 
 AppendToken = Callable[[Request, int, PositionLogprobs | None], bool]
 
 
-def draft_buffer_specs(model: object, num_tokens: int) -> list[BufferSpec]:
+def draft_buffer_specs(model: CausalLM, num_tokens: int) -> list[BufferSpec]:
     """The caches drafting adds to the model's (none when off); a ConfigError when the model cannot draft.
 
     Only the first draft module runs (chained for further drafts), so only its cache is allocated.
     """
     if num_tokens <= 0:
         return []
-    if getattr(model, "num_mtp_layers", 0) <= 0 or not hasattr(model, "mtp_buffer_specs"):
+    if model.num_mtp_layers <= 0:
         raise ConfigError(
             f"speculative.num_tokens={num_tokens} needs a model with draft (MTP) layers, and "
             f"{type(model).__name__} has none loaded (a checkpoint without them); set "

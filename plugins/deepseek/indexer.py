@@ -34,8 +34,8 @@ from pegainfer_deepseek.config import DeepseekV3Dims
 from pegainfer_deepseek.fp8 import WeightReader
 from pegainfer_deepseek.params import param
 
-#: The indexer cache of layer ``l`` is ``caches[INDEXER_CACHE_OFFSET + l]`` (MLA's is ``caches[l]``).
-INDEXER_CACHE_OFFSET = 100_000
+#: The name of a layer's indexer key cache: ``caches[cache_key(layer, INDEXER_CACHE)]`` (MLA's is ``caches[layer]``).
+INDEXER_CACHE = "indexer"
 
 K_NORM_EPS = 1e-6
 

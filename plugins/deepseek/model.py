@@ -3,7 +3,7 @@ layers then group-routed MoE layers with shared experts, YaRN rope, an optional 
 block-FP8 checkpoints (dequantized at load on the reference path).
 
 DeepSeek-V3.2 (``DeepseekV32ForCausalLM``) is the same model with a DSA lightning indexer in every layer
-(``indexer.py``): a second paged cache per layer, ``caches[INDEXER_CACHE_OFFSET + layer]``, holds its keys.
+(``indexer.py``): a second paged cache per layer, named ``indexer`` (``caches[(layer, "indexer")]``), holds its keys.
 Its MTP layer is not served (drafting would need the MTP layer's indexer cache too).
 
 The model does not embed on the device: the engine calls ``embed`` on the host side and passes the
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pegainfer.buffer_specs import BufferSpec, PagedLatentSpec, TransientSpec, dtype_size
+from pegainfer.buffer_specs import BufferSpec, CacheKey, PagedLatentSpec, TransientSpec, cache_key, dtype_size
 from pegainfer.config import ModelConfig
 from pegainfer.distributed import TensorParallel
 from pegainfer.errors import ExecutorError
@@ -40,7 +40,7 @@ from pegainfer.sharding import vocab_shard, vocab_split
 from pegainfer_deepseek.config import DeepseekV3Dims
 from pegainfer_deepseek.decoder import DecoderLayer
 from pegainfer_deepseek.fp8 import WeightReader
-from pegainfer_deepseek.indexer import INDEXER_CACHE_OFFSET
+from pegainfer_deepseek.indexer import INDEXER_CACHE
 from pegainfer_deepseek.mtp import MultiTokenPredictor
 from pegainfer_deepseek.params import param
 
@@ -166,13 +166,12 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     def buffer_specs(self) -> list[BufferSpec]:
         """One latent cache (``kv_lora_rank + qk_rope_head_dim`` per token) per main layer; for V3.2 also
-        one indexer key cache (``index_head_dim`` per token) per layer, at ``INDEXER_CACHE_OFFSET + layer``."""
+        one indexer key cache (``index_head_dim`` per token) per layer, named ``INDEXER_CACHE``."""
         specs: list[BufferSpec] = [self._latent_spec(layer.layer_index) for layer in self.layers]
         if self.dims.indexer is not None:
             dim = self.dims.indexer.head_dim
             specs += [
-                PagedLatentSpec(INDEXER_CACHE_OFFSET + layer.layer_index, dim, 0, self.dtype)
-                for layer in self.layers
+                PagedLatentSpec(layer.layer_index, dim, 0, self.dtype, INDEXER_CACHE) for layer in self.layers
             ]
         return specs
 
@@ -199,7 +198,10 @@ class DeepseekV3ForCausalLM(CausalLM):
         return [TransientSpec("deepseek_activations", bytes_per_token=widths * dtype_size(self.dtype))]
 
     def forward(
-        self, batch: ForwardBatch, caches: dict[int, torch.Tensor], states: dict[int, dict[str, torch.Tensor]]
+        self,
+        batch: ForwardBatch,
+        caches: dict[CacheKey, torch.Tensor],
+        states: dict[int, dict[str, torch.Tensor]],
     ) -> torch.Tensor:
         if batch.hidden_states is None:
             raise ExecutorError(
@@ -209,7 +211,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         x = batch.hidden_states.to(self.dtype)
         indexed = self.dims.indexer is not None
         for layer in self.layers:
-            index_cache = caches[INDEXER_CACHE_OFFSET + layer.layer_index] if indexed else None
+            index_cache = caches[cache_key(layer.layer_index, INDEXER_CACHE)] if indexed else None
             x = layer(x, batch, caches[layer.layer_index], self.rotary, index_cache, self.index_rotary)
         return rms_norm(x, self.norm, self.dims.rms_norm_eps)
 
@@ -226,7 +228,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         hidden_states: torch.Tensor,
         next_token_ids: torch.Tensor,
         batch: ForwardBatch,
-        caches: dict[int, torch.Tensor],
+        caches: dict[CacheKey, torch.Tensor],
         *,
         depth: int = 0,
         return_hidden: bool = False,

@@ -10,7 +10,7 @@ Buffers, per layer (see docs/architecture.md, "DeepSeek-V4 state"):
 * ``states[layer]`` (``RecurrentStateSpec``, one slot per request): the sliding window's keys, a ring of
   ``sliding_window`` rows, and the compressors' carry-over rings;
 * ``caches[layer]`` (``PagedCompressedSpec``, CSA/HCA layers): the compressed KV entries;
-* ``caches[INDEXER_CACHE_OFFSET + layer]`` (``PagedCompressedSpec``, CSA layers): the indexer's keys.
+* ``caches[(layer, "indexer")]`` (``PagedCompressedSpec``, CSA layers): the indexer's keys.
 
 The MTP layers of the release checkpoints are not served: transformers does not implement them, so there
 is no reference to check a drafting path against. The model does not embed on the device (like V3, the
@@ -31,9 +31,11 @@ from torch import nn
 
 from pegainfer.buffer_specs import (
     BufferSpec,
+    CacheKey,
     PagedCompressedSpec,
     RecurrentStateSpec,
     TransientSpec,
+    cache_key,
     dtype_size,
 )
 from pegainfer.config import ModelConfig
@@ -44,7 +46,7 @@ from pegainfer.loader import CheckpointReader
 from pegainfer.model_api import CausalLM, ForwardBatch
 from pegainfer_deepseek.fp8 import WeightReader
 from pegainfer_deepseek.hyper_connections import HyperHead
-from pegainfer_deepseek.indexer import INDEXER_CACHE_OFFSET
+from pegainfer_deepseek.indexer import INDEXER_CACHE
 from pegainfer_deepseek.params import param
 from pegainfer_deepseek.v4_config import CSA, SLIDING, DeepseekV4Dims
 from pegainfer_deepseek.v4_decoder import V4DecoderLayer
@@ -117,7 +119,7 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def buffer_specs(self) -> list[BufferSpec]:
         """Per layer a state slot (window and compressor rings); per CSA/HCA layer a paged cache of
-        compressed entries, per CSA layer another of indexer keys (at ``INDEXER_CACHE_OFFSET + layer``)."""
+        compressed entries, per CSA layer another of indexer keys (named ``INDEXER_CACHE``)."""
         dims, specs = self.dims, []
         for layer in self.layers:
             i = layer.layer_index
@@ -127,9 +129,7 @@ class DeepseekV4ForCausalLM(CausalLM):
                 specs.append(PagedCompressedSpec(i, dims.head_dim, dims.ratio(i), self.dtype))
             if kind == CSA:
                 specs.append(
-                    PagedCompressedSpec(
-                        INDEXER_CACHE_OFFSET + i, dims.index_head_dim, dims.ratio(i), self.dtype
-                    )
+                    PagedCompressedSpec(i, dims.index_head_dim, dims.ratio(i), self.dtype, INDEXER_CACHE)
                 )
         return specs
 
@@ -169,7 +169,10 @@ class DeepseekV4ForCausalLM(CausalLM):
         return attention + indexer
 
     def forward(
-        self, batch: ForwardBatch, caches: dict[int, torch.Tensor], states: dict[int, dict[str, torch.Tensor]]
+        self,
+        batch: ForwardBatch,
+        caches: dict[CacheKey, torch.Tensor],
+        states: dict[int, dict[str, torch.Tensor]],
     ) -> torch.Tensor:
         if batch.hidden_states is None:
             raise ExecutorError(
@@ -191,7 +194,7 @@ class DeepseekV4ForCausalLM(CausalLM):
                 block_size,
                 states[i],
                 caches.get(i),
-                caches.get(INDEXER_CACHE_OFFSET + i),
+                caches.get(cache_key(i, INDEXER_CACHE)),
                 rope,
             )
         return scaled_rms_norm(self.hc_head(streams), self.norm, self.dims.rms_norm_eps)

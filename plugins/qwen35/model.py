@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pegainfer.buffer_specs import BufferSpec, TransientSpec
+from pegainfer.buffer_specs import BufferSpec, CacheKey, TransientSpec
 from pegainfer.config import ModelConfig
 from pegainfer.distributed import TensorParallel
 from pegainfer.layers.parallel import gather_logits, vocab_parallel_embed
@@ -220,7 +220,10 @@ class Qwen35ForCausalLM(CausalLM):
     # ----------------------------------------------------------------------------------------- forward
 
     def forward(
-        self, batch: ForwardBatch, caches: dict[int, torch.Tensor], states: dict[int, dict[str, torch.Tensor]]
+        self,
+        batch: ForwardBatch,
+        caches: dict[CacheKey, torch.Tensor],
+        states: dict[int, dict[str, torch.Tensor]],
     ) -> torch.Tensor:
         bufs = self.allocate_pass_buffers(batch.token_ids.shape[0])
         x, y = bufs.hidden_a, bufs.hidden_b

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pegainfer.buffer_specs import BufferSpec, PagedKVSpec, TransientSpec, dtype_size
+from pegainfer.buffer_specs import BufferSpec, CacheKey, PagedKVSpec, TransientSpec, dtype_size
 from pegainfer.config import ModelConfig
 from pegainfer.distributed import TensorParallel
 from pegainfer.errors import CheckpointError
@@ -282,12 +282,15 @@ class Qwen3ForCausalLM(CausalLM):
         return [TransientSpec("activations", bytes_per_token=per_token), scratch]
 
     def forward(
-        self, batch: ForwardBatch, caches: dict[int, torch.Tensor], states: dict[int, dict[str, torch.Tensor]]
+        self,
+        batch: ForwardBatch,
+        caches: dict[CacheKey, torch.Tensor],
+        states: dict[int, dict[str, torch.Tensor]],
     ) -> torch.Tensor:
         return self.run_layers(self.embed(batch.token_ids), batch, caches)
 
     def run_layers(
-        self, x: torch.Tensor, batch: ForwardBatch, caches: dict[int, torch.Tensor]
+        self, x: torch.Tensor, batch: ForwardBatch, caches: dict[CacheKey, torch.Tensor]
     ) -> torch.Tensor:
         """The decoder stack over input embeddings ``x``: the residual stream before the final norm, which
         :meth:`compute_logits` applies (inside the lm_head GEMM where it can)."""

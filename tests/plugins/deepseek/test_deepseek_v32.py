@@ -31,7 +31,7 @@ from pegainfer.testing.conformance import (
 )
 from pegainfer.testing.tiny_deepseek import deepseek_v32_config
 from pegainfer_deepseek.config import DeepseekV3Dims
-from pegainfer_deepseek.indexer import INDEXER_CACHE_OFFSET
+from pegainfer_deepseek.indexer import INDEXER_CACHE
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -92,10 +92,10 @@ def test_every_layer_has_a_latent_and_an_indexer_cache(llm_v32):
     dims = llm_v32.engine.executor.runner.model.dims
     caches = llm_v32.engine.executor.runner.buffers.caches
     layers = list(range(dims.num_layers))
-    assert sorted(caches) == layers + [INDEXER_CACHE_OFFSET + layer for layer in layers]
+    assert set(caches) == {*layers, *((layer, INDEXER_CACHE) for layer in layers)}
     for layer in layers:
         assert caches[layer].shape[-1] == dims.kv_lora_rank + dims.qk_rope_head_dim
-        index_cache = caches[INDEXER_CACHE_OFFSET + layer]
+        index_cache = caches[(layer, INDEXER_CACHE)]
         assert index_cache.shape == (*caches[layer].shape[:2], dims.indexer.head_dim)
     assert llm_v32.engine.executor.runner.model.num_mtp_layers == 0
 
@@ -117,7 +117,7 @@ def test_cached_indexer_keys_equal_transformers_cache(llm_v32, tiny_v32):
         hf_cache = hf_model(str(tiny_v32))(torch.tensor([prompt]), use_cache=True).cache
     try:
         for layer in range(dims.num_layers):
-            ours = engine.executor.runner.buffers.caches[INDEXER_CACHE_OFFSET + layer].flatten(0, 1)[slots]
+            ours = engine.executor.runner.buffers.caches[(layer, INDEXER_CACHE)].flatten(0, 1)[slots]
             ref = hf_cache.layers[layer].indexer_keys[0]
             torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
     finally:

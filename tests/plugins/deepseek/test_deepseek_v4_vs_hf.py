@@ -35,7 +35,7 @@ from pegainfer.testing.conformance import (
 )
 from pegainfer.testing.tiny_deepseek import write_fp8_copy
 from pegainfer.testing.tiny_deepseek_v4 import deepseek_v4_config
-from pegainfer_deepseek.indexer import INDEXER_CACHE_OFFSET
+from pegainfer_deepseek.indexer import INDEXER_CACHE
 from pegainfer_deepseek.v4_config import DeepseekV4Dims
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -78,12 +78,12 @@ def test_buffers_per_layer_kind(llm_v4):
     engine, dims = llm_v4.engine, llm_v4.engine.executor.runner.model.dims
     specs = engine.executor.runner.model.buffer_specs()
     states = {s.layer_index: dict(s.shapes) for s in specs if isinstance(s, RecurrentStateSpec)}
-    paged = {s.layer_index: s for s in specs if isinstance(s, PagedCompressedSpec)}
+    paged = {s.key: s for s in specs if isinstance(s, PagedCompressedSpec)}
     assert states[0] == {"window": (8, 32)}  # sliding only
     assert states[1] == {"window": (8, 32), "compressor": (8, 128), "indexer": (8, 64)}  # CSA
     assert states[2] == {"window": (8, 32), "compressor": (8, 64)}  # HCA
-    assert sorted(paged) == [1, 2, 3, INDEXER_CACHE_OFFSET + 1, INDEXER_CACHE_OFFSET + 3]
-    assert (paged[1].ratio, paged[2].ratio, paged[INDEXER_CACHE_OFFSET + 1].entry_dim) == (4, 8, 16)
+    assert set(paged) == {1, 2, 3, (1, INDEXER_CACHE), (3, INDEXER_CACHE)}
+    assert (paged[1].ratio, paged[2].ratio, paged[(1, INDEXER_CACHE)].entry_dim) == (4, 8, 16)
     plan, bs = engine.buffers.plan, engine.buffers.block_size
     assert plan.page_bytes == sum(s.page_bytes(bs) for s in paged.values())
     assert plan.transients["deepseek_v4_attention_scratch"] > 0
