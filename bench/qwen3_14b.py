@@ -26,7 +26,7 @@ from pegainfer.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCo
 from pegainfer.kernels import skinny_gemm
 from pegainfer.llm import LLM
 from pegainfer.sampling_params import RequestOutputKind, SamplingParams
-from pegainfer.testing.tiny_tokenizer import write_tiny_tokenizer
+from pegainfer.tiny_tokenizer import write_tiny_tokenizer
 
 QWEN3_14B = {
     "architectures": ["Qwen3ForCausalLM"],

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from pegainfer.plugins import ModelRegistration
@@ -28,12 +29,26 @@ def cache_dir() -> Path:
 
 
 def demo_checkpoint(registration: ModelRegistration) -> Path:
-    """``registration``'s demo checkpoint folder, written atomically (temp folder + rename) the first time."""
-    name = f"demo-{registration.name}-v{DEMO_VERSION}"
+    """``registration``'s demo checkpoint folder, written the first time."""
+    return _written_once(
+        f"demo-{registration.name}-v{DEMO_VERSION}", "config.json", registration.load_demo_writer()
+    )
+
+
+def demo_tokenizer() -> Path:
+    """A folder with the demo models' byte-level tokenizer (1000 ids), written the first time: what a
+    checkpoint without tokenizer files runs with under ``model.load_format=dummy``."""
+    from pegainfer.tiny_tokenizer import write_tiny_tokenizer
+
+    return _written_once(f"tokenizer-byte-level-v{DEMO_VERSION}", "tokenizer.json", write_tiny_tokenizer)
+
+
+def _written_once(name: str, marker: str, write: Callable[[Path], object]) -> Path:
+    """``cache_dir() / name``, filled by ``write(folder)`` atomically (temp folder + rename) unless it holds
+    ``marker`` already."""
     target = cache_dir() / name
-    if (target / "config.json").exists():
+    if (target / marker).exists():
         return target
-    write = registration.load_demo_writer()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=name, dir=target.parent))
     try:
@@ -41,7 +56,7 @@ def demo_checkpoint(registration: ModelRegistration) -> Path:
         try:
             tmp.rename(target)
         except OSError:
-            if not (target / "config.json").exists():  # another process may have won the race
+            if not (target / marker).exists():  # another process may have won the race
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

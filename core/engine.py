@@ -11,10 +11,12 @@ import time
 from pegainfer.batch_builder import BatchBuilder, PendingStep
 from pegainfer.buffers import PagedBufferManager
 from pegainfer.config import EngineConfig
+from pegainfer.demo import demo_tokenizer
 from pegainfer.detokenizer import IncrementalDetokenizer
 from pegainfer.errors import ConfigError, RequestError
 from pegainfer.executor import Executor, ExecutorOutput, build_executor
 from pegainfer.loader import read_generation_config
+from pegainfer.model_loader import resolve_registration
 from pegainfer.output_processor import STAT_KEYS, OutputProcessor
 from pegainfer.outputs import RequestOutput
 from pegainfer.request import FINISHED_STATUSES, Request, RequestStatus
@@ -23,11 +25,29 @@ from pegainfer.sampler import Sampler
 from pegainfer.sampling_params import SamplingParams
 from pegainfer.scheduler import ContinuousBatchingScheduler, ScheduledRequest, Scheduler, SchedulerOutput
 from pegainfer.speculative import SpeculativeDecoder, sample_and_verify
-from pegainfer.tokenizer import Tokenizer
+from pegainfer.tokenizer import TOKENIZER_FILE, Tokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["STAT_KEYS", "LLMEngine"]
+__all__ = ["STAT_KEYS", "LLMEngine", "load_tokenizer"]
+
+
+def load_tokenizer(config: EngineConfig) -> Tokenizer:
+    """``model.tokenizer`` or the checkpoint's own. A checkpoint without tokenizer files runs under
+    ``model.load_format=dummy`` (a config.json alone is enough for random weights) with the demo models'
+    byte-level tokenizer, and says so; any other load needs the checkpoint's."""
+    if config.model.tokenizer is not None:
+        return Tokenizer.from_pretrained(config.model.tokenizer)
+    _, folder, _ = resolve_registration(config)
+    if config.model.load_format == "dummy" and not (folder / TOKENIZER_FILE).is_file():
+        logger.warning(
+            "%s has no %s: model.load_format=dummy runs with the demo models' byte-level tokenizer (ids "
+            "below 1000 only); set model.tokenizer=DIR to use another",
+            folder,
+            TOKENIZER_FILE,
+        )
+        return Tokenizer.from_pretrained(demo_tokenizer())
+    return Tokenizer.from_pretrained(folder)
 
 
 class LLMEngine:
@@ -42,6 +62,8 @@ class LLMEngine:
         sched = config.scheduler
         if sched.max_num_batched_tokens < sched.max_num_seqs:
             logger.warning("max_num_batched_tokens < max_num_seqs: some running requests wait every step")
+        # The tokenizer first: a checkpoint without one fails before any weight is built.
+        self.tokenizer = load_tokenizer(config)
         self.executor: Executor = build_executor(config)
         try:
             self._setup(config)
@@ -52,7 +74,6 @@ class LLMEngine:
     def _setup(self, config: EngineConfig) -> None:
         info = self.executor.info
         self.max_model_len = info.max_model_len
-        self.tokenizer = Tokenizer.from_pretrained(config.model.tokenizer or info.folder)
         self.generation_config = read_generation_config(info.folder)
         eos = self.generation_config.get("eos_token_id")
         if eos is not None:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import pytest
 
 from pegainfer.detokenizer import IncrementalDetokenizer
-from pegainfer.testing.tiny_tokenizer import write_tiny_tokenizer
+from pegainfer.tiny_tokenizer import write_tiny_tokenizer
 from pegainfer.tokenizer import Tokenizer
 
 PIECES = [

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from pegainfer import LLM, SamplingParams
-from pegainfer.errors import RequestError
+from pegainfer.config import CacheConfig, EngineConfig, ModelConfig
+from pegainfer.errors import CheckpointError, RequestError
 from pegainfer.testing.conformance import hf_logits
 
 PROMPT = [11, 42, 7, 300, 5, 99, 120]
@@ -360,3 +363,42 @@ def test_top_logprob_gaps_measure_only_real_differences():
     noisy = logits + 0.1 * torch.randn(5, 40, generator=gen)
     assert top_logprob_gaps(noisy, logits, k=4).shape == (20,)
     assert top_logprob_gaps(noisy, logits).mean() > 0.01
+
+
+def test_dummy_weights_need_only_a_config_json(tmp_path, caplog, monkeypatch):
+    """``model.load_format=dummy`` from a folder with config.json alone: the demo models' tokenizer stands
+    in (with a warning), and ids it does not know decode to nothing instead of failing."""
+    import json
+
+    from pegainfer.testing.checkpoints import qwen3_config
+
+    folder = tmp_path / "config-only"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(qwen3_config(4096)))
+    monkeypatch.setenv("PEGAINFER_CACHE", str(tmp_path / "cache"))
+    config = EngineConfig(
+        model=ModelConfig(path=str(folder), load_format="dummy"),
+        device="cpu",
+        cache=CacheConfig(cpu_kv_cache_bytes=4 << 20),
+    )
+    engine_log = logging.getLogger("pegainfer.engine")  # the CLI's set-up may stop it propagating
+    engine_log.addHandler(caplog.handler)
+    try:
+        llm = LLM.from_config(config)
+    finally:
+        engine_log.removeHandler(caplog.handler)
+    assert "has no tokenizer.json" in caplog.text
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    out = llm.generate(["hello"], params, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
+
+
+def test_a_real_load_without_a_tokenizer_fails_before_any_weight_is_built(tmp_path, monkeypatch):
+    from pegainfer import model_loader
+    from pegainfer.testing.checkpoints import write_tiny_checkpoint
+
+    folder = write_tiny_checkpoint(tmp_path / "no-tokenizer", "qwen3")
+    (folder / "tokenizer.json").unlink()
+    monkeypatch.setattr(model_loader, "load_model", lambda *a, **k: pytest.fail("weights were built"))
+    with pytest.raises(CheckpointError, match="tokenizer.json is missing"):
+        LLM(str(folder), device="cpu")

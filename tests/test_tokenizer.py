@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pegainfer.errors import CheckpointError, RequestError
-from pegainfer.testing.tiny_tokenizer import write_tiny_tokenizer
+from pegainfer.tiny_tokenizer import write_tiny_tokenizer
 from pegainfer.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from pegainfer.testing.tiny_tokenizer import write_tiny_tokenizer
+from pegainfer.tiny_tokenizer import write_tiny_tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

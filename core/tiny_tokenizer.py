@@ -1,4 +1,5 @@
-"""A real, tiny byte-level BPE tokenizer for tests: trained in well under a second, byte-for-byte stable."""
+"""A real, tiny byte-level BPE tokenizer for the demo models and tests: trained in well under a second,
+byte-for-byte stable."""
 
 from __future__ import annotations
 
