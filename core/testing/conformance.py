@@ -75,51 +75,6 @@ def hf_greedy(
     return out
 
 
-def assert_chunked_prefill_matches_hf(
-    folder: str | Path, chunk: int, budget: int, lengths: Sequence[int] = (45, 30, 9), max_tokens: int = 24
-) -> None:
-    """Prompts prefilled in chunks of at most ``chunk`` tokens within ``budget``-token steps (so steps mix
-    prefill chunks with decode rows, and chunks cross page boundaries) give transformers' greedy tokens."""
-    from pegainfer.llm import LLM
-
-    llm = LLM(
-        str(folder),
-        dtype="float32",
-        device="cpu",
-        long_prefill_token_threshold=chunk,
-        max_num_batched_tokens=budget,
-        cpu_kv_cache_bytes=8 << 20,
-    )
-    prompts = random_prompts(2, lengths)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    assert greedy_token_ids(llm, prompts, params) == hf_greedy(folder, prompts, max_tokens)
-
-
-def assert_preempted_run_matches_hf(folder: str | Path, pages: int, max_tokens: int = 24) -> Any:
-    """Four prompts through a pool of ``pages`` 4-token pages too small to hold them at once: the run must
-    preempt, still give transformers' greedy tokens, and return every page. Returns the LLM."""
-    from pegainfer.llm import LLM
-
-    llm = LLM(
-        str(folder),
-        dtype="float32",
-        device="cpu",
-        block_size=4,
-        num_gpu_blocks_override=pages,
-        max_model_len=64,
-    )
-    prompts = random_prompts(3, [16, 12, 15, 14])
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    assert sum(o.metrics.num_preemptions for o in outs) > 0, (
-        "the pool was large enough: nothing was preempted"
-    )
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(folder, prompts, max_tokens)
-    llm.engine.buffers.check_invariants()
-    assert llm.engine.buffers.pool.num_free == pages
-    return llm
-
-
 def hf_logits(
     folder: str | Path, prompt: Sequence[int], dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> torch.Tensor:
@@ -127,6 +82,39 @@ def hf_logits(
     model = hf_model(str(folder), dtype, device)
     with torch.no_grad():
         return model(torch.tensor([list(prompt)], device=device)).logits[0].float()
+
+
+def teacher_forced_logits(llm: Any, tokens: Sequence[int], prefill: int) -> torch.Tensor:
+    """Our logits ``[len(tokens), V]`` for ``tokens`` fed as one request: the first ``prefill`` positions
+    in one chunk (every position's logits), then the rest one decode step each through the paged cache (the
+    step's logits). Runs straight on the executor, with the request's pages and state slot from the
+    engine's buffer manager; ``tokens`` are the model's inputs, not its samples (teacher forcing)."""
+    from pegainfer.model_batch import ModelBatch, SequenceChunk
+    from pegainfer.request import Request
+
+    engine, tokens = llm.engine, list(tokens)
+    request = Request("teacher-forced", tokens, SamplingParams(max_tokens=1))
+    buffers = engine.buffers
+    if not buffers.allocate_slots(request, len(tokens)):
+        raise RuntimeError("no room for the teacher-forced request")
+    try:
+        rows = []
+        for start, end in [(0, prefill), *((p, p + 1) for p in range(prefill, len(tokens)))]:
+            chunk = SequenceChunk(
+                request.request_id,
+                tokens[start:end],
+                start,
+                buffers.block_table(request.request_id),
+                buffers.state_slot(request.request_id),
+                needs_logits=True,
+                all_logits=end - start > 1,
+                serial=request.serial,
+            )
+            out = engine.executor.execute(ModelBatch([chunk]))
+            rows.append(out.all_logits[request.request_id] if chunk.all_logits else out.logits)
+        return torch.cat(rows).float()
+    finally:
+        buffers.free(request)
 
 
 def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:

@@ -9,8 +9,12 @@
 
 Checks: the model is discovered through its entry point, its Hydra ``model/`` option composes and
 validates, every checkpoint tensor is consumed, a tiny model generates on the CPU, batched generation
-equals one-at-a-time generation, chunked prefill and a preempted run equal a plain run, and
-(``hf_reference = True``) greedy tokens equal transformers'.
+equals one-at-a-time generation, chunked prefill and a preempted run equal a plain run; with
+``hf_reference = True`` greedy tokens (one prompt, a batch) equal transformers', and the logits of a
+prompt (prefill) and of the steps after it (decode through the paged cache) are within ``logits_tolerance``
+of transformers' (relative L2 over the positions); with ``tensor_parallel_size`` > 0 the model runs on that
+many ranks (gloo, CPU) with transformers' tokens and one rank's logprobs and seeded samples (0: the model
+refuses tensor parallelism, which is checked to be a clear error).
 """
 
 from __future__ import annotations
@@ -31,6 +35,14 @@ class PluginConformance:
     #: Compare greedy tokens with transformers (it must know the checkpoint's architecture).
     hf_reference: ClassVar[bool] = True
     max_tokens: ClassVar[int] = 12
+    #: Relative L2 error allowed between our float32 logits and transformers' (prefill and decode).
+    logits_tolerance: ClassVar[float] = 1e-4
+    #: Ranks of the tensor-parallel check (0: the model refuses tp > 1, which is checked instead).
+    tensor_parallel_size: ClassVar[int] = 2
+    #: The tensor-parallel check also schedules ahead (models that embed on the device).
+    async_scheduling: ClassVar[bool] = True
+    #: Draft tokens during the tensor-parallel check (models with MTP layers).
+    speculative_num_tokens: ClassVar[int] = 0
 
     @classmethod
     def make_checkpoint(cls, folder: Path) -> Path:
@@ -40,7 +52,7 @@ class PluginConformance:
 
     def prompts(self) -> list[list[int]]:
         rng = random.Random(0)
-        return [[rng.randrange(200) for _ in range(n)] for n in (5, 17, 2)]
+        return [[rng.randrange(200) for _ in range(n)] for n in (5, 17, 2, 40)]
 
     def test_discovered_through_entry_point(self) -> None:
         from pegainfer.plugins import get_model_registry
@@ -118,15 +130,58 @@ class PluginConformance:
         small.engine.buffers.check_invariants()
         assert small.engine.buffers.pool.num_free == pages
 
-    def test_greedy_matches_transformers(self, conformance_llm: Any, conformance_checkpoint: Path) -> None:
+    def _needs_transformers(self) -> None:
         if not self.hf_reference:
             pytest.skip("this plugin has no transformers reference")
+
+    def test_greedy_matches_transformers(self, conformance_llm: Any, conformance_checkpoint: Path) -> None:
+        """One prompt alone, then the batch: transformers' greedy tokens."""
+        self._needs_transformers()
         from pegainfer.testing.conformance import hf_greedy
 
         params = SamplingParams(temperature=0, max_tokens=self.max_tokens, ignore_eos=True)
-        outs = conformance_llm.generate(
-            prompt_token_ids=self.prompts(), sampling_params=params, use_tqdm=False
+        for prompts in (self.prompts()[1:2], self.prompts()):
+            outs = conformance_llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outs] == hf_greedy(
+                conformance_checkpoint, prompts, self.max_tokens
+            )
+
+    def test_prefill_and_decode_logits_match_transformers(
+        self, conformance_llm: Any, conformance_checkpoint: Path
+    ) -> None:
+        """Teacher-forced: a 21-token prompt's logits in one chunk, then 9 decode steps through the paged
+        cache, each within ``logits_tolerance`` of transformers' logits at the same positions."""
+        self._needs_transformers()
+        from pegainfer.testing.conformance import (
+            hf_logits,
+            random_prompts,
+            relative_error,
+            teacher_forced_logits,
         )
-        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(
-            conformance_checkpoint, self.prompts(), self.max_tokens
+
+        tokens = random_prompts(21, [30], vocab=200)[0]
+        ours = teacher_forced_logits(conformance_llm, tokens, prefill=21)
+        ref = hf_logits(conformance_checkpoint, tokens)
+        prefill, decode = relative_error(ours[:21], ref[:21]), relative_error(ours[21:], ref[21:])
+        assert prefill < self.logits_tolerance, f"prefill logits: relative error {prefill:.2e}"
+        assert decode < self.logits_tolerance, f"decode logits: relative error {decode:.2e}"
+
+    def test_tensor_parallel(self, conformance_checkpoint: Path) -> None:
+        """On ``tensor_parallel_size`` ranks: transformers' tokens, one rank's logprobs and seeded samples,
+        chunked prefill and preemption (``conformance.assert_tensor_parallel_matches``); or, for a model
+        that refuses tensor parallelism, a ConfigError before any rank starts serving."""
+        if not self.tensor_parallel_size:
+            from pegainfer.errors import ConfigError
+
+            with pytest.raises(ConfigError, match="tensor parallel"):
+                self._variant(conformance_checkpoint, "tp=2")
+            return
+        self._needs_transformers()
+        from pegainfer.testing.conformance import assert_tensor_parallel_matches
+
+        assert_tensor_parallel_matches(
+            conformance_checkpoint,
+            tp=self.tensor_parallel_size,
+            async_scheduling=self.async_scheduling,
+            speculative_num_tokens=self.speculative_num_tokens,
         )

@@ -54,6 +54,7 @@ class TestToyConformance(PluginConformance):
 
     model_name = "toy_qwen3"
     hf_reference = False
+    tensor_parallel_size = 0  # its from_hf_config takes no tp: refused, which the suite checks
 
     @classmethod
     def make_checkpoint(cls, folder: Path) -> Path:

@@ -39,11 +39,6 @@ def _steps(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[
     return [o.outputs[0].token_ids for o in outs], {k: v - before[k] for k, v in llm.engine.stats.items()}
 
 
-def test_v3_with_mtp_drafts_matches_transformers_and_one_rank(tiny_deepseek: Path) -> None:
-    # Every greedy run of the two-rank engines drafts two tokens a step with the MTP layer.
-    assert_tensor_parallel_matches(tiny_deepseek, speculative_num_tokens=2)
-
-
 def test_v32_matches_transformers_and_one_rank(tiny_checkpoint_factory) -> None:
     # A vocabulary the ranks do not divide: the last rank's embedding and lm_head rows are padding.
     assert_tensor_parallel_matches(tiny_checkpoint_factory("deepseek_v32", vocab_size=1001))

@@ -19,8 +19,6 @@ from pegainfer.executor import ModelBatch, SequenceChunk
 from pegainfer.request import Request
 from pegainfer.testing.checkpoints import _to_new_layout
 from pegainfer.testing.conformance import (
-    assert_chunked_prefill_matches_hf,
-    assert_preempted_run_matches_hf,
     greedy_token_ids,
     hf_greedy,
     hf_logits,
@@ -125,58 +123,6 @@ def test_cached_indexer_keys_equal_transformers_cache(llm_v32, tiny_v32):
 
 
 # -------------------------------------------------------------------------------- against transformers
-
-
-def test_single_prompt_matches_hf(llm_v32, tiny_v32):
-    prompts = random_prompts(0, [11])
-    assert greedy_token_ids(llm_v32, prompts) == hf_greedy(tiny_v32, prompts, 24)
-
-
-def test_batch_of_mixed_lengths_matches_hf(llm_v32, tiny_v32):
-    prompts = random_prompts(1, [1, 5, 17, 33, 2, 64])
-    assert greedy_token_ids(llm_v32, prompts) == hf_greedy(tiny_v32, prompts, 24)
-
-
-def test_chunked_prefill_matches_hf(tiny_v32):
-    # Chunks of at most 5 tokens and a 12-token step budget: later chunks select among the indexer keys
-    # earlier chunks cached, across page boundaries.
-    assert_chunked_prefill_matches_hf(tiny_v32, chunk=5, budget=12)
-
-
-def test_preempted_run_matches_hf(tiny_v32):
-    # 24 pages of 4 tokens cannot hold four ~40-token sequences at once: the scheduler must preempt.
-    assert_preempted_run_matches_hf(tiny_v32, pages=24)
-
-
-def test_prompt_logits_within_tolerance(llm_v32, tiny_v32):
-    prompt = random_prompts(4, [29])[0]
-    request, out = _prefill(llm_v32, "logits-probe", prompt)
-    llm_v32.engine.buffers.free(request)
-    ref = hf_logits(tiny_v32, prompt)
-    last, full = relative_error(out.logits[0], ref[-1]), relative_error(out.all_logits["logits-probe"], ref)
-    print(f"prefill logits rel err: last={last:.2e} all={full:.2e}")
-    assert last < 1e-4 and full < 1e-4
-
-
-def test_decode_logits_within_tolerance(llm_v32, tiny_v32):
-    """Teacher-forced decode steps (the indexer's decode selection, absorbed MLA) against transformers."""
-    engine, executor = llm_v32.engine, llm_v32.engine.executor
-    tokens = random_prompts(5, [27])[0]
-    start = 9
-    request = Request("decode-probe", tokens, GREEDY)
-    assert engine.buffers.allocate_slots(request, len(tokens))
-    table = engine.buffers.block_table("decode-probe")
-    ours = []
-    chunk = SequenceChunk("decode-probe", tokens[:start], 0, table, needs_logits=True)
-    ours.append(executor.execute(ModelBatch([chunk])).logits[0])
-    for pos in range(start, len(tokens)):
-        chunk = SequenceChunk("decode-probe", [tokens[pos]], pos, table, needs_logits=True)
-        ours.append(executor.execute(ModelBatch([chunk])).logits[0])
-    engine.buffers.free(request)
-    ref = hf_logits(tiny_v32, tokens)[start - 1 :]
-    err = relative_error(torch.stack(ours), ref)
-    print(f"decode logits rel err over {len(ours) - 1} steps: {err:.2e}")
-    assert err < 1e-4
 
 
 @pytest.mark.parametrize(
