@@ -30,6 +30,21 @@ _WORDS = (
 ).split()
 
 
+API_KEY_ENVS = ("PEGAINFER_API_KEY", "OPENAI_API_KEY")
+
+
+class BenchError(Exception):
+    """The benchmark cannot run against this server; the message says why and what to do."""
+
+
+def auth_message(url: str, status: int, api_key: str | None) -> str:
+    """What a 401/403 from the server means for the user, and how to pass a key."""
+    how = f"pass one with --api-key KEY, or set {' or '.join(API_KEY_ENVS)}"
+    if not api_key:
+        return f"{url} needs an API key (it answered HTTP {status}) and none was given: {how}"
+    return f"{url} refused the API key (HTTP {status}): the key is wrong; {how}"
+
+
 @dataclass
 class RequestResult:
     ok: bool = False
@@ -134,12 +149,21 @@ async def send_one(
     return result
 
 
-async def _resolve_model(client: httpx.AsyncClient, base: str, given: str | None) -> str:
+async def _resolve_model(client: httpx.AsyncClient, base: str, given: str | None, api_key: str | None) -> str:
     if given:
         return given
     response = await client.get(f"{base}/v1/models")
-    response.raise_for_status()
-    return response.json()["data"][0]["id"]
+    if response.status_code in (401, 403):
+        raise BenchError(auth_message(base, response.status_code, api_key))
+    if response.status_code != 200:
+        raise BenchError(
+            f"GET {base}/v1/models answered HTTP {response.status_code} {response.reason_phrase}; "
+            "name the model with --model"
+        )
+    try:
+        return str(response.json()["data"][0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise BenchError(f"GET {base}/v1/models listed no model; name the model with --model") from None
 
 
 async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
@@ -153,7 +177,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     prompts = make_prompts(args)
     rng = np.random.default_rng(args.seed)
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as client:
-        model = await _resolve_model(client, base, args.model)
+        model = await _resolve_model(client, base, args.model, args.api_key)
         url = f"{base}{args.endpoint}"
         gate = asyncio.Semaphore(args.concurrency) if args.concurrency else None
         bar = tqdm(total=len(prompts), desc="requests", unit="req", disable=args.no_progress, file=sys.stderr)
@@ -260,7 +284,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
     p.add_argument(
-        "--api-key", default=os.environ.get("PEGAINFER_API_KEY") or os.environ.get("OPENAI_API_KEY")
+        "--api-key",
+        default=next((os.environ[v] for v in API_KEY_ENVS if os.environ.get(v)), None),
+        help=f"sent as 'Authorization: Bearer KEY' (default: ${API_KEY_ENVS[0]}, else ${API_KEY_ENVS[1]})",
     )
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens (words for chat)")
@@ -295,8 +321,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         report = asyncio.run(run_benchmark(args))
+    except BenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except httpx.HTTPError as exc:
         print(f"error: cannot reach {args.url}: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(report, indent=2) if args.json else format_report(report))
+    # With --model given nothing is asked before the run: a refused key shows in the requests' errors.
+    refused = [e for e in report["errors"] if e.startswith(("HTTP 401", "HTTP 403"))]
+    if refused:
+        status = int(refused[0].split()[1].rstrip(":"))
+        print(f"error: {auth_message(args.url.rstrip('/'), status, args.api_key)}", file=sys.stderr)
     return 0 if report["completed"] else 1

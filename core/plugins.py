@@ -349,6 +349,8 @@ def _load(extra: list[object], use_entry_points: bool) -> _LoadedPlugins:
         points = _entry_points()
         for name in sorted((allow or set()) - {ep.name for ep in points}):
             _warn(f"{ALLOW_ENV} names '{name}', but no installed plugin has that entry point")
+        for name in sorted(block - {ep.name for ep in points}):
+            _warn(f"{BLOCK_ENV} names '{name}', but no installed plugin has that entry point")
         for ep in sorted(points, key=lambda ep: ep.name):
             if (allow is not None and ep.name not in allow) or ep.name in block:
                 continue

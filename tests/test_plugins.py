@@ -303,6 +303,14 @@ def test_allow_list_naming_a_missing_plugin_warns(monkeypatch: pytest.MonkeyPatc
         load_plugins()
 
 
+def test_disable_list_naming_a_missing_plugin_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    use_entry_points(monkeypatch, FakeEntryPoint("a", make_plugin("a", (model("a_lm"),)), FakeDist("pkg-a")))
+    monkeypatch.setenv(plugins.BLOCK_ENV, "a,nosuch")
+    with pytest.warns(PluginWarning, match=f"{plugins.BLOCK_ENV} names 'nosuch'") as record:
+        assert get_model_registry().registrations() == []
+    assert not any("'a'" in str(w.message) for w in record)
+
+
 def test_config_dirs_are_registered_in_order() -> None:
     def dirs(register: Callable[[str], None]) -> None:
         register("pkg://fake.conf")

@@ -7,6 +7,7 @@ API key is set), and ``GET /health``, ``/metrics``, ``/version`` (no auth, for p
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import signal
 import socket
@@ -14,17 +15,18 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from pegainfer import __version__
 from pegainfer.async_engine import AsyncLLMEngine
 from pegainfer.config import EngineConfig
 from pegainfer.server.auth import api_key_dependency
 from pegainfer.server.config import ServerConfig
-from pegainfer.server.errors import APIError, error_response, install_error_handlers
+from pegainfer.server.errors import APIError, ErrorResponse, error_response, install_error_handlers
 from pegainfer.server.metrics import CONTENT_TYPE, MetricsListener
 from pegainfer.server.protocol import ChatCompletionRequest, CompletionRequest
 from pegainfer.server.serving_chat import ChatServing
@@ -34,6 +36,75 @@ logger = logging.getLogger(__name__)
 
 # Seconds past the drain timeout after which uvicorn cancels what is still running.
 _BACKSTOP_S = 2.0
+
+# uvicorn's log lines carry the timestamp pegainfer's own carry (pegainfer.cli._setup_logging).
+LOG_TIME_PREFIX = "%(asctime)s.%(msecs)03d "
+LOG_DATEFMT = "%Y-%m-%dT%H:%M:%S"
+
+
+def uvicorn_log_config() -> dict[str, Any]:
+    """uvicorn's own logging config, each line prefixed with an ISO-like local timestamp."""
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    for formatter in config["formatters"].values():
+        formatter["fmt"] = LOG_TIME_PREFIX + formatter["fmt"]
+        formatter["datefmt"] = LOG_DATEFMT
+    return config
+
+
+def _error(description: str, headers: dict[str, Any] | None = None) -> dict[str, Any]:
+    doc: dict[str, Any] = {"model": ErrorResponse, "description": description}
+    if headers:
+        doc["headers"] = headers
+    return doc
+
+
+_RETRY_AFTER = {
+    "Retry-After": {"description": "Seconds to wait (overloaded only)", "schema": {"type": "integer"}}
+}
+_WWW_AUTHENTICATE = {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}}
+
+
+def _documented_responses(auth: bool, *, generates: bool) -> dict[int | str, dict[str, Any]]:
+    """The answers an operation gives, for the OpenAPI document (every error is an ErrorResponse)."""
+    responses: dict[int | str, dict[str, Any]] = {}
+    if generates:
+        responses[200] = {
+            "description": "The result; with stream true, server-sent events (`data:` chunks, then "
+            "`data: [DONE]`)",
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        }
+        responses[400] = _error(
+            "Invalid request: a malformed body, a value out of range, a prompt past the context length, "
+            "an unsupported field"
+        )
+    if auth:
+        responses[401] = _error("Missing or incorrect API key", _WWW_AUTHENTICATE)
+    if generates:
+        responses[404] = _error("The model named in `model` is not served here (code model_not_found)")
+        responses[500] = _error("The request failed inside the engine")
+        responses[503] = _error(
+            "Overloaded (too many waiting requests), shutting down, or the engine has died", _RETRY_AFTER
+        )
+    return responses
+
+
+def _openapi_without_422(app: FastAPI) -> None:
+    """FastAPI documents a 422 for every operation with a body; this server answers 400 instead (and
+    documents it), so the 422 and its schemas leave the OpenAPI document."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            schemas = schema.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(name, None)
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def model_names(engine: AsyncLLMEngine, config: ServerConfig) -> list[str]:
@@ -68,8 +139,19 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     app.state.engine = engine
     app.state.metrics = metrics
     install_error_handlers(app)
+    _openapi_without_422(app)
+    auth = config.resolved_api_key() is not None
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        responses={
+            200: {
+                "description": "The engine runs and accepts requests",
+                "content": {"application/json": {"example": {"status": "ok"}}},
+            },
+            503: _error("The engine has died, or the server is draining"),
+        },
+    )
     async def health() -> Response:
         if engine.dead_error is not None:
             return error_response(APIError(503, str(engine.dead_error), code="engine_dead"))
@@ -81,13 +163,17 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"description": "Prometheus text exposition format (version 0.0.4)"}},
+    )
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key_dependency(config.resolved_api_key()))])
 
-    @v1.get("/models")
+    @v1.get("/models", responses=_documented_responses(auth, generates=False))
     async def models() -> dict[str, object]:
         data = [
             {
@@ -101,11 +187,13 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         ]
         return {"object": "list", "data": data}
 
-    @v1.post("/completions")
+    generating = _documented_responses(auth, generates=True)
+
+    @v1.post("/completions", responses=generating)
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
         return await completions.create(body, raw)
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", responses=generating)
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create(body, raw)
 
@@ -156,6 +244,7 @@ def make_server(engine: AsyncLLMEngine, config: ServerConfig) -> uvicorn.Server:
         port=config.port,
         log_level=config.log_level,
         access_log=config.access_log,
+        log_config=uvicorn_log_config(),
         timeout_graceful_shutdown=config.drain_timeout + _BACKSTOP_S,  # type: ignore[arg-type]
         lifespan="on",
     )

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import hmac
+from typing import Annotated
 
-from fastapi import Request
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from pegainfer.server.errors import APIError
+
+# Only for the OpenAPI document (a bearer security scheme on /v1/*): the check below reads the header
+# itself, so every failure is one 401 in OpenAI's format.
+_bearer = HTTPBearer(auto_error=False, description="The server's API key (server.api_key)")
 
 
 def _unauthorized(message: str) -> APIError:
@@ -21,12 +27,19 @@ def _unauthorized(message: str) -> APIError:
 
 def api_key_dependency(api_key: str | None):
     """A FastAPI dependency that lets a request through only with ``Authorization: Bearer <api_key>``;
-    with no key configured it lets everything through."""
-    expected = api_key.encode() if api_key else None
+    with no key configured it lets everything through (and the OpenAPI document names no security)."""
+    if not api_key:
 
-    async def check(request: Request) -> None:
-        if expected is None:
-            return
+        async def open_access() -> None:
+            return None
+
+        return open_access
+
+    expected = api_key.encode()
+
+    async def check(
+        request: Request, _credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+    ) -> None:
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token:

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pegainfer.errors import RequestError
@@ -41,6 +42,19 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
+
+
+class ErrorInfo(BaseModel):
+    message: str = Field(description="What went wrong, for a person to read.")
+    type: str = Field(description="e.g. invalid_request_error, authentication_error, server_error.")
+    param: str | None = Field(description="The request field the error concerns, if one does.")
+    code: str | None = Field(description="A stable code, e.g. model_not_found, invalid_api_key, overloaded.")
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: every error answer of the server is one (the OpenAPI document names it)."""
+
+    error: ErrorInfo
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:

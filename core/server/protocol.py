@@ -20,6 +20,10 @@ MAX_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 NonNegInt = Annotated[int, Field(ge=0)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+# A prompt is never empty, and one request holds at most MAX_N prompts: the schema says so, so that a
+# request the schema accepts is one the server serves (ids below the vocabulary size are checked later).
+TokenIds = Annotated[list[NonNegInt], Field(min_length=1)]
 
 
 class _Body(BaseModel):
@@ -34,11 +38,11 @@ class StreamOptions(_Body):
 class _SamplingFields(_Body):
     """Fields shared by completions and chat completions. ``None`` means the checkpoint's default."""
 
-    model: str | None = None
+    model: NonEmptyStr | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
     temperature: float | None = Field(default=None, ge=0.0, le=100.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -68,7 +72,13 @@ class _SamplingFields(_Body):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(
-        self, defaults: SamplingParams, *, max_tokens: int | None, logprobs: int | None, vocab_size: int
+        self,
+        defaults: SamplingParams,
+        *,
+        max_tokens: int | None,
+        logprobs: int | None,
+        vocab_size: int,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """SamplingParams for this request: unset fields take the checkpoint's defaults."""
         for token_id in self.stop_token_ids or ():
@@ -88,6 +98,7 @@ class _SamplingFields(_Body):
             "stop_token_ids": list(self.stop_token_ids or []),
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
@@ -103,8 +114,14 @@ class _SamplingFields(_Body):
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions. ``prompt``: a string, strings, token ids, or lists of token ids."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    prompt: (
+        NonEmptyStr
+        | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_N)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_N)]
+    )
+    # 0 only with echo (as vLLM): the answer is the prompt, with its logprobs when asked.
+    max_tokens: int | None = Field(default=16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
@@ -116,8 +133,17 @@ class CompletionRequest(_SamplingFields):
             raise RequestError("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise RequestError("best_of other than n is not supported", param="best_of")
-        if self.echo and self.logprobs is not None:
-            raise RequestError("echo together with logprobs is not supported", param="echo")
+        if self.max_tokens == 0:
+            if not self.echo:
+                raise RequestError("max_tokens must be at least 1 unless echo is true", param="max_tokens")
+            if self.min_tokens:
+                raise RequestError("min_tokens must not exceed max_tokens (0)", param="min_tokens")
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """Logprobs of the prompt tokens: echo with logprobs asks for them (lm-evaluation-harness's
+        loglikelihood requests), as in vLLM's legacy completions."""
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str] | list[list[int]]:
         """The prompts as a list of strings or a list of token-id lists; 400 when empty."""

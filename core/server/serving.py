@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -40,21 +40,35 @@ def top_entries(entry: PositionLogprobs, k: int) -> list[tuple[int, Any]]:
 
 
 def completion_logprobs(
-    token_ids: list[int], entries: list[PositionLogprobs], k: int, offset: int
+    token_ids: list[int],
+    entries: list[PositionLogprobs | None],
+    k: int,
+    offset: int,
+    decode: Callable[[int], str] | None = None,
 ) -> dict[str, Any]:
-    """The completions API's logprobs object for ``token_ids``; text offsets start at ``offset``."""
+    """The completions API's logprobs object for ``token_ids``; text offsets start at ``offset``.
+
+    A position without logprobs (``None``: the first prompt token, which nothing predicts) is reported as
+    OpenAI and vLLM report it: its text (from ``decode``), ``None`` logprob and ``None`` top logprobs.
+    """
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    tops: list[dict[str, float]] = []
+    token_logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
     offsets: list[int] = []
     for token_id, entry in zip(token_ids, entries, strict=False):
-        chosen = entry[token_id]
-        text = chosen.decoded_token or ""
-        tokens.append(text)
-        token_logprobs.append(finite(chosen.logprob))
-        top = {lp.decoded_token or "": finite(lp.logprob) for _, lp in top_entries(entry, k)}
-        top.setdefault(text, finite(chosen.logprob))
-        tops.append(top)
+        if entry is None:
+            text = decode(token_id) if decode is not None else ""
+            tokens.append(text)
+            token_logprobs.append(None)
+            tops.append(None)
+        else:
+            chosen = entry[token_id]
+            text = chosen.decoded_token or ""
+            tokens.append(text)
+            token_logprobs.append(finite(chosen.logprob))
+            top = {lp.decoded_token or "": finite(lp.logprob) for _, lp in top_entries(entry, k)}
+            top.setdefault(text, finite(chosen.logprob))
+            tops.append(top)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
@@ -95,9 +109,11 @@ class ServingBase:
 
     def check_request(self, body: _SamplingFields) -> None:
         if body.model is not None and body.model not in self.model_names:
+            # OpenAI's answer for an unknown model: 404, type invalid_request_error, code model_not_found.
             raise APIError(
-                400,
-                f"the model '{body.model}' does not exist; this server serves '{self.model_name}'",
+                404,
+                f"The model '{body.model}' does not exist; this server serves '{self.model_name}'",
+                type="invalid_request_error",
                 param="model",
                 code="model_not_found",
             )
@@ -113,11 +129,19 @@ class ServingBase:
             raise APIError(400, "the prompt could not be tokenized", param="prompt") from None
 
     def sampling_params(
-        self, body: _SamplingFields, max_tokens: int | None, logprobs: int | None
+        self,
+        body: _SamplingFields,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         try:
             return body.sampling_params(
-                self.defaults, max_tokens=max_tokens, logprobs=logprobs, vocab_size=self.vocab_size
+                self.defaults,
+                max_tokens=max_tokens,
+                logprobs=logprobs,
+                vocab_size=self.vocab_size,
+                prompt_logprobs=prompt_logprobs,
             )
         except RequestError as exc:
             raise to_api_error(exc) from None

@@ -1,5 +1,5 @@
-"""Raw HTTP: every bad input is a 400 in OpenAI's error format (never FastAPI's 422), auth is a 401, and no
-message leaks a file path or a stack trace."""
+"""Raw HTTP: every bad input is a 400 in OpenAI's error format (never FastAPI's 422), an unknown model a 404,
+auth is a 401, and no message leaks a file path or a stack trace."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ def _chat(**fields: object) -> dict[str, object]:
 
 BAD_BODIES = [
     # (endpoint, body, param the error should name or None)
-    ("completions", _completion(model="no-such-model"), "model"),
     ("completions", _completion(max_tokens=-1), "max_tokens"),
     ("completions", _completion(max_tokens=0), "max_tokens"),
     ("completions", _completion(max_tokens=10**30), "max_tokens"),
@@ -46,6 +45,7 @@ BAD_BODIES = [
     ("completions", _completion(seed=2**64), "seed"),
     ("completions", _completion(seed="x"), "seed"),
     ("completions", _completion(stop=[""]), "stop"),
+    ("completions", _completion(stop=""), "stop"),
     ("completions", _completion(stop=5), "stop"),
     ("completions", _completion(min_tokens=10), "min_tokens"),
     ("completions", _completion(stop_token_ids=[10**9]), "stop_token_ids"),
@@ -94,6 +94,23 @@ def test_bad_bodies_are_400_in_openai_format(
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "invalid_request_error" and error["message"]
     assert error["param"] == param, error
+    _assert_no_leak(error["message"], server)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body"),
+    [("completions", _completion(model="no-such-model")), ("chat/completions", _chat(model="gpt-4o"))],
+)
+def test_unknown_model_is_404_model_not_found(
+    http: httpx.Client, server: ServerHandle, endpoint: str, body: dict
+) -> None:
+    """OpenAI's answer: 404, with its error body naming the model parameter."""
+    response = http.post(f"/v1/{endpoint}", json=body)
+    assert response.status_code == 404, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+    assert error["type"] == "invalid_request_error" and body["model"] in error["message"]
     _assert_no_leak(error["message"], server)
 
 

@@ -7,8 +7,9 @@ import json
 import pytest
 from server_harness import API_KEY, ServerHandle
 
-from pegainfer.bench_serve import format_report
+from pegainfer.bench_serve import API_KEY_ENVS, format_report
 from pegainfer.cli import main
+from pegainfer.server.app import bind_socket
 
 FIGURES = [
     "duration",
@@ -82,9 +83,62 @@ def test_poisson_rate_chat_with_random_lengths(
 
 
 def test_errors_are_counted(capsys: pytest.CaptureFixture[str], server: ServerHandle) -> None:
-    code, report = _bench(capsys, server, "--num-prompts", "3", "--model", "x", key="wrong")
+    code = main(
+        ["bench", "serve", "--url", server.url, "--api-key", "wrong", "--json", "--no-progress"]
+        + ["--num-prompts", "3", "--model", "x"]
+    )
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
     assert code == 1 and report["completed"] == 0 and report["failed"] == 3
     assert report["errors"] and report["errors"][0].startswith("HTTP 401")
+    # With --model nothing is asked before the run; the refused key is still named plainly.
+    assert "refused the API key" in captured.err and "--api-key" in captured.err
+
+
+@pytest.fixture()
+def no_key_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in API_KEY_ENVS:
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.mark.parametrize(
+    ("key", "says"),
+    [(None, "needs an API key"), ("wrong", "refused the API key (HTTP 401): the key is wrong")],
+)
+def test_a_missing_or_wrong_key_is_named_plainly(
+    capsys: pytest.CaptureFixture[str], server: ServerHandle, no_key_env: None, key: str | None, says: str
+) -> None:
+    args = ["bench", "serve", "--url", server.url, "--num-prompts", "2", "--no-progress"]
+    code = main(args + (["--api-key", key] if key else []))
+    captured = capsys.readouterr()
+    assert code == 1 and captured.out == ""
+    assert captured.err.startswith(f"error: {server.url} {says}"), captured.err
+    assert "--api-key" in captured.err and "PEGAINFER_API_KEY" in captured.err
+    assert "cannot reach" not in captured.err
+
+
+@pytest.mark.parametrize("var", API_KEY_ENVS)
+def test_the_key_defaults_to_the_environment(
+    capsys: pytest.CaptureFixture[str],
+    server: ServerHandle,
+    no_key_env: None,
+    monkeypatch: pytest.MonkeyPatch,
+    var: str,
+) -> None:
+    monkeypatch.setenv(var, API_KEY)
+    args = ["--num-prompts", "2", "--input-len", "4", "--output-len", "2", "--json", "--no-progress"]
+    assert main(["bench", "serve", "--url", server.url, *args]) == 0
+    assert json.loads(capsys.readouterr().out)["completed"] == 2
+
+
+def test_an_unreachable_server_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    sock = bind_socket()  # bound, never listening: connections are refused
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        assert main(["bench", "serve", "--url", url, "--num-prompts", "1", "--no-progress"]) == 1
+    finally:
+        sock.close()
+    assert capsys.readouterr().err.startswith(f"error: cannot reach {url}")
 
 
 def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,18 +1,22 @@
 """A fuzz pass over the server's own OpenAPI schema: request bodies drawn from the schema of each endpoint
-(hypothesis-jsonschema), and arbitrary JSON in known fields; no answer may be a 5xx, and every error
-must be in OpenAI's format. Generation is capped (n, max_tokens) so the pass stays a few seconds."""
+(hypothesis-jsonschema), and arbitrary JSON in known fields; no answer may be a 5xx, every error must be
+in OpenAI's format (the document's ErrorResponse), and every answer must be one the document names for
+its operation (status code and media type). Generation is capped (n, max_tokens) so the pass stays a
+few seconds."""
 
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
-from server_harness import ServerHandle
+from server_harness import API_KEY, ServerHandle
 
 ENDPOINTS = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatCompletionRequest"}
 FUZZ = settings(
@@ -29,7 +33,40 @@ def openapi(server: ServerHandle) -> dict[str, Any]:
     return httpx.get(f"{server.url}/openapi.json").json()
 
 
-def body_strategy(openapi: dict[str, Any], path: str) -> st.SearchStrategy[dict[str, Any]]:
+@pytest.fixture(scope="module")
+def served_model(server: ServerHandle) -> str:
+    with server.client() as client:
+        return client.get("/v1/models").json()["data"][0]["id"]
+
+
+# Status codes each fuzz pass saw, by (method, path): every one must be documented for its operation.
+SEEN: dict[tuple[str, str], set[int]] = defaultdict(set)
+
+
+def check_documented(openapi: dict[str, Any], method: str, path: str, response: httpx.Response) -> None:
+    """``response`` is one the OpenAPI document promises for ``method path``: a documented status, a
+    documented media type, and for an error the documented error body."""
+    SEEN[(method, path)].add(response.status_code)
+    responses = openapi["paths"][path][method]["responses"]
+    documented = responses.get(str(response.status_code))
+    assert documented is not None, (
+        f"{method.upper()} {path} answered {response.status_code}, documented: {sorted(responses)}"
+    )
+    media = response.headers["content-type"].split(";")[0].strip()
+    content = documented.get("content", {})
+    assert media in content, f"{method.upper()} {path} {response.status_code}: {media} not in {list(content)}"
+    schema = content[media].get("schema")
+    if media == "application/json" and schema:
+        validate(openapi, schema, response.json())
+
+
+def validate(openapi: dict[str, Any], schema: dict[str, Any], instance: Any) -> None:
+    jsonschema.Draft202012Validator({**schema, "components": openapi["components"]}).validate(instance)
+
+
+def body_strategy(
+    openapi: dict[str, Any], path: str, served_model: str | None = None
+) -> st.SearchStrategy[dict[str, Any]]:
     ref = openapi["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
     assert ref.endswith(ENDPOINTS[path])
     # Known fields only: extra fields are ignored by the server, and arbitrary ones are the other test's job.
@@ -39,7 +76,13 @@ def body_strategy(openapi: dict[str, Any], path: str) -> st.SearchStrategy[dict[
             component["additionalProperties"] = False
     _bound_sizes(components)
     schema = {"$ref": ref, "components": components}
-    return from_schema(schema).map(_cap)
+    bodies = from_schema(schema)
+    if served_model is not None:
+        # Half the bodies that name a model name the served one, so they get past the model check (404).
+        bodies = st.tuples(bodies, st.booleans()).map(
+            lambda pair: {**pair[0], "model": served_model} if pair[1] and "model" in pair[0] else pair[0]
+        )
+    return bodies.map(_cap)
 
 
 def _bound_sizes(node: Any) -> None:
@@ -101,7 +144,7 @@ FIELDS = [
 ]
 
 
-def _post(client: httpx.Client, path: str, body: Any) -> httpx.Response:
+def _post(client: httpx.Client, openapi: dict[str, Any], path: str, body: Any) -> httpx.Response:
     response = client.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
     assert response.status_code < 500, (body, response.status_code, response.text[:300])
     if response.status_code >= 400:
@@ -109,24 +152,36 @@ def _post(client: httpx.Client, path: str, body: Any) -> httpx.Response:
         assert set(error) == {"message", "type", "param", "code"}
     elif response.headers["content-type"].startswith("text/event-stream"):
         assert response.text.endswith("data: [DONE]\n\n") or '"error"' in response.text
+    check_documented(openapi, "post", path, response)
     return response
 
 
+def _documented_statuses(openapi: dict[str, Any], method: str, path: str) -> set[int]:
+    return {int(code) for code in openapi["paths"][path][method]["responses"]}
+
+
 @pytest.mark.parametrize("path", list(ENDPOINTS))
-def test_schema_driven_bodies_never_5xx(server: ServerHandle, openapi: dict[str, Any], path: str) -> None:
+def test_schema_driven_bodies_never_5xx(
+    server: ServerHandle, openapi: dict[str, Any], served_model: str, path: str
+) -> None:
+    SEEN.pop(("post", path), None)
     with server.client() as client:
 
         @FUZZ
-        @given(body=body_strategy(openapi, path))
+        @given(body=body_strategy(openapi, path, served_model))
         def check(body: dict[str, Any]) -> None:
-            _post(client, path, body)
+            _post(client, openapi, path, body)
 
         check()
     server.assert_pool_whole()
+    seen = SEEN[("post", path)]
+    # Every status the fuzzer saw is documented for the operation, and schema-valid bodies do get served.
+    assert seen <= _documented_statuses(openapi, "post", path), seen
+    assert 200 in seen, seen
 
 
 @pytest.mark.parametrize("path", list(ENDPOINTS))
-def test_arbitrary_json_fields_never_5xx(server: ServerHandle, path: str) -> None:
+def test_arbitrary_json_fields_never_5xx(server: ServerHandle, openapi: dict[str, Any], path: str) -> None:
     base = (
         {"prompt": "Hi", "max_tokens": 4}
         if path.endswith("/completions") and "chat" not in path
@@ -140,8 +195,75 @@ def test_arbitrary_json_fields_never_5xx(server: ServerHandle, path: str) -> Non
         @FUZZ
         @given(overrides=st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES, max_size=4), raw=JSON_VALUES)
         def check(overrides: dict[str, Any], raw: Any) -> None:
-            _post(client, path, _cap({**base, **overrides}))
-            _post(client, path, raw)
+            _post(client, openapi, path, _cap({**base, **overrides}))
+            _post(client, openapi, path, raw)
 
         check()
     server.assert_pool_whole()
+
+
+def test_every_operation_answers_as_documented(server: ServerHandle, openapi: dict[str, Any]) -> None:
+    """Each operation of the document, with and without the API key: a documented status and media type
+    (``/metrics`` is Prometheus text, not JSON), errors in the documented error body."""
+    operations = [(m, p) for p, ops in openapi["paths"].items() for m in ops]
+    assert sorted(operations) == sorted(
+        [("get", p) for p in ("/health", "/version", "/metrics", "/v1/models")]
+        + [("post", p) for p in ENDPOINTS]
+    )
+    bodies = {
+        "/v1/completions": {"prompt": "Hi", "max_tokens": 2},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+    }
+    with server.client() as keyed, httpx.Client(base_url=server.url, timeout=30) as bare:
+        for method, path in operations:
+            for client in (keyed, bare):
+                if method == "get":
+                    response = client.get(path)
+                    check_documented(openapi, method, path, response)
+                    assert response.status_code == (401 if client is bare and path.startswith("/v1") else 200)
+                    continue
+                for extra in ({}, {"stream": True}, {"model": "no-such-model"}):
+                    response = client.post(path, json={**bodies[path], **extra})
+                    check_documented(openapi, method, path, response)
+                    if client is bare:
+                        assert response.status_code == 401
+    assert "text/plain" in openapi["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert "422" not in json.dumps(openapi["paths"]) and "HTTPValidationError" not in json.dumps(openapi)
+    assert openapi["paths"]["/v1/completions"]["post"]["security"] == [{"HTTPBearer": []}]
+    assert API_KEY not in json.dumps(openapi)
+
+
+PROMPT_EDGES = [
+    "",
+    "x",
+    [],
+    [""],
+    ["a", ""],
+    ["a", "b"],
+    [[]],
+    [[1], []],
+    [[1], [2, 3]],
+    [1, 2],
+    [-1],
+    ["a"] * 129,
+    [[1]] * 129,
+    ["a"] * 128,
+]
+
+
+@pytest.mark.parametrize("prompt", PROMPT_EDGES, ids=lambda p: json.dumps(p)[:30])
+@pytest.mark.parametrize("extra", [{}, {"stop": ""}, {"stop": [""]}, {"model": ""}, {"stop": ["."]}])
+def test_the_schema_accepts_exactly_what_is_served(
+    http: httpx.Client, openapi: dict[str, Any], prompt: Any, extra: dict[str, Any]
+) -> None:
+    """A request the published schema accepts is served (200); one it rejects is a 400: the constraints
+    (non-empty prompts and stop strings, at most 128 prompts, token ids >= 0) are in the schema."""
+    body = {"prompt": prompt, "max_tokens": 1, **extra}
+    schema = openapi["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]
+    try:
+        validate(openapi, schema["schema"], body)
+        valid = True
+    except jsonschema.ValidationError:
+        valid = False
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == (200 if valid else 400), (valid, response.text)

@@ -200,3 +200,18 @@ def test_errors_surface_as_openai_exceptions(client: openai.OpenAI, model: str, 
     assert "maximum context length is 512 tokens" in info.value.message
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError) as not_found:
+        client.completions.create(model="no-such-model", prompt="Hi", max_tokens=2)
+    assert not_found.value.code == "model_not_found" and not_found.value.param == "model"
+
+
+def test_echo_with_logprobs_parses_as_openai_logprobs(client: openai.OpenAI, model: str) -> None:
+    """What lm-evaluation-harness reads through this client shape: prompt tokens first, the first None."""
+    out = client.completions.create(
+        model=model, prompt=[PROMPT_IDS], max_tokens=0, echo=True, logprobs=1, temperature=0.0
+    )
+    logprobs = out.choices[0].logprobs
+    assert len(logprobs.tokens) == len(PROMPT_IDS) and out.usage.completion_tokens == 0
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
+    assert logprobs.text_offset[0] == 0 and out.choices[0].finish_reason == "length"
