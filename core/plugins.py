@@ -71,6 +71,11 @@ class HookSpecs:
         Gets the parsed ``config.json``; returns a registered model name, or None to pass.
         """
 
+    @hookspec
+    def register_tiny_checkpoints(self, register: Callable[[TinyCheckpointBuilder], None]) -> None:
+        """Call ``register(TinyCheckpointBuilder(...))`` for each tiny random architecture the plugin writes
+        (its demo and the conformance suite's checkpoints: ``pegainfer.tiny_checkpoints``)."""
+
     @hookspec(firstresult=True)
     def make_executor(self, config: Any, registration: ModelRegistration) -> Any:
         """Build the ``pegainfer.executor.Executor`` for ``config`` (an ``EngineConfig``) whose model is
@@ -144,16 +149,64 @@ class ModelRegistration:
         return self._import(self.demo_checkpoint)
 
     def _import(self, target: str) -> Any:
-        module_name, _, attr = target.partition(":")
-        try:
-            obj: Any = importlib.import_module(module_name)
-            for part in attr.split("."):
-                obj = getattr(obj, part)
-        except Exception as exc:
-            raise PluginError(
-                f"model '{self.name}' from {self.origin}: cannot import {target}: {type(exc).__name__}: {exc}"
-            ) from exc
-        return obj
+        return import_target(target, f"model '{self.name}' from {self.origin}")
+
+
+def import_target(target: str, who: str) -> Any:
+    """The object a ``"module:attr"`` string names; a failure is a PluginError that starts with ``who``."""
+    module_name, _, attr = target.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except Exception as exc:
+        raise PluginError(f"{who}: cannot import {target}: {type(exc).__name__}: {exc}") from exc
+    return obj
+
+
+@dataclass(frozen=True)
+class TinyCheckpointBuilder:
+    """A tiny random checkpoint a plugin can write, by ``architecture`` name (e.g. "qwen3_5_moe").
+
+    ``config`` and ``tensors`` are ``"module:function"`` strings, imported when a checkpoint is written:
+    ``config(vocab_size, **overrides) -> dict`` (config.json, rope keys in the legacy layout or already
+    nested per attention kind) and ``tensors(config, generator) -> dict[str, Tensor]``. ``legacy_rope``
+    (optional, ``"module:function"``) flattens a config whose nested ropes the default cannot. ``plugin``
+    and ``package`` are filled in by the loader."""
+
+    architecture: str
+    config: str
+    tensors: str
+    legacy_rope: str | None = None
+    plugin: str = field(default="", compare=False)
+    package: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.architecture, str) or not _NAME.match(self.architecture):
+            raise PluginError(f"tiny checkpoint architecture {self.architecture!r} is invalid")
+        for key in ("config", "tensors", "legacy_rope"):
+            value = getattr(self, key)
+            if (value is not None or key != "legacy_rope") and not (
+                isinstance(value, str) and _TARGET.match(value)
+            ):
+                raise PluginError(
+                    f"tiny checkpoint {self.architecture!r}: {key} must be a 'module:function' string, got {value!r}"
+                )
+
+    def _import(self, target: str) -> Any:
+        return import_target(
+            target,
+            f"tiny checkpoint '{self.architecture}' from plugin '{self.plugin}' (package {self.package})",
+        )
+
+    def load_config(self) -> Callable[..., dict[str, Any]]:
+        return self._import(self.config)
+
+    def load_tensors(self) -> Callable[..., dict[str, Any]]:
+        return self._import(self.tensors)
+
+    def load_legacy_rope(self) -> Callable[..., dict[str, Any]] | None:
+        return None if self.legacy_rope is None else self._import(self.legacy_rope)
 
 
 def _str_tuple(value: Any, what: str) -> tuple[str, ...]:
@@ -252,6 +305,7 @@ class _LoadedPlugins:
     registry: ModelRegistry
     config_dirs: list[str]
     failures: list[PluginFailure]
+    tiny: dict[str, TinyCheckpointBuilder]
 
 
 _state: _LoadedPlugins | None = None
@@ -293,6 +347,13 @@ def get_model_registry() -> ModelRegistry:
     load_plugins()
     assert _state is not None
     return _state.registry
+
+
+def tiny_checkpoint_builders() -> dict[str, TinyCheckpointBuilder]:
+    """Every tiny architecture the loaded plugins write, by name."""
+    load_plugins()
+    assert _state is not None
+    return dict(_state.tiny)
 
 
 def config_search_path() -> list[str]:
@@ -365,7 +426,7 @@ def _load(extra: list[object], use_entry_points: bool) -> _LoadedPlugins:
         name = getattr(obj, "__name__", type(obj).__name__)
         loader.add(obj, name, getattr(obj, "__package__", None) or "in-process")
     registry = ModelRegistry(loader.models.values(), _resolve_hook(manager), loader.failures)
-    return _LoadedPlugins(manager, registry, loader.config_dirs, loader.failures)
+    return _LoadedPlugins(manager, registry, loader.config_dirs, loader.failures, loader.tiny)
 
 
 class _Loader:
@@ -376,6 +437,7 @@ class _Loader:
         self.models: dict[str, ModelRegistration] = {}
         self.config_dirs: list[str] = []
         self.failures: list[PluginFailure] = []
+        self.tiny: dict[str, TinyCheckpointBuilder] = {}
 
     def fail(self, name: str, package: str, why: str) -> None:
         self.failures.append(PluginFailure(name, package, why))
@@ -388,7 +450,7 @@ class _Loader:
             self.fail(name, package, f"{type(exc).__name__}: {exc}")
             return
         try:
-            models, dirs = self._collect(obj, name, package)
+            models, dirs, tiny = self._collect(obj, name, package)
         except Exception as exc:
             self.manager.unregister(obj)
             self.fail(name, package, f"{type(exc).__name__}: {exc}")
@@ -402,8 +464,18 @@ class _Loader:
                 )
             self.models[reg.name] = reg
         self.config_dirs.extend(d for d in dirs if d not in self.config_dirs)
+        for builder in tiny:
+            other = self.tiny.get(builder.architecture)
+            if other is not None:
+                raise PluginError(
+                    f"tiny checkpoint architecture '{builder.architecture}' is registered twice: by plugin "
+                    f"'{other.plugin}' ({other.package}) and by plugin '{name}' ({package})"
+                )
+            self.tiny[builder.architecture] = builder
 
-    def _collect(self, obj: object, name: str, package: str) -> tuple[list[ModelRegistration], list[str]]:
+    def _collect(
+        self, obj: object, name: str, package: str
+    ) -> tuple[list[ModelRegistration], list[str], list[TinyCheckpointBuilder]]:
         others = [p for p in self.manager.get_plugins() if p is not obj]
         # Catches misspelled hook names (they would otherwise be silently ignored).
         self.manager.check_pending()
@@ -430,9 +502,19 @@ class _Loader:
                 raise PluginError(f"register_config_dirs must be given a non-empty string, got {path!r}")
             dirs.append(path if "://" in path else f"file://{os.path.abspath(path)}")
 
+        tiny: list[TinyCheckpointBuilder] = []
+
+        def register_tiny(builder: TinyCheckpointBuilder) -> None:
+            if not isinstance(builder, TinyCheckpointBuilder):
+                raise PluginError(
+                    f"register_tiny_checkpoints must be given TinyCheckpointBuilder objects, got {builder!r}"
+                )
+            tiny.append(replace(builder, plugin=name, package=package))
+
         call("register_models", register=register_model)
         call("register_config_dirs", register=register_dir)
-        return models, dirs
+        call("register_tiny_checkpoints", register=register_tiny)
+        return models, dirs, tiny
 
 
 def _resolve_hook(manager: pluggy.PluginManager) -> Callable[[dict[str, Any]], str | None]:

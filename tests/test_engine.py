@@ -370,7 +370,7 @@ def test_dummy_weights_need_only_a_config_json(tmp_path, caplog, monkeypatch):
     in (with a warning), and ids it does not know decode to nothing instead of failing."""
     import json
 
-    from pegainfer.testing.checkpoints import qwen3_config
+    from pegainfer_qwen3_14b.tiny import qwen3_config
 
     folder = tmp_path / "config-only"
     folder.mkdir()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pegainfer.plugins import ModelRegistration, hookimpl
+from pegainfer.plugins import ModelRegistration, TinyCheckpointBuilder, hookimpl
 
 
 @hookimpl
@@ -39,3 +39,29 @@ def register_models(register: Callable[[ModelRegistration], None]) -> None:
 @hookimpl
 def register_config_dirs(register: Callable[[str], None]) -> None:
     register("pkg://pegainfer_deepseek.conf")
+
+
+@hookimpl
+def register_tiny_checkpoints(register: Callable[[TinyCheckpointBuilder], None]) -> None:
+    register(
+        TinyCheckpointBuilder(
+            "deepseek_v3",
+            "pegainfer_deepseek.tiny:deepseek_v3_config",
+            "pegainfer_deepseek.tiny:deepseek_v3_tensors",
+        )
+    )
+    register(
+        TinyCheckpointBuilder(
+            "deepseek_v32",
+            "pegainfer_deepseek.tiny:deepseek_v32_config",
+            "pegainfer_deepseek.tiny:deepseek_v32_tensors",
+        )
+    )
+    register(
+        TinyCheckpointBuilder(
+            "deepseek_v4",
+            "pegainfer_deepseek.tiny_v4:deepseek_v4_config",
+            "pegainfer_deepseek.tiny_v4:deepseek_v4_tensors",
+            legacy_rope="pegainfer_deepseek.tiny_v4:legacy_rope",
+        )
+    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pegainfer.plugins import ModelRegistration, hookimpl
+from pegainfer.plugins import ModelRegistration, TinyCheckpointBuilder, hookimpl
 
 
 @hookimpl
@@ -35,3 +35,19 @@ def register_models(register: Callable[[ModelRegistration], None]) -> None:
 @hookimpl
 def register_config_dirs(register: Callable[[str], None]) -> None:
     register("pkg://pegainfer_qwen35.conf")
+
+
+@hookimpl
+def register_tiny_checkpoints(register: Callable[[TinyCheckpointBuilder], None]) -> None:
+    register(
+        TinyCheckpointBuilder(
+            "qwen3_5", "pegainfer_qwen35.tiny:qwen3_5_config", "pegainfer_qwen35.tiny:qwen3_5_tensors"
+        )
+    )
+    register(
+        TinyCheckpointBuilder(
+            "qwen3_5_moe",
+            "pegainfer_qwen35.tiny:qwen3_5_moe_config",
+            "pegainfer_qwen35.tiny:qwen3_5_moe_tensors",
+        )
+    )

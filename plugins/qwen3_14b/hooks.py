@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pegainfer.plugins import ModelRegistration, hookimpl
+from pegainfer.plugins import ModelRegistration, TinyCheckpointBuilder, hookimpl
 
 
 @hookimpl
@@ -29,3 +29,12 @@ def register_models(register: Callable[[ModelRegistration], None]) -> None:
 @hookimpl
 def register_config_dirs(register: Callable[[str], None]) -> None:
     register("pkg://pegainfer_qwen3_14b.conf")
+
+
+@hookimpl
+def register_tiny_checkpoints(register: Callable[[TinyCheckpointBuilder], None]) -> None:
+    register(
+        TinyCheckpointBuilder(
+            "qwen3", "pegainfer_qwen3_14b.tiny:qwen3_config", "pegainfer_qwen3_14b.tiny:qwen3_tensors"
+        )
+    )

@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from pegainfer import LLM, SamplingParams
 from pegainfer.testing.conformance import hf_greedy, unused_checkpoint_tensors
-from pegainfer.testing.tiny_deepseek import UNALIGNED_SHAPE, write_fp8_copy
+from pegainfer_deepseek.tiny import UNALIGNED_SHAPE, write_fp8_copy
 
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 

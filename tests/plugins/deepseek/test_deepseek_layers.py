@@ -11,23 +11,23 @@ from pegainfer.errors import CheckpointError
 from pegainfer.layers.attention import AttentionMetadata, PrefillSegment
 from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding, default_inv_freq, yarn_inv_freq
 from pegainfer.model_api import ForwardBatch
-from pegainfer.testing.checkpoints import _to_legacy_layout, _to_new_layout
-from pegainfer.testing.tiny_deepseek import deepseek_v3_config
+from pegainfer.tiny_checkpoints import to_legacy_layout, to_new_layout
 from pegainfer_deepseek.config import DeepseekV3Dims
 from pegainfer_deepseek.mla import MLAttention
 from pegainfer_deepseek.model import build_rotary
 from pegainfer_deepseek.moe import GroupLimitedRouter
+from pegainfer_deepseek.tiny import deepseek_v3_config
 
 
 def _hf_config(**overrides):
     from transformers import DeepseekV3Config
 
-    cfg = _to_new_layout(deepseek_v3_config(1024, **overrides))
+    cfg = to_new_layout(deepseek_v3_config(1024, **overrides))
     return DeepseekV3Config(**cfg)
 
 
 def _dims(**overrides) -> DeepseekV3Dims:
-    return DeepseekV3Dims.from_hf_config(_to_new_layout(deepseek_v3_config(1024, **overrides)))
+    return DeepseekV3Dims.from_hf_config(to_new_layout(deepseek_v3_config(1024, **overrides)))
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -36,13 +36,13 @@ def _dims(**overrides) -> DeepseekV3Dims:
 def test_legacy_and_new_layouts_parse_to_the_same_model():
     cfg = deepseek_v3_config(1024)
     cfg["dtype"] = "float32"
-    legacy, new = _to_legacy_layout(cfg), _to_new_layout(cfg)
+    legacy, new = to_legacy_layout(cfg), to_new_layout(cfg)
     assert legacy["rope_scaling"]["type"] == "yarn" and "rope_parameters" not in legacy
     assert DeepseekV3Dims.from_hf_config(legacy) == DeepseekV3Dims.from_hf_config(new)
 
 
 def test_rope_type_spelled_either_way():
-    cfg = _to_new_layout(deepseek_v3_config(1024))
+    cfg = to_new_layout(deepseek_v3_config(1024))
     by_type = DeepseekV3Dims.from_hf_config(cfg).rope
     cfg["rope_parameters"]["rope_type"] = cfg["rope_parameters"].pop("type")
     assert DeepseekV3Dims.from_hf_config(cfg).rope == by_type

@@ -17,7 +17,7 @@ import pytest
 from pegainfer import LLM, SamplingParams
 from pegainfer.errors import ConfigError
 from pegainfer.testing.conformance import assert_tensor_parallel_matches, random_prompts
-from pegainfer.testing.tiny_deepseek import write_fp8_copy
+from pegainfer_deepseek.tiny import write_fp8_copy
 
 pytestmark = pytest.mark.slow
 

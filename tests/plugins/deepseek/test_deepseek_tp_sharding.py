@@ -19,9 +19,9 @@ from pegainfer.config import ModelConfig
 from pegainfer.distributed import TensorParallel
 from pegainfer.errors import ConfigError
 from pegainfer.loader import CheckpointReader
-from pegainfer.testing.tiny_deepseek import UNALIGNED_SHAPE, deepseek_v3_config, write_fp8_copy
 from pegainfer_deepseek.config import DeepseekV3Dims
 from pegainfer_deepseek.model import DeepseekV3ForCausalLM
+from pegainfer_deepseek.tiny import UNALIGNED_SHAPE, deepseek_v3_config, write_fp8_copy
 from pegainfer_deepseek.v4_model import DeepseekV4ForCausalLM
 
 

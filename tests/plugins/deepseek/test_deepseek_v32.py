@@ -17,7 +17,6 @@ from pegainfer import LLM, SamplingParams
 from pegainfer.errors import CheckpointError
 from pegainfer.executor import ModelBatch, SequenceChunk
 from pegainfer.request import Request
-from pegainfer.testing.checkpoints import _to_new_layout
 from pegainfer.testing.conformance import (
     greedy_token_ids,
     hf_greedy,
@@ -27,9 +26,10 @@ from pegainfer.testing.conformance import (
     relative_error,
     unused_checkpoint_tensors,
 )
-from pegainfer.testing.tiny_deepseek import deepseek_v32_config
+from pegainfer.tiny_checkpoints import to_new_layout
 from pegainfer_deepseek.config import DeepseekV3Dims
 from pegainfer_deepseek.indexer import INDEXER_CACHE
+from pegainfer_deepseek.tiny import deepseek_v32_config
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -59,7 +59,7 @@ def _prefill(llm: LLM, rid: str, tokens: list[int], all_logits: bool = True):
 
 
 def _v32_dims(**overrides) -> DeepseekV3Dims:
-    return DeepseekV3Dims.from_hf_config(_to_new_layout(deepseek_v32_config(1024, **overrides)))
+    return DeepseekV3Dims.from_hf_config(to_new_layout(deepseek_v32_config(1024, **overrides)))
 
 
 def test_config_parses_the_indexer():

@@ -10,8 +10,8 @@ import torch
 
 from pegainfer.buffer_specs import PagedCompressedSpec
 from pegainfer.errors import CheckpointError
-from pegainfer.testing.tiny_deepseek_v4 import deepseek_v4_config
 from pegainfer_deepseek.hyper_connections import HyperConnection, HyperHead
+from pegainfer_deepseek.tiny_v4 import deepseek_v4_config
 from pegainfer_deepseek.v4_compressor import Compressor
 from pegainfer_deepseek.v4_config import CSA, HCA, SLIDING, DeepseekV4Dims
 from pegainfer_deepseek.v4_primitives import TrailingRope

@@ -1,6 +1,6 @@
 """DeepSeek-V4 on the reference path against transformers, float32.
 
-The tiny checkpoint (``pegainfer.testing.tiny_deepseek_v4``) has a sliding-only, two CSA (ratio 4,
+The tiny checkpoint (``pegainfer_deepseek.tiny_v4``) has a sliding-only, two CSA (ratio 4,
 indexer top-3) and one HCA (ratio 8) layer with a window of 8 tokens: prompts of 20+ tokens slide the
 window and close several compressed windows, and past 12 tokens the indexer's choice matters.
 """
@@ -31,9 +31,9 @@ from pegainfer.testing.conformance import (
     relative_error,
     unused_checkpoint_tensors,
 )
-from pegainfer.testing.tiny_deepseek import write_fp8_copy
-from pegainfer.testing.tiny_deepseek_v4 import deepseek_v4_config
 from pegainfer_deepseek.indexer import INDEXER_CACHE
+from pegainfer_deepseek.tiny import write_fp8_copy
+from pegainfer_deepseek.tiny_v4 import deepseek_v4_config
 from pegainfer_deepseek.v4_config import DeepseekV4Dims
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -10,9 +10,9 @@ from safetensors.torch import load_file
 from pegainfer.distributed import TensorParallel
 from pegainfer.errors import ConfigError
 from pegainfer.loader import CheckpointReader, read_hf_config
-from pegainfer.testing.tiny_qwen35 import qwen3_5_config, qwen3_5_moe_config
 from pegainfer_qwen35.config import Qwen35Config
 from pegainfer_qwen35.model import Qwen35ForCausalLM
+from pegainfer_qwen35.tiny import qwen3_5_config, qwen3_5_moe_config
 
 
 def _rank(rank: int = 0, size: int = 2) -> TensorParallel:

@@ -194,3 +194,15 @@ def _saved_name(release_name: str) -> str:
         "hc_head_scale": "model.hc_head.hc_scale",
     }
     return top.get(release_name, "model." + release_name)
+
+
+def legacy_rope(config: dict[str, Any]) -> dict[str, Any]:
+    """The legacy (pre-transformers-5) layout of V4's two ropes: the main one's theta on top, the compress
+    one's as ``compress_rope_theta``, its YaRN settings as ``rope_scaling``."""
+    config = dict(config)
+    params = config.pop("rope_parameters")
+    skip = ("rope_theta", "partial_rotary_factor", "attention_factor")
+    config["rope_theta"] = params["main"]["rope_theta"]
+    config["compress_rope_theta"] = params["compress"]["rope_theta"]
+    config["rope_scaling"] = {k: v for k, v in params["compress"].items() if k not in skip}
+    return config
