@@ -413,3 +413,27 @@ def test_make_executor_returning_something_else_names_the_plugin(tiny_qwen3) -> 
     config = EngineConfig(model=ModelConfig(name="odd_qwen3", path=str(tiny_qwen3)), device="cpu")
     with pytest.raises(PluginError, match="plugin 'odd'.*make_executor returned int"):
         build_executor(config)
+
+
+def test_tiny_checkpoint_builders_come_from_the_plugins() -> None:
+    from pegainfer.plugins import TinyCheckpointBuilder, tiny_checkpoint_builders
+
+    builders = tiny_checkpoint_builders()
+    assert {"qwen3", "qwen3_5", "qwen3_5_moe", "deepseek_v3", "deepseek_v32", "deepseek_v4"} <= set(builders)
+    assert builders["qwen3_5"].plugin == "qwen35" and builders["deepseek_v4"].legacy_rope
+    reset_plugins()
+
+    def two(register: Callable[[TinyCheckpointBuilder], None]) -> None:
+        register(TinyCheckpointBuilder("same", "m:config", "m:tensors"))
+
+    one = make_plugin("one", extra_hooks={"register_tiny_checkpoints": two})
+    other = make_plugin("other", extra_hooks={"register_tiny_checkpoints": two})
+    with pytest.raises(PluginError, match="'same' is registered twice: by plugin 'one'"):
+        load_plugins(extra=[one, other], entry_points=False)
+
+
+def test_a_tiny_builder_that_is_not_a_target_string_is_refused() -> None:
+    from pegainfer.plugins import TinyCheckpointBuilder
+
+    with pytest.raises(PluginError, match="config must be a 'module:function' string"):
+        TinyCheckpointBuilder("arch", "not a target", "m:tensors")
