@@ -1,7 +1,8 @@
 """Nox sessions: `nox -l` lists them; e.g. `nox -s core`, `nox -s "plugin(name='qwen35')"`, `nox -s gpu`.
 
 Every session installs torch first, pinned (PEGAINFER_TORCH_SPEC overrides the pin, e.g. for a CUDA
-build on a GPU machine), so resolving `.[test]` never pulls a different torch.
+build on a GPU machine), so resolving `.[test]` never pulls a different torch. A plugin's session installs
+the core and that one plugin (as a built package, so its package data must ship) and runs its own tests.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ def install(session: nox.Session, *extra: str) -> None:
     session.install("-e", ".[test]", *extra)
 
 
+def all_plugins() -> list[str]:
+    return [arg for name in PLUGINS for arg in ("-e", f"./plugins/{name}")]
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff lint and format check over the whole tree."""
@@ -32,17 +37,18 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def core(session: nox.Session) -> None:
-    """The core tests (everything but the per-plugin and third-party folders)."""
-    install(session)
-    session.run("pytest", "tests", "--ignore=tests/plugins", "--ignore=tests/third_party", *session.posargs)
+    """The core tests (tests/ but the third-party folder), with every in-tree plugin installed: the demo,
+    the engine and the server tests drive real models."""
+    install(session, *all_plugins())
+    session.run("pytest", "tests", "--ignore=tests/third_party", *session.posargs)
 
 
 @nox.session
 @nox.parametrize("name", PLUGINS)
 def plugin(session: nox.Session, name: str) -> None:
-    """One in-tree plugin's tests (tests/plugins/<name>/)."""
-    install(session)
-    session.run("pytest", f"tests/plugins/{name}", *session.posargs)
+    """One plugin's tests (plugins/<name>/tests), with only the core and that plugin installed."""
+    install(session, f"./plugins/{name}")
+    session.run("pytest", f"plugins/{name}/tests", *session.posargs)
 
 
 @nox.session
@@ -55,5 +61,5 @@ def third_party(session: nox.Session) -> None:
 @nox.session
 def gpu(session: nox.Session) -> None:
     """The tests marked `gpu`; run it on a CUDA machine with a CUDA torch in PEGAINFER_TORCH_SPEC."""
-    install(session)
+    install(session, *all_plugins())
     session.run("pytest", "-m", "gpu", *session.posargs)

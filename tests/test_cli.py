@@ -54,7 +54,7 @@ def test_models_lists_the_in_tree_plugins(capsys: pytest.CaptureFixture[str]) ->
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["MODEL", "ARCHITECTURES", "PLUGIN", "PACKAGE"]
     rows = {line.split()[0]: line.split() for line in lines[1:] if line.strip()}
-    assert rows["qwen3_14b"] == ["qwen3_14b", "Qwen3ForCausalLM", "qwen3_14b", "pegainfer"]
+    assert rows["qwen3_14b"] == ["qwen3_14b", "Qwen3ForCausalLM", "qwen3_14b", "pegainfer-qwen3-14b"]
     assert {"qwen35", "deepseek"} <= set(rows)
     assert main(["models", "extra"]) == 2
 

@@ -402,3 +402,10 @@ def test_a_real_load_without_a_tokenizer_fails_before_any_weight_is_built(tmp_pa
     monkeypatch.setattr(model_loader, "load_model", lambda *a, **k: pytest.fail("weights were built"))
     with pytest.raises(CheckpointError, match="tokenizer.json is missing"):
         LLM(str(folder), device="cpu")
+
+
+def test_speculation_needs_a_model_with_draft_layers(tiny_qwen3):
+    from pegainfer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"speculative\.num_tokens=2 needs a model with draft \(MTP\)"):
+        LLM(str(tiny_qwen3), device="cpu", cpu_kv_cache_bytes=4 << 20, speculative_num_tokens=2)

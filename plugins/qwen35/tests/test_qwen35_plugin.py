@@ -19,7 +19,11 @@ from pegainfer.plugins import get_model_registry
 )
 def test_qwen35_claims_its_checkpoints(hf_config: dict[str, object]) -> None:
     registration = get_model_registry().resolve(hf_config)
-    assert (registration.name, registration.plugin, registration.package) == ("qwen35", "qwen35", "pegainfer")
+    assert (registration.name, registration.plugin, registration.package) == (
+        "qwen35",
+        "qwen35",
+        "pegainfer-qwen35",
+    )
     assert registration.model_class == "pegainfer_qwen35.model:Qwen35ForCausalLM"
 
 

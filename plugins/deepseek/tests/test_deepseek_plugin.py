@@ -20,7 +20,7 @@ def test_deepseek_claims_its_checkpoints(hf_config: dict[str, object]) -> None:
     assert (registration.name, registration.plugin, registration.package) == (
         "deepseek",
         "deepseek",
-        "pegainfer",
+        "pegainfer-deepseek",
     )
     assert registration.model_class == "pegainfer_deepseek.model:DeepseekV3ForCausalLM"
 
