@@ -230,9 +230,11 @@ def assert_tensor_parallel_matches(
     speculative_num_tokens: int = 0,
     max_tokens: int = 12,
     pages: int = 14,
+    reference: str | Path | None = None,
 ) -> None:
-    """A ``tp``-rank run of the checkpoint in ``folder`` (float32, CPU, gloo) against transformers and
-    against one rank, through two engines of ``tp`` ranks:
+    """A ``tp``-rank run of the checkpoint in ``folder`` (float32, CPU, gloo) against transformers (on
+    ``reference``, the same weights in a layout transformers loads; default ``folder``) and against one
+    rank, through two engines of ``tp`` ranks:
 
     - default memory: one prompt alone, then a batch of mixed lengths: greedy tokens equal to
       transformers'; logprobs (top 3) and seeded sampling equal to a one-rank engine's (logprobs within
@@ -248,8 +250,8 @@ def assert_tensor_parallel_matches(
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     single, batch = random_prompts(11, [13]), random_prompts(12, [5, 17, 1, 9])
     expected_single, expected_batch = (
-        hf_greedy(folder, single, max_tokens),
-        hf_greedy(folder, batch, max_tokens),
+        hf_greedy(reference or folder, single, max_tokens),
+        hf_greedy(reference or folder, batch, max_tokens),
     )
     one = _tp_llm(folder, 1)
     llm = _tp_llm(
