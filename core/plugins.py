@@ -31,8 +31,14 @@ from pegainfer.errors import ConfigError, PegainferError, PluginError
 
 PROJECT = "pegainfer"
 ENTRY_POINT_GROUP = "pegainfer"
-# Bumped when a hook changes incompatibly; a plugin built for another version is refused.
-PLUGIN_API_VERSION = 1
+# Bumped when a hook or a contract changes incompatibly; a plugin built for another version is refused.
+# 2: the MTP draft contract moved onto CausalLM, extra caches are keyed by name, tiny checkpoints are
+# registered by their plugin (register_tiny_checkpoints).
+PLUGIN_API_VERSION = 2
+_API_CHANGES = {
+    1: "version 2 moved the MTP draft contract onto CausalLM (num_mtp_layers, mtp_buffer_specs, mtp_forward), "
+    "keys extra caches by name (caches[(layer, name)]) and adds register_tiny_checkpoints",
+}
 ALLOW_ENV = "PEGAINFER_PLUGINS"
 BLOCK_ENV = "PEGAINFER_DISABLE_PLUGINS"
 
@@ -488,6 +494,7 @@ class _Loader:
             raise PluginError(
                 f"plugin '{name}' (package {package}) was written for plugin API version {versions[0]}, "
                 f"this pegainfer provides version {PLUGIN_API_VERSION}; upgrade the plugin or pegainfer"
+                + "".join(f" ({_API_CHANGES[v]})" for v in sorted(set(versions)) if v in _API_CHANGES)
             )
         models: list[ModelRegistration] = []
         dirs: list[str] = []

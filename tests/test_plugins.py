@@ -231,7 +231,7 @@ def broken_cases() -> list[tuple[str, object]]:
         ("hook exploded", broken_hook),
         ("is invalid", invalid),
         ("register_modelz", make_plugin("broken", extra_hooks={"register_modelz": misspelled})),
-        ("plugin API version 2", make_plugin("broken", (model("never"),), api_version=2)),
+        ("plugin API version 3", make_plugin("broken", (model("never"),), api_version=3)),
         ("while being loaded", calls_back),
     ]
 
@@ -259,18 +259,32 @@ def test_a_broken_plugin_is_skipped_with_a_warning_and_the_others_load(
 
 def test_an_api_version_mismatch_is_a_plugin_error_naming_the_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
     use_entry_points(
-        monkeypatch, FakeEntryPoint("future", make_plugin("future", api_version=2), FakeDist("pkg-future"))
+        monkeypatch, FakeEntryPoint("future", make_plugin("future", api_version=3), FakeDist("pkg-future"))
     )
     with pytest.warns(PluginWarning):
         (failure,) = plugin_failures()
     assert failure.error.startswith("PluginError: plugin 'future' (package pkg-future)")
-    assert "version 2" in failure.error and f"version {plugins.PLUGIN_API_VERSION}" in failure.error
+    assert "version 3" in failure.error and f"version {plugins.PLUGIN_API_VERSION}" in failure.error
+
+
+def test_a_version_1_plugin_is_told_what_version_2_changed(monkeypatch: pytest.MonkeyPatch) -> None:
+    use_entry_points(
+        monkeypatch, FakeEntryPoint("old", make_plugin("old", api_version=1), FakeDist("pkg-old"))
+    )
+    with pytest.warns(PluginWarning):
+        (failure,) = plugin_failures()
+    assert "written for plugin API version 1" in failure.error
+    assert "mtp_forward" in failure.error and "caches[(layer, name)]" in failure.error
 
 
 def test_current_api_version_is_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
     use_entry_points(
         monkeypatch,
-        FakeEntryPoint("ok", make_plugin("ok", (model("ok_lm"),), api_version=1), FakeDist("pkg-ok")),
+        FakeEntryPoint(
+            "ok",
+            make_plugin("ok", (model("ok_lm"),), api_version=plugins.PLUGIN_API_VERSION),
+            FakeDist("pkg-ok"),
+        ),
     )
     assert get_model_registry().get("ok_lm").plugin == "ok"
 

@@ -9,7 +9,7 @@ from pegainfer.plugins import ModelRegistration, hookimpl
 
 @hookimpl
 def pegainfer_plugin_api_version() -> int:
-    return 1
+    return 2
 
 
 @hookimpl
