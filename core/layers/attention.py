@@ -6,12 +6,9 @@ decode row. Decode rows read their metadata from the persistent decode buffers.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
-
-from pegainfer.buffer_specs import TransientSpec
 
 
 @dataclass
@@ -37,11 +34,6 @@ class AttentionMetadata:
     max_decode_seq_len: int = 0
 
 
-def use_triton(t: torch.Tensor) -> bool:
-    """Triton kernels for CUDA tensors unless ``PEGAINFER_DISABLE_TRITON=1`` asks for the torch reference."""
-    return t.is_cuda and os.environ.get("PEGAINFER_DISABLE_TRITON", "0") != "1"
-
-
 #: Queries per block in the reference prefill attention.
 QUERY_BLOCK = 256
 
@@ -53,27 +45,6 @@ def reference_scratch_bytes(
     the fp32 scores, masked scores and probabilities of one query block over it."""
     kv = 2 * max_model_len * kv_heads * head_dim * dtype_bytes
     return kv + 3 * 4 * num_heads * QUERY_BLOCK * max_model_len
-
-
-def attention_scratch(
-    num_heads: int, kv_heads: int, head_dim: int, max_model_len: int, dtype: torch.dtype, device: torch.device
-) -> TransientSpec:
-    """The attention backend's scratch on ``device``, for the memory plan."""
-    dtype_bytes = torch.empty((), dtype=dtype).element_size()
-    if device.type == "cuda":
-        # The split-K decode partials; the flash-style prefill kernel needs no scratch. Sized for a
-        # generous row count (the plan reserves, it does not allocate).
-        from pegainfer.kernels.paged_decode_attention import decode_num_splits, decode_workspace_bytes
-
-        rows = 1024
-        splits = decode_num_splits(rows, kv_heads, max_model_len)
-        return TransientSpec(
-            "attention_scratch", bytes_fixed=decode_workspace_bytes(rows, num_heads, head_dim, splits)
-        )
-    return TransientSpec(
-        "attention_scratch",
-        bytes_fixed=reference_scratch_bytes(num_heads, kv_heads, head_dim, max_model_len, dtype_bytes),
-    )
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -95,19 +66,6 @@ def _attend(
     scores = scores.masked_fill(~mask.unsqueeze(-3).unsqueeze(-3), float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     return torch.matmul(probs, v.unsqueeze(-3))
-
-
-def paged_attention(
-    q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
-) -> torch.Tensor:
-    """Causal GQA attention of q ``[T, heads, D]`` over the paged cache; returns ``[T, heads, D]``.
-
-    Query head h reads KV head ``h // (heads / kv_heads)``. Triton kernels on CUDA, the torch reference
-    (``paged_attention_reference``) elsewhere.
-    """
-    if use_triton(q):
-        return _paged_attention_kernels(q, cache, meta, scale)
-    return paged_attention_reference(q, cache, meta, scale)
 
 
 def paged_attention_reference(
@@ -143,28 +101,4 @@ def paged_attention_reference(
         qd = q[start : start + b].view(b, kv_heads, group, 1, head_dim)
         o = _attend(qd, k, v, mask, scale)  # [B, kv_heads, group, 1, D]
         out[start : start + b] = o.reshape(b, num_heads, head_dim)
-    return out
-
-
-def _paged_attention_kernels(
-    q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
-) -> torch.Tensor:
-    """The Triton path: one varlen launch for the prefill segments, one split-K launch for decode rows."""
-    from pegainfer.kernels.paged_decode_attention import paged_decode_attention
-    from pegainfer.kernels.paged_prefill_attention import paged_prefill_attention, prefill_tensors
-
-    out = torch.empty_like(q)
-    if meta.prefills:
-        paged_prefill_attention(q, cache, prefill_tensors(meta.prefills, q.device), scale, out=out)
-    if meta.num_decodes:
-        rows = slice(meta.num_prefill_tokens, meta.num_prefill_tokens + meta.num_decodes)
-        paged_decode_attention(
-            q[rows],
-            cache,
-            meta.decode_block_tables,
-            meta.decode_seq_lens,
-            scale,
-            out=out[rows],
-            max_seq_len=meta.max_decode_seq_len,
-        )
     return out

@@ -4,7 +4,7 @@ Any Qwen3 dense size loads (0.6B-32B); 14B is the flagship. q|k|v and gate|up ar
 weight each at load time, so each is one GEMM; gate and up rows alternate, and each RMSNorm's weight
 is folded into the projection it feeds (input norm into q|k|v, post-attention norm into gate|up, the
 final norm into an untied lm_head). So at decode the norms, SiLU·mul and the residual adds run inside the
-skinny GEMMs and q/k norm + rotary inside the decode attention (layers/ops.py): six launches a layer
+skinny GEMMs and q/k norm + rotary inside the decode attention (pegainfer.ops): six launches a layer
 instead of ten.
 """
 
@@ -16,18 +16,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from pegainfer import ops
 from pegainfer.buffer_specs import BufferSpec, CacheKey, PagedKVSpec, TransientSpec, dtype_size
 from pegainfer.config import ModelConfig
 from pegainfer.distributed import TensorParallel
 from pegainfer.errors import CheckpointError
-from pegainfer.layers import ops
 from pegainfer.layers.activation import interleave_gate_up
-from pegainfer.layers.attention import attention_scratch
 from pegainfer.layers.norm import fold_rms_norm_weight
 from pegainfer.layers.parallel import gather_logits, vocab_parallel_embed
 from pegainfer.layers.rotary import RotaryEmbedding, rope_parameters
 from pegainfer.loader import CheckpointReader
 from pegainfer.model_api import CausalLM, ForwardBatch
+from pegainfer.ops import attention_scratch
 from pegainfer.sharding import Shard, split, vocab_shard, vocab_split
 
 

@@ -1,18 +1,33 @@
-"""Device dispatch for the small fused ops: Triton kernels on CUDA, the torch reference elsewhere.
+"""Device dispatch: Triton kernels on CUDA, the torch reference of ``pegainfer.layers`` elsewhere.
 
-The kernels are imported on first CUDA use only, so CPU runs (and the Triton interpreter tests, which
-must set their environment before Triton is imported) never load them early.
+Dependencies point one way: ``layers`` (the torch references, the oracle) <- ``kernels`` (Triton, each
+checked against its reference) <- ``ops`` (this module, which picks one per device) <- the models. The
+kernels are imported on first CUDA use only, so CPU runs (and the Triton interpreter tests, which must set
+their environment before Triton is imported) never load them early.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from pegainfer.buffer_specs import TransientSpec
 from pegainfer.distributed import TensorParallel
 from pegainfer.layers.activation import silu_mul as silu_mul_ref
-from pegainfer.layers.attention import AttentionMetadata, paged_attention, use_triton, write_kv
+from pegainfer.layers.attention import (
+    AttentionMetadata,
+    paged_attention_reference,
+    reference_scratch_bytes,
+    write_kv,
+)
 from pegainfer.layers.norm import rms_norm as rms_norm_ref
 from pegainfer.layers.rotary import RotaryEmbedding
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Triton kernels for CUDA tensors unless ``PEGAINFER_DISABLE_TRITON=1`` asks for the torch reference."""
+    return t.is_cuda and os.environ.get("PEGAINFER_DISABLE_TRITON", "0") != "1"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -140,3 +155,61 @@ def qk_norm_rope_attention(
         q, k = rotary(positions, rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps))
         write_kv(cache, k, v, slot_mapping)
     return paged_attention(q, cache, meta, scale)
+
+
+def paged_attention(
+    q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Causal GQA attention of q ``[T, heads, D]`` over the paged cache; returns ``[T, heads, D]``.
+
+    Query head h reads KV head ``h // (heads / kv_heads)``. Triton kernels on CUDA, the torch reference
+    (``paged_attention_reference``) elsewhere.
+    """
+    if use_triton(q):
+        return _paged_attention_kernels(q, cache, meta, scale)
+    return paged_attention_reference(q, cache, meta, scale)
+
+
+def _paged_attention_kernels(
+    q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """The Triton path: one varlen launch for the prefill segments, one split-K launch for decode rows."""
+    from pegainfer.kernels.paged_decode_attention import paged_decode_attention
+    from pegainfer.kernels.paged_prefill_attention import paged_prefill_attention, prefill_tensors
+
+    out = torch.empty_like(q)
+    if meta.prefills:
+        paged_prefill_attention(q, cache, prefill_tensors(meta.prefills, q.device), scale, out=out)
+    if meta.num_decodes:
+        rows = slice(meta.num_prefill_tokens, meta.num_prefill_tokens + meta.num_decodes)
+        paged_decode_attention(
+            q[rows],
+            cache,
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            scale,
+            out=out[rows],
+            max_seq_len=meta.max_decode_seq_len,
+        )
+    return out
+
+
+def attention_scratch(
+    num_heads: int, kv_heads: int, head_dim: int, max_model_len: int, dtype: torch.dtype, device: torch.device
+) -> TransientSpec:
+    """The attention backend's scratch on ``device``, for the memory plan."""
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    if device.type == "cuda":
+        # The split-K decode partials; the flash-style prefill kernel needs no scratch. Sized for a
+        # generous row count (the plan reserves, it does not allocate).
+        from pegainfer.kernels.paged_decode_attention import decode_num_splits, decode_workspace_bytes
+
+        rows = 1024
+        splits = decode_num_splits(rows, kv_heads, max_model_len)
+        return TransientSpec(
+            "attention_scratch", bytes_fixed=decode_workspace_bytes(rows, num_heads, head_dim, splits)
+        )
+    return TransientSpec(
+        "attention_scratch",
+        bytes_fixed=reference_scratch_bytes(num_heads, kv_heads, head_dim, max_model_len, dtype_bytes),
+    )
