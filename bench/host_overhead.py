@@ -50,8 +50,8 @@ import torch
 from common import Results, check_all_running, cpu_name, start_decoding
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pegainfer.llm import LLM
-from pegainfer.sampling_params import RequestOutputKind, SamplingParams
+from pegainfer.engine.llm import LLM
+from pegainfer.sampling.sampling_params import RequestOutputKind, SamplingParams
 from pegainfer.testing.checkpoints import write_tiny_checkpoint
 
 

@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 from common import Results, check_all_running, cuda_time_ms, measure_ceilings, start_decoding
 
-from pegainfer.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pegainfer.config.schema import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pegainfer.engine.llm import LLM
 from pegainfer.kernels import skinny_gemm
-from pegainfer.llm import LLM
-from pegainfer.sampling_params import RequestOutputKind, SamplingParams
-from pegainfer.tiny_tokenizer import write_tiny_tokenizer
+from pegainfer.sampling.sampling_params import RequestOutputKind, SamplingParams
+from pegainfer.text.tiny_tokenizer import write_tiny_tokenizer
 
 QWEN3_14B = {
     "architectures": ["Qwen3ForCausalLM"],

@@ -25,10 +25,10 @@ from pathlib import Path
 
 from common import Results, cpu_name
 
-from pegainfer.distributed import create_store, new_group
-from pegainfer.model_batch import ModelBatch, SequenceChunk
-from pegainfer.step_channel import DistChannel, ShmChannel, ShmReader
-from pegainfer.step_message import StepDecoder, StepEncoder
+from pegainfer.executor.model_batch import ModelBatch, SequenceChunk
+from pegainfer.executor.step_channel import DistChannel, ShmChannel, ShmReader
+from pegainfer.executor.step_message import StepDecoder, StepEncoder
+from pegainfer.parallel.distributed import create_store, new_group
 
 BLOCK = 16
 

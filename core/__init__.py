@@ -11,15 +11,15 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
 
 if TYPE_CHECKING:
-    from pegainfer.llm import LLM
-    from pegainfer.outputs import CompletionOutput, RequestOutput
-    from pegainfer.sampling_params import SamplingParams
+    from pegainfer.engine.llm import LLM
+    from pegainfer.engine.outputs import CompletionOutput, RequestOutput
+    from pegainfer.sampling.sampling_params import SamplingParams
 
 _LAZY = {
-    "LLM": "pegainfer.llm",
-    "SamplingParams": "pegainfer.sampling_params",
-    "RequestOutput": "pegainfer.outputs",
-    "CompletionOutput": "pegainfer.outputs",
+    "LLM": "pegainfer.engine.llm",
+    "SamplingParams": "pegainfer.sampling.sampling_params",
+    "RequestOutput": "pegainfer.engine.outputs",
+    "CompletionOutput": "pegainfer.engine.outputs",
 }
 
 

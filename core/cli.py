@@ -21,8 +21,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from pegainfer.errors import ConfigError, PegainferError
-from pegainfer.hydra_config import (
+from pegainfer.config.compose import (
     CONFIG_MODULE,
     HYDRA_VERSION_BASE,
     build_engine_config,
@@ -32,7 +31,8 @@ from pegainfer.hydra_config import (
     hydra_error,
     install_search_path,
 )
-from pegainfer.plugins import PluginWarning, get_model_registry, plugin_failures
+from pegainfer.errors import ConfigError, PegainferError
+from pegainfer.plugins.registry import PluginWarning, get_model_registry, plugin_failures
 
 USAGE = """\
 usage: pegainfer <command> [key=value ...]
@@ -169,11 +169,11 @@ def _hydra_command(command: str, args: list[str], run: Callable[[DictConfig], No
 def _serve_other_rank(cfg: DictConfig) -> bool:
     """Under ``torchrun`` only rank 0 runs the command (the engine, the server); any other rank becomes a
     tensor-parallel worker of the same composed config. Returns whether this process was such a rank."""
-    from pegainfer.tp_launch import launched_by_torchrun, torchrun_rank
+    from pegainfer.executor.tp_launch import launched_by_torchrun, torchrun_rank
 
     if not launched_by_torchrun() or torchrun_rank() == 0:
         return False
-    from pegainfer.tp_worker import run_torchrun_rank
+    from pegainfer.executor.tp_worker import run_torchrun_rank
 
     run_torchrun_rank(build_engine_config(cfg))
     return True
@@ -197,7 +197,7 @@ def run_generate(cfg: DictConfig) -> None:
     engine_config = build_engine_config(cfg)
     sampling_params = build_sampling_params(cfg)
     prompt_config = build_prompt_config(cfg)
-    from pegainfer.llm import LLM  # heavy (torch): imported only when something is generated
+    from pegainfer.engine.llm import LLM  # heavy (torch): imported only when something is generated
 
     llm = LLM.from_config(engine_config)
     prompts = prompt_config.all_prompts

@@ -12,8 +12,6 @@ import os
 
 import torch
 
-from pegainfer.buffer_specs import TransientSpec
-from pegainfer.distributed import TensorParallel
 from pegainfer.layers.activation import silu_mul as silu_mul_ref
 from pegainfer.layers.attention import (
     AttentionMetadata,
@@ -23,6 +21,8 @@ from pegainfer.layers.attention import (
 )
 from pegainfer.layers.norm import rms_norm as rms_norm_ref
 from pegainfer.layers.rotary import RotaryEmbedding
+from pegainfer.memory.buffer_specs import TransientSpec
+from pegainfer.parallel.distributed import TensorParallel
 
 
 def use_triton(t: torch.Tensor) -> bool:

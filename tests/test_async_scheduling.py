@@ -15,7 +15,7 @@ import pytest
 
 from pegainfer import LLM, SamplingParams
 from pegainfer.errors import ConfigError
-from pegainfer.sampling_params import RequestOutputKind
+from pegainfer.sampling.sampling_params import RequestOutputKind
 
 
 def _llm(tiny_qwen3, async_scheduling: bool, graph_path: bool = False, **kwargs) -> LLM:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pegainfer.buffer_specs import PagedKVSpec, PagedLatentSpec, RecurrentStateSpec
-from pegainfer.buffers import BlockPool, PagedBufferManager
-from pegainfer.device_buffers import DeviceBuffers
-from pegainfer.memory_plan import MemoryPlan, plan_memory
-from pegainfer.request import Request
-from pegainfer.sampling_params import SamplingParams
+from pegainfer.engine.request import Request
+from pegainfer.memory.buffer_manager import BlockPool, PagedBufferManager
+from pegainfer.memory.buffer_specs import PagedKVSpec, PagedLatentSpec, RecurrentStateSpec
+from pegainfer.memory.device_buffers import DeviceBuffers
+from pegainfer.memory.memory_plan import MemoryPlan, plan_memory
+from pegainfer.sampling.sampling_params import SamplingParams
 
 KV = PagedKVSpec(layer_index=0, num_kv_heads=2, head_dim=3, dtype=torch.float32)
 LATENT = PagedLatentSpec(layer_index=1, latent_dim=4, rope_dim=2, dtype=torch.float32)

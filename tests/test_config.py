@@ -9,16 +9,16 @@ import pytest
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from pegainfer.config import EngineConfig, ModelConfig
-from pegainfer.errors import ConfigError
-from pegainfer.hydra_config import (
+from pegainfer.config.compose import (
     build_engine_config,
     build_prompt_config,
     build_sampling_params,
     compose,
 )
-from pegainfer.plugins import get_model_registry
-from pegainfer.sampling_params import SamplingParams
+from pegainfer.config.schema import EngineConfig, ModelConfig
+from pegainfer.errors import ConfigError
+from pegainfer.plugins.registry import get_model_registry
+from pegainfer.sampling.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])

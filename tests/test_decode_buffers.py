@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pegainfer.decode_buffers import DecodeBuffers
+from pegainfer.memory.decode_buffers import DecodeBuffers
 
 BS = 4
 

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from pegainfer.detokenizer import IncrementalDetokenizer
-from pegainfer.tiny_tokenizer import write_tiny_tokenizer
-from pegainfer.tokenizer import Tokenizer
+from pegainfer.text.detokenizer import IncrementalDetokenizer
+from pegainfer.text.tiny_tokenizer import write_tiny_tokenizer
+from pegainfer.text.tokenizer import Tokenizer
 
 PIECES = [
     "the", " cat", " sat", " on", " mat", ".", ",", " ", "  ", "\n", "\n\n", "!", "?", " 42", "7",

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pegainfer import LLM, SamplingParams
-from pegainfer.config import CacheConfig, EngineConfig, ModelConfig
+from pegainfer.config.schema import CacheConfig, EngineConfig, ModelConfig
 from pegainfer.errors import CheckpointError, RequestError
 from pegainfer.testing.conformance import hf_logits
 
@@ -236,7 +236,7 @@ def test_text_prompts_and_defaults_from_generation_config(llm):
 
 @pytest.mark.parametrize("kind", ["cumulative", "delta", "final_only"])
 def test_output_kinds_carry_the_same_result(llm, kind):
-    from pegainfer.sampling_params import RequestOutputKind
+    from pegainfer.sampling.sampling_params import RequestOutputKind
 
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
@@ -290,7 +290,7 @@ def _greedy_tokens(llm, prompt, n):
 
 
 def test_threshold_does_not_block_whole_prompt_admission_without_chunking(tiny_qwen3):
-    from pegainfer.config import EngineConfig, ModelConfig, SchedulerConfig
+    from pegainfer.config.schema import EngineConfig, ModelConfig, SchedulerConfig
 
     config = EngineConfig(
         model=ModelConfig(path=str(tiny_qwen3)),
@@ -339,7 +339,7 @@ def test_stop_strings_wait_for_min_tokens(llm):
 def test_prompt_logprobs_bound_the_prefill_chunk(tiny_qwen3):
     """Requests with prompt logprobs prefill in chunks of at most PROMPT_LOGPROBS_CHUNK tokens (their
     full-vocabulary logits are reserved for that size), with the same result as one pass."""
-    from pegainfer.scheduler import PROMPT_LOGPROBS_CHUNK
+    from pegainfer.scheduling.scheduler import PROMPT_LOGPROBS_CHUNK
 
     llm = LLM(str(tiny_qwen3), device="cpu", cpu_kv_cache_bytes=8 << 20, max_model_len=1024)
     prompt = [(7 * i) % 900 for i in range(PROMPT_LOGPROBS_CHUNK + 40)]
@@ -381,7 +381,7 @@ def test_dummy_weights_need_only_a_config_json(tmp_path, caplog, monkeypatch):
         device="cpu",
         cache=CacheConfig(cpu_kv_cache_bytes=4 << 20),
     )
-    engine_log = logging.getLogger("pegainfer.engine")  # the CLI's set-up may stop it propagating
+    engine_log = logging.getLogger("pegainfer.engine.llm_engine")  # the CLI's set-up may stop it propagating
     engine_log.addHandler(caplog.handler)
     try:
         llm = LLM.from_config(config)
@@ -394,7 +394,7 @@ def test_dummy_weights_need_only_a_config_json(tmp_path, caplog, monkeypatch):
 
 
 def test_a_real_load_without_a_tokenizer_fails_before_any_weight_is_built(tmp_path, monkeypatch):
-    from pegainfer import model_loader
+    from pegainfer.model import model_loader
     from pegainfer.testing.checkpoints import write_tiny_checkpoint
 
     folder = write_tiny_checkpoint(tmp_path / "no-tokenizer", "qwen3")

@@ -5,9 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pegainfer.buffer_specs import PagedKVSpec, PagedLatentSpec, RecurrentStateSpec, TransientSpec, dtype_size
 from pegainfer.errors import ConfigError
-from pegainfer.memory_plan import MemoryPlan, plan_memory
+from pegainfer.memory.buffer_specs import (
+    PagedKVSpec,
+    PagedLatentSpec,
+    RecurrentStateSpec,
+    TransientSpec,
+    dtype_size,
+)
+from pegainfer.memory.memory_plan import MemoryPlan, plan_memory
 
 # 2 layers x (K + V) x 2 heads x 8 dims x 2 bytes = 128 B per token; 16-token pages of 2048 B.
 KV_LAYERS = [PagedKVSpec(i, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16) for i in range(2)]

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pegainfer.executor import ModelBatch, SequenceChunk
-from pegainfer.persistent_batch import PersistentDecodeBatch
-from pegainfer.request import PENDING_TOKEN, Request
-from pegainfer.sampling_params import SamplingParams
-from pegainfer.scheduler import ScheduledRequest
+from pegainfer.engine.persistent_batch import PersistentDecodeBatch
+from pegainfer.engine.request import PENDING_TOKEN, Request
+from pegainfer.executor.executor import ModelBatch, SequenceChunk
+from pegainfer.sampling.sampling_params import SamplingParams
+from pegainfer.scheduling.scheduler import ScheduledRequest
 
 
 def _requests(n: int) -> list[Request]:

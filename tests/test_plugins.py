@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from pegainfer import plugins
-from pegainfer.config import ModelConfig
+from pegainfer.config.schema import ModelConfig
 from pegainfer.errors import ConfigError, PluginError
-from pegainfer.plugins import (
+from pegainfer.plugins import registry as plugins
+from pegainfer.plugins.registry import (
     ModelRegistration,
     PluginWarning,
     config_search_path,
@@ -359,7 +359,7 @@ def test_lazy_imports_name_the_plugin_and_package_on_failure() -> None:
     reg = ModelRegistration(
         name="x",
         model_class="no_such_module_xyz:Model",
-        config_schema="pegainfer.config:CacheConfig",
+        config_schema="pegainfer.config.schema:CacheConfig",
         plugin="p",
         package="pkg-p",
     )
@@ -367,19 +367,21 @@ def test_lazy_imports_name_the_plugin_and_package_on_failure() -> None:
         PluginError, match="model 'x' from plugin 'p' \\(package pkg-p\\): cannot import no_such_module_xyz"
     ):
         reg.load_model_class()
-    with pytest.raises(PluginError, match="not a subclass of pegainfer.config.ModelConfig"):
+    with pytest.raises(PluginError, match="not a subclass of pegainfer.config.schema.ModelConfig"):
         reg.load_config_schema()
     assert ModelRegistration(name="y", model_class="m:C").load_config_schema() is ModelConfig
     assert (
-        ModelRegistration(name="z", model_class="pegainfer.config:EngineConfig").load_model_class().__name__
+        ModelRegistration(name="z", model_class="pegainfer.config.schema:EngineConfig")
+        .load_model_class()
+        .__name__
         == "EngineConfig"
     )
 
 
 def test_make_executor_hook_builds_the_executor_of_its_own_models_only(tiny_qwen3) -> None:
     """The plugin that registered a model may build its executor; no other plugin is asked."""
-    from pegainfer.executor import LocalExecutor
-    from pegainfer.llm import LLM
+    from pegainfer.engine.llm import LLM
+    from pegainfer.executor.executor import LocalExecutor
 
     class CountingExecutor(LocalExecutor):
         def __init__(self, config: Any) -> None:
@@ -408,7 +410,7 @@ def test_make_executor_hook_builds_the_executor_of_its_own_models_only(tiny_qwen
         ],
         entry_points=False,
     )
-    from pegainfer.config import EngineConfig
+    from pegainfer.config.schema import EngineConfig
 
     config = EngineConfig(model=ModelConfig(name="counted_qwen3", path=str(tiny_qwen3)), device="cpu")
     llm = LLM.from_config(config)
@@ -419,8 +421,8 @@ def test_make_executor_hook_builds_the_executor_of_its_own_models_only(tiny_qwen
 
 
 def test_make_executor_returning_something_else_names_the_plugin(tiny_qwen3) -> None:
-    from pegainfer.config import EngineConfig
-    from pegainfer.executor import build_executor
+    from pegainfer.config.schema import EngineConfig
+    from pegainfer.executor.executor import build_executor
 
     broken = ModelRegistration("odd_qwen3", "pegainfer_qwen3_14b.model:Qwen3ForCausalLM")
     plugin = make_plugin("odd", (broken,), extra_hooks={"make_executor": lambda config, registration: 42})
@@ -431,7 +433,7 @@ def test_make_executor_returning_something_else_names_the_plugin(tiny_qwen3) -> 
 
 
 def test_tiny_checkpoint_builders_come_from_the_plugins() -> None:
-    from pegainfer.plugins import TinyCheckpointBuilder, tiny_checkpoint_builders
+    from pegainfer.plugins.registry import TinyCheckpointBuilder, tiny_checkpoint_builders
 
     builders = tiny_checkpoint_builders()
     assert {"qwen3", "qwen3_5", "qwen3_5_moe", "deepseek_v3", "deepseek_v32", "deepseek_v4"} <= set(builders)
@@ -448,7 +450,7 @@ def test_tiny_checkpoint_builders_come_from_the_plugins() -> None:
 
 
 def test_a_tiny_builder_that_is_not_a_target_string_is_refused() -> None:
-    from pegainfer.plugins import TinyCheckpointBuilder
+    from pegainfer.plugins.registry import TinyCheckpointBuilder
 
     with pytest.raises(PluginError, match="config must be a 'module:function' string"):
         TinyCheckpointBuilder("arch", "not a target", "m:tensors")

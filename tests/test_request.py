@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from pegainfer.request import Request
-from pegainfer.sampling_params import RequestOutputKind, SamplingParams
+from pegainfer.engine.request import Request
+from pegainfer.sampling.sampling_params import RequestOutputKind, SamplingParams
 
 
 def test_length_limit_is_max_tokens_or_the_model_context() -> None:

@@ -8,10 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from pegainfer.outputs import Logprob
-from pegainfer.request import Request
-from pegainfer.sampler import HostBuffers, HostCopy, Sampler, apply_penalties, compute_prompt_logprobs
-from pegainfer.sampling_params import SamplingParams
+from pegainfer.engine.outputs import Logprob
+from pegainfer.engine.request import Request
+from pegainfer.sampling.sampler import (
+    HostBuffers,
+    HostCopy,
+    Sampler,
+    apply_penalties,
+    compute_prompt_logprobs,
+)
+from pegainfer.sampling.sampling_params import SamplingParams
 
 # Distinct values, so no filter boundary is a tie; every token keeps an expected count well above 5.
 TINY_LOGITS = [1.6, 1.2, 0.9, 0.5, 0.1, -0.3, -0.8, -1.2]

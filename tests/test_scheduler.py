@@ -12,12 +12,12 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from pegainfer.buffers import PagedBufferManager
-from pegainfer.config import SchedulerConfig
-from pegainfer.memory_plan import MemoryPlan
-from pegainfer.request import Request, RequestStatus
-from pegainfer.sampling_params import SamplingParams
-from pegainfer.scheduler import ContinuousBatchingScheduler, SchedulerOutput
+from pegainfer.config.schema import SchedulerConfig
+from pegainfer.engine.request import Request, RequestStatus
+from pegainfer.memory.buffer_manager import PagedBufferManager
+from pegainfer.memory.memory_plan import MemoryPlan
+from pegainfer.sampling.sampling_params import SamplingParams
+from pegainfer.scheduling.scheduler import ContinuousBatchingScheduler, SchedulerOutput
 
 
 def cdiv(a: int, b: int) -> int:

@@ -16,17 +16,17 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from pegainfer.buffer_specs import PagedKVSpec, RecurrentStateSpec
-from pegainfer.buffers import PagedBufferManager
-from pegainfer.config import SchedulerConfig
+from pegainfer.config.schema import SchedulerConfig
+from pegainfer.engine.request import Request, RequestStatus
 from pegainfer.errors import ConfigError
-from pegainfer.executor import DraftInput, Executor, ExecutorOutput
-from pegainfer.memory_plan import MemoryPlan
-from pegainfer.request import Request, RequestStatus
-from pegainfer.sampler import Sampler
-from pegainfer.sampling_params import SamplingParams
-from pegainfer.scheduler import ContinuousBatchingScheduler, ScheduledRequest, SchedulerOutput
-from pegainfer.speculative import SpeculativeDecoder, draft_buffer_specs, sample_and_verify
+from pegainfer.executor.executor import DraftInput, Executor, ExecutorOutput
+from pegainfer.memory.buffer_manager import PagedBufferManager
+from pegainfer.memory.buffer_specs import PagedKVSpec, RecurrentStateSpec
+from pegainfer.memory.memory_plan import MemoryPlan
+from pegainfer.sampling.sampler import Sampler
+from pegainfer.sampling.sampling_params import SamplingParams
+from pegainfer.scheduling.scheduler import ContinuousBatchingScheduler, ScheduledRequest, SchedulerOutput
+from pegainfer.scheduling.speculative import SpeculativeDecoder, draft_buffer_specs, sample_and_verify
 
 SPECS = [PagedKVSpec(layer_index=0, num_kv_heads=1, head_dim=1, dtype=torch.float32)]
 VOCAB = 160

@@ -1,4 +1,4 @@
-"""pegainfer.tokenizer against transformers' AutoTokenizer on the tiny tokenizer checkpoint."""
+"""pegainfer.text.tokenizer against transformers' AutoTokenizer on the tiny tokenizer checkpoint."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from pegainfer.errors import CheckpointError, RequestError
-from pegainfer.tiny_tokenizer import write_tiny_tokenizer
-from pegainfer.tokenizer import Tokenizer
+from pegainfer.text.tiny_tokenizer import write_tiny_tokenizer
+from pegainfer.text.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

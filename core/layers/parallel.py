@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pegainfer.distributed import TensorParallel
+from pegainfer.parallel.distributed import TensorParallel
 
 
 def vocab_parallel_embed(token_ids: torch.Tensor, weight: torch.Tensor, tp: TensorParallel) -> torch.Tensor:

@@ -22,8 +22,8 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from pegainfer import __version__
-from pegainfer.async_engine import AsyncLLMEngine
-from pegainfer.config import EngineConfig
+from pegainfer.config.schema import EngineConfig
+from pegainfer.engine.async_engine import AsyncLLMEngine
 from pegainfer.server.auth import api_key_dependency
 from pegainfer.server.config import ServerConfig
 from pegainfer.server.errors import APIError, ErrorResponse, error_response, install_error_handlers
@@ -253,7 +253,7 @@ def make_server(engine: AsyncLLMEngine, config: ServerConfig) -> uvicorn.Server:
 
 def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     """``pegainfer serve``: build the engine, serve until SIGTERM/SIGINT, drain, return 0."""
-    from pegainfer.engine import LLMEngine  # heavy (torch)
+    from pegainfer.engine.llm_engine import LLMEngine  # heavy (torch)
 
     engine = AsyncLLMEngine(
         LLMEngine(engine_config),

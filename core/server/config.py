@@ -6,7 +6,7 @@ import os
 
 from pydantic import Field
 
-from pegainfer.config import _Section
+from pegainfer.config.schema import _Section
 
 API_KEY_ENV = "PEGAINFER_API_KEY"
 

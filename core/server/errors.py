@@ -13,8 +13,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pegainfer.engine.request_stream import EngineDeadError, EngineOverloadedError, EngineStoppedError
 from pegainfer.errors import RequestError
-from pegainfer.request_stream import EngineDeadError, EngineOverloadedError, EngineStoppedError
 
 logger = logging.getLogger(__name__)
 

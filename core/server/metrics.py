@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pegainfer.async_engine import EngineSnapshot, FinishedRequest
+from pegainfer.engine.async_engine import EngineSnapshot, FinishedRequest
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "pegainfer"

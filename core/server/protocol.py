@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pegainfer.errors import RequestError
-from pegainfer.sampling_params import RequestOutputKind, SamplingParams
+from pegainfer.sampling.sampling_params import RequestOutputKind, SamplingParams
 
 MAX_N = 128
 MAX_LOGPROBS = 20

@@ -9,11 +9,11 @@ from typing import Any
 
 from fastapi import Request
 
-from pegainfer.async_engine import AsyncLLMEngine
+from pegainfer.engine.async_engine import AsyncLLMEngine
+from pegainfer.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pegainfer.engine.request_stream import EngineDeadError, EngineStoppedError, PromptInput, RequestStream
 from pegainfer.errors import RequestError
-from pegainfer.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from pegainfer.request_stream import EngineDeadError, EngineStoppedError, PromptInput, RequestStream
-from pegainfer.sampling_params import SamplingParams
+from pegainfer.sampling.sampling_params import SamplingParams
 from pegainfer.server.errors import APIError, to_api_error
 from pegainfer.server.protocol import _SamplingFields
 from pegainfer.server.streaming import DONE, ClientDisconnected, collect_until_disconnect, sse

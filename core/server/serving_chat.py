@@ -8,9 +8,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pegainfer.engine.outputs import CompletionOutput, RequestOutput
+from pegainfer.engine.request_stream import PromptInput, RequestStream
 from pegainfer.errors import RequestError
-from pegainfer.outputs import CompletionOutput, RequestOutput
-from pegainfer.request_stream import PromptInput, RequestStream
 from pegainfer.server.errors import APIError, to_api_error
 from pegainfer.server.protocol import ChatCompletionRequest
 from pegainfer.server.serving import ServingBase, chat_logprobs, created, has_news, usage

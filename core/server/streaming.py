@@ -15,8 +15,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from pegainfer.outputs import RequestOutput
-from pegainfer.request_stream import RequestStream
+from pegainfer.engine.outputs import RequestOutput
+from pegainfer.engine.request_stream import RequestStream
 
 DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

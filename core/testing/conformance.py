@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from pegainfer.config import EngineConfig, ModelConfig
-from pegainfer.loader import CheckpointReader
-from pegainfer.sampling_params import SamplingParams
+from pegainfer.config.schema import EngineConfig, ModelConfig
+from pegainfer.model.checkpoint import CheckpointReader
+from pegainfer.sampling.sampling_params import SamplingParams
 
 
 @lru_cache(maxsize=8)
@@ -89,8 +89,8 @@ def teacher_forced_logits(llm: Any, tokens: Sequence[int], prefill: int) -> torc
     in one chunk (every position's logits), then the rest one decode step each through the paged cache (the
     step's logits). Runs straight on the executor, with the request's pages and state slot from the
     engine's buffer manager; ``tokens`` are the model's inputs, not its samples (teacher forcing)."""
-    from pegainfer.model_batch import ModelBatch, SequenceChunk
-    from pegainfer.request import Request
+    from pegainfer.engine.request import Request
+    from pegainfer.executor.model_batch import ModelBatch, SequenceChunk
 
     engine, tokens = llm.engine, list(tokens)
     request = Request("teacher-forced", tokens, SamplingParams(max_tokens=1))
@@ -196,7 +196,7 @@ class Bf16AccuracyReport:
 
 def unused_checkpoint_tensors(folder: str | Path, name: str = "auto") -> list[str]:
     """Tensors of the checkpoint that the plugin's loader never read (an empty list is full coverage)."""
-    from pegainfer.model_loader import load_model
+    from pegainfer.model.model_loader import load_model
 
     loaded = load_model(EngineConfig(model=ModelConfig(name=name, path=str(folder)), device="cpu"))
     reader = CheckpointReader(folder)
@@ -207,7 +207,7 @@ def unused_checkpoint_tensors(folder: str | Path, name: str = "auto") -> list[st
 def _tp_llm(folder: str | Path, tp: int, **options: Any) -> Any:
     """An engine of ``tp`` ranks whose ``carried_steps[0]`` counts the steps that took a token from the
     device (scheduled ahead of the last step's read-back)."""
-    from pegainfer.llm import LLM
+    from pegainfer.engine.llm import LLM
 
     base = dict(dtype="float32", device="cpu", cpu_kv_cache_bytes=8 << 20, tensor_parallel_size=tp)
     llm = LLM(str(folder), **{**base, **options})
@@ -245,7 +245,7 @@ def assert_tensor_parallel_matches(
 
     Both engines schedule ahead when ``async_scheduling`` is set (the first on the plain decode path).
     """
-    from pegainfer.sampling_params import SamplingParams
+    from pegainfer.sampling.sampling_params import SamplingParams
 
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     single, batch = random_prompts(11, [13]), random_prompts(12, [5, 17, 1, 9])

@@ -45,8 +45,8 @@ def conformance_checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pyt
 @pytest.fixture(scope="class")
 def conformance_llm(request: pytest.FixtureRequest, conformance_checkpoint: Path) -> Any:
     """An LLM of the suite's model on the CPU in float32, built through the Hydra config like the CLI."""
-    from pegainfer.hydra_config import build_engine_config, compose
-    from pegainfer.llm import LLM
+    from pegainfer.config.compose import build_engine_config, compose
+    from pegainfer.engine.llm import LLM
 
     overrides = [
         f"model={request.cls.model_name}",

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from pegainfer.sampling_params import SamplingParams
+from pegainfer.sampling.sampling_params import SamplingParams
 
 
 class PluginConformance:
@@ -61,13 +61,13 @@ class PluginConformance:
         return [[rng.randrange(200) for _ in range(n)] for n in (5, 17, 2, 40)]
 
     def test_discovered_through_entry_point(self) -> None:
-        from pegainfer.plugins import get_model_registry
+        from pegainfer.plugins.registry import get_model_registry
 
         registration = get_model_registry().get(self.model_name)
         assert registration.plugin and registration.package
 
     def test_config_composes_with_plugin_schema(self, conformance_checkpoint: Path) -> None:
-        from pegainfer.hydra_config import build_engine_config, compose
+        from pegainfer.config.compose import build_engine_config, compose
 
         config = build_engine_config(
             compose("generate", [f"model={self.model_name}", f"model.path={conformance_checkpoint}"])
@@ -94,8 +94,8 @@ class PluginConformance:
         conformance_llm.engine.buffers.check_invariants()
 
     def _variant(self, checkpoint: Path, *overrides: str) -> Any:
-        from pegainfer.hydra_config import build_engine_config, compose
-        from pegainfer.llm import LLM
+        from pegainfer.config.compose import build_engine_config, compose
+        from pegainfer.engine.llm import LLM
 
         base = [f"model={self.model_name}", f"model.path={checkpoint}", "device=cpu", "model.dtype=float32"]
         return LLM.from_config(build_engine_config(compose("generate", [*base, *overrides])))

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import pegainfer.engine as engine_module
-from pegainfer.hydra_config import build_engine_config, compose
-from pegainfer.llm import LLM
-from pegainfer.sampling_params import SamplingParams
+import pegainfer.engine.llm_engine as engine_module
+from pegainfer.config.compose import build_engine_config, compose
+from pegainfer.engine.llm import LLM
+from pegainfer.sampling.sampling_params import SamplingParams
 from pegainfer.testing.checkpoints import write_tiny_checkpoint
 from pegainfer.testing.conformance import random_prompts
 
@@ -25,7 +25,7 @@ def _config(folder, *overrides):
 
 
 def test_one_rank_nccl_group_gives_the_local_tokens(tmp_path, monkeypatch):
-    from pegainfer.tp_executor import TensorParallelExecutor
+    from pegainfer.executor.tp_executor import TensorParallelExecutor
 
     if not torch.distributed.is_nccl_available():
         pytest.skip("this torch has no NCCL")

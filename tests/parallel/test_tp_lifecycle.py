@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from pegainfer import LLM, SamplingParams
+from pegainfer.engine.request import Request
 from pegainfer.errors import ConfigError, ExecutorError
-from pegainfer.model_batch import ModelBatch, SequenceChunk
-from pegainfer.request import Request
+from pegainfer.executor.model_batch import ModelBatch, SequenceChunk
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -206,9 +206,9 @@ def test_ranks_keep_their_own_block_tables_between_steps(tiny_qwen3):
 def test_a_rank_that_ends_before_joining_the_group_is_reported_at_once(tiny_qwen3):
     """A rank that reached the store but died before its group formed: rank 0 does not wait out the
     group's timeout, and names the rank."""
-    from pegainfer.hydra_config import build_engine_config, compose
-    from pegainfer.step_channel import ShmChannel
-    from pegainfer.tp_launch import SpawnedRanks
+    from pegainfer.config.compose import build_engine_config, compose
+    from pegainfer.executor.step_channel import ShmChannel
+    from pegainfer.executor.tp_launch import SpawnedRanks
 
     config = build_engine_config(
         compose("generate", [f"model.path={tiny_qwen3}", "device=cpu", "tp=2", "parallel.timeout_s=60"])

@@ -13,9 +13,9 @@ from typing import Any
 
 import httpx
 
-from pegainfer.async_engine import AsyncLLMEngine
-from pegainfer.engine import LLMEngine
-from pegainfer.hydra_config import build_engine_config, compose
+from pegainfer.config.compose import build_engine_config, compose
+from pegainfer.engine.async_engine import AsyncLLMEngine
+from pegainfer.engine.llm_engine import LLMEngine
 from pegainfer.server.app import bind_socket, make_server
 from pegainfer.server.config import ServerConfig
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from pegainfer.async_engine import AsyncLLMEngine
-from pegainfer.engine import LLMEngine
+from pegainfer.config.compose import build_engine_config, compose
+from pegainfer.engine.async_engine import AsyncLLMEngine
+from pegainfer.engine.llm_engine import LLMEngine
+from pegainfer.engine.request_stream import EngineOverloadedError, EngineStoppedError, PromptInput
 from pegainfer.errors import RequestError
-from pegainfer.hydra_config import build_engine_config, compose
-from pegainfer.request_stream import EngineOverloadedError, EngineStoppedError, PromptInput
-from pegainfer.sampling_params import RequestOutputKind, SamplingParams
+from pegainfer.sampling.sampling_params import RequestOutputKind, SamplingParams
 
 PROMPT = PromptInput([11, 42, 7, 300, 5])
 

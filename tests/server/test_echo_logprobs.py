@@ -13,9 +13,9 @@ import httpx
 import pytest
 from server_harness import MAX_MODEL_LEN, ServerHandle
 
-from pegainfer.llm import LLM
-from pegainfer.outputs import RequestOutput
-from pegainfer.sampling_params import SamplingParams
+from pegainfer.engine.llm import LLM
+from pegainfer.engine.outputs import RequestOutput
+from pegainfer.sampling.sampling_params import SamplingParams
 
 # The body lm-evaluation-harness's local-completions model sends for loglikelihood requests.
 HARNESS = {"max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True, "seed": 1234}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pegainfer.cli import main
+from pegainfer.config.compose import build_engine_config, build_server_config, compose
 from pegainfer.errors import ConfigError
-from pegainfer.hydra_config import build_engine_config, build_server_config, compose
 from pegainfer.server.config import API_KEY_ENV, ServerConfig
 
 

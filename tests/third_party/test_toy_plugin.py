@@ -18,10 +18,10 @@ pytest.importorskip(
     "pegainfer_toy", reason="the toy plugin is not installed: pip install -e tests/fake_plugin"
 )
 
+from pegainfer.config.compose import build_engine_config, compose  # noqa: E402
 from pegainfer.errors import ConfigError  # noqa: E402
-from pegainfer.hydra_config import build_engine_config, compose  # noqa: E402
-from pegainfer.plugins import get_model_registry, reset_plugins  # noqa: E402
-from pegainfer.sampling_params import SamplingParams  # noqa: E402
+from pegainfer.plugins.registry import get_model_registry, reset_plugins  # noqa: E402
+from pegainfer.sampling.sampling_params import SamplingParams  # noqa: E402
 from pegainfer.testing.suite import PluginConformance  # noqa: E402
 from pegainfer_toy.config import ToyQwen3Config  # noqa: E402
 
@@ -97,7 +97,7 @@ def test_auto_finds_the_toy_plugin_from_config_json(toy_checkpoint: Path) -> Non
 
 
 def test_generation_applies_the_plugins_config_key(toy_checkpoint: Path) -> None:
-    from pegainfer.llm import LLM
+    from pegainfer.engine.llm import LLM
 
     params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=0)
     chosen = {}
@@ -156,7 +156,7 @@ def test_an_installed_broken_plugin_is_named_and_the_others_keep_working(tmp_pat
 def test_a_model_that_takes_no_tp_is_refused_at_tp2_naming_it(toy_checkpoint: Path) -> None:
     """The toy's from_hf_config predates tensor parallelism (no ``tp`` keyword): tp=2 is a clear error,
     tp=1 keeps working."""
-    from pegainfer.llm import LLM
+    from pegainfer.engine.llm import LLM
 
     with pytest.raises(
         ConfigError, match="model 'toy_qwen3' from plugin .* does not support tensor parallelism"

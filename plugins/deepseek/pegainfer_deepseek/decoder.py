@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pegainfer.distributed import TensorParallel
 from pegainfer.layers.norm import rms_norm
 from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding
-from pegainfer.model_api import ForwardBatch
+from pegainfer.model.model_api import ForwardBatch
+from pegainfer.parallel.distributed import TensorParallel
 from pegainfer_deepseek.config import DeepseekV3Dims
 from pegainfer_deepseek.fp8 import WeightReader
 from pegainfer_deepseek.mla import MLAttention

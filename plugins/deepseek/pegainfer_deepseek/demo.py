@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pegainfer.tiny_checkpoints import write_tiny_checkpoint
+from pegainfer.plugins.tiny_checkpoints import write_tiny_checkpoint
 
 
 def write_v3_demo_checkpoint(folder: Path) -> None:

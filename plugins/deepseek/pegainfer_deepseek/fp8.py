@@ -4,7 +4,7 @@ A quantized projection ``X.weight`` is stored as float8_e4m3fn next to ``X.weigh
 one value per ``block`` = 128×128 tile, edge tiles partial); the real weight is their product with each
 scale broadcast over its tile. Unquantized tensors (norms, router, embeddings) are read as they are.
 
-Under tensor parallelism a tensor read with a shard rule (``pegainfer.sharding``) is read as the rank's
+Under tensor parallelism a tensor read with a shard rule (``pegainfer.parallel.sharding``) is read as the rank's
 slices only; for a quantized one, so are the rows (or columns) of ``weight_scale_inv`` whose tiles cover
 those slices. A slice need not start on a tile boundary (small checkpoints, or a block larger than a
 rank's share): the first tile's scale is then applied from an offset into it.
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from pegainfer.errors import CheckpointError
-from pegainfer.loader import CheckpointReader
-from pegainfer.sharding import Shard
+from pegainfer.model.checkpoint import CheckpointReader
+from pegainfer.parallel.sharding import Shard
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 

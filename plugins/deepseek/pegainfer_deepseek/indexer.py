@@ -29,7 +29,7 @@ from torch import nn
 
 from pegainfer.layers.attention import QUERY_BLOCK, AttentionMetadata
 from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding
-from pegainfer.model_api import ForwardBatch
+from pegainfer.model.model_api import ForwardBatch
 from pegainfer_deepseek.config import DeepseekV3Dims
 from pegainfer_deepseek.fp8 import WeightReader
 from pegainfer_deepseek.params import param

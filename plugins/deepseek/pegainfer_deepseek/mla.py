@@ -25,12 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pegainfer.distributed import TensorParallel
 from pegainfer.layers.attention import AttentionMetadata
 from pegainfer.layers.norm import rms_norm
 from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding
-from pegainfer.model_api import ForwardBatch
-from pegainfer.sharding import split
+from pegainfer.model.model_api import ForwardBatch
+from pegainfer.parallel.distributed import TensorParallel
+from pegainfer.parallel.sharding import split
 from pegainfer_deepseek.config import DeepseekV3Dims
 from pegainfer_deepseek.fp8 import WeightReader
 from pegainfer_deepseek.indexer import IndexSelection, LightningIndexer

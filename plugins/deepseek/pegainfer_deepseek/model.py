@@ -27,16 +27,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pegainfer.buffer_specs import BufferSpec, CacheKey, PagedLatentSpec, TransientSpec, cache_key, dtype_size
-from pegainfer.config import ModelConfig
-from pegainfer.distributed import TensorParallel
+from pegainfer.config.schema import ModelConfig
 from pegainfer.errors import ExecutorError
 from pegainfer.layers.norm import rms_norm
 from pegainfer.layers.parallel import gather_logits, vocab_parallel_embed
 from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding, default_inv_freq, yarn_inv_freq
-from pegainfer.loader import CheckpointReader
-from pegainfer.model_api import CausalLM, ForwardBatch
-from pegainfer.sharding import vocab_shard, vocab_split
+from pegainfer.memory.buffer_specs import (
+    BufferSpec,
+    CacheKey,
+    PagedLatentSpec,
+    TransientSpec,
+    cache_key,
+    dtype_size,
+)
+from pegainfer.model.checkpoint import CheckpointReader
+from pegainfer.model.model_api import CausalLM, ForwardBatch
+from pegainfer.parallel.distributed import TensorParallel
+from pegainfer.parallel.sharding import vocab_shard, vocab_split
 from pegainfer_deepseek.config import DeepseekV3Dims
 from pegainfer_deepseek.decoder import DecoderLayer
 from pegainfer_deepseek.fp8 import WeightReader

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pegainfer.distributed import TensorParallel
-from pegainfer.sharding import split
+from pegainfer.parallel.distributed import TensorParallel
+from pegainfer.parallel.sharding import split
 from pegainfer_deepseek.config import DeepseekV3Dims
 from pegainfer_deepseek.fp8 import WeightReader
 from pegainfer_deepseek.params import param

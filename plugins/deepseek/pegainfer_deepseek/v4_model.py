@@ -29,7 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pegainfer.buffer_specs import (
+from pegainfer.config.schema import ModelConfig
+from pegainfer.errors import ConfigError, ExecutorError
+from pegainfer.layers.attention import QUERY_BLOCK
+from pegainfer.memory.buffer_specs import (
     BufferSpec,
     CacheKey,
     PagedCompressedSpec,
@@ -38,12 +41,9 @@ from pegainfer.buffer_specs import (
     cache_key,
     dtype_size,
 )
-from pegainfer.config import ModelConfig
-from pegainfer.distributed import TensorParallel
-from pegainfer.errors import ConfigError, ExecutorError
-from pegainfer.layers.attention import QUERY_BLOCK
-from pegainfer.loader import CheckpointReader
-from pegainfer.model_api import CausalLM, ForwardBatch
+from pegainfer.model.checkpoint import CheckpointReader
+from pegainfer.model.model_api import CausalLM, ForwardBatch
+from pegainfer.parallel.distributed import TensorParallel
 from pegainfer_deepseek.fp8 import WeightReader
 from pegainfer_deepseek.hyper_connections import HyperHead
 from pegainfer_deepseek.indexer import INDEXER_CACHE

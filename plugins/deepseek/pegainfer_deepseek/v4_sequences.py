@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pegainfer.errors import ExecutorError
-from pegainfer.model_api import ForwardBatch
+from pegainfer.model.model_api import ForwardBatch
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pegainfer import LLM
-from pegainfer.executor import ModelBatch, SequenceChunk
-from pegainfer.request import Request
-from pegainfer.sampling_params import SamplingParams
+from pegainfer.engine.request import Request
+from pegainfer.executor.executor import ModelBatch, SequenceChunk
+from pegainfer.sampling.sampling_params import SamplingParams
 from pegainfer.testing.checkpoints import write_tiny_checkpoint
 from pegainfer.testing.conformance import hf_logits, top_logprob_gaps
 

@@ -10,8 +10,8 @@ import torch
 from pegainfer.errors import CheckpointError
 from pegainfer.layers.attention import AttentionMetadata, PrefillSegment
 from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding, default_inv_freq, yarn_inv_freq
-from pegainfer.model_api import ForwardBatch
-from pegainfer.tiny_checkpoints import to_legacy_layout, to_new_layout
+from pegainfer.model.model_api import ForwardBatch
+from pegainfer.plugins.tiny_checkpoints import to_legacy_layout, to_new_layout
 from pegainfer_deepseek.config import DeepseekV3Dims
 from pegainfer_deepseek.mla import MLAttention
 from pegainfer_deepseek.model import build_rotary

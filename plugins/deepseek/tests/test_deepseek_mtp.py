@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from pegainfer.layers.attention import AttentionMetadata, PrefillSegment
-from pegainfer.model_api import ForwardBatch
+from pegainfer.model.model_api import ForwardBatch
 from pegainfer.testing.conformance import hf_model
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pegainfer.hydra_config import build_engine_config, compose
-from pegainfer.plugins import get_model_registry
+from pegainfer.config.compose import build_engine_config, compose
+from pegainfer.plugins.registry import get_model_registry
 
 
 @pytest.mark.parametrize(

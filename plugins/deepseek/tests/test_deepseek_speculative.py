@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from pegainfer import LLM
+from pegainfer.config.compose import build_engine_config, compose
 from pegainfer.errors import ConfigError
-from pegainfer.hydra_config import build_engine_config, compose
 from pegainfer.layers.attention import AttentionMetadata, PrefillSegment
-from pegainfer.model_api import ForwardBatch
+from pegainfer.model.model_api import ForwardBatch
 from pegainfer.testing.conformance import SamplingParams, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pegainfer.config import ModelConfig
-from pegainfer.distributed import TensorParallel
+from pegainfer.config.schema import ModelConfig
 from pegainfer.errors import ConfigError
-from pegainfer.loader import CheckpointReader
+from pegainfer.model.checkpoint import CheckpointReader
+from pegainfer.parallel.distributed import TensorParallel
 from pegainfer_deepseek.config import DeepseekV3Dims
 from pegainfer_deepseek.model import DeepseekV3ForCausalLM
 from pegainfer_deepseek.tiny import UNALIGNED_SHAPE, deepseek_v3_config, write_fp8_copy

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from pegainfer import LLM, SamplingParams
+from pegainfer.engine.request import Request
 from pegainfer.errors import CheckpointError
-from pegainfer.executor import ModelBatch, SequenceChunk
-from pegainfer.request import Request
+from pegainfer.executor.executor import ModelBatch, SequenceChunk
+from pegainfer.plugins.tiny_checkpoints import to_new_layout
 from pegainfer.testing.conformance import (
     greedy_token_ids,
     hf_greedy,
@@ -26,7 +27,6 @@ from pegainfer.testing.conformance import (
     relative_error,
     unused_checkpoint_tensors,
 )
-from pegainfer.tiny_checkpoints import to_new_layout
 from pegainfer_deepseek.config import DeepseekV3Dims
 from pegainfer_deepseek.indexer import INDEXER_CACHE
 from pegainfer_deepseek.tiny import deepseek_v32_config

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from pegainfer.buffer_specs import PagedCompressedSpec
 from pegainfer.errors import CheckpointError
+from pegainfer.memory.buffer_specs import PagedCompressedSpec
 from pegainfer_deepseek.hyper_connections import HyperConnection, HyperHead
 from pegainfer_deepseek.tiny_v4 import deepseek_v4_config
 from pegainfer_deepseek.v4_compressor import Compressor

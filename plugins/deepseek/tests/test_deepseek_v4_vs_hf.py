@@ -15,13 +15,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pegainfer import LLM, SamplingParams
-from pegainfer.buffer_specs import PagedCompressedSpec, RecurrentStateSpec
-from pegainfer.config import EngineConfig, ModelConfig
+from pegainfer.config.schema import EngineConfig, ModelConfig
+from pegainfer.engine.request import Request
 from pegainfer.errors import CheckpointError
-from pegainfer.executor import ModelBatch, SequenceChunk
-from pegainfer.loader import CheckpointReader
-from pegainfer.model_loader import load_model
-from pegainfer.request import Request
+from pegainfer.executor.executor import ModelBatch, SequenceChunk
+from pegainfer.memory.buffer_specs import PagedCompressedSpec, RecurrentStateSpec
+from pegainfer.model.checkpoint import CheckpointReader
+from pegainfer.model.model_loader import load_model
 from pegainfer.testing.conformance import (
     greedy_token_ids,
     hf_greedy,

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from pegainfer import LLM, SamplingParams
+from pegainfer.engine.request import Request
 from pegainfer.errors import ExecutorError
-from pegainfer.executor import ModelBatch, SequenceChunk
+from pegainfer.executor.executor import ModelBatch, SequenceChunk
 from pegainfer.layers.attention import AttentionMetadata
-from pegainfer.model_api import ForwardBatch
-from pegainfer.request import Request
+from pegainfer.model.model_api import ForwardBatch
 from pegainfer.testing.conformance import (
     greedy_token_ids,
     hf_greedy,

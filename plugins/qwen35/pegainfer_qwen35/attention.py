@@ -17,14 +17,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pegainfer.buffer_specs import PagedKVSpec
-from pegainfer.distributed import TensorParallel
 from pegainfer.layers.attention import write_kv
 from pegainfer.layers.rotary import RotaryEmbedding
-from pegainfer.loader import CheckpointReader
-from pegainfer.model_api import ForwardBatch
+from pegainfer.memory.buffer_specs import PagedKVSpec
+from pegainfer.model.checkpoint import CheckpointReader
+from pegainfer.model.model_api import ForwardBatch
 from pegainfer.ops import paged_attention
-from pegainfer.sharding import Shard, split
+from pegainfer.parallel.distributed import TensorParallel
+from pegainfer.parallel.sharding import Shard, split
 from pegainfer_qwen35.config import Qwen35Config, Qwen35Shard
 from pegainfer_qwen35.norms import rms_norm_zero_centred
 from pegainfer_qwen35.pass_buffers import PassBuffers

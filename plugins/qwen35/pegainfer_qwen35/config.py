@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pegainfer.distributed import TensorParallel
 from pegainfer.errors import CheckpointError
+from pegainfer.parallel.distributed import TensorParallel
 
 LINEAR = "linear_attention"
 FULL = "full_attention"

@@ -28,11 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pegainfer.buffer_specs import RecurrentStateSpec
-from pegainfer.distributed import TensorParallel
-from pegainfer.loader import CheckpointReader
-from pegainfer.model_api import ForwardBatch
-from pegainfer.sharding import Shard, split, stitch
+from pegainfer.memory.buffer_specs import RecurrentStateSpec
+from pegainfer.model.checkpoint import CheckpointReader
+from pegainfer.model.model_api import ForwardBatch
+from pegainfer.parallel.distributed import TensorParallel
+from pegainfer.parallel.sharding import Shard, split, stitch
 from pegainfer_qwen35.config import Qwen35Config, Qwen35Shard
 from pegainfer_qwen35.delta_rule import (
     causal_conv_prefill,

@@ -25,14 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pegainfer.buffer_specs import BufferSpec, CacheKey, TransientSpec
-from pegainfer.config import ModelConfig
-from pegainfer.distributed import TensorParallel
+from pegainfer.config.schema import ModelConfig
 from pegainfer.layers.parallel import gather_logits, vocab_parallel_embed
 from pegainfer.layers.rotary import RotaryEmbedding
-from pegainfer.loader import CheckpointReader
-from pegainfer.model_api import CausalLM, ForwardBatch
-from pegainfer.sharding import vocab_shard, vocab_split
+from pegainfer.memory.buffer_specs import BufferSpec, CacheKey, TransientSpec
+from pegainfer.model.checkpoint import CheckpointReader
+from pegainfer.model.model_api import CausalLM, ForwardBatch
+from pegainfer.parallel.distributed import TensorParallel
+from pegainfer.parallel.sharding import vocab_shard, vocab_split
 from pegainfer_qwen35 import pass_buffers
 from pegainfer_qwen35.attention import GatedAttention
 from pegainfer_qwen35.config import FULL, LINEAR, Qwen35Config, Qwen35Shard, text_part

@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pegainfer.distributed import TensorParallel
-from pegainfer.loader import CheckpointReader
-from pegainfer.sharding import Shard, split, stitch
+from pegainfer.model.checkpoint import CheckpointReader
+from pegainfer.parallel.distributed import TensorParallel
+from pegainfer.parallel.sharding import Shard, split, stitch
 from pegainfer_qwen35.config import Qwen35Config, Qwen35Shard
 from pegainfer_qwen35.pass_buffers import PassBuffers
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pegainfer.buffer_specs import TransientSpec, dtype_size
+from pegainfer.memory.buffer_specs import TransientSpec, dtype_size
 from pegainfer_qwen35.config import FULL, LINEAR, Qwen35Config, Qwen35Shard
 from pegainfer_qwen35.delta_rule import CHUNK_SIZE
 

@@ -10,7 +10,7 @@ import torch
 
 from pegainfer import LLM, SamplingParams
 from pegainfer.errors import CheckpointError
-from pegainfer.loader import read_hf_config
+from pegainfer.model.checkpoint import read_hf_config
 from pegainfer.testing.checkpoints import write_tiny_checkpoint
 from pegainfer.testing.conformance import hf_greedy, random_prompts, unused_checkpoint_tensors
 from pegainfer_qwen35.config import Qwen35Config
@@ -108,7 +108,7 @@ def test_missing_tensor_is_named(tmp_path):
 
 
 def test_buffer_specs_follow_layer_types(tiny_qwen35):
-    from pegainfer.buffer_specs import PagedKVSpec, RecurrentStateSpec
+    from pegainfer.memory.buffer_specs import PagedKVSpec, RecurrentStateSpec
 
     llm = LLM(str(tiny_qwen35), dtype="float32", device="cpu", cpu_kv_cache_bytes=8 << 20)
     config = llm.engine.executor.runner.model.config

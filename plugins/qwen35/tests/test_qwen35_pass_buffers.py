@@ -8,7 +8,7 @@ import random
 import torch
 
 from pegainfer import LLM, SamplingParams
-from pegainfer.loader import read_hf_config
+from pegainfer.model.checkpoint import read_hf_config
 from pegainfer_qwen35 import pass_buffers
 from pegainfer_qwen35.config import Qwen35Config
 

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from pegainfer import LLM, SamplingParams
-from pegainfer.executor import ModelBatch, SequenceChunk
-from pegainfer.request import Request
+from pegainfer.engine.request import Request
+from pegainfer.executor.executor import ModelBatch, SequenceChunk
 from pegainfer_qwen35 import gated_deltanet
 from pegainfer_qwen35.delta_rule import (
     causal_conv_prefill,

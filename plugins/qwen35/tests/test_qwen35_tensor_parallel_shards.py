@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pegainfer.distributed import TensorParallel
 from pegainfer.errors import ConfigError
-from pegainfer.loader import CheckpointReader, read_hf_config
+from pegainfer.model.checkpoint import CheckpointReader, read_hf_config
+from pegainfer.parallel.distributed import TensorParallel
 from pegainfer_qwen35.config import Qwen35Config
 from pegainfer_qwen35.model import Qwen35ForCausalLM
 from pegainfer_qwen35.tiny import qwen3_5_config, qwen3_5_moe_config

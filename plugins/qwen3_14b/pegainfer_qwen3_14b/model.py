@@ -17,18 +17,18 @@ import torch
 from torch import nn
 
 from pegainfer import ops
-from pegainfer.buffer_specs import BufferSpec, CacheKey, PagedKVSpec, TransientSpec, dtype_size
-from pegainfer.config import ModelConfig
-from pegainfer.distributed import TensorParallel
+from pegainfer.config.schema import ModelConfig
 from pegainfer.errors import CheckpointError
 from pegainfer.layers.activation import interleave_gate_up
 from pegainfer.layers.norm import fold_rms_norm_weight
 from pegainfer.layers.parallel import gather_logits, vocab_parallel_embed
 from pegainfer.layers.rotary import RotaryEmbedding, rope_parameters
-from pegainfer.loader import CheckpointReader
-from pegainfer.model_api import CausalLM, ForwardBatch
+from pegainfer.memory.buffer_specs import BufferSpec, CacheKey, PagedKVSpec, TransientSpec, dtype_size
+from pegainfer.model.checkpoint import CheckpointReader
+from pegainfer.model.model_api import CausalLM, ForwardBatch
 from pegainfer.ops import attention_scratch
-from pegainfer.sharding import Shard, split, vocab_shard, vocab_split
+from pegainfer.parallel.distributed import TensorParallel
+from pegainfer.parallel.sharding import Shard, split, vocab_shard, vocab_split
 
 
 @dataclass(frozen=True)

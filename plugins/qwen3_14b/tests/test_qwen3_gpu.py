@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from pegainfer import LLM
-from pegainfer.executor import ModelBatch, SequenceChunk
-from pegainfer.request import Request
-from pegainfer.sampling_params import SamplingParams
+from pegainfer.engine.request import Request
+from pegainfer.executor.executor import ModelBatch, SequenceChunk
+from pegainfer.sampling.sampling_params import SamplingParams
 from pegainfer.testing.conformance import Bf16AccuracyReport
 
 pytestmark = [

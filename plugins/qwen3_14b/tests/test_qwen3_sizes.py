@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pegainfer.config import ModelConfig
+from pegainfer.config.schema import ModelConfig
 from pegainfer_qwen3_14b.model import Qwen3ForCausalLM
 
 # (hidden, intermediate, layers, q heads, tied) of Qwen3-0.6B ... 32B; all have 8 KV heads, head_dim 128.

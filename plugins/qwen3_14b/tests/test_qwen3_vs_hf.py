@@ -98,7 +98,7 @@ def test_dummy_load_format_needs_no_weights(tmp_path):
     folder = write_tiny_checkpoint(tmp_path / "ckpt", "qwen3")
     for file in folder.glob("*.safetensors"):
         file.unlink()
-    from pegainfer.config import EngineConfig, ModelConfig
+    from pegainfer.config.schema import EngineConfig, ModelConfig
 
     llm = LLM.from_config(
         EngineConfig(model=ModelConfig(path=str(folder), load_format="dummy"), device="cpu")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from pegainfer.config import ModelConfig
+from pegainfer.config.schema import ModelConfig
 
 
 class ToyQwen3Config(ModelConfig):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pegainfer.plugins import ModelRegistration, hookimpl
+from pegainfer.plugins.registry import ModelRegistration, hookimpl
 
 
 @hookimpl

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from pegainfer.config import ModelConfig
+from pegainfer.config.schema import ModelConfig
 from pegainfer_qwen3_14b.model import Qwen3Dims, Qwen3ForCausalLM
 from pegainfer_toy.config import ToyQwen3Config
 

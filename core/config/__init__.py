@@ -1,0 +1,1 @@
+"""Configuration: the validated schema (``schema``) and Hydra composition (``compose``)."""

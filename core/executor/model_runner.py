@@ -1,0 +1,412 @@
+"""The model runner: everything on the device side of one tensor-parallel rank.
+
+A runner owns its rank's model shard, its device buffers (page pools and state slots at the rank's
+geometry, ``DeviceBuffers``), the persistent decode buffers and rows, the decode CUDA graphs, the
+embedding (inside the decode graph, or on the runner's side for models that take hidden states) and
+the draft module's kept hidden states. It turns a host-side ``ModelBatch`` into device tensors and runs
+the forward; every rank of a group runs the same batch and meets the others in the collectives inside
+the model. Rank 0's logits are the ones sampled (every rank computes the gathered logits).
+
+The ``LocalExecutor`` is one runner in the engine's process; the tensor-parallel executor is rank 0's
+runner in the engine's process plus one runner per further rank in worker processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from pegainfer.config.schema import EngineConfig
+from pegainfer.errors import ExecutorError
+from pegainfer.executor.cuda_graphs import DecodeGraphs, graph_buckets
+from pegainfer.executor.decode_rows import DecodeRows
+from pegainfer.executor.model_batch import (
+    DraftInput,
+    ExecutorCapabilities,
+    ExecutorOutput,
+    ModelBatch,
+    SequenceChunk,
+)
+from pegainfer.layers.attention import AttentionMetadata, PrefillSegment
+from pegainfer.memory.decode_buffers import DecodeBuffers
+from pegainfer.memory.device_buffers import DeviceBuffers
+from pegainfer.memory.rank_plan import plan_rank_memory
+from pegainfer.model.model_api import ForwardBatch
+from pegainfer.model.model_loader import load_model
+from pegainfer.parallel.distributed import TensorParallel
+from pegainfer.scheduling.speculative import draft_buffer_specs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine knows of the model an executor runs (the same on every rank)."""
+
+    name: str  # the registry name
+    folder: Path  # the checkpoint folder (tokenizer, generation_config.json)
+    vocab_size: int | None
+    max_model_len: int
+    device: torch.device  # rank 0's: where the logits to sample are
+    dtype: torch.dtype
+
+
+class ModelRunner:
+    """One rank's device side (see the module docstring). ``tp`` is the rank in its group."""
+
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
+        self.tp = tp = tp or TensorParallel()
+        loaded = load_model(config, tp)
+        self.loaded = loaded
+        self.model = model = loaded.model
+        self.device = loaded.device
+        num_spec = config.speculative.num_tokens
+        # Drafting adds the draft layers' caches to the pages (same block table as the main layers).
+        specs = [*model.buffer_specs(), *draft_buffer_specs(model, num_spec)]
+        graphs = self.device.type == "cuda" and model.embeds_on_device
+        self.plan = plan_rank_memory(loaded, config, specs, tp, graphs=graphs and not config.enforce_eager)
+        if tp.rank == 0:
+            logger.info(self.plan.describe())
+        self.buffers = DeviceBuffers(specs, self.plan, self.device)
+        self.block_size = self.plan.block_size
+        self.max_model_len = loaded.max_model_len
+        self.info = ModelInfo(
+            loaded.registration.name,
+            loaded.folder,
+            getattr(model, "vocab_size", None),
+            loaded.max_model_len,
+            self.device,
+            loaded.dtype,
+        )
+        self.capabilities = ExecutorCapabilities(
+            device_embedding=model.embeds_on_device,
+            tensor_parallel_size=tp.size,
+            max_speculative_tokens=num_spec,
+            carried_tokens=model.embeds_on_device,
+        )
+        # Request id -> (first position, final hidden states) of its last chunk, for ``propose``.
+        self._kept_hidden: dict[str, tuple[int, torch.Tensor]] = {}
+        self.decode = DecodeBuffers(
+            config.scheduler.max_num_seqs, -(-self.max_model_len // self.block_size), self.device
+        )
+        self.graphs: DecodeGraphs | None = None
+        # The last batch run on the decode-graph path and its rows' inputs (kept while it is moved on).
+        self._graph_rows: DecodeRows | None = None
+        self._launch_s = 0.0
+        if graphs:
+            self.capture_decode_graphs(eager=config.enforce_eager)
+
+    def check_graph_path(self, *, eager: bool = False) -> None:
+        """ExecutorError unless ``capture_decode_graphs(eager=eager)`` can run here."""
+        if (self.device.type != "cuda" and not eager) or not self.capabilities.device_embedding:
+            raise ExecutorError("decode CUDA graphs need a CUDA device and a model that embeds on the device")
+
+    def check_drafting(self) -> None:
+        """ExecutorError unless ``propose`` can run (the model drafts and drafting is on)."""
+        if not self.capabilities.max_speculative_tokens:
+            raise ExecutorError("this executor does not draft (capabilities.max_speculative_tokens is 0)")
+
+    def capture_decode_graphs(self, *, eager: bool = False) -> None:
+        """Capture CUDA graphs for decode-only steps (needs a CUDA device and device embedding); with
+        ``eager`` decode-only steps run the same bucket-padded forward without graphs (on any device: the
+        CPU benchmark of the host's work takes the GPU's decode path this way)."""
+        self.check_graph_path(eager=eager)
+        graphs = DecodeGraphs(
+            self.model,
+            self.decode,
+            self.buffers.caches,
+            self.buffers.states,
+            self.tp,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            buckets=graph_buckets(self.decode.max_num_seqs),
+            eager=eager,
+        )
+        graphs.capture()
+        self.graphs = graphs
+        self.capabilities = replace(self.capabilities, cuda_graphs=not eager)
+
+    @property
+    def wait_time_s(self) -> float:
+        """Seconds the host spent blocked on the GPU here: waiting for an upload, and in graph launches
+        (a graph launched while its previous replay still runs may block until that one is done)."""
+        return self.decode.wait_time_s + self._launch_s
+
+    # ------------------------------------------------------------------------------------------ a step
+
+    @torch.inference_mode()
+    def execute(self, batch: ModelBatch) -> ExecutorOutput:
+        """Run ``batch``: KV and state of its chunk tokens are written into the buffers; returns the logits
+        of the rows that sample (and the full logits of chunks that asked), in chunk order."""
+        self._kept_hidden.clear()
+        graph_rows = self._graph_rows
+        if batch.moved_on and graph_rows is not None and graph_rows.batch is batch:
+            return self._execute_graph(graph_rows, batch.carried_tokens, moved_on=True)  # as last step
+        if self.plan.num_state_slots:
+            # A request whose first chunk runs (a new one, or a recompute after preemption) starts from zero.
+            self.buffers.zero_slots(
+                [c.state_slot for c in batch.chunks if c.start == 0 and c.state_slot is not None]
+            )
+        decodes = [c for c in batch.chunks if len(c.token_ids) == 1]
+        prefills = (
+            [c for c in batch.chunks if len(c.token_ids) > 1] if len(decodes) < len(batch.chunks) else []
+        )
+        if self.graphs is not None and not prefills and len(decodes) <= self.graphs.max_batch:
+            if all(c.needs_logits and not c.all_logits and not c.keep_hidden for c in decodes):
+                self._graph_rows = DecodeRows.of(batch, decodes)
+                return self._execute_graph(self._graph_rows, batch.carried_tokens)
+        self._graph_rows = None
+        return self._execute_eager(batch, prefills, decodes)
+
+    def _prepare_decode_rows(
+        self,
+        rows: DecodeRows,
+        carried: torch.Tensor | None,
+        pad_to: int | None = None,
+        moved_on: bool = False,
+    ) -> list[int]:
+        carry = rows.carry_from
+        if carried is None and self.tp.rank == 0 and carry and max(carry) >= 0:
+            raise ExecutorError("a decode chunk carries its token from the last step, but the batch has none")
+        return self.decode.prepare(
+            rows.owners,
+            rows.token_ids,
+            rows.positions(),
+            rows.block_tables,
+            rows.state_slots,
+            self.block_size,
+            carry_from=carry,
+            carried=carried,
+            pad_to=pad_to,
+            same_rows=moved_on,
+        )
+
+    def _execute_graph(
+        self, decode_rows: DecodeRows, carried: torch.Tensor | None, moved_on: bool = False
+    ) -> ExecutorOutput:
+        size = len(decode_rows.chunks)
+        # The graph's bucket: its padding rows go up with the batch's (see DecodeGraphs.run). A batch moved on
+        # changed only its positions since its rows were last prepared.
+        rows = self._prepare_decode_rows(
+            decode_rows, carried, pad_to=self.graphs.bucket_for(size), moved_on=moved_on
+        )
+        t0 = time.perf_counter()
+        logits = self.graphs.run(size)
+        self._launch_s += time.perf_counter() - t0
+        greedy = self.decode.sampled_rows(len(rows))
+        if rows == list(range(len(rows))):  # the usual case: rows already in batch order, no gather
+            return ExecutorOutput(logits=logits, greedy_tokens=greedy)
+        # The row order was uploaded with the decode inputs: no host-to-device copy (and wait) here.
+        order = self.decode.row_order[: len(rows)]
+        return ExecutorOutput(
+            logits=logits.index_select(0, order), greedy_tokens=greedy.index_select(0, order)
+        )
+
+    def _prefill_inputs(self, prefills: list[SequenceChunk]) -> tuple[list[int], list[int], list[int], list]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        segments = []
+        for chunk in prefills:
+            n, table = len(chunk.token_ids), chunk.block_table
+            ctx = chunk.start + n
+            table_t = torch.tensor(table[: -(-ctx // bs)], dtype=torch.int64, device=self.device)
+            segments.append(PrefillSegment(len(ids), n, ctx, table_t))
+            ids.extend(chunk.token_ids)
+            for p in range(chunk.start, ctx):
+                pos.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+        return ids, pos, slots, segments
+
+    def _forward_batch(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        state_slots: torch.Tensor | None = None,
+    ) -> ForwardBatch:
+        """The model's batch; a model without device embedding gets its input embeddings made here."""
+        hidden = None if self.capabilities.device_embedding else self.model.embed(token_ids)
+        return ForwardBatch(token_ids, positions, meta, state_slots=state_slots, hidden_states=hidden)
+
+    def _execute_eager(
+        self, batch: ModelBatch, prefills: list[SequenceChunk], decodes: list[SequenceChunk]
+    ) -> ExecutorOutput:
+        ids, pos, slots, segments = self._prefill_inputs(prefills)
+        num_prefill = len(ids)
+        dev = self.device
+        # Row of every chunk's first token in the device layout (prefill tokens first, then decode rows).
+        first_row = {id(chunk): seg.q_start for chunk, seg in zip(prefills, segments, strict=True)}
+        meta = AttentionMetadata(
+            block_size=self.block_size,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            prefills=segments,
+            num_prefill_tokens=num_prefill,
+        )
+        token_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        if decodes:
+            rows = self._prepare_decode_rows(DecodeRows.of(batch, decodes), batch.carried_tokens)
+            b = len(decodes)
+            for chunk, row in zip(decodes, rows, strict=True):
+                first_row[id(chunk)] = num_prefill + row
+            if self.decode.carries:
+                self.tp.broadcast(self.decode.sampled)  # rank 0 sampled the carried tokens
+            token_ids = torch.cat([token_ids, self.decode.gather_inputs(b)])
+            positions = torch.cat([positions, self.decode.positions[:b]])
+            meta.slot_mapping = torch.cat([meta.slot_mapping, self.decode.slot_mapping[:b]])
+            meta.num_decodes = b
+            meta.decode_block_tables = self.decode.block_tables[:b]
+            meta.decode_seq_lens = self.decode.seq_lens[:b]
+            meta.max_decode_seq_len = max(c.start for c in decodes) + 1
+        state_slots = None
+        if self.plan.num_state_slots:
+            slots_list = [c.state_slot or 0 for c in prefills]
+            state_slots = torch.cat(
+                [
+                    torch.tensor(slots_list, dtype=torch.int64, device=dev),
+                    self.decode.state_slots[: len(decodes)],
+                ]
+            )
+        hidden = self.model(
+            self._forward_batch(token_ids, positions, meta, state_slots),
+            self.buffers.caches,
+            self.buffers.states,
+        )
+        sample_rows = [
+            first_row[id(c)] + j
+            for c in batch.chunks
+            for j in range(len(c.token_ids) - c.num_logits, len(c.token_ids))
+        ]
+        for c in batch.chunks:
+            if c.keep_hidden:
+                self._kept_hidden[c.request_id] = (
+                    c.start,
+                    hidden[first_row[id(c)] : first_row[id(c)] + len(c.token_ids)],
+                )
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.int64, device=dev)])
+        all_logits = {
+            c.request_id: self.model.compute_logits(
+                hidden[first_row[id(c)] : first_row[id(c)] + len(c.token_ids)]
+            )
+            for c in batch.chunks
+            if c.all_logits
+        }
+        return ExecutorOutput(logits=logits, all_logits=all_logits)
+
+    # ---------------------------------------------------------------------------------------- drafting
+
+    def _eager_batch(self, chunks: list[SequenceChunk]) -> tuple[ForwardBatch, list[int]]:
+        """A ForwardBatch of ``chunks`` built from scratch (the persistent decode rows are the main step's:
+        they are left alone), and the first row of each chunk in its layout (prefills, then decode rows)."""
+        bs, dev = self.block_size, self.device
+        prefills = [c for c in chunks if len(c.token_ids) > 1]
+        decodes = [c for c in chunks if len(c.token_ids) == 1]
+        ids, pos, slots, segments = self._prefill_inputs(prefills)
+        first_row = {id(c): seg.q_start for c, seg in zip(prefills, segments, strict=True)}
+        num_prefill = len(ids)
+        for row, c in enumerate(decodes, start=num_prefill):
+            first_row[id(c)] = row
+            ids.append(c.token_ids[0])
+            pos.append(c.start)
+            slots.append(c.block_table[c.start // bs] * bs + c.start % bs)
+        meta = AttentionMetadata(
+            bs, torch.tensor(slots, dtype=torch.int64, device=dev), segments, num_prefill
+        )
+        if decodes:
+            width = max(c.start // bs + 1 for c in decodes)
+            tables = torch.zeros(len(decodes), width, dtype=torch.int32)
+            for row, c in enumerate(decodes):
+                n = c.start // bs + 1
+                tables[row, :n] = torch.tensor(c.block_table[:n], dtype=torch.int32)
+            meta.num_decodes = len(decodes)
+            meta.decode_block_tables = tables.to(dev)
+            meta.decode_seq_lens = torch.tensor([c.start + 1 for c in decodes], dtype=torch.int32, device=dev)
+            meta.max_decode_seq_len = max(c.start for c in decodes) + 1
+        fwd = ForwardBatch(
+            torch.tensor(ids, dtype=torch.int64, device=dev),
+            torch.tensor(pos, dtype=torch.int64, device=dev),
+            meta,
+        )
+        return fwd, [first_row[id(c)] for c in chunks]
+
+    @torch.inference_mode()
+    def propose(self, inputs: list[DraftInput]) -> list[list[int]]:
+        """Run the draft module (depth 0, chained for further drafts) over the last step's kept hidden
+        states. Pass 1 covers every input's positions ``start .. start + n - 1`` (hidden state at p, token
+        at p + 1), which writes the module's cache there and drafts from the last row; each further draft
+        is one row at the next position, fed the module's own output hidden state and the previous draft.
+        Those chained rows write the cache beyond the accepted positions: garbage that the next step's
+        pass 1 overwrites before anything reads it. Every rank drafts the same tokens: the draft logits
+        are gathered on every rank before their argmax."""
+        self.check_drafting()
+        drafts: list[list[int]] = [[] for _ in inputs]
+        if not inputs:
+            return drafts
+        chunks, hidden = [], []
+        for inp in inputs:
+            start, kept = self._kept_hidden.get(inp.request_id, (-1, None))
+            n = len(inp.next_token_ids)
+            if start != inp.start or kept is None or not 0 < n <= kept.shape[0]:
+                raise ExecutorError(
+                    f"no kept hidden states for {n} positions from {inp.start} of {inp.request_id!r}"
+                )
+            last_position = inp.start + n - 1 + max(inp.num_drafts - 1, 0)
+            if last_position // self.block_size >= len(inp.block_table):
+                raise ExecutorError(f"{inp.request_id!r} has no page for its draft position {last_position}")
+            chunks.append(
+                SequenceChunk(
+                    inp.request_id,
+                    inp.next_token_ids,
+                    inp.start,
+                    inp.block_table,
+                    epoch=inp.epoch,
+                    serial=inp.serial,
+                )
+            )
+            hidden.append(kept[:n])
+        self._kept_hidden.clear()
+        fwd, rows = self._eager_batch(chunks)
+        order = torch.tensor(
+            [r + j for r, c in zip(rows, chunks, strict=True) for j in range(len(c.token_ids))],
+            device=self.device,
+        )
+        h = torch.empty(len(order), hidden[0].shape[1], dtype=hidden[0].dtype, device=self.device)
+        h[order] = torch.cat(hidden)
+        live = [i for i, inp in enumerate(inputs) if inp.num_drafts > 0]
+        last = torch.tensor(
+            [rows[i] + len(chunks[i].token_ids) - 1 for i in live], dtype=torch.int64, device=self.device
+        )
+        caches = self.buffers.caches
+        logits, h = self.model.mtp_forward(h, fwd.token_ids, fwd, caches, return_hidden=True, logit_rows=last)
+        h = h[last]
+        step = 0
+        while live:
+            tokens = logits.argmax(dim=-1).tolist()
+            for i, token in zip(live, tokens, strict=True):
+                drafts[i].append(token)
+            step += 1
+            keep = [j for j, i in enumerate(live) if inputs[i].num_drafts > step]
+            if not keep:
+                break
+            live = [live[j] for j in keep]
+            h = h[torch.tensor(keep, dtype=torch.int64, device=self.device)]
+            chunks = [
+                SequenceChunk(
+                    inputs[i].request_id,
+                    [drafts[i][-1]],
+                    inputs[i].start + len(inputs[i].next_token_ids) - 1 + step,
+                    inputs[i].block_table,
+                    epoch=inputs[i].epoch,
+                    serial=inputs[i].serial,
+                )
+                for i in live
+            ]
+            fwd, _ = self._eager_batch(chunks)
+            logits, h = self.model.mtp_forward(h, fwd.token_ids, fwd, caches, return_hidden=True)
+        return drafts

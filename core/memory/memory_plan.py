@@ -1,0 +1,106 @@
+"""The memory plan: reserve every transient first, then size state slots and the page pool from the rest."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pegainfer.errors import ConfigError
+from pegainfer.memory.buffer_specs import (
+    PAGED_SPECS,
+    BufferSpec,
+    RecurrentStateSpec,
+    TransientSpec,
+    page_bytes,
+)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How one model replica's memory budget is split. All figures in bytes."""
+
+    budget: int
+    weight_bytes: int
+    transients: dict[str, int] = field(default_factory=dict)
+    num_state_slots: int = 0
+    state_bytes_per_slot: int = 0
+    block_size: int = 16
+    num_blocks: int = 0
+    page_bytes: int = 0
+
+    @property
+    def transient_bytes(self) -> int:
+        return sum(self.transients.values())
+
+    @property
+    def state_bytes(self) -> int:
+        return self.num_state_slots * self.state_bytes_per_slot
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_blocks * self.page_bytes
+
+    def describe(self) -> str:
+        gib = 1 << 20
+        parts = ", ".join(f"{k} {v / gib:.1f}" for k, v in self.transients.items())
+        return (
+            f"memory plan (MiB): budget {self.budget / gib:.1f}, weights {self.weight_bytes / gib:.1f}, "
+            f"transients {self.transient_bytes / gib:.1f} [{parts}], state slots {self.num_state_slots} x "
+            f"{self.state_bytes_per_slot / gib:.2f}, pages {self.num_blocks} x {self.page_bytes / 1024:.1f} KiB"
+        )
+
+
+def plan_memory(
+    *,
+    budget: int,
+    weight_bytes: int,
+    specs: list[BufferSpec],
+    transients: list[TransientSpec],
+    block_size: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    num_blocks_override: int | None = None,
+) -> MemoryPlan:
+    """Split ``budget`` (everything this replica may hold, weights included) into its parts.
+
+    Transients are reserved at their worst case before anything else; every admitted request needs one
+    state slot, so there are ``max_num_seqs`` slots; pages get what is left. Raises ConfigError when not
+    even one request of ``max_model_len`` tokens fits.
+    """
+    reserved = {t.role: t.bytes_for(max_num_batched_tokens, max_num_seqs) for t in transients}
+    paged = [s for s in specs if isinstance(s, PAGED_SPECS)]
+    state_per_slot = sum(s.bytes_per_request for s in specs if isinstance(s, RecurrentStateSpec))
+    num_slots = max_num_seqs if state_per_slot else 0
+    bytes_per_page = sum(page_bytes(s, block_size) for s in paged)
+    free = budget - weight_bytes - sum(reserved.values()) - num_slots * state_per_slot
+    if num_blocks_override is not None:
+        num_blocks = num_blocks_override
+    elif bytes_per_page == 0:
+        num_blocks = 0
+    else:
+        # More pages than max_num_seqs full-length requests can use would only cost allocation time.
+        useful = max_num_seqs * -(-max_model_len // block_size)
+        num_blocks = min(max(free, 0) // bytes_per_page, useful)
+    if num_blocks_override is None and free < 0:
+        raise ConfigError(
+            f"weights ({weight_bytes} B), transients ({sum(reserved.values())} B) and state slots "
+            f"({num_slots * state_per_slot} B) exceed the memory budget ({budget} B); lower "
+            "scheduler.max_num_batched_tokens or scheduler.max_num_seqs, or raise the budget"
+        )
+    blocks_for_one = -(-max_model_len // block_size)
+    if paged and num_blocks < blocks_for_one:
+        raise ConfigError(
+            f"the page pool holds {num_blocks} pages of {block_size} tokens, fewer than one request of "
+            f"max_model_len={max_model_len} tokens needs ({blocks_for_one}); lower model.max_model_len or "
+            "scheduler.max_num_batched_tokens, or raise cache.gpu_memory_utilization / cache.cpu_kv_cache_bytes"
+        )
+    return MemoryPlan(
+        budget=budget,
+        weight_bytes=weight_bytes,
+        transients=reserved,
+        num_state_slots=num_slots,
+        state_bytes_per_slot=state_per_slot,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        page_bytes=bytes_per_page,
+    )

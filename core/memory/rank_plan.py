@@ -1,0 +1,79 @@
+"""One rank's memory plan: its budget, every transient of a step on it, and the page count all ranks share.
+
+Each tensor-parallel rank plans from its own shard (its weight bytes, its heads' KV per token, its heads'
+recurrent state) and its own device's free memory; the ranks then take the smallest page count any of
+them can hold, so a page index means a page on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from pegainfer.config.schema import EngineConfig
+from pegainfer.memory.buffer_specs import BufferSpec, TransientSpec, dtype_size
+from pegainfer.memory.memory_plan import MemoryPlan, plan_memory
+from pegainfer.model.model_loader import LoadedModel
+from pegainfer.parallel.distributed import TensorParallel
+from pegainfer.scheduling.scheduler import PROMPT_LOGPROBS_CHUNK
+
+
+def memory_budget(loaded: LoadedModel, config: EngineConfig, transient_bytes: int) -> int:
+    """Bytes this rank may hold in all: on a GPU a fraction of the device; on the CPU weights +
+    transients + the configured KV budget."""
+    if loaded.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(loaded.device)
+        # Memory our allocator holds (weights, its cache) is ours, not another process's.
+        used_by_others = total - free - torch.cuda.memory_reserved(loaded.device)
+        return int(total * config.cache.gpu_memory_utilization) - used_by_others
+    return loaded.weight_bytes + transient_bytes + config.cache.cpu_kv_cache_bytes
+
+
+def step_transients(loaded: LoadedModel, config: EngineConfig, *, graphs: bool) -> list[TransientSpec]:
+    """The model's transients plus what the sampler, the decode buffers and the decode graphs take."""
+    model = loaded.model
+    vocab = getattr(model, "vocab_size", 0)
+    num_spec = config.speculative.num_tokens
+    max_blocks = -(-loaded.max_model_len // config.cache.block_size)
+    specs = [
+        *model.transient_specs(),
+        # Logits of the sampled rows (1 + drafts per request) and the sampler's working copies of them.
+        TransientSpec("sampler", bytes_per_seq=(4 + num_spec) * vocab * dtype_size(torch.float32)),
+        # Prompt logprobs: the logits of one bounded chunk and their log-softmax copy.
+        TransientSpec("prompt_logprobs", bytes_fixed=2 * PROMPT_LOGPROBS_CHUNK * vocab * 4),
+        # Persistent decode inputs: block-table row plus token, position, length, slot and state slot.
+        TransientSpec("decode_buffers", bytes_per_seq=4 * max_blocks + 5 * 8),
+    ]
+    if graphs:
+        # The graph pool keeps the largest bucket's activations (one token per row, as the model declares
+        # them per token) and its static logits.
+        per_row = sum(t.bytes_per_token for t in model.transient_specs())
+        specs.append(TransientSpec("cuda_graphs", bytes_fixed=64 << 20, bytes_per_seq=4 * vocab + per_row))
+    return specs
+
+
+def plan_rank_memory(
+    loaded: LoadedModel,
+    config: EngineConfig,
+    specs: list[BufferSpec],
+    tp: TensorParallel,
+    *,
+    graphs: bool,
+) -> MemoryPlan:
+    """This rank's plan, with the page count every rank of ``tp`` can hold (a collective at tp > 1)."""
+    sched = config.scheduler
+    transients = step_transients(loaded, config, graphs=graphs)
+    reserved = sum(t.bytes_for(sched.max_num_batched_tokens, sched.max_num_seqs) for t in transients)
+    plan = plan_memory(
+        budget=memory_budget(loaded, config, reserved),
+        weight_bytes=loaded.weight_bytes,
+        specs=specs,
+        transients=transients,
+        block_size=config.cache.block_size,
+        max_num_seqs=sched.max_num_seqs,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        max_model_len=loaded.max_model_len,
+        num_blocks_override=config.cache.num_gpu_blocks_override,
+    )
+    return replace(plan, num_blocks=tp.min_int(plan.num_blocks))

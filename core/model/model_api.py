@@ -1,0 +1,115 @@
+"""What a model plugin's class implements, and the batch it is handed.
+
+A model file reads like the architecture: ``forward`` maps a flat batch of tokens to hidden states using
+the caches the BufferManager owns; ``compute_logits`` is separate so only the rows that sample pay for
+the vocabulary projection. Device and kernel choices live in the layers, not here.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pegainfer.config.schema import ModelConfig
+from pegainfer.layers.attention import AttentionMetadata
+from pegainfer.memory.buffer_specs import BufferSpec, CacheKey, TransientSpec
+from pegainfer.model.checkpoint import CheckpointReader
+
+
+@dataclass
+class ForwardBatch:
+    """Device tensors of one step. Tokens are laid out prefill segments first, then decode rows."""
+
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn: AttentionMetadata
+    state_slots: torch.Tensor | None = None  # [num_requests] recurrent-state slot per segment/row
+    hidden_states: torch.Tensor | None = None  # [T, H], for models that do not embed on the device
+
+
+class CausalLM(torch.nn.Module, ABC):
+    """The contract between the core and a model plugin.
+
+    Construction happens on the target device with the compute dtype; ``load_weights`` then fills every
+    parameter from the checkpoint (raising CheckpointError naming a missing or mis-shaped tensor).
+    """
+
+    #: Whether ``forward`` embeds ``token_ids`` itself; False means the engine passes ``hidden_states``.
+    embeds_on_device: bool = True
+
+    @classmethod
+    @abstractmethod
+    def from_hf_config(
+        cls, hf_config: dict[str, Any], model_config: ModelConfig, *, dtype: torch.dtype, max_model_len: int
+    ) -> CausalLM:
+        """Build the (uninitialised) module for ``hf_config`` (config.json as a dict)."""
+
+    @staticmethod
+    @abstractmethod
+    def max_context_length(hf_config: dict[str, Any]) -> int:
+        """The longest context the checkpoint supports (``max_position_embeddings``)."""
+
+    @abstractmethod
+    def load_weights(self, reader: CheckpointReader) -> None:
+        """Copy every parameter from ``reader`` (packing fused projections as needed)."""
+
+    @abstractmethod
+    def buffer_specs(self) -> list[BufferSpec]:
+        """Per-layer cache and state needs, in the model's compute dtype."""
+
+    def transient_specs(self) -> list[TransientSpec]:
+        """Scratch memory a step needs, reserved by the memory plan before pages are sized."""
+        return []
+
+    @abstractmethod
+    def forward(
+        self,
+        batch: ForwardBatch,
+        caches: dict[CacheKey, torch.Tensor],
+        states: dict[int, dict[str, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Final hidden states ``[T, H]`` (after the last norm) for every token of ``batch``."""
+
+    @abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits ``[N, V]`` for the given rows of hidden states."""
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Input embeddings, which the model runner puts into ``batch.hidden_states`` for models with
+        ``embeds_on_device = False``."""
+        raise NotImplementedError(f"{type(self).__name__} embeds on the device; embed() is not offered")
+
+    # ------------------------------------------------------------------------------------- drafting
+    # Speculative decoding with the model's own draft (MTP) modules (``speculative.num_tokens=k``): a model
+    # that drafts overrides all three; docs/speculative.md describes how the engine uses them.
+
+    @property
+    def num_mtp_layers(self) -> int:
+        """Draft modules loaded (0: the model does not draft; a checkpoint may have stripped them)."""
+        return 0
+
+    def mtp_buffer_specs(self) -> list[BufferSpec]:
+        """The caches of the draft modules, one spec per module (not part of ``buffer_specs``: a run that
+        does not draft does not pay for them)."""
+        return []
+
+    def mtp_forward(
+        self,
+        hidden_states: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        batch: ForwardBatch,
+        caches: dict[CacheKey, torch.Tensor],
+        *,
+        depth: int = 0,
+        return_hidden: bool = False,
+        logit_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Draft logits ``[T, V]`` (float32) of draft module ``depth`` for the token after next: row r pairs
+        the main model's final hidden state at ``batch.positions[r]`` with ``next_token_ids[r]``, the token
+        at the following position, and writes the module's cache there. ``return_hidden``: also the module's
+        output hidden states (every row), the input of a further chained draft; ``logit_rows``: logits of
+        those rows only."""
+        raise NotImplementedError(f"{type(self).__name__} has no draft modules")

@@ -1,0 +1,144 @@
+"""Building a runnable model from an EngineConfig: checkpoint folder, plugin, device, dtype, weights."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pegainfer.config.schema import EngineConfig
+from pegainfer.errors import CheckpointError, ConfigError
+from pegainfer.model.checkpoint import CheckpointReader, checkpoint_dtype, parse_dtype, read_hf_config
+from pegainfer.model.model_api import CausalLM
+from pegainfer.parallel.distributed import TensorParallel
+from pegainfer.plugins.demo import DEFAULT_DEMO_MODEL, demo_checkpoint
+from pegainfer.plugins.registry import ModelRegistration, get_model_registry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    registration: ModelRegistration
+    hf_config: dict[str, Any]
+    folder: Path
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    weight_bytes: int
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device: 'cuda' was asked for but torch sees no CUDA device")
+    return device
+
+
+def pick_dtype(requested: str, hf_config: dict[str, Any], device: torch.device) -> torch.dtype:
+    """``auto``: float32 on the CPU (the reference path); on a GPU the checkpoint's dtype, bf16 for fp32 files."""
+    if requested != "auto":
+        return parse_dtype(requested)
+    if device.type == "cpu":
+        return torch.float32
+    saved = checkpoint_dtype(hf_config)
+    return torch.bfloat16 if saved == torch.float32 else saved
+
+
+def text_config(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The language-model part of a (possibly multimodal) config."""
+    return hf_config.get("text_config") or hf_config
+
+
+def resolve_registration(config: EngineConfig) -> tuple[ModelRegistration, Path, dict[str, Any]]:
+    """The model registration ``config`` selects, its checkpoint folder and parsed config.json. Without
+    ``model.path`` the folder is the model's embedded demo checkpoint (``pegainfer.plugins.demo``)."""
+    registry = get_model_registry()
+    name = config.model.name
+    if config.model.path is None:
+        registration = registry.get(DEFAULT_DEMO_MODEL if name == "auto" else name)
+        folder = demo_checkpoint(registration)
+        return registration, folder, read_hf_config(folder)
+    folder = Path(config.model.path).expanduser()
+    hf_config = read_hf_config(folder)
+    registration = registry.resolve(hf_config) if name == "auto" else registry.get(name)
+    return registration, folder, hf_config
+
+
+def pick_rank_device(name: str, tp: TensorParallel) -> torch.device:
+    """The device of tensor-parallel rank ``tp.rank``: its own GPU (``cuda:<rank>``) on CUDA."""
+    device = pick_device(name)
+    if device.type == "cuda" and tp.size > 1:
+        if device.index not in (None, 0):
+            raise ConfigError(f"device: '{name}' with tp={tp.size}; tensor-parallel ranks take cuda:0..tp-1")
+        return torch.device("cuda", tp.device_index)
+    return device
+
+
+def model_class(registration: ModelRegistration, tp_size: int = 1) -> type[CausalLM]:
+    """The registration's CausalLM class; a ConfigError when ``tp_size`` > 1 and the class takes no ``tp``
+    (a model written before tensor parallelism, or one that does not shard)."""
+    model_cls = registration.load_model_class()
+    if not (isinstance(model_cls, type) and issubclass(model_cls, CausalLM)):
+        raise CheckpointError(
+            f"{registration.origin}: {registration.model_class} is not a pegainfer CausalLM"
+        )
+    if tp_size > 1 and "tp" not in inspect.signature(model_cls.from_hf_config).parameters:
+        raise ConfigError(
+            f"model '{registration.name}' from {registration.origin} does not support tensor parallelism "
+            f"(its from_hf_config takes no 'tp'); run it with tp=1"
+        )
+    return model_cls
+
+
+def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> LoadedModel:
+    """Build ``config``'s model (tensor-parallel rank ``tp``'s shard of it) and fill its weights."""
+    tp = tp or TensorParallel()
+    registration, folder, hf_config = resolve_registration(config)
+    model_cls = model_class(registration, tp.size)
+    device = pick_rank_device(config.device, tp)
+    dtype = pick_dtype(config.model.dtype, hf_config, device)
+    limit = model_cls.max_context_length(text_config(hf_config))
+    max_model_len = config.model.max_model_len or limit
+    if max_model_len > limit:
+        raise ConfigError(
+            f"model.max_model_len={max_model_len} exceeds the checkpoint's max_position_embeddings ({limit})"
+        )
+    kwargs: dict[str, Any] = {"dtype": dtype, "max_model_len": max_model_len}
+    if "tp" in inspect.signature(model_cls.from_hf_config).parameters:
+        kwargs["tp"] = tp
+    if device.index is not None and device.type == "cuda":
+        torch.cuda.set_device(device)  # a rank's collectives and graphs run on its own GPU
+    with torch.device(device):
+        model = model_cls.from_hf_config(hf_config, config.model, **kwargs)
+    if config.model.load_format == "dummy":
+        init_dummy_weights(model, seed=config.seed)
+    else:
+        reader = CheckpointReader(folder, rank=tp.rank, world_size=tp.size)
+        model.load_weights(reader)
+        unused = reader.unused()
+        if unused:
+            logger.warning("%d checkpoint tensors were not used, e.g. %s", len(unused), ", ".join(unused[:3]))
+        reader.close()
+    model.eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    logger.info("loaded %s from %s (%s, %s)", registration.name, folder, dtype, device)
+    return LoadedModel(model, registration, hf_config, folder, device, dtype, max_model_len, weight_bytes)
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights of the real shapes: matrices ~ N(0, 1/fan_in), vectors (norms, biases) ~ 1 + N(0, 0.1²)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for param in model.parameters():
+        if param.dim() >= 2:
+            param.normal_(0.0, param.shape[-1] ** -0.5, generator=gen)
+        else:
+            param.normal_(1.0, 0.1, generator=gen)

@@ -1,0 +1,1 @@
+"""Sampling: what a user asks (``sampling_params``) and the batched sampler that does it (``sampler``)."""
