@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pegainfer.plugins.registry import ModelRegistration, TinyCheckpointBuilder, hookimpl
+from pegainfer.plugins import ModelRegistration, TinyCheckpointBuilder, hookimpl
 
 
 @hookimpl
