@@ -45,7 +45,11 @@ class CausalLM(torch.nn.Module, ABC):
     def from_hf_config(
         cls, hf_config: dict[str, Any], model_config: ModelConfig, *, dtype: torch.dtype, max_model_len: int
     ) -> CausalLM:
-        """Build the (uninitialised) module for ``hf_config`` (config.json as a dict)."""
+        """Build the (uninitialised) module for ``hf_config`` (config.json as a dict).
+
+        ``model_config`` is an instance of the plugin's ``config_schema`` (``ModelConfig`` without one).
+        A model that shards declares a keyword-only ``tp: TensorParallel`` too (this rank's place in its
+        group); one whose signature has no ``tp`` is refused at tensor-parallel size > 1."""
 
     @staticmethod
     @abstractmethod

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from pegainfer.config.schema import EngineConfig
+from pegainfer.config.schema import EngineConfig, ModelConfig, validate_section
 from pegainfer.errors import CheckpointError, ConfigError
 from pegainfer.model.checkpoint import CheckpointReader, checkpoint_dtype, parse_dtype, read_hf_config
 from pegainfer.model.model_api import CausalLM
@@ -98,6 +98,15 @@ def model_class(registration: ModelRegistration, tp_size: int = 1) -> type[Causa
     return model_cls
 
 
+def plugin_model_config(registration: ModelRegistration, model_config: ModelConfig) -> ModelConfig:
+    """``model_config`` as the plugin's own schema: a caller that built a plain ModelConfig (the offline
+    API, a test) gets the schema's defaults for the plugin's keys, and its values validated by it."""
+    schema = registration.load_config_schema()
+    if isinstance(model_config, schema):
+        return model_config
+    return validate_section(schema, model_config.model_dump(), "model")
+
+
 def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> LoadedModel:
     """Build ``config``'s model (tensor-parallel rank ``tp``'s shard of it) and fill its weights."""
     tp = tp or TensorParallel()
@@ -117,7 +126,7 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
     if device.index is not None and device.type == "cuda":
         torch.cuda.set_device(device)  # a rank's collectives and graphs run on its own GPU
     with torch.device(device):
-        model = model_cls.from_hf_config(hf_config, config.model, **kwargs)
+        model = model_cls.from_hf_config(hf_config, plugin_model_config(registration, config.model), **kwargs)
     if config.model.load_format == "dummy":
         init_dummy_weights(model, seed=config.seed)
     else:

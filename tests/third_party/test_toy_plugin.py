@@ -113,13 +113,12 @@ def test_tied_embeddings_match_transformers(tmp_path: Path) -> None:
 def test_qwen3_options_the_toy_lacks_are_refused_naming_them(key: str, value: Any) -> None:
     import torch
 
-    from pegainfer.config.schema import ModelConfig
     from pegainfer_toy.model import ToyQwen3ForCausalLM
     from pegainfer_toy.tiny import toy_qwen3_config
 
     config = toy_qwen3_config(1024, **{key: value})
     with pytest.raises(CheckpointError, match=f"{key}=.* is not supported by ToyQwen3"):
-        ToyQwen3ForCausalLM.from_hf_config(config, ModelConfig(), dtype=torch.float32, max_model_len=64)
+        ToyQwen3ForCausalLM.from_hf_config(config, ToyQwen3Config(), dtype=torch.float32, max_model_len=64)
 
 
 def test_the_toy_imports_only_the_public_api() -> None:

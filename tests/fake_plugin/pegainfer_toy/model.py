@@ -183,9 +183,7 @@ class ToyQwen3ForCausalLM(CausalLM):
         max_model_len: int,
         tp: TensorParallel | None = None,
     ) -> ToyQwen3ForCausalLM:
-        # The CLI validates model.* with ToyQwen3Config; a caller that built a plain ModelConfig gets defaults.
-        if not isinstance(model_config, ToyQwen3Config):
-            model_config = ToyQwen3Config.model_validate(model_config.model_dump())
+        assert isinstance(model_config, ToyQwen3Config)  # the core hands a plugin its own schema
         return cls(
             ToyDims.from_hf_config(hf_config),
             dtype=dtype,
