@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -409,3 +410,17 @@ def test_speculation_needs_a_model_with_draft_layers(tiny_qwen3):
 
     with pytest.raises(ConfigError, match=r"speculative\.num_tokens=2 needs a model with draft \(MTP\)"):
         LLM(str(tiny_qwen3), device="cpu", cpu_kv_cache_bytes=4 << 20, speculative_num_tokens=2)
+
+
+def test_model_demo_picks_whose_demo_runs_without_a_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pegainfer.errors import ConfigError
+    from pegainfer.model.model_loader import resolve_registration
+
+    monkeypatch.setenv("PEGAINFER_CACHE", str(tmp_path))
+    registration, folder, hf_config = resolve_registration(EngineConfig(demo_model="qwen35"))
+    assert registration.name == "qwen35" and folder.parent == tmp_path
+    assert hf_config["model_type"].startswith("qwen3_5")
+    with pytest.raises(ConfigError, match="no model.path given, and demo_model: unknown model 'nosuch'"):
+        resolve_registration(EngineConfig(demo_model="nosuch"))

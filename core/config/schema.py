@@ -79,6 +79,9 @@ class EngineConfig(_Section):
     #: Schedule and launch step N+1 before step N's tokens are read back, so the host's work of a step
     #: runs beside the GPU's; None: on for CUDA devices. Needs device embedding and no speculation.
     async_scheduling: bool | None = None
+    #: The installed model whose embedded tiny demo runs for ``model=auto`` with no ``model.path``: a
+    #: setting like any default model, which the core's code does not otherwise know.
+    demo_model: str = "qwen3_14b"
 
     @field_validator("device")
     @classmethod

@@ -15,7 +15,7 @@ from pegainfer.errors import CheckpointError, ConfigError
 from pegainfer.model.checkpoint import CheckpointReader, checkpoint_dtype, parse_dtype, read_hf_config
 from pegainfer.model.model_api import CausalLM
 from pegainfer.parallel.distributed import TensorParallel
-from pegainfer.plugins.demo import DEFAULT_DEMO_MODEL, demo_checkpoint
+from pegainfer.plugins.demo import demo_checkpoint
 from pegainfer.plugins.registry import ModelRegistration, get_model_registry
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,13 @@ def resolve_registration(config: EngineConfig) -> tuple[ModelRegistration, Path,
     registry = get_model_registry()
     name = config.model.name
     if config.model.path is None:
-        registration = registry.get(DEFAULT_DEMO_MODEL if name == "auto" else name)
+        if name == "auto":
+            try:
+                registration = registry.get(config.demo_model)
+            except ConfigError as err:
+                raise ConfigError(f"no model.path given, and demo_model: {err}") from None
+        else:
+            registration = registry.get(name)
         folder = demo_checkpoint(registration)
         return registration, folder, read_hf_config(folder)
     folder = Path(config.model.path).expanduser()

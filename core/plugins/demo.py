@@ -2,7 +2,7 @@
 text come out with no download. Their weights are random, so their text is gibberish by design.
 
 ``model=NAME`` without ``model.path`` runs that model's own demo (its registration's
-``demo_checkpoint`` writer); ``model=auto`` without a path runs ``DEFAULT_DEMO_MODEL``'s.
+``demo_checkpoint`` writer); ``model=auto`` without a path runs ``demo_model``'s (an engine setting).
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from pathlib import Path
 
 from pegainfer.plugins.registry import ModelRegistration
 
-#: The model ``pegainfer generate`` / ``serve`` run with no arguments: the flagship plugin's demo.
-DEFAULT_DEMO_MODEL = "qwen3_14b"
 #: Bumped when a demo writer changes what it writes, so a cached older demo is not reused.
 DEMO_VERSION = 1
 
