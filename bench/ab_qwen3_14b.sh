@@ -11,8 +11,9 @@ base=$(cd "$1" && pwd); base_commit=$2; new_commit=$3; out=$4; rounds=${5:-2}
 here=$(pwd)
 mkdir -p "$out"
 rm -rf /tmp/ab-base /tmp/ab-new  # a warm machine keeps the last call's
-python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/ab-base "$base"
-python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/ab-new "$here"
+# The Qwen3 plugin is a distribution of its own since ebfcaa1; an older tree ships it inside the core.
+python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/ab-base "$base" $(ls -d "$base"/plugins/qwen3_14b/pyproject.toml 2>/dev/null | xargs -r dirname)
+python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/ab-new "$here" "$here/plugins/qwen3_14b"
 args=(--steps 64 --skip-peer --skip-prefill --batches 1,64 --sync-batches "")
 for round in $(seq "$rounds"); do
   (cd "$base/bench" && PYTHONPATH="/tmp/ab-base:${PYTHONPATH:-}" python3 qwen3_14b.py "${args[@]}" --commit "$base_commit" --out "$out/base.jsonl")
