@@ -51,6 +51,12 @@ from pegainfer_qwen35.pass_buffers import PassBuffers
 STATE_DTYPE = torch.float32
 
 
+def decode_kernels_on(x: torch.Tensor) -> bool:
+    """Whether decode rows take the fused kernels of ``gdn_kernels``: CUDA tensors (``ops.use_triton``)
+    unless ``PEGAINFER_QWEN35_GDN_KERNELS=0`` keeps the torch reference there (the benchmarks compare)."""
+    return use_triton(x) and os.environ.get("PEGAINFER_QWEN35_GDN_KERNELS", "1") != "0"
+
+
 @dataclass
 class RecurrentRows:
     """Where each request's tokens are in the batch and which state slot it owns."""
@@ -274,7 +280,7 @@ class GatedDeltaNet(nn.Module):
         each row's slot updated in place. On CUDA the two kernels of ``gdn_kernels`` (graph-safe: the
         slots are read on the device); elsewhere :func:`decode_reference`."""
         eps, hk = self.config.rms_norm_eps, self.shard.linear_num_key_heads
-        if use_triton(mixed):
+        if decode_kernels_on(mixed):
             from pegainfer_qwen35 import gdn_kernels
 
             gdn_kernels.conv_update(mixed, self.conv_weight, state["conv"], slots, conv_out)
