@@ -22,6 +22,7 @@ and heads only; they are never reduced.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -45,6 +46,8 @@ from pegainfer_qwen35.delta_rule import (
 )
 from pegainfer_qwen35.norms import gated_rms_norm
 from pegainfer_qwen35.pass_buffers import PassBuffers
+
+logger = logging.getLogger(__name__)
 
 #: The slot state of a GDN layer is kept in fp32: the delta-rule state must be, and the conv window (model-
 #: dtype values) is stored exactly in fp32 so one RecurrentStateSpec holds both.
@@ -181,11 +184,13 @@ def prefill_with_fla(
     ssm: torch.Tensor,
     widths: _LinearAttentionWidths,
     core: torch.Tensor,
+    rule=None,
 ) -> bool:
     """The chunked delta rule of every prefill segment in one varlen call of fla's kernels (CUDA only),
     from and back into the segments' slots; writes ``core`` ``[P, Hv, dv]``. False (nothing done) where
-    fla is not available: the caller runs the torch chunked form."""
-    rule = fla_chunk_rule() if conv.is_cuda else None
+    fla is not available: the caller runs the torch chunked form. ``rule``: a stand-in with fla's
+    signature, on any device (the tests)."""
+    rule = rule or (fla_chunk_rule() if conv.is_cuda else None)
     if rule is None:
         return False
     p = conv.shape[0]
@@ -199,12 +204,17 @@ def prefill_with_fla(
     for start, n in rows.segments:
         bounds.append(start + n)
     cu_seqlens = torch.tensor(bounds, dtype=torch.int64, device=conv.device)
-    o, final = rule(
-        q.unsqueeze(0), k.unsqueeze(0), v.reshape(1, p, hv, dv), g=g.unsqueeze(0),
-        beta=torch.sigmoid(b).unsqueeze(0), scale=dk**-0.5,
-        initial_state=ssm.index_select(0, rows.segment_slots), output_final_state=True,
-        cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True,
-    )  # fmt: skip
+    try:
+        o, final = rule(
+            q.unsqueeze(0), k.unsqueeze(0), v.reshape(1, p, hv, dv), g=g.unsqueeze(0),
+            beta=torch.sigmoid(b).unsqueeze(0), scale=dk**-0.5,
+            initial_state=ssm.index_select(0, rows.segment_slots), output_final_state=True,
+            cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+    except Exception as exc:  # an fla version whose API differs: say so once, keep the torch form
+        logger.warning("fla's chunk_gated_delta_rule failed (%r); prefill uses the torch chunked form", exc)
+        _FLA[0] = None
+        return False
     core.copy_(o[0])
     ssm.index_copy_(0, rows.segment_slots, final.to(ssm.dtype))
     return True

@@ -56,7 +56,7 @@ def _owns_slot(row, slot, first):
 def _and(mask, flag):
     """``mask & flag`` for a block ``mask`` and a scalar ``flag`` (the flag broadcast first: the
     interpreter turns a block-and-scalar ``&`` into int32, which it refuses as a mask)."""
-    return mask & (tl.zeros(mask.shape, dtype=tl.int1) | flag)
+    return mask & (tl.zeros_like(mask) | flag)
 
 
 @triton.jit

@@ -73,7 +73,9 @@ def test_graph_decode_equals_eager_decode(tiny_checkpoint_factory, architecture_
     enforce_eager decode, over batches that cross buckets (padding rows) while requests join and leave."""
     from test_qwen35_gpu import VARIANTS
 
-    folder = tiny_checkpoint_factory(architecture_name, seed=3, dtype="bfloat16", **VARIANTS[architecture_name])
+    folder = tiny_checkpoint_factory(
+        architecture_name, seed=3, dtype="bfloat16", **VARIANTS[architecture_name]
+    )
     common = dict(
         dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, max_model_len=512, max_num_seqs=16
     )
