@@ -6,9 +6,13 @@ q|k|v whose window of the last K-1 inputs lives in the request's state slot; SiL
 the delta rule, whose state also lives in the slot; a gated RMSNorm with z; the output projection.
 
 Prefill segments run one request at a time (chunked delta rule from the slot's state, written back at the
-end of the chunk); all decode rows of a step run as one batch, gathering and scattering their slots.
-The padding rows of a CUDA-graph bucket replicate row 0 (its slot, its inputs): they scatter the same new
-state into the same slot, so the repeated index is harmless.
+end of the chunk); on CUDA with fla-core installed (the plugin's ``gpu`` extra) all segments go through
+fla's varlen chunked kernels in one call instead. All decode rows of a step run as one batch: on CUDA two
+launches of ``gdn_kernels`` (conv update; gating + L2 norm + delta rule + gated norm) update each row's
+slot in place, addressed through the device tensor of slots (CUDA-graph safe); elsewhere
+:func:`decode_reference` gathers and scatters the slots. The padding rows of a CUDA-graph bucket replicate
+row 0 (its slot, its inputs): the reference scatters the same new state into the same slot, and the
+kernels skip a row whose slot repeats row 0's, so the slot is updated once.
 Value head j reads q/k head ``j // (Hv / Hk)`` (consecutive heads share, as transformers does).
 
 Tensor parallelism splits the layer by heads: each rank holds Hk/tp key heads and Hv/tp value heads, so
@@ -46,6 +50,7 @@ from pegainfer_qwen35.delta_rule import (
 )
 from pegainfer_qwen35.norms import gated_rms_norm
 from pegainfer_qwen35.pass_buffers import PassBuffers
+from pegainfer_qwen35.projections import project, project_add
 
 logger = logging.getLogger(__name__)
 
@@ -260,11 +265,18 @@ class GatedDeltaNet(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, rows: RecurrentRows, state: dict[str, torch.Tensor], bufs: PassBuffers
+        self,
+        x: torch.Tensor,
+        rows: RecurrentRows,
+        state: dict[str, torch.Tensor],
+        bufs: PassBuffers,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Mixer output of the normed rows ``x`` ``[T, H]`` into ``bufs.mixer_out``; updates the slots."""
+        """Mixer output of the normed rows ``x`` ``[T, H]`` (into ``bufs.mixer_out`` on the reference
+        path); updates the slots. With ``residual`` the output is added to it in place (inside the GEMM
+        where the skinny kernel runs) and ``residual`` is returned."""
         s = self.shard
-        proj = torch.matmul(x, self.in_proj.t(), out=bufs.gdn_proj)
+        proj = project(x, self.in_proj, bufs.gdn_proj)
         mixed, z, b, a = proj.split(self.splits, dim=-1)
         gated = bufs.gdn_gated
         if rows.segments:
@@ -272,8 +284,10 @@ class GatedDeltaNet(nn.Module):
         if rows.num_decodes:
             d = slice(rows.decode_start, rows.decode_start + rows.num_decodes)
             self._decode(mixed[d], z[d], b[d], a[d], rows.decode_slots, state, bufs.gdn_conv[d], gated[d])
-        out = torch.matmul(gated.view(-1, s.value_dim), self.out_proj.t(), out=bufs.mixer_out)
-        return self.tp.all_reduce(out)  # row-parallel: the ranks' partial sums
+        gated = gated.view(-1, s.value_dim)
+        if residual is not None:
+            return project_add(gated, self.out_proj, residual, bufs.mixer_out, self.tp)
+        return self.tp.all_reduce(project(gated, self.out_proj, bufs.mixer_out))  # row-parallel partials
 
     def _decode(
         self,
