@@ -368,3 +368,68 @@ def gated_rms_norm(
         **pdl_launch(x),
     )
     return out
+
+
+# ------------------------------------------------------------------------------- zero-centred RMSNorm
+
+
+@triton.jit
+def _zero_centred_norm_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    heads,
+    stride_x0,
+    stride_x1,
+    stride_o0,
+    stride_o1,
+    eps,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FIX: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_start(PDL)
+    pid = tl.program_id(0).to(tl.int64)
+    row, head = pid // heads, pid % heads
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    x = tl.load(x_ptr + row * stride_x0 + head * stride_x1 + cols, mask=mask, other=0.0)
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, 0) / D + eps) * (1.0 + w)
+    tl.store(out_ptr + row * stride_o0 + head * stride_o1 + cols, cast_to(y, dtype, FIX), mask=mask)
+
+
+def rms_norm_zero_centred(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``norms.rms_norm_zero_centred`` of x ``[T, D]`` or ``[T, H, D]`` (any row and head strides, the
+    last dim contiguous) into ``out`` (a new contiguous tensor when None; same shape as x)."""
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    x3 = x if x.dim() == 3 else x.unsqueeze(1)
+    o3 = out.view(x3.shape) if out.dim() != x3.dim() else out
+    if x3.stride(2) != 1 or o3.stride(2) != 1 or x3.dim() != 3 or out.dtype != x.dtype:
+        raise ValueError(f"rms_norm_zero_centred: x {tuple(x.shape)} needs a contiguous last dim")
+    t, h, d = x3.shape
+    if t == 0:
+        return out
+    _zero_centred_norm_kernel[(t * h,)](
+        x3,
+        weight,
+        o3,
+        h,
+        x3.stride(0),
+        x3.stride(1),
+        o3.stride(0),
+        o3.stride(1),
+        eps,
+        D=d,
+        BLOCK=next_pow2(d),
+        FIX=interp_bf16(x.dtype),
+        num_warps=1 if d <= 512 else 4 if d <= 4096 else 8,
+        **pdl_launch(x),
+    )
+    return out

@@ -209,3 +209,22 @@ def test_decode_kernels_replay_in_a_cuda_graph():
         torch.testing.assert_close(case.ssm, ref_ssm, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(case.windows, ref_windows, rtol=0, atol=0)
         torch.testing.assert_close(out.float(), ref_out.float(), rtol=2**-6, atol=2**-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_zero_centred_norm_kernel_matches_reference(dtype):
+    """Plain rows, and per-head rows of strided views (the attention's query inside [query | gate])."""
+    from pegainfer_qwen35.norms import rms_norm_zero_centred_ref
+
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(4, 48, generator=gen) * 3).to(dtype).to(DEVICE)
+    w = (0.1 * torch.randn(48, generator=gen)).to(dtype).to(DEVICE)
+    out = torch.empty_like(x)
+    gdn_kernels.rms_norm_zero_centred(x, w, 1e-6, out)
+    _close(out, rms_norm_zero_centred_ref(x, w, 1e-6), dtype)
+    packed = torch.randn(4, 3, 2 * 16, generator=gen).to(dtype).to(DEVICE)
+    query = packed[..., :16]  # strides (96, 32, 1)
+    wq = (0.1 * torch.randn(16, generator=gen)).to(dtype).to(DEVICE)
+    _close(
+        gdn_kernels.rms_norm_zero_centred(query, wq, 1e-6), rms_norm_zero_centred_ref(query, wq, 1e-6), dtype
+    )
