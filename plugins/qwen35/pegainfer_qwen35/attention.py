@@ -28,6 +28,7 @@ from pegainfer.parallel.sharding import Shard, split
 from pegainfer_qwen35.config import Qwen35Config, Qwen35Shard
 from pegainfer_qwen35.norms import rms_norm_zero_centred
 from pegainfer_qwen35.pass_buffers import PassBuffers
+from pegainfer_qwen35.projections import project, project_add
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -68,11 +69,13 @@ class GatedAttention(nn.Module):
         cache: torch.Tensor,
         rotary: RotaryEmbedding,
         bufs: PassBuffers,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Mixer output of the normed rows ``x`` ``[T, H]`` into ``bufs.mixer_out``; writes K/V pages."""
+        """Mixer output of the normed rows ``x`` ``[T, H]`` (into ``bufs.mixer_out`` on the reference
+        path); writes K/V pages. With ``residual`` the output is added to it in place and returned."""
         c, t = self.config, x.shape[0]
         nq, nkv, d, eps = self.shard.num_heads, self.shard.num_kv_heads, c.head_dim, c.rms_norm_eps
-        qkv = torch.matmul(x, self.qkv_proj.t(), out=bufs.attn_qkv)
+        qkv = project(x, self.qkv_proj, bufs.attn_qkv)
         query_gate, k, v = qkv.split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
         query, gate = query_gate.view(t, nq, 2 * d).split(d, dim=-1)
         q = rms_norm_zero_centred(query, self.q_norm, eps)
@@ -85,8 +88,9 @@ class GatedAttention(nn.Module):
         gated = torch.mul(
             o.view(t, self.q_size), torch.sigmoid(gate).reshape(t, self.q_size), out=bufs.attn_out
         )
-        out = torch.matmul(gated, self.o_proj.t(), out=bufs.mixer_out)
-        return self.tp.all_reduce(out)  # row-parallel: the ranks' partial sums
+        if residual is not None:
+            return project_add(gated, self.o_proj, residual, bufs.mixer_out, self.tp)
+        return self.tp.all_reduce(project(gated, self.o_proj, bufs.mixer_out))  # row-parallel partials
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         c, dtype = self.config, self.qkv_proj.dtype

@@ -6,9 +6,13 @@ q|k|v whose window of the last K-1 inputs lives in the request's state slot; SiL
 the delta rule, whose state also lives in the slot; a gated RMSNorm with z; the output projection.
 
 Prefill segments run one request at a time (chunked delta rule from the slot's state, written back at the
-end of the chunk); all decode rows of a step run as one batch, gathering and scattering their slots.
-The padding rows of a CUDA-graph bucket replicate row 0 (its slot, its inputs): they scatter the same new
-state into the same slot, so the repeated index is harmless.
+end of the chunk); on CUDA with fla-core installed (the plugin's ``gpu`` extra) all segments go through
+fla's varlen chunked kernels in one call instead. All decode rows of a step run as one batch: on CUDA two
+launches of ``gdn_kernels`` (conv update; gating + L2 norm + delta rule + gated norm) update each row's
+slot in place, addressed through the device tensor of slots (CUDA-graph safe); elsewhere
+:func:`decode_reference` gathers and scatters the slots. The padding rows of a CUDA-graph bucket replicate
+row 0 (its slot, its inputs): the reference scatters the same new state into the same slot, and the
+kernels skip a row whose slot repeats row 0's, so the slot is updated once.
 Value head j reads q/k head ``j // (Hv / Hk)`` (consecutive heads share, as transformers does).
 
 Tensor parallelism splits the layer by heads: each rank holds Hk/tp key heads and Hv/tp value heads, so
@@ -22,6 +26,8 @@ and heads only; they are never reduced.
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -31,9 +37,10 @@ from torch import nn
 from pegainfer.memory.buffer_specs import RecurrentStateSpec
 from pegainfer.model.checkpoint import CheckpointReader
 from pegainfer.model.model_api import ForwardBatch
+from pegainfer.ops import use_triton
 from pegainfer.parallel.distributed import TensorParallel
 from pegainfer.parallel.sharding import Shard, split, stitch
-from pegainfer_qwen35.config import Qwen35Config, Qwen35Shard
+from pegainfer_qwen35.config import Qwen35Config, Qwen35Shard, _LinearAttentionWidths
 from pegainfer_qwen35.delta_rule import (
     causal_conv_prefill,
     causal_conv_step,
@@ -43,10 +50,19 @@ from pegainfer_qwen35.delta_rule import (
 )
 from pegainfer_qwen35.norms import gated_rms_norm
 from pegainfer_qwen35.pass_buffers import PassBuffers
+from pegainfer_qwen35.projections import project, project_add
+
+logger = logging.getLogger(__name__)
 
 #: The slot state of a GDN layer is kept in fp32: the delta-rule state must be, and the conv window (model-
 #: dtype values) is stored exactly in fp32 so one RecurrentStateSpec holds both.
 STATE_DTYPE = torch.float32
+
+
+def decode_kernels_on(x: torch.Tensor) -> bool:
+    """Whether decode rows take the fused kernels of ``gdn_kernels``: CUDA tensors (``ops.use_triton``)
+    unless ``PEGAINFER_QWEN35_GDN_KERNELS=0`` keeps the torch reference there (the benchmarks compare)."""
+    return use_triton(x) and os.environ.get("PEGAINFER_QWEN35_GDN_KERNELS", "1") != "0"
 
 
 @dataclass
@@ -76,6 +92,137 @@ class RecurrentRows:
             num_decodes=meta.num_decodes,
             decode_slots=batch.state_slots[num_segments : num_segments + meta.num_decodes],
         )
+
+
+def gate_and_normalise(
+    conv: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    widths: _LinearAttentionWidths,
+) -> tuple[torch.Tensor, ...]:
+    """The delta rule's fp32 inputs from the conv output ``[T, conv_dim]`` and b, a ``[T, Hv]``: q, k
+    L2-normalised (q scaled by dk^-0.5) and repeated to the value heads ``[T, Hv, dk]``, v ``[T, Hv, dv]``,
+    the log decay g and beta ``[T, Hv]``."""
+    t = conv.shape[0]
+    hk, hv = widths.linear_num_key_heads, widths.linear_num_value_heads
+    dk, dv = widths.linear_key_head_dim, widths.linear_value_head_dim
+    q, k, v = conv.split([widths.key_dim, widths.key_dim, widths.value_dim], dim=-1)
+    q = l2_normalise(q.reshape(t, hk, dk).float()) * dk**-0.5
+    k = l2_normalise(k.reshape(t, hk, dk).float())
+    q, k = (y.repeat_interleave(hv // hk, dim=1) for y in (q, k))
+    v = v.reshape(t, hv, dv).float()
+    beta = torch.sigmoid(b).float()
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return q, k, v, g, beta
+
+
+def decode_reference(
+    mixed: torch.Tensor,
+    z: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    conv_weight: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    windows: torch.Tensor,
+    ssm: torch.Tensor,
+    slots: torch.Tensor,
+    conv_out: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    num_key_heads: int,
+    eps: float,
+) -> torch.Tensor:
+    """The torch reference of a decode step over B rows (the oracle of ``gdn_kernels``): mixed ``[B,
+    conv_dim]``, z ``[B, Hv dv]``, b, a ``[B, Hv]``; the slot pools ``windows`` ``[S, conv_dim, K-1]`` and
+    ``ssm`` ``[S, Hv, dk, dv]`` are gathered at ``slots``, updated and scattered back. Writes the conv
+    output into ``conv_out`` and the gated-norm output into ``out`` ``[B, Hv dv]``, and returns ``out``."""
+    rows = mixed.shape[0]
+    _, hv, dk, dv = ssm.shape
+    widths = _Widths(num_key_heads, hv, dk, dv)
+    y, window = causal_conv_step(mixed, conv_weight, windows.index_select(0, slots))
+    conv = conv_out.copy_(F.silu(y))
+    windows.index_copy_(0, slots, window.to(windows.dtype))
+    q, k, v, g, beta = gate_and_normalise(conv, b, a, a_log, dt_bias, widths)
+    o, final = delta_rule_step(q, k, v, g, beta, ssm.index_select(0, slots))
+    ssm.index_copy_(0, slots, final)
+    core = o.to(mixed.dtype)
+    gated_rms_norm(core, z.reshape(rows, hv, dv), norm_weight, eps, out=out.view(rows, hv, dv))
+    return out
+
+
+@dataclass(frozen=True)
+class _Widths(_LinearAttentionWidths):
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+
+
+_FLA: list = []
+
+
+def fla_chunk_rule():
+    """fla's ``chunk_gated_delta_rule`` when fla-core is installed (the qwen35 plugin's ``gpu`` extra),
+    else None; ``PEGAINFER_QWEN35_FLA=0`` turns it off."""
+    if os.environ.get("PEGAINFER_QWEN35_FLA", "1") == "0":
+        return None
+    if not _FLA:
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        except Exception:  # not installed, or it fails to import on this stack: the torch chunked form
+            chunk_gated_delta_rule = None
+        _FLA.append(chunk_gated_delta_rule)
+    return _FLA[0]
+
+
+def prefill_with_fla(
+    conv: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    rows: RecurrentRows,
+    ssm: torch.Tensor,
+    widths: _LinearAttentionWidths,
+    core: torch.Tensor,
+    rule=None,
+) -> bool:
+    """The chunked delta rule of every prefill segment in one varlen call of fla's kernels (CUDA only),
+    from and back into the segments' slots; writes ``core`` ``[P, Hv, dv]``. False (nothing done) where
+    fla is not available: the caller runs the torch chunked form. ``rule``: a stand-in with fla's
+    signature, on any device (the tests)."""
+    rule = rule or (fla_chunk_rule() if conv.is_cuda else None)
+    if rule is None:
+        return False
+    p = conv.shape[0]
+    hk, hv = widths.linear_num_key_heads, widths.linear_num_value_heads
+    dk, dv = widths.linear_key_head_dim, widths.linear_value_head_dim
+    q, k, v = conv.split([widths.key_dim, widths.key_dim, widths.value_dim], dim=-1)
+    # q and k repeated to the value heads: any fla version takes equal head counts.
+    q, k = (y.reshape(p, hk, dk).repeat_interleave(hv // hk, dim=1) for y in (q, k))
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    bounds = [0]
+    for start, n in rows.segments:
+        bounds.append(start + n)
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int64, device=conv.device)
+    try:
+        o, final = rule(
+            q.unsqueeze(0), k.unsqueeze(0), v.reshape(1, p, hv, dv), g=g.unsqueeze(0),
+            beta=torch.sigmoid(b).unsqueeze(0), scale=dk**-0.5,
+            initial_state=ssm.index_select(0, rows.segment_slots), output_final_state=True,
+            cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+    except Exception as exc:  # an fla version whose API differs: say so once, keep the torch form
+        logger.warning("fla's chunk_gated_delta_rule failed (%r); prefill uses the torch chunked form", exc)
+        _FLA[0] = None
+        return False
+    core.copy_(o[0])
+    ssm.index_copy_(0, rows.segment_slots, final.to(ssm.dtype))
+    return True
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -118,75 +265,101 @@ class GatedDeltaNet(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, rows: RecurrentRows, state: dict[str, torch.Tensor], bufs: PassBuffers
+        self,
+        x: torch.Tensor,
+        rows: RecurrentRows,
+        state: dict[str, torch.Tensor],
+        bufs: PassBuffers,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Mixer output of the normed rows ``x`` ``[T, H]`` into ``bufs.mixer_out``; updates the slots."""
-        c, s = self.config, self.shard
-        t = x.shape[0]
-        hk, hv, dk, dv = (
-            s.linear_num_key_heads,
-            s.linear_num_value_heads,
-            s.linear_key_head_dim,
-            s.linear_value_head_dim,
-        )
-        proj = torch.matmul(x, self.in_proj.t(), out=bufs.gdn_proj)
+        """Mixer output of the normed rows ``x`` ``[T, H]`` (into ``bufs.mixer_out`` on the reference
+        path); updates the slots. With ``residual`` the output is added to it in place (inside the GEMM
+        where the skinny kernel runs) and ``residual`` is returned."""
+        s = self.shard
+        proj = project(x, self.in_proj, bufs.gdn_proj)
         mixed, z, b, a = proj.split(self.splits, dim=-1)
-        conv = self._conv(mixed, rows, state["conv"], bufs.gdn_conv)
-
-        q, k, v = conv.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
-        q = l2_normalise(q.reshape(t, hk, dk).float()) * dk**-0.5
-        k = l2_normalise(k.reshape(t, hk, dk).float())
-        q, k = (y.repeat_interleave(hv // hk, dim=1) for y in (q, k))
-        v = v.reshape(t, hv, dv).float()
-        beta = torch.sigmoid(b).float()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-
-        core = bufs.gdn_core.view(t, hv, dv)
-        ssm = state["ssm"]
-        for (start, n), slot in rows.prefills():
-            end = start + n
-            o, final = chunked_delta_rule(
-                q[start:end],
-                k[start:end],
-                v[start:end],
-                g[start:end],
-                beta[start:end],
-                ssm.index_select(0, slot)[0],
-            )
-            core[start:end] = o
-            ssm.index_copy_(0, slot, final.unsqueeze(0))
+        gated = bufs.gdn_gated
+        if rows.segments:
+            self._prefill(mixed, z, b, a, rows, state, bufs)
         if rows.num_decodes:
-            d0, d1 = rows.decode_start, rows.decode_start + rows.num_decodes
-            o, final = delta_rule_step(
-                q[d0:d1], k[d0:d1], v[d0:d1], g[d0:d1], beta[d0:d1], ssm.index_select(0, rows.decode_slots)
-            )
-            core[d0:d1] = o
-            ssm.index_copy_(0, rows.decode_slots, final)
+            d = slice(rows.decode_start, rows.decode_start + rows.num_decodes)
+            self._decode(mixed[d], z[d], b[d], a[d], rows.decode_slots, state, bufs.gdn_conv[d], gated[d])
+        gated = gated.view(-1, s.value_dim)
+        if residual is not None:
+            return project_add(gated, self.out_proj, residual, bufs.mixer_out, self.tp)
+        return self.tp.all_reduce(project(gated, self.out_proj, bufs.mixer_out))  # row-parallel partials
 
-        gated = gated_rms_norm(
-            core, z.reshape(t, hv, dv), self.norm, c.rms_norm_eps, out=bufs.gdn_gated.view(t, hv, dv)
-        )
-        out = torch.matmul(gated.view(t, s.value_dim), self.out_proj.t(), out=bufs.mixer_out)
-        return self.tp.all_reduce(out)  # row-parallel: the ranks' partial sums
+    def _decode(
+        self,
+        mixed: torch.Tensor,
+        z: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        slots: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        conv_out: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """One token per decode row: conv, gating, delta rule and gated norm into ``out`` ``[B, value_dim]``,
+        each row's slot updated in place. On CUDA the two kernels of ``gdn_kernels`` (graph-safe: the
+        slots are read on the device); elsewhere :func:`decode_reference`."""
+        eps, hk = self.config.rms_norm_eps, self.shard.linear_num_key_heads
+        if decode_kernels_on(mixed):
+            from pegainfer_qwen35 import gdn_kernels
 
-    def _conv(
-        self, mixed: torch.Tensor, rows: RecurrentRows, windows: torch.Tensor, out: torch.Tensor
-    ) -> torch.Tensor:
-        """Causal conv + SiLU of every row into ``out``, each request continuing from its slot's window."""
+            gdn_kernels.conv_update(mixed, self.conv_weight, state["conv"], slots, conv_out)
+            gdn_kernels.gdn_decode(
+                conv_out, b, a, z, self.A_log, self.dt_bias, self.norm, state["ssm"], slots, out,
+                num_key_heads=hk, eps=eps,
+            )  # fmt: skip
+            return
+        decode_reference(
+            mixed, z, b, a, self.conv_weight, self.A_log, self.dt_bias, self.norm,
+            state["conv"], state["ssm"], slots, conv_out, out, num_key_heads=hk, eps=eps,
+        )  # fmt: skip
+
+    def _prefill(
+        self,
+        mixed: torch.Tensor,
+        z: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        rows: RecurrentRows,
+        state: dict[str, torch.Tensor],
+        bufs: PassBuffers,
+    ) -> None:
+        """The prefill segments (rows ``[0, P)``): conv from each slot's window, the chunked delta rule
+        from its state (fla's kernels on CUDA when installed), the gated norm into ``bufs.gdn_gated``."""
+        s, eps = self.shard, self.config.rms_norm_eps
+        hv, dv = s.linear_num_value_heads, s.linear_value_head_dim
+        windows, ssm = state["conv"], state["ssm"]
+        p = rows.decode_start  # the prefill tokens come first
+        conv = bufs.gdn_conv[:p]
         for (start, n), slot in rows.prefills():
             y, window = causal_conv_prefill(
                 mixed[start : start + n], self.conv_weight, windows.index_select(0, slot)[0]
             )
-            out[start : start + n] = F.silu(y)
+            conv[start : start + n] = F.silu(y)
             windows.index_copy_(0, slot, window.unsqueeze(0).to(windows.dtype))
-        if rows.num_decodes:
-            d0, d1 = rows.decode_start, rows.decode_start + rows.num_decodes
-            y, window = causal_conv_step(
-                mixed[d0:d1], self.conv_weight, windows.index_select(0, rows.decode_slots)
-            )
-            out[d0:d1] = F.silu(y)
-            windows.index_copy_(0, rows.decode_slots, window.to(windows.dtype))
-        return out
+        core = bufs.gdn_core[:p].view(p, hv, dv)
+        if not prefill_with_fla(conv, b[:p], a[:p], self.A_log, self.dt_bias, rows, ssm, s, core):
+            q, k, v, g, beta = gate_and_normalise(conv, b[:p], a[:p], self.A_log, self.dt_bias, s)
+            for (start, n), slot in rows.prefills():
+                end = start + n
+                o, final = chunked_delta_rule(
+                    q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end],
+                    ssm.index_select(0, slot)[0],
+                )  # fmt: skip
+                core[start:end] = o
+                ssm.index_copy_(0, slot, final.unsqueeze(0))
+        out = bufs.gdn_gated[:p].view(p, hv, dv)
+        z = z[:p].reshape(p, hv, dv)
+        if use_triton(core):
+            from pegainfer_qwen35 import gdn_kernels
+
+            gdn_kernels.gated_rms_norm(core, z, self.norm, eps, out)
+        else:
+            gated_rms_norm(core, z, self.norm, eps, out=out)
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         c, h = self.config, self.config.hidden_size

@@ -1,4 +1,6 @@
-"""The dense SwiGLU feed-forward of Qwen3.5: ``down(silu(gate(x)) * up(x))``, gate|up packed in one GEMM.
+"""The dense SwiGLU feed-forward of Qwen3.5: ``down(silu(gate(x)) * up(x))``, gate|up packed in one GEMM
+with their rows interleaved (gate 0, up 0, gate 1, ...: ``interleave_gate_up``), so on CUDA the decode GEMM
+applies SiLU·mul in its epilogue and the down projection adds into the residual stream (``projections``).
 
 Tensor parallelism splits the intermediate features: gate and up are column-parallel (this rank's rows),
 down row-parallel (the matching columns), and its partial output is all-reduced in place.
@@ -7,13 +9,14 @@ down row-parallel (the matching columns), and its partial output is all-reduced 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from pegainfer.layers.activation import interleave_gate_up
 from pegainfer.model.checkpoint import CheckpointReader
 from pegainfer.parallel.distributed import TensorParallel
 from pegainfer.parallel.sharding import split
 from pegainfer_qwen35.pass_buffers import PassBuffers
+from pegainfer_qwen35.projections import project, project_add, project_silu
 
 
 class DenseMLP(nn.Module):
@@ -32,23 +35,29 @@ class DenseMLP(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(2 * local, hidden_size, dtype=dtype), False)
         self.down_proj = nn.Parameter(torch.empty(hidden_size, local, dtype=dtype), False)
 
-    def forward(self, x: torch.Tensor, bufs: PassBuffers, *, static_shapes: bool = False) -> torch.Tensor:
-        """MLP output of the normed rows ``x`` into ``bufs.mlp_down`` (its shapes are always static)."""
-        gate, up = torch.matmul(x, self.gate_up_proj.t(), out=bufs.mlp_gate_up).chunk(2, dim=-1)
-        act = torch.mul(F.silu(gate), up, out=bufs.mlp_act)
-        out = torch.matmul(act, self.down_proj.t(), out=bufs.mlp_down)
-        return self.tp.all_reduce(out)  # row-parallel: the ranks' partial sums
+    def forward(
+        self,
+        x: torch.Tensor,
+        bufs: PassBuffers,
+        *,
+        static_shapes: bool = False,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """MLP output of the normed rows ``x`` (its shapes are always static); with ``residual`` it is
+        added to it in place and ``residual`` returned."""
+        act = project_silu(x, self.gate_up_proj, bufs.mlp_gate_up, bufs.mlp_act)
+        if residual is not None:
+            return project_add(act, self.down_proj, residual, bufs.mlp_down, self.tp)
+        return self.tp.all_reduce(project(act, self.down_proj, bufs.mlp_down))  # row-parallel partials
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         h, i, dtype = self.hidden_size, self.intermediate_size, self.down_proj.dtype
         rows, columns = split(0), split(1)
         with torch.no_grad():
             self.gate_up_proj.copy_(
-                torch.cat(
-                    [
-                        reader.get(prefix + "gate_proj.weight", (i, h), dtype, rows),
-                        reader.get(prefix + "up_proj.weight", (i, h), dtype, rows),
-                    ]
+                interleave_gate_up(
+                    reader.get(prefix + "gate_proj.weight", (i, h), dtype, rows),
+                    reader.get(prefix + "up_proj.weight", (i, h), dtype, rows),
                 )
             )
             self.down_proj.copy_(reader.get(prefix + "down_proj.weight", (h, i), dtype, columns))

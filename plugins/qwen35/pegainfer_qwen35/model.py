@@ -22,9 +22,9 @@ import logging
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from pegainfer import ops
 from pegainfer.config.schema import ModelConfig
 from pegainfer.layers.parallel import gather_logits, vocab_parallel_embed
 from pegainfer.layers.rotary import RotaryEmbedding
@@ -85,7 +85,6 @@ class Qwen35DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        y: torch.Tensor,
         batch: ForwardBatch,
         rows: RecurrentRows | None,
         cache: torch.Tensor | None,
@@ -93,17 +92,21 @@ class Qwen35DecoderLayer(nn.Module):
         rotary: RotaryEmbedding | None,
         bufs: PassBuffers,
     ) -> None:
-        """Reads hidden block ``x``, writes this layer's output into block ``y``."""
+        """The layer on the residual stream ``x``, in place: the mixer's and the FFN's outputs are added
+        to it (inside their output GEMMs where the skinny kernel runs)."""
         eps = self.config.rms_norm_eps
         normed = rms_norm_zero_centred(x, self.input_layernorm, eps, out=bufs.normed)
         if isinstance(self.mixer, GatedDeltaNet):
-            mixed = self.mixer(normed, rows, state, bufs)
+            self.mixer(normed, rows, state, bufs, residual=x)
         else:
-            mixed = self.mixer(normed, batch, cache, rotary, bufs)
-        torch.add(x, mixed, out=y)
-        normed = rms_norm_zero_centred(y, self.post_attention_layernorm, eps, out=bufs.normed)
+            self.mixer(normed, batch, cache, rotary, bufs, residual=x)
+        normed = rms_norm_zero_centred(x, self.post_attention_layernorm, eps, out=bufs.normed)
         # Decode-only steps run inside CUDA graphs: the FFN must not sync with the host there.
-        y.add_(self.mlp(normed, bufs, static_shapes=not batch.attn.prefills))
+        static = not batch.attn.prefills
+        if isinstance(self.mlp, DenseMLP):
+            self.mlp(normed, bufs, static_shapes=static, residual=x)
+        else:
+            x.add_(self.mlp(normed, bufs, static_shapes=static))
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         h, dtype = self.config.hidden_size, self.input_layernorm.dtype
@@ -226,7 +229,7 @@ class Qwen35ForCausalLM(CausalLM):
         states: dict[int, dict[str, torch.Tensor]],
     ) -> torch.Tensor:
         bufs = self.allocate_pass_buffers(batch.token_ids.shape[0])
-        x, y = bufs.hidden_a, bufs.hidden_b
+        x = bufs.hidden  # the residual stream, updated in place by every layer
         if self.tp.size == 1:
             torch.index_select(self.embed_tokens, 0, batch.token_ids, out=x)
         else:
@@ -234,13 +237,12 @@ class Qwen35ForCausalLM(CausalLM):
         rows = RecurrentRows.from_batch(batch) if self.config.layers_of(LINEAR) else None
         for layer in self.layers:
             i = layer.layer_index
-            layer(x, y, batch, rows, caches.get(i), states.get(i), self.rotary, bufs)
-            x, y = y, x
+            layer(x, batch, rows, caches.get(i), states.get(i), self.rotary, bufs)
         return rms_norm_zero_centred(x, self.norm, self.config.rms_norm_eps, out=bufs.normed)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return gather_logits(F.linear(hidden, weight), self.tp, self.config.vocab_size)
+        return gather_logits(ops.linear(hidden, weight), self.tp, self.config.vocab_size)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_embed(token_ids, self.embed_tokens, self.tp)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pegainfer.ops import use_triton
+
 
 def _normalise(x32: torch.Tensor, eps: float) -> torch.Tensor:
     return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -19,7 +21,19 @@ def _normalise(x32: torch.Tensor, eps: float) -> torch.Tensor:
 def rms_norm_zero_centred(
     x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``(norm(x32) * (1 + w32)).to(x.dtype)``, written into ``out`` when given."""
+    """``(norm(x32) * (1 + w32)).to(x.dtype)``, written into ``out`` when given. On CUDA one Triton
+    launch (``gdn_kernels.rms_norm_zero_centred``) instead of the reference's chain of elementwise ops."""
+    if use_triton(x) and x.dim() in (2, 3) and x.stride(-1) == 1 and (out is None or out.dtype == x.dtype):
+        from pegainfer_qwen35 import gdn_kernels
+
+        return gdn_kernels.rms_norm_zero_centred(x, weight, eps, out)
+    return rms_norm_zero_centred_ref(x, weight, eps, out)
+
+
+def rms_norm_zero_centred_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The torch reference of :func:`rms_norm_zero_centred`."""
     y = _normalise(x.float(), eps) * (1.0 + weight.float())
     if out is None:
         return y.to(x.dtype)

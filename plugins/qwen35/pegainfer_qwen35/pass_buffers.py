@@ -1,9 +1,10 @@
 """The forward's pass buffers: one ``[T, width]`` tensor per role, allocated once per forward.
 
 Every layer of a kind writes its stage outputs into the same role buffers (the projections of layer 7 go
-where those of layer 3 went), so a step's scratch memory does not grow with depth. The hidden state moves
-between two blocks: a layer reads block X, writes ``X + mixer`` into block Y and adds its MLP output to Y
-in place; the next layer reads Y and writes X. The memory plan reserves ``bytes_per_token`` of every role
+where those of layer 3 went), so a step's scratch memory does not grow with depth. The residual stream
+lives in one block (``hidden``): each layer adds its mixer's and its FFN's outputs to it in place (inside
+the output GEMMs on the CUDA decode path). On CUDA the projections return tensors of their own (the
+skinny GEMM's outputs) where the reference path writes the roles. The memory plan reserves ``bytes_per_token`` of every role
 times the step's token budget (``transient_specs``) before it sizes the page pool.
 
 Two more roles are no buffers but declared bounds on temporaries (``SCRATCH_ROLES``):
@@ -49,7 +50,7 @@ def pass_buffer_roles(
     Only the layer kinds present get their roles."""
     s = shard or Qwen35Shard.of(config)
     h = config.hidden_size
-    roles = [Role(name, h, dtype) for name in ("hidden_a", "hidden_b", "normed", "mixer_out", "mlp_down")]
+    roles = [Role(name, h, dtype) for name in ("hidden", "normed", "mixer_out", "mlp_down")]
     if config.layers_of(FULL):
         q, kv = s.num_heads * config.head_dim, s.num_kv_heads * config.head_dim
         roles += [

@@ -3,10 +3,15 @@
 When ``fla`` or ``causal_conv1d`` is importable, transformers binds their Triton/CUDA kernels into its
 Qwen3.5 model at import time; without a GPU they fail with "0 active drivers". On a CPU machine they are
 blocked before transformers' Qwen3.5 module is imported, so its torch fallbacks are the reference.
+
+Without a GPU the plugin's Triton kernels (``gdn_kernels``) run on CPU tensors through Triton's
+interpreter, which must be chosen before Triton is first imported: ``TRITON_INTERPRET`` is set here, as
+``tests/kernels/conftest.py`` does (nothing else launches Triton kernels off CUDA).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +20,7 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
     for _kernel_package in ("fla", "causal_conv1d"):
         sys.modules.setdefault(_kernel_package, None)  # type: ignore[assignment]
 

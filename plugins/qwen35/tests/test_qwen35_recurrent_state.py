@@ -164,3 +164,54 @@ def test_decode_rows_update_their_slots_in_one_batched_step(llm, monkeypatch):
     gdn_layers = llm.engine.executor.runner.model.config.layer_types.count("linear_attention")
     # One prefill step, then 7 decode steps of all three rows: one batched update per GDN layer per step.
     assert calls == [3] * (7 * gdn_layers)
+
+
+def _fla_semantics(
+    q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel
+):
+    """fla's ``chunk_gated_delta_rule`` as documented (varlen batch of 1, q/k normalised in the kernel,
+    per-sequence initial and final states), in torch: what ``prefill_with_fla`` is written against."""
+    assert q.shape[0] == 1 and output_final_state and use_qk_l2norm_in_kernel
+    bounds = cu_seqlens.tolist()
+    outs, finals = [], []
+    for i in range(len(bounds) - 1):
+        a, b = bounds[i], bounds[i + 1]
+        qs = l2_normalise(q[0, a:b].float()) * scale
+        ks = l2_normalise(k[0, a:b].float())
+        o, final = chunked_delta_rule(
+            qs, ks, v[0, a:b].float(), g[0, a:b], beta[0, a:b].float(), initial_state[i]
+        )
+        outs.append(o)
+        finals.append(final)
+    return torch.cat(outs)[None].to(v.dtype), torch.stack(finals)
+
+
+def test_prefill_with_fla_passes_segments_and_slots_as_fla_expects():
+    """The varlen call's plumbing (cu_seqlens, the slots' states gathered and scattered, q/k repeated to
+    the value heads) against the per-segment torch path, with a torch stand-in of fla's function."""
+    from pegainfer_qwen35.gated_deltanet import RecurrentRows, gate_and_normalise, prefill_with_fla
+
+    widths = gated_deltanet._Widths(2, 4, 16, 8)
+    gen = torch.Generator().manual_seed(9)
+    lengths, slots = [5, 70, 1], [2, 0, 3]
+    p = sum(lengths)
+    conv = torch.randn(p, widths.conv_dim, generator=gen)
+    b, a = torch.randn(p, 4, generator=gen), torch.randn(p, 4, generator=gen)
+    a_log, dt_bias = torch.randn(4, generator=gen) * 0.5, torch.randn(4, generator=gen) * 0.5
+    ssm = torch.randn(5, 4, 16, 8, generator=gen) * 0.3
+    starts = [0, 5, 75]
+    rows = RecurrentRows(
+        list(zip(starts, lengths, strict=True)), torch.tensor(slots), p, 0, torch.zeros(0, dtype=torch.int64)
+    )
+    ours_ssm, core = ssm.clone(), torch.empty(p, 4, 8)
+    assert prefill_with_fla(conv, b, a, a_log, dt_bias, rows, ours_ssm, widths, core, rule=_fla_semantics)
+    q, k, v, g, beta = gate_and_normalise(conv, b, a, a_log, dt_bias, widths)
+    ref_ssm = ssm.clone()
+    for (start, n), slot in rows.prefills():
+        o, final = chunked_delta_rule(
+            q[start : start + n], k[start : start + n], v[start : start + n], g[start : start + n],
+            beta[start : start + n], ref_ssm[slot][0],
+        )  # fmt: skip
+        torch.testing.assert_close(core[start : start + n], o, atol=1e-5, rtol=1e-5)
+        ref_ssm[slot] = final
+    torch.testing.assert_close(ours_ssm, ref_ssm, atol=1e-5, rtol=1e-5)

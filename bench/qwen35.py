@@ -1,0 +1,298 @@
+"""Qwen3.5 dense on one GPU, bf16, random weights in a real shape: decode ms/step against the streaming-read
+ceiling measured in the same run, prefill with fla-core's chunked kernels and with the torch chunked form,
+and HF transformers eager as the peer at batch 1.
+
+    python bench/qwen35.py                          # the 9B-style shape, batches 1 and 16, prints a table
+    python bench/qwen35.py --shapes 9b,27b --out bench/results/qwen35.jsonl   # also appends the records
+
+Shapes: ``9b`` is transformers' ``Qwen3_5TextConfig`` defaults (the "Qwen3.5-9B style" configuration:
+hidden 4096, 32 layers, GDN 16 key / 32 value heads of 128, attention 16/4 heads of 256); ``27b`` is a
+Qwen3.5-27B-like shape (hidden 5120, 64 layers; the other sizes as listed in ``SHAPES``, check them
+against the published config before quoting figures). Weights come from ``model.load_format=dummy``.
+
+A decode step reads every weight once (the embedding table only for the batch's rows), the KV of the
+full-attention layers and, per row, each GDN layer's fp32 state (read and written) and conv window: that
+many bytes at the measured HBM copy bandwidth is the ceiling (``floor_ms``); ``bandwidth_utilization`` is
+``floor_ms / step_ms``. ``--reference-gdn`` also times decode with the GDN decode rows on the torch
+reference (``PEGAINFER_QWEN35_GDN_KERNELS=0``), for the kernels' share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import Results, check_all_running, cuda_time_ms, measure_ceilings, start_decoding
+
+from pegainfer.config.schema import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pegainfer.engine.llm import LLM
+from pegainfer.sampling.sampling_params import RequestOutputKind, SamplingParams
+from pegainfer.text.tiny_tokenizer import write_tiny_tokenizer
+
+BASE = {
+    "architectures": ["Qwen3_5ForCausalLM"],
+    "model_type": "qwen3_5_text",
+    "vocab_size": 248320,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "rope_parameters": {"rope_theta": 10000000.0, "partial_rotary_factor": 0.25, "rope_type": "default"},
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "head_dim": 256,
+    "full_attention_interval": 4,
+    "torch_dtype": "bfloat16",
+}
+SHAPES = {
+    # transformers' Qwen3_5TextConfig defaults ("Qwen3.5-9B style").
+    "9b": {
+        **BASE,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+    },
+    # Qwen3.5-27B-like: hidden 5120 and 64 layers; 24/4 attention heads, 16 key / 48 value GDN heads.
+    "27b": {
+        **BASE,
+        "hidden_size": 5120,
+        "intermediate_size": 17408,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 4,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 48,
+    },
+}
+
+
+def checkpoint_folder(shape: dict) -> Path:
+    folder = Path(tempfile.mkdtemp(prefix="qwen35-bench-"))
+    write_tiny_tokenizer(folder)
+    (folder / "config.json").write_text(json.dumps(shape))
+    return folder
+
+
+def build(folder: Path, max_num_seqs: int, max_model_len: int, enforce_eager: bool = False) -> LLM:
+    return LLM.from_config(
+        EngineConfig(
+            model=ModelConfig(
+                path=str(folder), load_format="dummy", dtype="bfloat16", max_model_len=max_model_len
+            ),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=16384),
+            cache=CacheConfig(gpu_memory_utilization=0.85),
+            device="cuda",
+            enforce_eager=enforce_eager,
+        )
+    )
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+    )
+
+
+def prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def step_bytes(model, batch: int, ctx: float) -> float:
+    """Bytes one decode step must move: weights, KV of the full-attention layers, GDN slot states."""
+    c = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.embed_tokens
+    weights -= embed.numel() * embed.element_size() - batch * embed.shape[1] * embed.element_size()
+    full, linear = len(c.layers_of("full_attention")), len(c.layers_of("linear_attention"))
+    kv = full * batch * ctx * 2 * c.num_kv_heads * c.head_dim * 2
+    state = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+    window = c.conv_dim * (c.conv_kernel - 1)
+    recurrent = linear * batch * 2 * 4 * (state + window)  # fp32, read and written
+    return weights + kv + recurrent
+
+
+def bench_decode(llm: LLM, vocab: int, batch: int, ctx: int, steps: int, rng: random.Random) -> dict:
+    engine = llm.engine
+    prompts = [prompt(rng, vocab, ctx) for _ in range(batch)]
+    ids = start_decoding(engine, f"d{batch}-{rng.random()}", prompts, greedy(steps + 64))
+    torch.cuda.synchronize()
+    waited = engine.wait_time_s
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - t0) * 1e3 / steps
+    check_all_running(engine, batch)
+    host_ms = step_ms - (engine.wait_time_s - waited) * 1e3 / steps
+    graphs = engine.executor.runner.graphs
+    gpu_ms = cuda_time_ms(lambda: graphs.run(batch), reps=10) if graphs is not None else float("nan")
+    for rid in ids:
+        engine.abort_request(rid)
+    engine.step()
+    return {"step_ms": step_ms, "gpu_ms": gpu_ms, "host_ms": host_ms, "ctx": ctx + 3 + steps / 2}
+
+
+def bench_prefill(llm: LLM, vocab: int, requests: int, length: int, rng: random.Random) -> float:
+    """Milliseconds of the one step that prefills ``requests`` prompts of ``length`` (median of 3)."""
+    engine = llm.engine
+    times = []
+    for rep in range(4):
+        for i in range(requests):
+            engine.add_request(
+                f"p{rep}-{i}-{rng.random()}", None, greedy(1), prompt_token_ids=prompt(rng, vocab, length)
+            )
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return sorted(times[1:])[1]
+
+
+def fla_available() -> bool:
+    from pegainfer_qwen35.gated_deltanet import fla_chunk_rule
+
+    return fla_chunk_rule() is not None
+
+
+def _peer_step(model, result, cache_kw: str):
+    token = result.logits[:, -1:].argmax(-1)
+    cache = getattr(result, "cache", None) or result.past_key_values
+    return model(token, use_cache=True, **{cache_kw: cache})
+
+
+def bench_peer(shape: dict, ctx: int, steps: int, device: str = "cuda") -> float:
+    """HF transformers eager, bf16, same shape, batch 1: ms per decode step after a ``ctx`` prefill."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    keys = {k: v for k, v in shape.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    config = Qwen3_5TextConfig(**keys)
+    with torch.device(device):
+        model = Qwen3_5ForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        ids = torch.randint(0, config.vocab_size, (1, ctx), device=device)
+        result = model(ids, use_cache=True)
+        for _ in range(3):
+            result = _peer_step(model, result, cache_kw)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            result = _peer_step(model, result, cache_kw)
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) * 1e3 / steps
+    del model, result
+    gc.collect()
+    torch.cuda.empty_cache()
+    return ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="append the records to this JSONL file")
+    parser.add_argument("--shapes", default="9b", help="comma-separated: 9b, 27b")
+    parser.add_argument("--layers", type=int, default=None, help="fewer layers for a quick smoke run")
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--ctx", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--prefill", default="1x512,8x512,1x4096", help="requests x length, '' for none")
+    parser.add_argument("--reference-gdn", action="store_true", help="also decode with the GDN reference")
+    parser.add_argument("--skip-peer", action="store_true")
+    parser.add_argument("--peer-shapes", default="9b", help="shapes that get the HF peer at batch 1")
+    parser.add_argument("--commit", default=None)
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",") if b]
+    results = Results(args.out or Path(os.devnull), "python " + " ".join(sys.argv), args.commit)
+    ceil = measure_ceilings()
+    torch.cuda.empty_cache()
+    bw = ceil["hbm_bytes_per_s"]
+    results.add("h200.hbm_copy_bandwidth", bw / 1e12, "TB/s")
+    results.add("h200.bf16_matmul", ceil["bf16_flops_per_s"] / 1e12, "TFLOP/s")
+    table = [f"ceilings: HBM copy {bw / 1e12:.2f} TB/s, bf16 {ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s"]
+    rng = random.Random(0)
+    prefills = [tuple(int(x) for x in p.split("x")) for p in args.prefill.split(",") if p]
+    for name in args.shapes.split(","):
+        shape = dict(SHAPES[name])
+        if args.layers:
+            shape["num_hidden_layers"] = args.layers
+        vocab = shape["vocab_size"]
+        folder = checkpoint_folder(shape)
+        longest = max([args.ctx + args.steps + 128] + [n for _, n in prefills])
+        variants = [("kernels", "1")] + ([("reference_gdn", "0")] if args.reference_gdn else [])
+        decode: dict[int, dict] = {}
+        for variant, switch in variants:
+            os.environ["PEGAINFER_QWEN35_GDN_KERNELS"] = switch  # read at every forward (and capture)
+            llm = build(folder, max_num_seqs=max(batches), max_model_len=longest + 64)
+            model = llm.engine.executor.runner.model
+            tag = f"qwen35_{name}" + ("" if variant == "kernels" else f".{variant}")
+            for batch in batches:
+                d = bench_decode(llm, vocab, batch, args.ctx, args.steps, rng)
+                floor_ms = step_bytes(model, batch, d["ctx"]) / bw * 1e3
+                util = floor_ms / d["step_ms"]
+                if variant == "kernels":
+                    decode[batch] = d
+                results.add(f"{tag}.decode.bs{batch}.step_ms", d["step_ms"], "ms")
+                results.add(f"{tag}.decode.bs{batch}.gpu_ms", d["gpu_ms"], "ms")
+                results.add(f"{tag}.decode.bs{batch}.floor_ms", floor_ms, "ms")
+                results.add(f"{tag}.decode.bs{batch}.bandwidth_utilization", util, "fraction")
+                results.add(f"{tag}.decode.bs{batch}.host_ms", d["host_ms"], "ms")
+                table.append(
+                    f"{tag:<24} decode bs{batch:<3} {d['step_ms']:7.2f} ms/step (GPU {d['gpu_ms']:6.2f}, "
+                    f"host {d['host_ms']:5.2f}; floor {floor_ms:6.2f})  {batch * 1e3 / d['step_ms']:8.1f} "
+                    f"tok/s  bandwidth {util:6.1%}"
+                )
+            if variant == "kernels":
+                fla = fla_available()
+                for requests, length in prefills:
+                    rules = (["fla"] if fla else []) + ["torch"]
+                    for rule in rules:
+                        os.environ["PEGAINFER_QWEN35_FLA"] = "1" if rule == "fla" else "0"
+                        ms = bench_prefill(llm, vocab, requests, length, rng)
+                        tokens = requests * length
+                        key = f"{tag}.prefill_{rule}.{requests}x{length}"
+                        results.add(f"{key}.ms", ms, "ms")
+                        results.add(f"{key}.tok_per_s", tokens * 1e3 / ms, "tok/s")
+                        table.append(
+                            f"{tag:<24} prefill {requests}x{length:<5} {rule:<5} {ms:8.1f} ms "
+                            f"{tokens * 1e3 / ms:9.0f} tok/s"
+                        )
+                    os.environ.pop("PEGAINFER_QWEN35_FLA", None)
+                if not fla:
+                    table.append(f"{tag:<24} prefill: fla-core not importable, torch chunked form only")
+            llm.engine.shutdown()
+            del llm, model  # the next engine and the peer need the memory back
+            gc.collect()
+            torch.cuda.empty_cache()
+        os.environ.pop("PEGAINFER_QWEN35_GDN_KERNELS", None)
+        if not args.skip_peer and name in args.peer_shapes.split(","):
+            ms = bench_peer(shape, args.ctx, 16)
+            results.add(f"qwen35_{name}.peer_hf.bs1.step_ms", ms, "ms")
+            ours = decode.get(1)
+            line = f"qwen35_{name:<17} HF eager bs1: {ms:.1f} ms/step"
+            if ours:
+                results.add(f"qwen35_{name}.peer_hf.bs1.speedup", ms / ours["step_ms"], "x")
+                line += f" -> pegainfer {ms / ours['step_ms']:.1f}x faster"
+            table.append(line)
+    if args.out:
+        results.write()
+    print("\n" + "\n".join(table))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,435 @@
+"""Triton kernels of the Gated DeltaNet decode step, each checked against ``delta_rule.py`` / ``norms.py``.
+
+A decode step of a GDN layer between its two GEMMs is two launches for all decode rows:
+
+1. :func:`conv_update`: the causal depthwise conv of one token per row, continuing from the row's conv
+   window in its state slot (the window is shifted in place), then SiLU. One program per (row, channel
+   block). It cannot live in the recurrence kernel: the value heads sharing a key head would all read
+   and shift that head's q/k windows, and one program might read a window another already shifted.
+2. :func:`gdn_decode`: per (row, value head): the gating (``beta = sigmoid(b)``,
+   ``g = -exp(A_log) * softplus(a + dt_bias)``), q/k L2 norm (q also scaled by dk^-0.5), the delta-rule
+   update of the slot's fp32 state in place, ``o = S^T q``, and the gated RMSNorm with ``z`` — so its
+   output is what ``out_proj`` reads. (vLLM runs the conv, the recurrence with gating and l2 norm, and the
+   gated norm as three launches.)
+
+Both read every row's state slot from a device tensor (``slots[row]``) and take fixed-address buffers, so a
+CUDA graph captures them as they are: no host sync, no data-dependent shape. A row whose slot is
+negative is skipped (no state read or written), and so is a row ``r > 0`` whose slot equals row 0's: the
+padding rows of a CUDA-graph bucket replicate row 0, and an in-place update must happen once. (Their
+outputs are still computed, from whatever state they read, so they stay finite.)
+
+:func:`gated_rms_norm` is the same norm as a kernel of its own, for rows the decode kernel did not
+normalise (prefill rows on the GPU).
+
+Rounding follows the torch reference: the conv output and SiLU in the model dtype, ``beta`` rounded to
+the model dtype, the delta rule in fp32, ``o`` rounded before the gated norm, which rounds where
+``norms.gated_rms_norm`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pegainfer.kernels._triton import cast_to, interp_bf16, next_pow2, pdl_launch, pdl_start, tl, triton
+
+#: The delta rule's L2-norm epsilon (``delta_rule.l2_normalise``).
+L2_EPS = 1e-6
+
+
+def _check_rows(x: torch.Tensor, name: str) -> None:
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"{name} must be [rows, width] with a contiguous last dim, got {tuple(x.shape)}")
+
+
+# ------------------------------------------------------------------------------------------------ conv
+
+
+@triton.jit
+def _owns_slot(row, slot, first):
+    """Whether ``row`` updates its slot: a valid slot, and not a padding copy of row 0 (see above)."""
+    valid = (slot >= 0).to(tl.int32)
+    distinct = tl.maximum((row == 0).to(tl.int32), (slot != first).to(tl.int32))
+    return (valid * distinct) != 0
+
+
+@triton.jit
+def _and(mask, flag):
+    """``mask & flag`` for a block ``mask`` and a scalar ``flag`` (the flag broadcast first: the
+    interpreter turns a block-and-scalar ``&`` into int32, which it refuses as a mask)."""
+    return mask & (tl.zeros_like(mask) | flag)
+
+
+@triton.jit
+def _conv_update_kernel(
+    x_ptr,
+    stride_x,
+    w_ptr,
+    win_ptr,
+    stride_win_slot,
+    stride_win_c,
+    slot_ptr,
+    out_ptr,
+    stride_o,
+    channels,
+    K: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    FIX: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_start(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = cols < channels
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    first = tl.load(slot_ptr).to(tl.int64)
+    owns = _and(mask, _owns_slot(row, slot, first))
+    win = win_ptr + tl.maximum(slot, 0) * stride_win_slot + cols * stride_win_c
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    acc = tl.load(w_ptr + cols * K + (K - 1), mask=mask, other=0.0).to(tl.float32) * x
+    for j in tl.static_range(K - 1):
+        old = tl.load(win + j, mask=owns, other=0.0)
+        acc += tl.load(w_ptr + cols * K + j, mask=mask, other=0.0).to(tl.float32) * old
+    y = cast_to(acc, dtype, FIX).to(tl.float32)
+    y = y / (1.0 + tl.exp(-y))
+    tl.store(out_ptr + row * stride_o + cols, cast_to(y, dtype, FIX), mask=mask)
+    # Shift the window: entry j takes entry j + 1 (read before it is overwritten), the last the new input.
+    for j in tl.static_range(K - 2):
+        tl.store(win + j, tl.load(win + j + 1, mask=owns, other=0.0), mask=owns)
+    tl.store(win + (K - 2), x, mask=owns)
+
+
+def conv_update(
+    x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, slots: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """``silu(causal_conv_step(x, weight, windows[slots]))`` into ``out`` ``[B, C]``; each row's window
+    ``windows[slots[row]]`` (``[C, K-1]``, fp32) is shifted in place (see the module docstring for the
+    rows skipped). x ``[B, C]`` (a view with a row stride is fine), weight ``[C, K]``."""
+    _check_rows(x, "x")
+    _check_rows(out, "out")
+    b, c = x.shape
+    k = weight.shape[1]
+    if weight.shape[0] != c or windows.shape[1:] != (c, k - 1) or windows.stride(2) != 1 or k < 2:
+        raise ValueError(
+            f"conv_update: x {tuple(x.shape)}, weight {tuple(weight.shape)}, windows {tuple(windows.shape)}"
+        )
+    if windows.dtype != torch.float32 or not weight.is_contiguous() or slots.shape[0] < b:
+        raise ValueError("conv_update: fp32 windows, a contiguous weight and a slot per row are required")
+    if b == 0:
+        return out
+    block = min(256, next_pow2(c))
+    _conv_update_kernel[(b, triton.cdiv(c, block))](
+        x,
+        x.stride(0),
+        weight,
+        windows,
+        windows.stride(0),
+        windows.stride(1),
+        slots,
+        out,
+        out.stride(0),
+        c,
+        K=k,
+        BLOCK_C=block,
+        FIX=interp_bf16(x.dtype),
+        num_warps=4 if block >= 256 else 2,
+        **pdl_launch(x),
+    )
+    return out
+
+
+# ------------------------------------------------------------------------------------------ delta rule
+
+
+@triton.jit
+def _gdn_decode_kernel(
+    qkv_ptr,
+    stride_qkv,
+    b_ptr,
+    a_ptr,
+    stride_ba,
+    z_ptr,
+    stride_z,
+    a_log_ptr,
+    dt_bias_ptr,
+    state_ptr,
+    stride_s_slot,
+    stride_s_head,
+    stride_s_k,
+    slot_ptr,
+    norm_w_ptr,
+    out_ptr,
+    stride_o,
+    key_dim,
+    heads_per_key,
+    scale,
+    eps,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+    FUSE_NORM: tl.constexpr,
+    FIX: tl.constexpr,
+    FIX_OUT: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_start(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1)
+    hk = hv // heads_per_key
+    vcols = tl.program_id(2) * BV + tl.arange(0, BV)
+    kcols = tl.arange(0, DK)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    first = tl.load(slot_ptr).to(tl.int64)
+    owns = _owns_slot(row, slot, first)
+
+    base = qkv_ptr + row * stride_qkv
+    q = tl.load(base + hk * DK + kcols).to(tl.float32)
+    k = tl.load(base + key_dim + hk * DK + kcols).to(tl.float32)
+    v = tl.load(base + 2 * key_dim + hv * DV + vcols).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
+    k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+
+    b = tl.load(b_ptr + row * stride_ba + hv)
+    dtype = b.dtype
+    b = b.to(tl.float32)
+    beta = cast_to(1.0 / (1.0 + tl.exp(-b)), dtype, FIX).to(tl.float32)  # sigmoid in the model dtype
+    x = tl.load(a_ptr + row * stride_ba + hv).to(tl.float32) + tl.load(dt_bias_ptr + hv).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+    decay = tl.exp(-tl.exp(tl.load(a_log_ptr + hv).to(tl.float32)) * softplus)
+
+    s_ptrs = state_ptr + tl.maximum(slot, 0) * stride_s_slot + hv * stride_s_head
+    s_ptrs = s_ptrs + kcols[:, None] * stride_s_k + vcols[None, :]
+    owns = _and((kcols[:, None] < DK) & (vcols[None, :] < DV), owns)
+    s = tl.load(s_ptrs, mask=owns, other=0.0) * decay  # [DK, BV] fp32
+    u = beta * (v - tl.sum(s * k[:, None], 0))
+    s = s + k[:, None] * u[None, :]
+    tl.store(s_ptrs, s, mask=owns)
+    o = tl.sum(s * q[:, None], 0)  # [BV]
+
+    out = out_ptr + row * stride_o + hv * DV + vcols
+    if FUSE_NORM:  # BV == DV: the whole head is here
+        o = cast_to(o, dtype, FIX).to(tl.float32)
+        n = cast_to(o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps), dtype, FIX).to(tl.float32)
+        y = cast_to(tl.load(norm_w_ptr + vcols).to(tl.float32) * n, dtype, FIX).to(tl.float32)
+        z = tl.load(z_ptr + row * stride_z + hv * DV + vcols).to(tl.float32)
+        tl.store(out, cast_to(y * (z / (1.0 + tl.exp(-z))), out_ptr.dtype.element_ty, FIX_OUT))
+    else:
+        tl.store(out, cast_to(o, out_ptr.dtype.element_ty, FIX_OUT))
+
+
+#: Value columns per program of :func:`gdn_decode` (None: the whole head, so the gated norm fuses in).
+DECODE_BLOCK_V: int | None = None
+
+
+def gdn_decode(
+    qkv: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    z: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    num_key_heads: int,
+    eps: float,
+    block_v: int | None = None,
+) -> torch.Tensor:
+    """One delta-rule step of B decode rows, the gated norm included; writes ``out`` ``[B, Hv * dv]``.
+
+    qkv ``[B, 2 Hk dk + Hv dv]`` (after the conv and SiLU), b, a ``[B, Hv]``, z ``[B, Hv dv]`` (views of
+    the packed projection are fine), a_log, dt_bias ``[Hv]``, norm_weight ``[dv]``, state the layer's
+    slot pool ``[slots, Hv, dk, dv]`` fp32, updated in place at ``slots[row]``.
+
+    ``block_v`` (default :data:`DECODE_BLOCK_V`, then dv): value columns per program. Below dv the
+    programs write the un-normed ``o`` and :func:`gated_rms_norm` runs after (two launches, more programs
+    for small batches)."""
+    for t, name in ((qkv, "qkv"), (b, "b"), (a, "a"), (z, "z"), (out, "out")):
+        _check_rows(t, name)
+    rows = qkv.shape[0]
+    _, hv, dk, dv = state.shape
+    hk = num_key_heads
+    if qkv.shape[1] != 2 * hk * dk + hv * dv or b.shape[1] != hv or z.shape[1] != hv * dv:
+        raise ValueError(
+            f"gdn_decode: qkv {tuple(qkv.shape)}, b {tuple(b.shape)}, z {tuple(z.shape)} do not fit a state "
+            f"of {hv} value heads of {dk}x{dv} with {hk} key heads"
+        )
+    if b.stride(0) != a.stride(0) or state.dtype != torch.float32 or state.stride(3) != 1 or hv % hk:
+        raise ValueError("gdn_decode: b and a must share a row stride; the state must be fp32, dv-contiguous")
+    if slots.shape[0] < rows or out.shape != (rows, hv * dv):
+        raise ValueError(f"gdn_decode: {slots.shape[0]} slots and out {tuple(out.shape)} for {rows} rows")
+    if rows == 0:
+        return out
+    bv = min(block_v or DECODE_BLOCK_V or dv, dv)
+    fuse = bv == dv
+    target = out if fuse else torch.empty(out.shape, dtype=qkv.dtype, device=out.device)
+    _gdn_decode_kernel[(rows, hv, triton.cdiv(dv, bv))](
+        qkv,
+        qkv.stride(0),
+        b,
+        a,
+        b.stride(0),
+        z,
+        z.stride(0),
+        a_log,
+        dt_bias,
+        state,
+        state.stride(0),
+        state.stride(1),
+        state.stride(2),
+        slots,
+        norm_weight,
+        target,
+        target.stride(0),
+        hk * dk,
+        hv // hk,
+        dk**-0.5,
+        eps,
+        DK=dk,
+        DV=dv,
+        BV=bv,
+        FUSE_NORM=fuse,
+        FIX=interp_bf16(qkv.dtype),
+        FIX_OUT=interp_bf16(target.dtype),
+        num_warps=8 if dk * bv >= 128 * 128 else 4,
+        **pdl_launch(qkv),
+    )
+    if not fuse:
+        gated_rms_norm(target.view(rows, hv, dv), z.view(rows, hv, dv), norm_weight, eps, out)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ gated norm
+
+
+@triton.jit
+def _gated_norm_kernel(
+    x_ptr,
+    z_ptr,
+    w_ptr,
+    out_ptr,
+    heads,
+    stride_x,
+    stride_z,
+    stride_o,
+    eps,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FIX: tl.constexpr,
+    FIX_OUT: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_start(PDL)
+    pid = tl.program_id(0).to(tl.int64)
+    row, head = pid // heads, pid % heads
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    x = tl.load(x_ptr + row * stride_x + head * D + cols, mask=mask, other=0.0)
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    n = cast_to(x * tl.rsqrt(tl.sum(x * x, 0) / D + eps), dtype, FIX).to(tl.float32)
+    y = cast_to(tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) * n, dtype, FIX).to(tl.float32)
+    z = tl.load(z_ptr + row * stride_z + head * D + cols, mask=mask, other=0.0).to(tl.float32)
+    out = cast_to(y * (z / (1.0 + tl.exp(-z))), out_ptr.dtype.element_ty, FIX_OUT)
+    tl.store(out_ptr + row * stride_o + head * D + cols, out, mask=mask)
+
+
+def gated_rms_norm(
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor
+) -> torch.Tensor:
+    """``norms.gated_rms_norm`` of x, z ``[T, H, D]`` (rows may be strided, heads contiguous) into ``out``
+    (``[T, H, D]`` or ``[T, H * D]``)."""
+    t, h, d = x.shape
+    if z.shape != x.shape or x.stride(2) != 1 or z.stride(2) != 1 or x.stride(1) != d or z.stride(1) != d:
+        raise ValueError(f"gated_rms_norm: x {tuple(x.shape)} and z {tuple(z.shape)} need contiguous heads")
+    o = out.view(t, h * d)
+    if o.stride(1) != 1:
+        raise ValueError("gated_rms_norm: out needs contiguous rows")
+    if t == 0:
+        return out
+    _gated_norm_kernel[(t * h,)](
+        x,
+        z,
+        weight,
+        o,
+        h,
+        x.stride(0),
+        z.stride(0),
+        o.stride(0),
+        eps,
+        D=d,
+        BLOCK=next_pow2(d),
+        FIX=interp_bf16(x.dtype),
+        FIX_OUT=interp_bf16(out.dtype),
+        num_warps=1 if d <= 256 else 4,
+        **pdl_launch(x),
+    )
+    return out
+
+
+# ------------------------------------------------------------------------------- zero-centred RMSNorm
+
+
+@triton.jit
+def _zero_centred_norm_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    heads,
+    stride_x0,
+    stride_x1,
+    stride_o0,
+    stride_o1,
+    eps,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FIX: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_start(PDL)
+    pid = tl.program_id(0).to(tl.int64)
+    row, head = pid // heads, pid % heads
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    x = tl.load(x_ptr + row * stride_x0 + head * stride_x1 + cols, mask=mask, other=0.0)
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, 0) / D + eps) * (1.0 + w)
+    tl.store(out_ptr + row * stride_o0 + head * stride_o1 + cols, cast_to(y, dtype, FIX), mask=mask)
+
+
+def rms_norm_zero_centred(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``norms.rms_norm_zero_centred`` of x ``[T, D]`` or ``[T, H, D]`` (any row and head strides, the
+    last dim contiguous) into ``out`` (a new contiguous tensor when None; same shape as x)."""
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    x3 = x if x.dim() == 3 else x.unsqueeze(1)
+    o3 = out.view(x3.shape) if out.dim() != x3.dim() else out
+    if x3.stride(2) != 1 or o3.stride(2) != 1 or x3.dim() != 3 or out.dtype != x.dtype:
+        raise ValueError(f"rms_norm_zero_centred: x {tuple(x.shape)} needs a contiguous last dim")
+    t, h, d = x3.shape
+    if t == 0:
+        return out
+    _zero_centred_norm_kernel[(t * h,)](
+        x3,
+        weight,
+        o3,
+        h,
+        x3.stride(0),
+        x3.stride(1),
+        o3.stride(0),
+        o3.stride(1),
+        eps,
+        D=d,
+        BLOCK=next_pow2(d),
+        FIX=interp_bf16(x.dtype),
+        num_warps=1 if d <= 512 else 4 if d <= 4096 else 8,
+        **pdl_launch(x),
+    )
+    return out
