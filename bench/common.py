@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 
 def cuda_time_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> float:
@@ -93,8 +95,49 @@ def check_all_running(engine, batch: int) -> None:
         )
 
 
+@triton.jit
+def _stream_read(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    # 64-bit offsets: 4 GiB of bf16 is 2^31 elements.
+    pid = tl.program_id(0).to(tl.int64)
+    step = tl.num_programs(0).to(tl.int64) * BLOCK
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(pid * BLOCK, n, step):
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+
+
+def stream_read_bytes_per_s(gib: int = 4, reps: int = 20) -> float:
+    """The decode ceiling: the best rate a read-only Triton stream reaches over ``gib`` GiB of bf16 (each
+    program sums its tiles, loaded evict-first, into one float; several grid and tile sizes, best of
+    ``reps`` each). A decode step only reads its weights, and a copy, which also writes, reads slower."""
+    n = gib * (1 << 30) // 2
+    x = torch.ones(n, device="cuda", dtype=torch.bfloat16)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    best = 0.0
+    for programs in (4 * sms, 8 * sms, 16 * sms):
+        out = torch.empty(programs, device="cuda", dtype=torch.float32)
+        for block in (4096, 8192, 16384):
+            for rep in range(3 + reps):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                _stream_read[(programs,)](x, out, n, BLOCK=block, num_warps=8)
+                end.record()
+                end.synchronize()
+                if rep >= 3:  # after warm-up (the first launch compiles)
+                    best = max(best, 2 * n / (start.elapsed_time(end) / 1e3))
+            total = out.double().sum().item()  # the partials are exact integers
+            if total != n:  # every element read exactly once
+                raise RuntimeError(f"stream read of {programs}x{block} summed {total}, not {n}")
+    return best
+
+
 def measure_ceilings() -> dict[str, float]:
-    """HBM copy bandwidth (1 GiB device-to-device, bytes read + written) and the bf16 matmul rate (8192³)."""
+    """HBM copy bandwidth (1 GiB device-to-device, bytes read + written), the streaming-read rate
+    (``stream_read_bytes_per_s``), the decode ceiling (the higher of the two) and the bf16 matmul rate
+    (8192³)."""
+    read = stream_read_bytes_per_s()
+    torch.cuda.empty_cache()
     n = (1 << 30) // 2
     x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     y = torch.empty_like(x)
@@ -102,8 +145,11 @@ def measure_ceilings() -> dict[str, float]:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     mm_ms = cuda_time_ms(lambda: a @ b, reps=10)
+    copy = 2 * (1 << 30) / (copy_ms / 1e3)
     return {
-        "hbm_bytes_per_s": 2 * (1 << 30) / (copy_ms / 1e3),
+        "hbm_bytes_per_s": copy,
+        "hbm_read_bytes_per_s": read,
+        "decode_ceiling_bytes_per_s": max(copy, read),
         "bf16_flops_per_s": 2 * 8192**3 / (mm_ms / 1e3),
     }
 
