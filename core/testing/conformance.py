@@ -5,9 +5,12 @@ Each helper loads what it needs lazily, so importing this module does not import
 
 from __future__ import annotations
 
+import copy
 import inspect
+import json
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -303,3 +306,124 @@ def assert_tensor_parallel_matches(
         assert (small.carried_steps[0] > 0) == async_scheduling, "tp: async scheduling did not schedule ahead"
     finally:
         small.engine.shutdown()
+
+
+# ------------------------------------------------------------------------------------ logits vs transformers
+
+
+def teacher_forced_errors(
+    llm: Any, reference: str | Path, *, prompt_len: int = 21, total_len: int = 30
+) -> tuple[float, float]:
+    """(prefill, decode) relative L2 errors of our teacher-forced logits against transformers' on the
+    checkpoint in ``reference``: a ``prompt_len``-token prompt in one chunk, then one decode step each
+    through the paged cache up to ``total_len`` tokens (the suite's logits check)."""
+    tokens = random_prompts(prompt_len, [total_len], vocab=200)[0]
+    ours = teacher_forced_logits(llm, tokens, prefill=prompt_len)
+    ref = hf_logits(reference, tokens)
+    return (
+        relative_error(ours[:prompt_len], ref[:prompt_len]),
+        relative_error(ours[prompt_len:], ref[prompt_len:]),
+    )
+
+
+def conformance_engine(model_name: str, folder: str | Path, *overrides: str) -> Any:
+    """An LLM of ``model_name`` on ``folder``, on the CPU in float32, built through the Hydra config like
+    the suite's ``conformance_llm`` fixture (``overrides``: more Hydra overrides)."""
+    from pegainfer.hydra_config import build_engine_config, compose
+    from pegainfer.llm import LLM
+
+    base = [
+        f"model={model_name}",
+        f"model.path={folder}",
+        "device=cpu",
+        "model.dtype=float32",
+        "cache.cpu_kv_cache_bytes=8388608",
+    ]
+    return LLM.from_config(build_engine_config(compose("generate", [*base, *overrides])))
+
+
+# ------------------------------------------------------------------------------------ mutations on purpose
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """A loader bug made on purpose, to show the logits check catches it.
+
+    ``config`` edits (in place) the config.json the loader reads, not the one transformers reads:
+    :func:`forget` drops keys, i.e. a loader that ignores them and takes its default. ``model`` edits the
+    loaded model in place (e.g. an attention scale 1% off)."""
+
+    name: str
+    config: Callable[[dict[str, Any]], None] | None = None
+    model: Callable[[Any], None] | None = None
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def forget(*keys: str) -> Callable[[dict[str, Any]], None]:
+    """A config edit that deletes each of ``keys``: a plain name wherever it is in the config (the top
+    level, ``text_config``, ``rope_parameters``, ``rope_scaling``, nested ropes), a dotted path
+    (``"rope_parameters.main.rope_theta"``) only there. The loader's default then stands in, as in a loader
+    that never read the key."""
+
+    def drop_everywhere(config: dict[str, Any], key: str) -> None:
+        config.pop(key, None)
+        for value in config.values():
+            if isinstance(value, dict):
+                drop_everywhere(value, key)
+
+    def edit(config: dict[str, Any]) -> None:
+        for key in keys:
+            *path, name = key.split(".")
+            if not path:
+                drop_everywhere(config, name)
+                continue
+            section = config
+            for part in path:
+                section = section.get(part) or {}
+            section.pop(name, None)
+
+    return edit
+
+
+def mutated_engine(model_name: str, folder: str | Path, mutation: Mutation, workdir: str | Path) -> Any:
+    """An engine (as :func:`conformance_engine`) with ``mutation`` applied: its config edit to a copy of
+    the checkpoint in ``workdir`` (weights linked, config.json rewritten), its model edit to the loaded
+    model. The config edit must change the config (a key that is not there mutates nothing)."""
+    folder = Path(folder)
+    if mutation.config is not None:
+        config = json.loads((folder / "config.json").read_text())
+        edited = copy.deepcopy(config)
+        mutation.config(edited)
+        if edited == config:
+            raise ValueError(f"mutation {mutation.name!r} leaves config.json as it is")
+        copy_folder = Path(workdir) / f"mutated-{mutation.name}"
+        copy_folder.mkdir(parents=True)
+        for path in folder.iterdir():
+            if path.name != "config.json":
+                (copy_folder / path.name).symlink_to(path.resolve())
+        (copy_folder / "config.json").write_text(json.dumps(edited, indent=2))
+        folder = copy_folder
+    llm = conformance_engine(model_name, folder)
+    if mutation.model is not None:
+        with torch.no_grad():
+            mutation.model(llm.engine.executor.runner.model)
+    return llm
+
+
+def mutation_errors(
+    model_name: str,
+    folder: str | Path,
+    mutation: Mutation,
+    workdir: str | Path,
+    reference: str | Path | None = None,
+) -> tuple[float, float]:
+    """(prefill, decode) errors of the suite's logits check (:func:`teacher_forced_errors`) for the model
+    with ``mutation`` applied, against transformers on the unmutated checkpoint (``reference``, default
+    ``folder``). A mutation the check catches has both above the suite's ``logits_tolerance``."""
+    llm = mutated_engine(model_name, folder, mutation, workdir)
+    try:
+        return teacher_forced_errors(llm, reference or folder)
+    finally:
+        llm.engine.shutdown()

@@ -158,17 +158,11 @@ class PluginConformance:
         """Teacher-forced: a 21-token prompt's logits in one chunk, then 9 decode steps through the paged
         cache, each within ``logits_tolerance`` of transformers' logits at the same positions."""
         self._needs_transformers()
-        from pegainfer.testing.conformance import (
-            hf_logits,
-            random_prompts,
-            relative_error,
-            teacher_forced_logits,
-        )
+        from pegainfer.testing.conformance import teacher_forced_errors
 
-        tokens = random_prompts(21, [30], vocab=200)[0]
-        ours = teacher_forced_logits(conformance_llm, tokens, prefill=21)
-        ref = hf_logits(self.reference_checkpoint(conformance_checkpoint), tokens)
-        prefill, decode = relative_error(ours[:21], ref[:21]), relative_error(ours[21:], ref[21:])
+        prefill, decode = teacher_forced_errors(
+            conformance_llm, self.reference_checkpoint(conformance_checkpoint)
+        )
         assert prefill < self.logits_tolerance, f"prefill logits: relative error {prefill:.2e}"
         assert decode < self.logits_tolerance, f"decode logits: relative error {decode:.2e}"
 

@@ -5,6 +5,27 @@ The config mirrors DeepSeek-V3's config.json at toy size: q and kv LoRA (or a di
 vector, shared experts, YaRN rope written the legacy way (``"type": "yarn"``) and one MTP layer stored as
 ``model.layers.{num_hidden_layers}.*``. Weights are scaled so greedy decoding has clear margins.
 
+Every config value the loader (``DeepseekV3Dims.from_hf_config``) reads is set to a value that is neither its
+default nor transformers' ``DeepseekV3Config`` default, so a loader that ignored a key fails the logits check
+(``tests/test_deepseek_mutations.py`` proves it for each): ``rms_norm_eps`` 2e-6, ``rope_theta`` 5e4,
+``routed_scaling_factor`` 1.8 (not 2.5), ``norm_topk_prob`` false, ``n_shared_experts`` 2 (not 1 nor 0),
+``first_k_dense_replace`` 1 (not 3), ``n_group`` 4 / ``topk_group`` 2 (not 8 / 4, nor 1 / n_group), the
+head dims, LoRA ranks and expert counts, ``max_position_embeddings`` 2048 (not 4096), and every YaRN key:
+``original_max_position_embeddings`` 256, ``beta_fast`` 24 / ``beta_slow`` 2 (not 32 / 1), ``mscale`` 0.9
+and ``mscale_all_dim`` 0.7 (unequal, so the cos/sin factor is not 1 and the softmax scale has its own
+mscale²), ``truncate`` false. The embeddings are small (std 0.02, as trained models have), so the first
+RMSNorm's epsilon moves the logits well past the tolerance; a tied checkpoint's final norm is scaled up to
+keep the logits peaked. Left at the defaults, with the reason: ``rope_interleave`` true (DeepSeek's pairing;
+false in the ``plain-rope-half-split`` variant), ``tie_word_embeddings`` / ``attention_bias`` false (true in
+the ``bias-tied`` variant), and ``hidden_act`` silu, ``scoring_func`` sigmoid, ``topk_method`` noaux_tc,
+``moe_layer_freq`` 1: the only values the plugin (and transformers' DeepseekV3) implements.
+
+transformers' DeepseekV3 (and V3.2) gives ``q_a_layernorm`` and ``kv_a_layernorm`` a fixed epsilon of 1e-6
+and ignores ``rms_norm_eps`` there, while the plugin uses ``rms_norm_eps`` for every norm (as vLLM and
+SGLang do). Published configs have 1e-6, where the two agree; at 1e-5 the cached latents would differ by
+about 3e-5 (the logits by 1e-5 relative), so the tiny value is 2e-6: the difference stays at rounding level
+while a loader that fell back to 1e-6 still moves the first norm (small embeddings) past the tolerance.
+
 ``write_fp8_copy`` turns such a checkpoint into the FP8 layout DeepSeek ships: ``float8_e4m3fn`` weights
 with a ``weight_scale_inv`` per 128×128 block and a ``quantization_config`` in config.json.
 """
@@ -21,6 +42,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+EMBED_STD = 0.02
 
 
 def deepseek_v3_config(vocab_size: int, **overrides: Any) -> dict[str, Any]:
@@ -41,26 +63,29 @@ def deepseek_v3_config(vocab_size: int, **overrides: Any) -> dict[str, Any]:
         "qk_rope_head_dim": 16,
         "v_head_dim": 24,
         "n_routed_experts": 16,
-        "n_shared_experts": 1,
+        "n_shared_experts": 2,
         "num_experts_per_tok": 3,
         "n_group": 4,
         "topk_group": 2,
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": False,
+        "routed_scaling_factor": 1.8,
         "scoring_func": "sigmoid",
         "topk_method": "noaux_tc",
         "hidden_act": "silu",
         "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
+        # Not 1e-6, but close to it: transformers' q_a_layernorm and kv_a_layernorm keep 1e-6 whatever the
+        # config says (see the module docstring), and the cached latents are compared within 1e-5.
+        "rms_norm_eps": 2e-6,
+        "rope_theta": 50000.0,
         "rope_scaling": {
             "type": "yarn",
             "factor": 8.0,
             "original_max_position_embeddings": 256,
-            "beta_fast": 32,
-            "beta_slow": 1,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
+            "beta_fast": 24,
+            "beta_slow": 2,
+            "mscale": 0.9,
+            "mscale_all_dim": 0.7,
+            "truncate": False,
         },
         "rope_interleave": True,
         "num_nextn_predict_layers": 1,
@@ -165,13 +190,16 @@ def _decoder_layer(
 def deepseek_v3_tensors(cfg: dict[str, Any], gen: torch.Generator) -> dict[str, torch.Tensor]:
     h, v, layers = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     first_dense = cfg.get("first_k_dense_replace", 0)
+    tied = bool(cfg.get("tie_word_embeddings"))
+    # Small embeddings, as trained models have: the first layer's RMSNorm then depends on its epsilon. Tied,
+    # the lm_head is the embedding: the final norm's weight makes up its scale (peaked logits).
     tensors = {
-        "model.embed_tokens.weight": torch.randn(v, h, generator=gen),
-        "model.norm.weight": _norm(gen, h),
+        "model.embed_tokens.weight": torch.randn(v, h, generator=gen) * EMBED_STD,
+        "model.norm.weight": _norm(gen, h) * (0.5 / EMBED_STD if tied else 1.0),
     }
     for layer in range(layers):
         tensors.update(_decoder_layer(cfg, gen, f"model.layers.{layer}.", moe=layer >= first_dense))
-    if not cfg.get("tie_word_embeddings"):
+    if not tied:
         tensors["lm_head.weight"] = torch.randn(v, h, generator=gen) * 0.5
     head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
     for k in range(cfg.get("num_nextn_predict_layers", 0)):

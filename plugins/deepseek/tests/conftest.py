@@ -11,6 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from pegainfer_deepseek.tiny import EMBED_STD
+
 
 @pytest.fixture(scope="session")
 def tiny_deepseek(tiny_checkpoint_factory: Callable[..., Path]) -> Path:
@@ -32,6 +34,8 @@ def aligned_deepseek(tiny_deepseek: Path, tmp_path_factory: pytest.TempPathFacto
     embedding half of ``eh_proj`` and shares the main embedding, final norm and head."""
     folder = Path(shutil.copytree(tiny_deepseek, tmp_path_factory.mktemp("aligned") / "ckpt"))
     tensors = load_file(str(folder / "model.safetensors"))
+    # Unit-scale embeddings (the tiny checkpoint's are small): the current token dominates the residual.
+    tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"] / EMBED_STD
     for name in list(tensors):
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             tensors[name] = tensors[name] * 0.1

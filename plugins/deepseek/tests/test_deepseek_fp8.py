@@ -83,7 +83,7 @@ def test_every_tensor_and_scale_is_consumed(folders):
         ("model.layers.1.mlp.experts.5.down_proj.weight", lambda m: m.layers[1].mlp.experts_down[5]),
         (
             "model.layers.1.mlp.shared_experts.up_proj.weight",
-            lambda m: m.layers[1].mlp.shared_experts.gate_up_proj[48:],
+            lambda m: m.layers[1].mlp.shared_experts.gate_up_proj[m.layers[1].mlp.shared_experts.local :],
         ),
         ("model.layers.2.self_attn.o_proj.weight", lambda m: m.mtp[0].block.self_attn.o_proj),
     ],

@@ -21,7 +21,7 @@ from pegainfer.model.model_api import ForwardBatch
 from pegainfer.testing.conformance import hf_model
 
 
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
@@ -58,12 +58,12 @@ def _reference_mtp(folder, tokens: list[int]) -> tuple[torch.Tensor, torch.Tenso
     )
     block.load_state_dict(state, strict=True)
 
-    n = len(tokens) - 1
+    n, eps = len(tokens) - 1, config.rms_norm_eps
     x = (
         torch.cat(
             [
-                _rms(mtp["embed_tokens.weight"][torch.tensor(tokens[1:])], mtp["enorm.weight"]),
-                _rms(hidden[:n], mtp["hnorm.weight"]),
+                _rms(mtp["embed_tokens.weight"][torch.tensor(tokens[1:])], mtp["enorm.weight"], eps),
+                _rms(hidden[:n], mtp["hnorm.weight"], eps),
             ],
             dim=-1,
         )
@@ -76,7 +76,7 @@ def _reference_mtp(folder, tokens: list[int]) -> tuple[torch.Tensor, torch.Tenso
         x = block(
             x[None], attention_mask=mask, position_ids=positions, position_embeddings=rotary(x, positions)
         )[0]
-    logits = _rms(x, mtp["shared_head.norm.weight"]) @ mtp["shared_head.head.weight"].T
+    logits = _rms(x, mtp["shared_head.norm.weight"], eps) @ mtp["shared_head.head.weight"].T
     return hidden, logits
 
 

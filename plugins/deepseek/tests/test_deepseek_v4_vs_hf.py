@@ -78,10 +78,10 @@ def test_buffers_per_layer_kind(llm_v4):
     states = {s.layer_index: dict(s.shapes) for s in specs if isinstance(s, RecurrentStateSpec)}
     paged = {s.key: s for s in specs if isinstance(s, PagedCompressedSpec)}
     assert states[0] == {"window": (8, 32)}  # sliding only
-    assert states[1] == {"window": (8, 32), "compressor": (8, 128), "indexer": (8, 64)}  # CSA
+    assert states[1] == {"window": (8, 32), "compressor": (4, 128), "indexer": (4, 64)}  # CSA (ratio 2)
     assert states[2] == {"window": (8, 32), "compressor": (8, 64)}  # HCA
     assert set(paged) == {1, 2, 3, (1, INDEXER_CACHE), (3, INDEXER_CACHE)}
-    assert (paged[1].ratio, paged[2].ratio, paged[(1, INDEXER_CACHE)].entry_dim) == (4, 8, 16)
+    assert (paged[1].ratio, paged[2].ratio, paged[(1, INDEXER_CACHE)].entry_dim) == (2, 8, 16)
     plan, bs = engine.buffers.plan, engine.buffers.block_size
     assert plan.page_bytes == sum(s.page_bytes(bs) for s in paged.values())
     assert plan.transients["deepseek_v4_attention_scratch"] > 0

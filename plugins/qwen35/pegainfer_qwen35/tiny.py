@@ -8,7 +8,18 @@ small vision tower (``model.visual.*``) and an MTP head (``mtp.*``) that a text 
 The text config is written with legacy rope keys (``rope_theta``, ``rope_scaling``,
 ``partial_rotary_factor``); ``write_tiny_checkpoint`` turns them into ``rope_parameters`` for the new
 layout. ``layer_types`` deliberately differs from the ``full_attention_interval`` rule, so a loader that
-reads the rule instead of the list fails. Random weights are scaled so the logits are peaked and greedy
+reads the rule instead of the list fails.
+
+Every config value the loader (``Qwen35Config.from_hf_config``) reads is set to a value that is neither its
+default nor transformers' (``Qwen3_5TextConfig`` / ``Qwen3_5MoeTextConfig``), so a loader that ignored a
+key fails the logits check (``tests/test_qwen35_mutations.py`` proves it for each): ``rms_norm_eps`` 1e-5
+(not 1e-6), ``rope_theta`` 1e6 (not 1e4), ``partial_rotary_factor`` 0.5 (not 0.25), ``head_dim`` 32 (not
+hidden / heads nor 256), ``linear_conv_kernel_dim`` 3 (not 4), ``full_attention_interval`` 3 (not 4, and
+not the rule ``layer_types`` follows), ``num_key_value_heads`` 2 dense / 1 MoE (not the head count, nor
+transformers' 4 / 2), ``num_experts_per_tok`` 2 (not 8), ``max_position_embeddings`` 1024 (not 32768).
+Left at the defaults, with the reason: ``tie_word_embeddings`` (false; true in the ``tied`` variants),
+``hidden_act`` silu and ``attention_bias`` false (the only values the plugin accepts), the rope type
+("default"/"mrope" only). Random weights are scaled so the logits are peaked and greedy
 decoding has clear margins; dk != dv and GVA (value heads = 2 x key heads) catch transposed or mis-mapped
 heads.
 """
@@ -37,7 +48,7 @@ def _text_config(vocab_size: int, model_type: str) -> dict[str, Any]:
         "vocab_size": vocab_size,
         "hidden_size": 64,
         "num_hidden_layers": 4,
-        "full_attention_interval": 4,
+        "full_attention_interval": 3,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "head_dim": 32,
@@ -45,13 +56,13 @@ def _text_config(vocab_size: int, model_type: str) -> dict[str, Any]:
         "linear_num_value_heads": 4,
         "linear_key_head_dim": 16,
         "linear_value_head_dim": 24,
-        "linear_conv_kernel_dim": 4,
+        "linear_conv_kernel_dim": 3,
         "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
+        "rms_norm_eps": 1e-5,
         "max_position_embeddings": 1024,
-        "rope_theta": 10000.0,
+        "rope_theta": 1000000.0,
         "rope_scaling": {"rope_type": "default", "mrope_section": [2, 1, 1], "mrope_interleaved": True},
-        "partial_rotary_factor": 0.25,
+        "partial_rotary_factor": 0.5,
         "attn_output_gate": True,
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -116,6 +127,8 @@ def qwen3_5_moe_config(vocab_size: int, **overrides: Any) -> dict[str, Any]:
         {
             "num_experts": 8,
             "num_experts_per_tok": 2,
+            # 1, neither the head count (the loader's default) nor transformers' MoE default of 2.
+            "num_key_value_heads": 1,
             "moe_intermediate_size": 32,
             "shared_expert_intermediate_size": 48,
             "router_aux_loss_coef": 0.001,

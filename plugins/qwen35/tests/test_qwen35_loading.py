@@ -50,20 +50,20 @@ def test_both_rope_layouts_and_nestings_parse_alike(tiny_checkpoint_factory):
     ]
     assert all(c == configs[0] for c in configs)
     c = configs[0]
-    assert (c.rotary_dim, c.rope_theta, c.head_dim) == (8, 10000.0, 32)  # partial_rotary_factor 0.25
+    assert (c.rotary_dim, c.rope_theta, c.head_dim) == (16, 1e6, 32)  # partial_rotary_factor 0.5
     assert c.conv_dim == 2 * 2 * 16 + 4 * 24 and not c.is_moe
 
 
 def test_layer_types_win_over_the_interval_rule(tiny_qwen35):
     hf_config = read_hf_config(tiny_qwen35)
     text = hf_config["text_config"]
-    assert text["full_attention_interval"] == 4
+    assert text["full_attention_interval"] == 3
     explicit = Qwen35Config.from_hf_config(hf_config)
     assert explicit.layer_types == tuple(text["layer_types"])
-    assert explicit.layers_of("full_attention") == [1]  # the interval rule would say [3]
+    assert explicit.layers_of("full_attention") == [1]  # the interval rule would say [2]
     no_list = {k: v for k, v in text.items() if k != "layer_types"}
     fallback = Qwen35Config.from_hf_config(no_list)
-    assert fallback.layers_of("full_attention") == [3]
+    assert fallback.layers_of("full_attention") == [2]
     # The partial rotary factor defaults to 0.25 when a config leaves it out.
     no_factor = {**no_list, "rope_parameters": {"rope_type": "default", "rope_theta": 1e7}}
     assert Qwen35Config.from_hf_config(no_factor).rotary_dim == text["head_dim"] // 4

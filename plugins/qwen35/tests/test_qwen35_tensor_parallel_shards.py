@@ -93,7 +93,8 @@ def test_rank_one_reads_its_heads_of_every_packed_tensor(tiny_checkpoint_factory
 
 
 def test_pass_buffers_and_states_are_rank_local(tiny_checkpoint_factory):
-    hf = read_hf_config(tiny_checkpoint_factory("qwen3_5_moe"))
+    # Two KV heads, so every attention width halves (the default's one KV head is replicated).
+    hf = read_hf_config(tiny_checkpoint_factory("qwen3_5_moe", num_key_value_heads=2))
     one, two = _build(hf, TensorParallel()), _build(hf, _rank())
     widths = {r.name: r.width for r in one.pass_buffer_roles}
     halves = {r.name: r.width for r in two.pass_buffer_roles}
