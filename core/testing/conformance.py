@@ -329,8 +329,8 @@ def teacher_forced_errors(
 def conformance_engine(model_name: str, folder: str | Path, *overrides: str) -> Any:
     """An LLM of ``model_name`` on ``folder``, on the CPU in float32, built through the Hydra config like
     the suite's ``conformance_llm`` fixture (``overrides``: more Hydra overrides)."""
-    from pegainfer.hydra_config import build_engine_config, compose
-    from pegainfer.llm import LLM
+    from pegainfer.config.compose import build_engine_config, compose
+    from pegainfer.engine.llm import LLM
 
     base = [
         f"model={model_name}",
