@@ -20,6 +20,7 @@ from pegainfer.executor.executor import ModelBatch, SequenceChunk
 from pegainfer.sampling.sampling_params import SamplingParams
 from pegainfer.testing.checkpoints import write_tiny_checkpoint
 from pegainfer.testing.conformance import hf_logits, top_logprob_gaps
+from pegainfer_deepseek.tiny import EMBED_STD
 
 pytestmark = [
     pytest.mark.gpu,
@@ -51,6 +52,8 @@ def gpu_checkpoint(tmp_path_factory):
         n_group=8,
         topk_group=4,
         routed_scaling_factor=1.0,
+        # transformers holds the latent norms at 1e-6 whatever the config says; here the two must agree.
+        rms_norm_eps=1e-6,
     )
     # Tame the random model's sensitivity to rounding, which is not what this gate measures: a head of
     # logit std ~3 (not ~11), and a routing bias that makes expert choices clear-cut. A random router
@@ -63,6 +66,8 @@ def gpu_checkpoint(tmp_path_factory):
             tensors[name] = (tensor.float() * 0.25).to(tensor.dtype)
         elif name.endswith("e_score_correction_bias"):
             tensors[name] = tensor * 10
+        elif name.endswith("embed_tokens.weight"):  # unit scale: the tiny builder's are small (std 0.02)
+            tensors[name] = (tensor.float() / EMBED_STD).to(tensor.dtype)
     save_file(tensors, str(path), metadata={"format": "pt"})
     return folder
 
