@@ -40,7 +40,13 @@ class StepEncoder:
                 key = (chunk.serial, chunk.epoch)
                 if len(chunk.block_table) != self._sent[key]:
                     grown.append((i, *self._delta(key, chunk.block_table, self._sent)))
-            return ("moved_on", [c.start for c in batch.chunks], grown, batch.state_restores, batch.state_saves)
+            return (
+                "moved_on",
+                [c.start for c in batch.chunks],
+                grown,
+                batch.state_restores,
+                batch.state_saves,
+            )
         sent: dict[Key, int] = {}
         rows = []
         for c in batch.chunks:

@@ -129,7 +129,9 @@ class BlockPool:
     def check(self, owners: dict[int, int]) -> None:
         """Raise AssertionError unless ``owners`` (page -> tables holding it) agrees with the pool."""
         free, evictable = self._free, list(self._evictable)
-        assert all(0 <= p < self.num_blocks for p in [*owners, *free, *evictable]), "a page id is out of range"
+        assert all(0 <= p < self.num_blocks for p in [*owners, *free, *evictable]), (
+            "a page id is out of range"
+        )
         assert len(free) == len(set(free)), "a page is on the free list twice"
         for page, n in owners.items():
             assert n == self._refs[page], (

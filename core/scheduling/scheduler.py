@@ -179,7 +179,9 @@ class ContinuousBatchingScheduler(Scheduler):
 
     def _preempt(self, victim: Request, output: SchedulerOutput) -> None:
         self.running.remove(victim)
-        victim.status = RequestStatus.PREEMPTED  # before free: the manager keeps a preempted one's pages cached
+        victim.status = (
+            RequestStatus.PREEMPTED
+        )  # before free: the manager keeps a preempted one's pages cached
         self.buffers.free(victim)
         victim.num_computed_tokens = 0
         victim.spec_token_ids = []

@@ -228,7 +228,9 @@ class PluginConformance:
         if self.async_scheduling:
             small.append("async_scheduling=true")
         off = self._variant(conformance_checkpoint, *small, "cache.enable_prefix_caching=false")
-        expected = [[o.outputs[0].token_ids for o in outs] for outs in self._run_rounds(off, [[base], *rounds], 6)]
+        expected = [
+            [o.outputs[0].token_ids for o in outs] for outs in self._run_rounds(off, [[base], *rounds], 6)
+        ]
         assert off.engine.buffers.prefix_cache_stats == (0, 0)
         on = self._variant(conformance_checkpoint, *small)
         if not self.prefix_caching:
