@@ -283,9 +283,19 @@ class PluginConformance:
             )
         ]
         on = self._variant(conformance_checkpoint, *small)
+        buffers = on.engine.buffers
+        free, shared_preempted = buffers.free, []
+
+        def recording_free(request: Any) -> None:
+            table = buffers.block_table(request.request_id)
+            if request.status.name == "PREEMPTED" and any(buffers.pool._refs[p] > 1 for p in table):
+                shared_preempted.append(request.request_id)
+            free(request)
+
+        buffers.free = recording_free
         outs = self._run_rounds(on, plan, 6)
         assert [[o.outputs[0].token_ids for o in r] for r in outs] == expected
-        buffers = on.engine.buffers
+        assert shared_preempted, "no request holding shared pages was preempted"
         assert buffers.pool.num_evictions > 0, "the pool was large enough to evict nothing"
         assert sum(o.metrics.num_preemptions for o in outs[-1]) > 0, "nothing was preempted"
         assert any(o.num_cached_tokens for o in outs[-1]), "the shared batch hit nothing"
