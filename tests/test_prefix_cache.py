@@ -233,6 +233,26 @@ def test_snapshots_are_saved_published_and_restored() -> None:
     buffers.check_invariants()
 
 
+def test_a_shared_prefix_gets_a_snapshot_where_the_cached_pages_end() -> None:
+    """A request whose cached pages go past the last snapshot resumes from the snapshot, its chunk is cut
+    where the cached pages end and snapshotted there: the next request sharing that prefix hits it all."""
+    buffers = make_manager(state_slots=2, snapshots=4, interval=2)
+    sched = ContinuousBatchingScheduler(SchedulerConfig(), buffers)
+    device = FakeDevice(buffers)
+    base = list(range(23))
+    sched.add_request(make_request("a", base, max_tokens=1))
+    run_engine(sched, buffers, device)
+    second = make_request("b", base[:13] + [90, 91, 92], max_tokens=1)
+    sched.add_request(second)
+    steps = run_engine(sched, buffers, device)
+    assert second.num_cached_tokens == 8 and steps[0][0].scheduled[0].num_new_tokens == 4
+    third = make_request("c", base[:13] + [80, 81], max_tokens=1)
+    sched.add_request(third)
+    run_engine(sched, buffers, device)
+    assert third.num_cached_tokens == 12
+    buffers.check_invariants()
+
+
 def test_a_snapshot_goes_with_its_page() -> None:
     buffers = make_manager(num_blocks=5, state_slots=1, snapshots=2, interval=2)
     sched = ContinuousBatchingScheduler(SchedulerConfig(), buffers)

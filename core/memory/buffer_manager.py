@@ -274,6 +274,9 @@ class PagedBufferManager(BufferManager):
         self._registered: dict[str, int] = {}
         # A waiting request's cached prefix found this step: (pages, their hashes, snapshot slot).
         self._hits: dict[str, tuple[list[int], list[bytes], int | None]] = {}
+        # Models with state: where a request's cached pages ended past its snapshot (its prefix is shared
+        # that far: a snapshot there serves the next request sharing it).
+        self._divergence: dict[str, int] = {}
         self._restores: list[tuple[int, int]] = []
         self._saves: list[tuple[int, int]] = []
         self._queries = 0
@@ -348,6 +351,10 @@ class PagedBufferManager(BufferManager):
                     best, snap = len(pages), slot
         if not self.cuts_chunks:
             best = len(pages)
+        elif len(pages) > best:
+            self._divergence[rid] = len(pages) * self.block_size  # where its first chunk is cut
+        else:
+            self._divergence.pop(rid, None)
         if best == 0:
             return 0
         self._hits[rid] = (pages[:best], hashes[:best], snap)
@@ -438,11 +445,15 @@ class PagedBufferManager(BufferManager):
     # -------------------------------------------------------------------------------------- snapshots
 
     def _next_boundary(self, request: Request, after: int) -> int:
-        """The first snapshot boundary past ``after``: every ``snapshot_interval_pages`` pages, and the
-        prompt's last page boundary short of its last token (what a repeat of the prompt can hit)."""
-        periodic = (after // self._interval + 1) * self._interval
+        """The first snapshot boundary past ``after``: every ``snapshot_interval_pages`` pages, the prompt's
+        last page boundary short of its last token (what a repeat of the prompt can hit), and where the
+        request's cached pages ended past its snapshot (the prefix it shares with an earlier request)."""
+        boundary = (after // self._interval + 1) * self._interval
         prompt_end = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
-        return prompt_end if after < prompt_end < periodic else periodic
+        if after < prompt_end < boundary:
+            boundary = prompt_end
+        shared = self._divergence.get(request.request_id, 0)
+        return shared if after < shared < boundary else boundary
 
     def _boundary_key(self, request: Request, pages: int) -> bytes | None:
         """The key of the request's page ending at boundary ``pages`` (None while a token of it is unknown)."""
@@ -469,7 +480,7 @@ class PagedBufferManager(BufferManager):
         return num_new_tokens
 
     def _is_boundary(self, request: Request, position: int) -> bool:
-        if position % self._interval == 0:
+        if position % self._interval == 0 or position == self._divergence.get(request.request_id):
             return True
         return position == (request.num_prompt_tokens - 1) // self.block_size * self.block_size
 
@@ -516,6 +527,7 @@ class PagedBufferManager(BufferManager):
                 self._register(request, pages)
             self.pool.free(pages)
         self._registered.pop(rid, None)
+        self._divergence.pop(rid, None)
         slot = self._slots.pop(rid, None)
         if slot is not None:
             self._free_slots.append(slot)

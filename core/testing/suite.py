@@ -30,6 +30,9 @@ import pytest
 
 from pegainfer.sampling.sampling_params import SamplingParams
 
+#: The shared-prefix lengths of the prefix-caching checks (4-token pages, snapshots every 8 tokens).
+PREFIX_LENGTHS = (3, 4, 5, 7, 8, 9, 12, 16, 17)
+
 
 class PluginConformance:
     model_name: ClassVar[str]
@@ -204,11 +207,14 @@ class PluginConformance:
     def _prefix_rounds(self) -> tuple[list[int], list[list[list[int]]]]:
         """A 24-token base prompt and the rounds run after it: the base again, then one batch of prompts
         sharing its first k tokens (k around the 4-token page boundaries and the 8-token snapshot interval)
-        with their own 5-token tails, then the batch again (longer hits: their own pages are cached)."""
+        with their own 5-token tails, then the batch again (longer hits: their own pages are cached), then
+        the same prefixes with other tails (models with state: the snapshots the batch left where its
+        cached pages ended)."""
         rng = random.Random(5)
         base = [rng.randrange(200) for _ in range(24)]
-        shared = [base[:k] + [rng.randrange(200) for _ in range(5)] for k in (3, 4, 5, 7, 8, 9, 12, 16, 17)]
-        return base, [[base], shared, shared]
+        shared = [base[:k] + [rng.randrange(200) for _ in range(5)] for k in PREFIX_LENGTHS]
+        other = [base[:k] + [rng.randrange(200) for _ in range(5)] for k in PREFIX_LENGTHS]
+        return base, [[base], shared, shared, other]
 
     def _run_rounds(self, llm: Any, rounds: list[list[list[int]]], max_tokens: int) -> list[Any]:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -222,7 +228,8 @@ class PluginConformance:
         """Greedy tokens with prefix caching equal those without (and transformers' for the base prompt),
         over 4-token pages and snapshots every 2 pages: the base prompt, then the base again (a full hit
         but its last token), then a batch whose prompts share 3..17 tokens with it, hitting its pages at
-        once, then that batch again; the cache is hit where it must be."""
+        once, then that batch again, then those prefixes with other tails; the cache is hit where it must
+        be."""
         base, rounds = self._prefix_rounds()
         small = ["cache.block_size=4", "cache.snapshot_interval_pages=2", "model.max_model_len=64"]
         if self.async_scheduling:
@@ -251,9 +258,10 @@ class PluginConformance:
         assert cached[1] == [20], "the repeated prompt hits all of its pages but the last token's"
         # Attention alone hits every shared full page; recurrent state only where a snapshot was taken
         # (every 2 pages, and the base prompt's last page boundary, 20).
-        pages = [(k // 4) * 4 for k in (3, 4, 5, 7, 8, 9, 12, 16, 17)]
+        pages = [(k // 4) * 4 for k in PREFIX_LENGTHS]
         assert cached[2] == ([p // 8 * 8 for p in pages] if hybrid else pages)
         assert all(c > 0 for c in cached[3]), "the repeated batch hits its own pages"
+        assert cached[4] == pages, f"a shared prefix hits in full the second time: {cached}"
         queries, hits = on.engine.buffers.prefix_cache_stats
         assert hits == sum(map(sum, cached)) and queries > hits > 0
         assert 0 < on.engine.prefix_cache_hit_rate < 1
