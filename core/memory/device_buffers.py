@@ -59,8 +59,9 @@ class DeviceBuffers:
         resuming at the snapshot's page boundary). Every rank runs the same copies on its own shard."""
         if not copies or not self._pairs:
             return
-        slots = torch.tensor([c[0] for c in copies], dtype=torch.int64, device=self.device)
-        snaps = torch.tensor([c[1] for c in copies], dtype=torch.int64, device=self.device)
+        pinned = self.device.type == "cuda"  # staged through pinned memory: the copy does not wait
+        index = torch.tensor(copies, dtype=torch.int64, pin_memory=pinned).to(self.device, non_blocking=True)
+        slots, snaps = index[:, 0], index[:, 1]
         for state, snapshot in self._pairs:
             if save:
                 snapshot.index_copy_(0, snaps, state.index_select(0, slots))

@@ -87,4 +87,9 @@ def plan_rank_memory(
         # pages beyond what max_num_seqs requests use would only cost allocation time.
         cap_pages=not (caching and loaded.device.type == "cuda"),
     )
-    return replace(plan, num_blocks=tp.min_int(plan.num_blocks))
+    # Page and snapshot indices must mean the same on every rank: each takes the smallest count.
+    return replace(
+        plan,
+        num_blocks=tp.min_int(plan.num_blocks),
+        num_snapshot_slots=tp.min_int(plan.num_snapshot_slots),
+    )
