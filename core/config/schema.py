@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from pegainfer.errors import ConfigError
 
@@ -40,6 +48,24 @@ class CacheConfig(_Section):
     cpu_kv_cache_bytes: int = Field(default=1 << 30, ge=1)
     # Fixed page count, bypassing the memory plan (tests force preemption with it).
     num_gpu_blocks_override: int | None = Field(default=None, ge=1)
+    #: Reuse the KV of a cached prompt prefix (full pages keyed by a chained hash of their tokens); a
+    #: model that cannot (DeepSeek-V4) runs uncached and logs why once. vLLM's name.
+    enable_prefix_caching: StrictBool = True
+    #: Hybrid models (recurrent state beside attention): a state snapshot is kept at the last page boundary
+    #: of every prompt and every this many pages (prefill chunks are cut there when caching is on).
+    snapshot_interval_pages: int = Field(default=32, ge=1)
+    #: State snapshots the memory plan reserves for prefix caching of hybrid models (None: as many as
+    #: ``scheduler.max_num_seqs``, at most a tenth of the memory left after the state slots).
+    num_state_snapshots: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _snapshots_need_caching(self) -> CacheConfig:
+        if not self.enable_prefix_caching and self.num_state_snapshots:
+            raise ValueError(
+                "num_state_snapshots is set but enable_prefix_caching is false: snapshots only serve prefix "
+                "caching (set cache.enable_prefix_caching=true or leave num_state_snapshots null)"
+            )
+        return self
 
 
 class SchedulerConfig(_Section):

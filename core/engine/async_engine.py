@@ -69,6 +69,13 @@ class EngineSnapshot:
     generation_tokens: int = 0
     steps: int = 0
     open_requests: int = 0
+    #: Prefix caching: prompt tokens of admitted requests, and how many of them were found cached.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 @dataclass
@@ -117,7 +124,7 @@ class AsyncLLMEngine:
         self._dead: EngineDeadError | None = None
         self._thread: threading.Thread | None = None
         self._snapshot = EngineSnapshot()
-        self._last_log = (time.monotonic(), 0, 0)
+        self._last_log = (time.monotonic(), 0, 0, 0, 0)
 
     # ------------------------------------------------------------------------------------------ control
 
@@ -308,7 +315,11 @@ class AsyncLLMEngine:
         try:
             for rid, item in zip(stream.request_ids, command.inputs, strict=True):
                 self.engine.add_request(
-                    rid, item.prompt, stream.params, prompt_token_ids=item.prompt_token_ids
+                    rid,
+                    item.prompt,
+                    stream.params,
+                    prompt_token_ids=item.prompt_token_ids,
+                    cache_salt=item.cache_salt,
                 )
                 added.append(rid)
         except Exception as exc:  # RequestError for bad input; anything else fails this request only
@@ -379,6 +390,7 @@ class AsyncLLMEngine:
 
     def _update_snapshot(self) -> None:
         engine = self.engine
+        queries, hits = engine.buffers.prefix_cache_stats
         self._snapshot = EngineSnapshot(
             alive=self._dead is None,
             accepting=self._accepting,
@@ -389,24 +401,32 @@ class AsyncLLMEngine:
             generation_tokens=engine.stats["generation_tokens"],
             steps=engine.stats["steps"],
             open_requests=len(self._streams),
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
         )
 
     def _maybe_log(self) -> None:
         """One status line every ``log_interval`` seconds, unless nothing at all happened in it."""
         now = time.monotonic()
-        last_time, last_prompt, last_gen = self._last_log
+        last_time, last_prompt, last_gen, last_queries, last_hits = self._last_log
         if not self.log_interval or now - last_time < self.log_interval:
             return
         snap = self._snapshot
-        self._last_log = (now, snap.prompt_tokens, snap.generation_tokens)
+        queries, hits = snap.prefix_cache_queries, snap.prefix_cache_hits
+        self._last_log = (now, snap.prompt_tokens, snap.generation_tokens, queries, hits)
         if not (snap.num_running or snap.num_waiting or snap.generation_tokens != last_gen):
             return
         elapsed = now - last_time
+        # The hit rate over the interval's admissions (the cumulative rate when none was admitted).
+        window = queries - last_queries
+        rate = (hits - last_hits) / window if window else snap.prefix_cache_hit_rate
         logger.info(
-            "engine: prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV pages %.1f%%",
+            "engine: prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV pages %.1f%%, "
+            "prefix cache hit rate %.1f%%",
             (snap.prompt_tokens - last_prompt) / elapsed,
             (snap.generation_tokens - last_gen) / elapsed,
             snap.num_running,
             snap.num_waiting,
             100.0 * snap.kv_cache_usage,
+            100.0 * rate,
         )

@@ -47,12 +47,14 @@ class BatchBuilder:
     def build(self, plan: SchedulerOutput, pending: PendingStep | None, step: int) -> ModelBatch:
         """Step ``step``'s batch: last step's moved on in the steady state of async decoding (see
         PersistentDecodeBatch), else a chunk built for every planned request."""
+        batch = None
         if pending is not None:
             batch = self._decode_batch.reuse(plan.scheduled, pending.sample.tokens, step)
-            if batch is not None:
-                return batch
-        batch = self._new_batch(plan, pending)
-        self._decode_batch.remember(plan.scheduled, batch, step)
+        if batch is None:
+            batch = self._new_batch(plan, pending)
+            self._decode_batch.remember(plan.scheduled, batch, step)
+        # Prefix caching of recurrent state: this step's snapshot restores and saves (usually none).
+        batch.state_restores, batch.state_saves = self.buffers.take_state_copies()
         return batch
 
     def _new_batch(self, plan: SchedulerOutput, pending: PendingStep | None) -> ModelBatch:

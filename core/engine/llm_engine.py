@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["STAT_KEYS", "LLMEngine", "load_tokenizer"]
 
+#: Prefix-caching refusals already logged (once per process, however many engines start).
+_LOGGED_REFUSALS: set[str] = set()
+
 
 def load_tokenizer(config: EngineConfig) -> Tokenizer:
     """``model.tokenizer`` or the checkpoint's own. A checkpoint without tokenizer files runs under
@@ -83,10 +86,15 @@ class LLMEngine:
         eos = self.generation_config.get("eos_token_id")
         if eos is not None:
             self.tokenizer.add_eos_token_ids([eos] if isinstance(eos, int) else eos)
-        self.buffers = PagedBufferManager(self.executor.plan)
+        num_spec = config.speculative.num_tokens
+        self.buffers = PagedBufferManager(
+            self.executor.plan,
+            prefix_caching=self._prefix_caching(config),
+            snapshot_interval_pages=config.cache.snapshot_interval_pages,
+            drafts=SpeculativeDecoder.drafts_for if num_spec else None,
+        )
         self.scheduler: Scheduler = ContinuousBatchingScheduler(config.scheduler, self.buffers)
         self.sampler = Sampler(seed=config.seed, device=info.device)
-        num_spec = config.speculative.num_tokens
         self.speculative = (
             SpeculativeDecoder(num_spec, self.executor, self.buffers, self.scheduler, self.max_model_len)
             if num_spec
@@ -103,6 +111,30 @@ class LLMEngine:
         self.async_scheduling = self._async_scheduling(config)
         self._pending: PendingStep | None = None
         self._wait_s = 0.0
+
+    def _prefix_caching(self, config: EngineConfig) -> bool:
+        """``cache.enable_prefix_caching``, unless the model refuses it (its reason logged once)."""
+        if not config.cache.enable_prefix_caching:
+            return False
+        refusal = self.executor.info.prefix_caching_refusal
+        if refusal is not None:
+            if refusal not in _LOGGED_REFUSALS:
+                _LOGGED_REFUSALS.add(refusal)
+                logger.warning("%s runs without prefix caching: %s", self.executor.info.name, refusal)
+            return False
+        plan = self.executor.plan
+        if plan.num_state_slots and not plan.num_snapshot_slots:
+            logger.warning(
+                "prefix caching is off: the model keeps recurrent state and cache.num_state_snapshots is 0"
+            )
+            return False
+        return True
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Cached prompt tokens over prompt tokens of the requests admitted so far (0 before any)."""
+        queries, hits = self.buffers.prefix_cache_stats
+        return hits / queries if queries else 0.0
 
     @property
     def wait_time_s(self) -> float:
@@ -147,8 +179,10 @@ class LLMEngine:
         *,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
-        """Validate and queue a request; ``params.n`` sequences are generated from it."""
+        """Validate and queue a request; ``params.n`` sequences are generated from it. Requests with
+        different ``cache_salt`` never share cached prefix pages (vLLM's name: one salt per tenant)."""
         params = params or self.default_sampling_params()
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         if self.outputs.id_in_use(request_id, child_ids):
@@ -173,6 +207,7 @@ class LLMEngine:
                 arrival_time=arrival,
                 prompt=prompt,
                 max_model_len=self.max_model_len,
+                cache_salt=cache_salt,
             )
             seq = SequenceState(
                 request,

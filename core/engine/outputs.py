@@ -57,3 +57,5 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    #: Prompt tokens whose KV came from the prefix cache instead of being computed.
+    num_cached_tokens: int = 0

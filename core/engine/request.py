@@ -58,6 +58,7 @@ class Request:
         arrival_time: float | None = None,
         prompt: str | None = None,
         max_model_len: int | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         # Unique for the process: a reused request id never aliases an earlier request's device state.
@@ -99,6 +100,12 @@ class Request:
         self.generator: torch.Generator | None = None
         # The sampler's running token counts for penalties (created on first use).
         self.penalty_state: object | None = None
+        # Prefix caching: what else keys this request's pages (requests with different salts share none),
+        # the keys of its full pages computed so far (the buffer manager's, once per page), and how many
+        # prompt tokens its first admission found cached.
+        self.cache_salt = cache_salt
+        self.page_hashes: list[bytes] = []
+        self.num_cached_tokens = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -88,4 +88,6 @@ class RequestGroup:
             finished=self.finished,
             prompt_logprobs=self.prompt_logprobs,
             metrics=metrics,
+            # The prompt tokens the first sequence found cached when it was first admitted (vLLM's field).
+            num_cached_tokens=self.sequences[0].request.num_cached_tokens,
         )

@@ -41,6 +41,8 @@ class PromptInput:
 
     prompt_token_ids: list[int]
     prompt: str | None = None
+    #: Prefix-caching salt: requests with different salts share no cached pages (vLLM's ``cache_salt``).
+    cache_salt: str | None = None
 
 
 class RequestStream:

@@ -73,6 +73,11 @@ class ModelBatch:
     #: This is the last executed batch (the same object) moved on to the next step: only its chunks'
     #: ``start`` and ``carried_tokens`` changed, so the executor may keep what it drew from the rest.
     moved_on: bool = False
+    #: Prefix caching of recurrent state, (state slot, snapshot slot) pairs: snapshots copied into the slots
+    #: of requests resuming from a cached prefix before the forward, and slots copied into snapshots after
+    #: it (chunks that end at a snapshot boundary). Set for every step, the moved-on batch's included.
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

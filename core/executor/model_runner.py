@@ -53,6 +53,8 @@ class ModelInfo:
     max_model_len: int
     device: torch.device  # rank 0's: where the logits to sample are
     dtype: torch.dtype
+    #: Why the model runs without prefix caching although it was asked for (None: cached as configured).
+    prefix_caching_refusal: str | None = None
 
 
 class ModelRunner:
@@ -81,6 +83,7 @@ class ModelRunner:
             loaded.max_model_len,
             self.device,
             loaded.dtype,
+            model.prefix_caching_refusal,
         )
         self.capabilities = ExecutorCapabilities(
             device_embedding=model.embeds_on_device,
@@ -141,7 +144,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ModelBatch) -> ExecutorOutput:
         """Run ``batch``: KV and state of its chunk tokens are written into the buffers; returns the logits
-        of the rows that sample (and the full logits of chunks that asked), in chunk order."""
+        of the rows that sample (and the full logits of chunks that asked), in chunk order. State snapshots
+        are restored before the forward and saved after it (``ModelBatch.state_restores``/``state_saves``)."""
+        if batch.state_restores:
+            self.buffers.copy_snapshots(batch.state_restores, save=False)
+        out = self._execute(batch)
+        if batch.state_saves:
+            self.buffers.copy_snapshots(batch.state_saves, save=True)
+        return out
+
+    def _execute(self, batch: ModelBatch) -> ExecutorOutput:
         self._kept_hidden.clear()
         graph_rows = self._graph_rows
         if batch.moved_on and graph_rows is not None and graph_rows.batch is batch:

@@ -7,6 +7,8 @@ entries the rank does not have yet. Both sides keep each request's table between
 table only ever grows while it keeps its pages, and a preempted request comes back in a new epoch). A
 batch the engine moved on (``ModelBatch.moved_on``) travels as its new positions and grown tables only.
 The carried tokens themselves do not travel here: the runners broadcast rank 0's samples on the device.
+State-snapshot copies (prefix caching of recurrent state) travel with every batch, moved on or not: each
+rank copies its own shard of the state.
 """
 
 from __future__ import annotations
@@ -38,7 +40,13 @@ class StepEncoder:
                 key = (chunk.serial, chunk.epoch)
                 if len(chunk.block_table) != self._sent[key]:
                     grown.append((i, *self._delta(key, chunk.block_table, self._sent)))
-            return ("moved_on", [c.start for c in batch.chunks], grown)
+            return (
+                "moved_on",
+                [c.start for c in batch.chunks],
+                grown,
+                batch.state_restores,
+                batch.state_saves,
+            )
         sent: dict[Key, int] = {}
         rows = []
         for c in batch.chunks:
@@ -60,7 +68,7 @@ class StepEncoder:
                 )
             )
         self._sent, self._last = sent, batch
-        return ("batch", rows)
+        return ("batch", rows, batch.state_restores, batch.state_saves)
 
     def drafts(self, inputs: list[DraftInput]) -> tuple:
         """Draft inputs name requests of the step just sent: their tables are sent as deltas too."""
@@ -91,7 +99,7 @@ class StepDecoder:
     def batch(self, message: tuple) -> ModelBatch:
         kind = message[0]
         if kind == "moved_on":
-            _, starts, grown = message
+            _, starts, grown, restores, saves = message
             batch = self._last
             if batch is None or len(starts) != len(batch.chunks):
                 raise ExecutorError("step message: a moved-on batch without the batch it moves on")
@@ -101,6 +109,7 @@ class StepDecoder:
                 chunk = batch.chunks[i]
                 self._table((chunk.serial, chunk.epoch), have, new, self._tables)
             batch.moved_on = True
+            batch.state_restores, batch.state_saves = restores, saves
             return batch
         tables: dict[Key, list[int]] = {}
         chunks = []
@@ -114,7 +123,7 @@ class StepDecoder:
                 )
             )
         self._tables = tables
-        self._last = ModelBatch(chunks)
+        self._last = ModelBatch(chunks, state_restores=message[2], state_saves=message[3])
         return self._last
 
     def drafts(self, message: tuple) -> list[DraftInput]:

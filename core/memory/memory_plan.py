@@ -1,4 +1,5 @@
-"""The memory plan: reserve every transient first, then size state slots and the page pool from the rest."""
+"""The memory plan: reserve every transient first, then size state slots, state snapshots (prefix caching of
+hybrid models) and the page pool from the rest."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ class MemoryPlan:
     block_size: int = 16
     num_blocks: int = 0
     page_bytes: int = 0
+    #: Prefix caching of a model with recurrent state: copies of a state slot kept at page boundaries
+    #: (each ``state_bytes_per_slot``), a pool apart from the requests' slots.
+    num_snapshot_slots: int = 0
 
     @property
     def transient_bytes(self) -> int:
@@ -39,13 +43,23 @@ class MemoryPlan:
     def kv_bytes(self) -> int:
         return self.num_blocks * self.page_bytes
 
+    @property
+    def snapshot_bytes(self) -> int:
+        return self.num_snapshot_slots * self.state_bytes_per_slot
+
+    @property
+    def cache_bytes(self) -> int:
+        """Everything a request's context occupies: pages, state slots and state snapshots."""
+        return self.kv_bytes + self.state_bytes + self.snapshot_bytes
+
     def describe(self) -> str:
         gib = 1 << 20
         parts = ", ".join(f"{k} {v / gib:.1f}" for k, v in self.transients.items())
         return (
             f"memory plan (MiB): budget {self.budget / gib:.1f}, weights {self.weight_bytes / gib:.1f}, "
             f"transients {self.transient_bytes / gib:.1f} [{parts}], state slots {self.num_state_slots} x "
-            f"{self.state_bytes_per_slot / gib:.2f}, pages {self.num_blocks} x {self.page_bytes / 1024:.1f} KiB"
+            f"{self.state_bytes_per_slot / gib:.2f}, state snapshots {self.num_snapshot_slots}, pages "
+            f"{self.num_blocks} x {self.page_bytes / 1024:.1f} KiB; cache {self.cache_bytes / gib:.1f} in all"
         )
 
 
@@ -60,12 +74,18 @@ def plan_memory(
     max_num_batched_tokens: int,
     max_model_len: int,
     num_blocks_override: int | None = None,
+    prefix_caching: bool = False,
+    num_state_snapshots: int | None = None,
+    cap_pages: bool = True,
 ) -> MemoryPlan:
     """Split ``budget`` (everything this replica may hold, weights included) into its parts.
 
     Transients are reserved at their worst case before anything else; every admitted request needs one
-    state slot, so there are ``max_num_seqs`` slots; pages get what is left. Raises ConfigError when not
-    even one request of ``max_model_len`` tokens fits.
+    state slot, so there are ``max_num_seqs`` slots; with ``prefix_caching`` a model with state also gets
+    ``num_state_snapshots`` snapshots (None: ``max_num_seqs``, at most a tenth of what the slots leave);
+    pages get what is left, at most what ``max_num_seqs`` full-length requests use when ``cap_pages``
+    (more pages then only cost allocation time). Raises ConfigError when not even one request of
+    ``max_model_len`` tokens fits.
     """
     reserved = {t.role: t.bytes_for(max_num_batched_tokens, max_num_seqs) for t in transients}
     paged = [s for s in specs if isinstance(s, PAGED_SPECS)]
@@ -73,19 +93,28 @@ def plan_memory(
     num_slots = max_num_seqs if state_per_slot else 0
     bytes_per_page = sum(page_bytes(s, block_size) for s in paged)
     free = budget - weight_bytes - sum(reserved.values()) - num_slots * state_per_slot
+    num_snapshots = 0
+    if prefix_caching and state_per_slot and paged:
+        if num_state_snapshots is None:
+            num_snapshots = max(1, min(max_num_seqs, max(free, 0) // 10 // state_per_slot))
+        else:
+            num_snapshots = num_state_snapshots
+        free -= num_snapshots * state_per_slot
     if num_blocks_override is not None:
         num_blocks = num_blocks_override
     elif bytes_per_page == 0:
         num_blocks = 0
     else:
         # More pages than max_num_seqs full-length requests can use would only cost allocation time.
-        useful = max_num_seqs * -(-max_model_len // block_size)
-        num_blocks = min(max(free, 0) // bytes_per_page, useful)
+        num_blocks = max(free, 0) // bytes_per_page
+        if cap_pages:
+            num_blocks = min(num_blocks, max_num_seqs * -(-max_model_len // block_size))
     if num_blocks_override is None and free < 0:
         raise ConfigError(
-            f"weights ({weight_bytes} B), transients ({sum(reserved.values())} B) and state slots "
-            f"({num_slots * state_per_slot} B) exceed the memory budget ({budget} B); lower "
-            "scheduler.max_num_batched_tokens or scheduler.max_num_seqs, or raise the budget"
+            f"weights ({weight_bytes} B), transients ({sum(reserved.values())} B), state slots "
+            f"({num_slots * state_per_slot} B) and state snapshots ({num_snapshots * state_per_slot} B) exceed "
+            f"the memory budget ({budget} B); lower scheduler.max_num_batched_tokens, scheduler.max_num_seqs "
+            "or cache.num_state_snapshots, or raise the budget"
         )
     blocks_for_one = -(-max_model_len // block_size)
     if paged and num_blocks < blocks_for_one:
@@ -103,4 +132,5 @@ def plan_memory(
         block_size=block_size,
         num_blocks=num_blocks,
         page_bytes=bytes_per_page,
+        num_snapshot_slots=num_snapshots,
     )

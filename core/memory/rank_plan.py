@@ -30,6 +30,11 @@ def memory_budget(loaded: LoadedModel, config: EngineConfig, transient_bytes: in
     return loaded.weight_bytes + transient_bytes + config.cache.cpu_kv_cache_bytes
 
 
+def prefix_caching_enabled(loaded: LoadedModel, config: EngineConfig) -> bool:
+    """Whether this model runs with prefix caching: asked for, and not refused by the model."""
+    return config.cache.enable_prefix_caching and loaded.model.prefix_caching_refusal is None
+
+
 def step_transients(loaded: LoadedModel, config: EngineConfig, *, graphs: bool) -> list[TransientSpec]:
     """The model's transients plus what the sampler, the decode buffers and the decode graphs take."""
     model = loaded.model
@@ -63,6 +68,7 @@ def plan_rank_memory(
 ) -> MemoryPlan:
     """This rank's plan, with the page count every rank of ``tp`` can hold (a collective at tp > 1)."""
     sched = config.scheduler
+    caching = prefix_caching_enabled(loaded, config)
     transients = step_transients(loaded, config, graphs=graphs)
     reserved = sum(t.bytes_for(sched.max_num_batched_tokens, sched.max_num_seqs) for t in transients)
     plan = plan_memory(
@@ -75,5 +81,15 @@ def plan_rank_memory(
         max_num_batched_tokens=sched.max_num_batched_tokens,
         max_model_len=loaded.max_model_len,
         num_blocks_override=config.cache.num_gpu_blocks_override,
+        prefix_caching=caching,
+        num_state_snapshots=config.cache.num_state_snapshots,
+        # With prefix caching spare pages keep prefixes cached; on the CPU the budget is explicit and
+        # pages beyond what max_num_seqs requests use would only cost allocation time.
+        cap_pages=not (caching and loaded.device.type == "cuda"),
     )
-    return replace(plan, num_blocks=tp.min_int(plan.num_blocks))
+    # Page and snapshot indices must mean the same on every rank: each takes the smallest count.
+    return replace(
+        plan,
+        num_blocks=tp.min_int(plan.num_blocks),
+        num_snapshot_slots=tp.min_int(plan.num_snapshot_slots),
+    )

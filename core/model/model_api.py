@@ -39,6 +39,11 @@ class CausalLM(torch.nn.Module, ABC):
 
     #: Whether ``forward`` embeds ``token_ids`` itself; False means the engine passes ``hidden_states``.
     embeds_on_device: bool = True
+    #: Why this model cannot reuse cached prefix pages (None: it can). Prefix caching shares a full page
+    #: between requests with the same tokens up to it, restoring recurrent state (``RecurrentStateSpec``
+    #: slots) from a snapshot taken at a page boundary: a model whose full pages are still written later,
+    #: or whose state lives anywhere but its slots, says why here and runs uncached.
+    prefix_caching_refusal: str | None = None
 
     @classmethod
     @abstractmethod

@@ -126,6 +126,8 @@ class ContinuousBatchingScheduler(Scheduler):
         self._num_stale = 0
         self.running: list[Request] = []
         self._requests: dict[str, Request] = {}
+        # Without chunked prefill a prompt is admitted whole: no chunk is cut at a snapshot boundary.
+        self._cuts_chunks = buffers.cuts_chunks and config.enable_chunked_prefill
 
     @property
     def waiting(self) -> list[Request]:
@@ -159,7 +161,11 @@ class ContinuousBatchingScheduler(Scheduler):
         ):
             # Prompt logprobs need full-vocabulary logits for every position of the chunk: bound them.
             limit = min(limit or PROMPT_LOGPROBS_CHUNK, PROMPT_LOGPROBS_CHUNK)
-        return min(n, limit) if limit else n
+        n = min(n, limit) if limit else n
+        if self._cuts_chunks and n > 1:
+            # Prefix caching of recurrent state: a snapshot boundary inside the chunk ends it there.
+            n = self.buffers.chunk_limit(request, n)
+        return n
 
     def _spec_fits(self, request: Request, budget: int) -> list[int]:
         """The drafts of a decoding ``request`` that fit this step: as many as the budget leaves room for,
@@ -173,8 +179,10 @@ class ContinuousBatchingScheduler(Scheduler):
 
     def _preempt(self, victim: Request, output: SchedulerOutput) -> None:
         self.running.remove(victim)
+        victim.status = (
+            RequestStatus.PREEMPTED
+        )  # before free: the manager keeps a preempted one's pages cached
         self.buffers.free(victim)
-        victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.spec_token_ids = []
         victim.num_preemptions += 1
@@ -182,6 +190,13 @@ class ContinuousBatchingScheduler(Scheduler):
         output.preempted.append(victim)
 
     def schedule(self) -> SchedulerOutput:
+        self.buffers.begin_step()
+        output = self._schedule()
+        if self._cuts_chunks and output.scheduled:
+            self.buffers.plan_snapshots(output.scheduled)
+        return output
+
+    def _schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
         scheduled = output.scheduled
         budget = self.config.max_num_batched_tokens
@@ -240,13 +255,18 @@ class ContinuousBatchingScheduler(Scheduler):
                 self._waiting.popleft()
                 self._num_stale -= 1
                 continue
+            # A cached prefix is skipped: the request is admitted by the pages it needs after it.
+            request.num_computed_tokens = self.buffers.find_cached_prefix(request)
             n = self._chunk(request, budget)
             # Without chunked prefill a prompt is admitted whole; a preempted request's recompute may still
             # be chunked, or one longer than the budget would block the queue forever.
             whole = request.num_tokens - request.num_computed_tokens
-            if not self.config.enable_chunked_prefill and request.num_output_tokens == 0 and n < whole:
-                break
-            if not self.buffers.can_admit(request, n) or not self.buffers.allocate_slots(request, n):
+            if (
+                (not self.config.enable_chunked_prefill and request.num_output_tokens == 0 and n < whole)
+                or not self.buffers.can_admit(request, n)
+                or not self.buffers.allocate_slots(request, n)
+            ):
+                request.num_computed_tokens = 0
                 break
             self._waiting.popleft()
             request.status = RequestStatus.RUNNING

@@ -73,6 +73,10 @@ class _EngineCollector(Collector):
             "num_requests_waiting": ("Sequences waiting to be scheduled.", s.num_waiting),
             "kv_cache_usage_perc": ("Fraction of KV-cache pages in use (1 = full).", s.kv_cache_usage),
             "engine_alive": ("1 while the engine loop runs, 0 once it has died.", float(s.alive)),
+            "prefix_cache_hit_rate": (
+                "Prompt tokens found in the prefix cache over prompt tokens admitted, since start.",
+                s.prefix_cache_hit_rate,
+            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
@@ -80,6 +84,9 @@ class _EngineCollector(Collector):
             "prompt_tokens": ("Prompt tokens admitted.", s.prompt_tokens),
             "generation_tokens": ("Tokens generated.", s.generation_tokens),
             "engine_steps": ("Engine steps run.", s.steps),
+            # vLLM's pair: the hit rate over any window is the ratio of their increases.
+            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+            "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)

@@ -58,6 +58,8 @@ class _SamplingFields(_Body):
     min_tokens: NonNegInt = 0
     stop_token_ids: list[NonNegInt] | None = None
     skip_special_tokens: bool = True
+    #: Prefix caching: requests with different salts share no cached prefix (one salt per tenant).
+    cache_salt: NonEmptyStr | None = None
     include_stop_str_in_output: bool = False
 
     def check_supported(self) -> None:

@@ -26,11 +26,13 @@ def finite(logprob: float) -> float:
     return logprob if logprob > _LOGPROB_FLOOR else _LOGPROB_FLOOR
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens served from the prefix cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -178,10 +180,12 @@ class ServingBase:
         n = stream.params.n
         sent_finish: set[int] = set()
         prompt_tokens: dict[int, int] = {}
+        cached_tokens: dict[int, int] = {}
         completion_tokens = 0
         try:
             async for index, output in stream:
                 prompt_tokens.setdefault(index, len(output.prompt_token_ids))
+                cached_tokens[index] = output.num_cached_tokens
                 for completion in output.outputs:
                     choice = index * n + completion.index
                     if choice in sent_finish:
@@ -196,7 +200,8 @@ class ServingBase:
                     for chunk in chunks(choice, completion, output):
                         yield sse(chunk)
             if usage_chunk is not None:
-                yield sse(usage_chunk(usage(sum(prompt_tokens.values()), completion_tokens)))
+                counts = usage(sum(prompt_tokens.values()), completion_tokens, sum(cached_tokens.values()))
+                yield sse(usage_chunk(counts))
             yield DONE
         except (EngineDeadError, EngineStoppedError) as exc:
             yield sse(_in_flight_error(exc).body())

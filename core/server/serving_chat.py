@@ -26,7 +26,7 @@ class ChatServing(ServingBase):
     async def create(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self.check_request(body)
         text = self.render(body)
-        inputs = [PromptInput(self.encode(text, add_special_tokens=False), text)]
+        inputs = [PromptInput(self.encode(text, add_special_tokens=False), text, body.cache_salt)]
         params = self.sampling_params(body, body.requested_max_tokens, body.num_logprobs)
         request_id = self.new_id()
         stream = await self.submit(request_id, inputs, params)
@@ -83,7 +83,7 @@ class ChatServing(ServingBase):
             "created": created(),
             "model": self.model_name,
             "choices": choices,
-            "usage": usage(len(output.prompt_token_ids), completion_tokens),
+            "usage": usage(len(output.prompt_token_ids), completion_tokens, output.num_cached_tokens),
         }
 
     @staticmethod

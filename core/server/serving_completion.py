@@ -33,7 +33,9 @@ class CompletionServing(ServingBase):
         except RequestError as exc:
             raise to_api_error(exc) from None
         inputs = [
-            PromptInput(self.encode(p), p) if isinstance(p, str) else PromptInput(list(p), None)
+            PromptInput(self.encode(p), p, body.cache_salt)
+            if isinstance(p, str)
+            else PromptInput(list(p), None, body.cache_salt)
             for p in prompts
         ]
         # The engine generates at least one token per sequence, so max_tokens 0 (allowed with echo only)
@@ -69,11 +71,12 @@ class CompletionServing(ServingBase):
         drop_generated: bool,
     ) -> dict[str, Any]:
         choices = []
-        prompt_tokens = completion_tokens = 0
+        prompt_tokens = completion_tokens = cached_tokens = 0
         n = body.n
         for index in sorted(finals):
             output = finals[index]
             prompt_tokens += len(output.prompt_token_ids)
+            cached_tokens += output.num_cached_tokens
             for completion in output.outputs:
                 completion = _visible(completion, drop_generated)
                 completion_tokens += len(completion.token_ids)
@@ -93,7 +96,7 @@ class CompletionServing(ServingBase):
             "created": created(),
             "model": self.model_name,
             "choices": choices,
-            "usage": usage(prompt_tokens, completion_tokens),
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
         }
 
     def _logprobs(
@@ -171,7 +174,7 @@ class CompletionServing(ServingBase):
 
         def usage_chunk(counts: dict[str, int]) -> dict[str, Any]:
             if drop_generated:
-                counts = usage(counts["prompt_tokens"], 0)
+                counts = usage(counts["prompt_tokens"], 0, counts["prompt_tokens_details"]["cached_tokens"])
             return {**base([]), "usage": counts}
 
         return self.stream_events(stream, chunks, usage_chunk if include_usage else None)

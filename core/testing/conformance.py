@@ -242,9 +242,11 @@ def assert_tensor_parallel_matches(
     - default memory: one prompt alone, then a batch of mixed lengths: greedy tokens equal to
       transformers'; logprobs (top 3) and seeded sampling equal to a one-rank engine's (logprobs within
       1e-4); with ``speculative_num_tokens`` every greedy run drafts (the tokens stay transformers');
+    - the batch again, with prefix caching (unless the model refuses it): a cached prefix is hit, the
+      tokens are transformers';
     - ``pages`` 4-token pages, chunks of at most 5 tokens in 12-token steps, the decode-graph path
-      (eager buckets): the batch preempts, prefills in chunks and still gives transformers' tokens, and
-      every page and slot comes back.
+      (eager buckets): the batch preempts (a preempted request then resumes from its cached pages),
+      prefills in chunks and still gives transformers' tokens, and every page and slot comes back.
 
     Both engines schedule ahead when ``async_scheduling`` is set (the first on the plain decode path).
     """
@@ -281,6 +283,13 @@ def assert_tensor_parallel_matches(
                     assert all(abs(lp_a[t].logprob - lp_b[t].logprob) < 1e-4 for t in lp_a)
         llm.engine.buffers.check_invariants()
         assert (llm.carried_steps[0] > 0) == async_scheduling, "tp: async scheduling did not schedule ahead"
+        # Prefix caching (on unless the model refuses it): the batch again hits its cached pages (and, for
+        # recurrent state, the snapshots every rank restores from its own shard).
+        again = llm.generate(prompt_token_ids=batch, sampling_params=greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == expected_batch, "tp: a cached prefix differs"
+        if llm.engine.buffers.caching:
+            assert any(o.num_cached_tokens for o in again), "tp: the repeated batch hit no cached prefix"
+        llm.engine.buffers.check_invariants()
     finally:
         llm.engine.shutdown()
     small = _tp_llm(

@@ -14,7 +14,10 @@ equals one-at-a-time generation, chunked prefill and a preempted run equal a pla
 prompt (prefill) and of the steps after it (decode through the paged cache) are within ``logits_tolerance``
 of transformers' (relative L2 over the positions); with ``tensor_parallel_size`` > 0 the model runs on that
 many ranks (gloo, CPU) with transformers' tokens and one rank's logprobs and seeded samples (0: the model
-refuses tensor parallelism, which is checked to be a clear error).
+refuses tensor parallelism, which is checked to be a clear error); with prefix caching on, greedy tokens
+equal those with it off (a repeated prompt, prefixes of every length around page boundaries hit by one
+batch at once, eviction under page pressure, preemption of requests whose pages are shared), and the
+cache is really hit (``prefix_caching = False``: the model refuses with a reason and runs uncached).
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from typing import Any, ClassVar
 import pytest
 
 from pegainfer.sampling.sampling_params import SamplingParams
+
+#: The shared-prefix lengths of the prefix-caching checks (4-token pages, snapshots every 8 tokens).
+PREFIX_LENGTHS = (3, 4, 5, 7, 8, 9, 12, 16, 17)
 
 
 class PluginConformance:
@@ -43,6 +49,9 @@ class PluginConformance:
     async_scheduling: ClassVar[bool] = True
     #: Draft tokens during the tensor-parallel check (models with MTP layers).
     speculative_num_tokens: ClassVar[int] = 0
+    #: The model reuses cached prefixes (False: it refuses prefix caching, with a reason, and runs uncached,
+    #: which is checked instead).
+    prefix_caching: ClassVar[bool] = True
 
     @classmethod
     def make_checkpoint(cls, folder: Path) -> Path:
@@ -186,3 +195,110 @@ class PluginConformance:
             async_scheduling=self.async_scheduling,
             speculative_num_tokens=self.speculative_num_tokens,
         )
+
+    # ------------------------------------------------------------------------------- prefix caching
+
+    def _prefix_rounds(self) -> tuple[list[int], list[list[list[int]]]]:
+        """A 24-token base prompt and the rounds run after it: the base again, then one batch of prompts
+        sharing its first k tokens (k around the 4-token page boundaries and the 8-token snapshot interval)
+        with their own 5-token tails, then the batch again (longer hits: their own pages are cached), then
+        the same prefixes with other tails (models with state: the snapshots the batch left where its
+        cached pages ended)."""
+        rng = random.Random(5)
+        base = [rng.randrange(200) for _ in range(24)]
+        shared = [base[:k] + [rng.randrange(200) for _ in range(5)] for k in PREFIX_LENGTHS]
+        other = [base[:k] + [rng.randrange(200) for _ in range(5)] for k in PREFIX_LENGTHS]
+        return base, [[base], shared, shared, other]
+
+    def _run_rounds(self, llm: Any, rounds: list[list[list[int]]], max_tokens: int) -> list[Any]:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        outs = []
+        for prompts in rounds:
+            outs.append(llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False))
+            llm.engine.buffers.check_invariants()
+        return outs
+
+    def test_prefix_caching_matches_uncached(self, conformance_checkpoint: Path) -> None:
+        """Greedy tokens with prefix caching equal those without (and transformers' for the base prompt),
+        over 4-token pages and snapshots every 2 pages: the base prompt, then the base again (a full hit
+        but its last token), then a batch whose prompts share 3..17 tokens with it, hitting its pages at
+        once, then that batch again, then those prefixes with other tails; the cache is hit where it must
+        be."""
+        base, rounds = self._prefix_rounds()
+        small = ["cache.block_size=4", "cache.snapshot_interval_pages=2", "model.max_model_len=64"]
+        if self.async_scheduling:
+            small.append("async_scheduling=true")
+        off = self._variant(conformance_checkpoint, *small, "cache.enable_prefix_caching=false")
+        expected = [
+            [o.outputs[0].token_ids for o in outs] for outs in self._run_rounds(off, [[base], *rounds], 6)
+        ]
+        assert off.engine.buffers.prefix_cache_stats == (0, 0)
+        on = self._variant(conformance_checkpoint, *small)
+        if not self.prefix_caching:
+            assert on.engine.executor.info.prefix_caching_refusal, "a refusal names its reason"
+            assert not on.engine.buffers.caching
+        outs = self._run_rounds(on, [[base], *rounds], 6)
+        assert [[o.outputs[0].token_ids for o in r] for r in outs] == expected
+        cached = [[o.num_cached_tokens for o in r] for r in outs]
+        if not self.prefix_caching:
+            assert cached == [[0] * len(r) for r in outs]
+            return
+        if self.hf_reference:
+            from pegainfer.testing.conformance import hf_greedy
+
+            assert expected[0] == hf_greedy(self.reference_checkpoint(conformance_checkpoint), [base], 6)
+        hybrid = on.engine.buffers.cuts_chunks
+        assert cached[0] == [0]
+        assert cached[1] == [20], "the repeated prompt hits all of its pages but the last token's"
+        # Attention alone hits every shared full page; recurrent state only where a snapshot was taken
+        # (every 2 pages, and the base prompt's last page boundary, 20).
+        pages = [(k // 4) * 4 for k in PREFIX_LENGTHS]
+        assert cached[2] == ([p // 8 * 8 for p in pages] if hybrid else pages)
+        assert all(c > 0 for c in cached[3]), "the repeated batch hits its own pages"
+        assert cached[4] == pages, f"a shared prefix hits in full the second time: {cached}"
+        queries, hits = on.engine.buffers.prefix_cache_stats
+        assert hits == sum(map(sum, cached)) and queries > hits > 0
+        assert 0 < on.engine.prefix_cache_hit_rate < 1
+
+    def test_prefix_caching_under_page_pressure(self, conformance_checkpoint: Path) -> None:
+        """A pool too small to keep every prefix: cached pages are evicted for new ones, requests whose
+        pages are shared are preempted (their shared pages stay with the others), and the greedy tokens
+        still equal an uncached run; every page comes back."""
+        if not self.prefix_caching:
+            pytest.skip("the model refuses prefix caching (test_prefix_caching_matches_uncached checks it)")
+        base, rounds = self._prefix_rounds()
+        rng = random.Random(9)
+        others = [[rng.randrange(200) for _ in range(24)] for _ in range(3)]
+        shared = [base[:16] + [rng.randrange(200) for _ in range(5)] for _ in range(4)]
+        plan = [[base], *[[o] for o in others], [base], shared]
+        pages = 12
+        small = [
+            "cache.block_size=4",
+            "cache.snapshot_interval_pages=2",
+            f"cache.num_gpu_blocks_override={pages}",
+            "model.max_model_len=40",
+        ]
+        expected = [
+            [o.outputs[0].token_ids for o in outs]
+            for outs in self._run_rounds(
+                self._variant(conformance_checkpoint, *small, "cache.enable_prefix_caching=false"), plan, 6
+            )
+        ]
+        on = self._variant(conformance_checkpoint, *small)
+        buffers = on.engine.buffers
+        free, shared_preempted = buffers.free, []
+
+        def recording_free(request: Any) -> None:
+            table = buffers.block_table(request.request_id)
+            if request.status.name == "PREEMPTED" and any(buffers.pool._refs[p] > 1 for p in table):
+                shared_preempted.append(request.request_id)
+            free(request)
+
+        buffers.free = recording_free
+        outs = self._run_rounds(on, plan, 6)
+        assert [[o.outputs[0].token_ids for o in r] for r in outs] == expected
+        assert shared_preempted, "no request holding shared pages was preempted"
+        assert buffers.pool.num_evictions > 0, "the pool was large enough to evict nothing"
+        assert sum(o.metrics.num_preemptions for o in outs[-1]) > 0, "nothing was preempted"
+        assert any(o.num_cached_tokens for o in outs[-1]), "the shared batch hit nothing"
+        assert buffers.pool.num_free == pages and buffers.num_active == 0

@@ -105,6 +105,7 @@ def test_harness_request_with_token_ids(http: httpx.Client, offline: LLM, server
         "prompt_tokens": sum(map(len, PROMPTS)),
         "completion_tokens": 2,
         "total_tokens": sum(map(len, PROMPTS)) + 2,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     # The harness's continuation log-likelihood: the prompt tokens after the context, the generated one cut.
     ctxlen = 3

@@ -59,6 +59,12 @@ logger = logging.getLogger(__name__)
 
 class DeepseekV4ForCausalLM(CausalLM):
     embeds_on_device = False
+    prefix_caching_refusal = (
+        "a compressed entry is written into the page of its window's first token when the window closes, "
+        "up to ratio - 1 tokens later, so a full page is not final (a request resuming inside a window "
+        "would write into a shared page), and the sliding-window and compressor rings would need "
+        "snapshots of their own"
+    )
 
     def __init__(self, dims: DeepseekV4Dims, *, dtype: torch.dtype, max_model_len: int) -> None:
         super().__init__()

@@ -22,3 +22,5 @@ class TestDeepseekV4Conformance(PluginConformance):
     model_name = "deepseek_v4"
     architecture = "deepseek_v4"
     tensor_parallel_size = 0  # refused: not sharded
+    async_scheduling = False  # hidden states come from its runner: no carried tokens
+    prefix_caching = False  # refused: compressed entries are written into full pages later (v4_model.py)

@@ -24,6 +24,7 @@ def test_declared_bytes_equal_what_a_chunk_allocates(tiny_qwen35):
         max_num_batched_tokens=budget,
         max_num_seqs=seqs,
         cpu_kv_cache_bytes=4 << 20,
+        enable_prefix_caching=False,  # one chunk: no cut at the prompt's snapshot boundary
     )
     model = llm.engine.executor.runner.model
     allocated: list[pass_buffers.PassBuffers] = []
