@@ -21,6 +21,7 @@ meaningful with ``--load-format dummy`` and the real shapes; the CPU figures are
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -32,6 +33,18 @@ from typing import Any
 from pegainfer.config.compose import build_engine_config, compose
 from pegainfer.engine.llm import LLM
 from pegainfer.sampling.sampling_params import SamplingParams
+
+
+def release(llm: LLM) -> None:
+    """Shut ``llm`` down and give its device memory back before the next engine plans its own (each one
+    budgets ``gpu_memory_utilization`` of the whole device)."""
+    import torch
+
+    llm.engine.shutdown()
+    llm.engine = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def build(args: argparse.Namespace, folder: Path, *overrides: str) -> LLM:
@@ -144,7 +157,7 @@ def main() -> None:
             record(
                 name, "host_ms_per_step.uncached", host_ms_per_step(off, args.batch, 64, args.decode_steps)
             )
-            off.engine.shutdown()
+            release(off)
             on = build(args, folder)
             hybrid = on.engine.buffers.cuts_chunks
             ms, _, steps = median_ttft(on, prompt, args.reps, miss=True)
@@ -166,13 +179,13 @@ def main() -> None:
                 shared=shared_len,
             )
             record(name, "host_ms_per_step.cached", host_ms_per_step(on, args.batch, 64, args.decode_steps))
-            on.engine.shutdown()
+            release(on)
             if hybrid:
                 for interval in [int(i) for i in args.intervals.split(",") if i]:
                     llm = build(args, folder, f"cache.snapshot_interval_pages={interval}")
                     ms, _, steps = median_ttft(llm, prompt, args.reps, miss=True)
                     record(name, f"ttft_ms.miss.interval{interval}", ms, steps=steps)
-                    llm.engine.shutdown()
+                    release(llm)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         meta = {
