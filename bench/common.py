@@ -15,6 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
+from pegainfer.config.schema import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pegainfer.engine.llm import LLM
+from pegainfer.sampling.sampling_params import RequestOutputKind, SamplingParams
+
 
 def cuda_time_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> float:
     """Median milliseconds of ``fn`` on the GPU, timed with CUDA events after warm-up."""
@@ -70,6 +74,33 @@ def wall_time_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> f
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def build(
+    folder: Path,
+    max_num_seqs: int,
+    max_model_len: int,
+    enforce_eager: bool = False,
+    gpu_memory_utilization: float = 0.9,
+) -> LLM:
+    """A bf16 engine on the GPU with random weights of ``folder``'s config.json shape."""
+    return LLM.from_config(
+        EngineConfig(
+            model=ModelConfig(
+                path=str(folder), load_format="dummy", dtype="bfloat16", max_model_len=max_model_len
+            ),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=16384),
+            cache=CacheConfig(gpu_memory_utilization=gpu_memory_utilization),
+            device="cuda",
+            enforce_eager=enforce_eager,
+        )
+    )
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+    )
 
 
 def start_decoding(engine, prefix: str, prompts: list[list[int]], params) -> list[str]:

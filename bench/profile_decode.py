@@ -10,7 +10,8 @@ import argparse
 import random
 
 import torch
-from qwen3_14b import build, checkpoint_folder, greedy, random_prompt
+from common import build, greedy
+from qwen3_14b import checkpoint_folder, random_prompt
 
 
 def main() -> None:

@@ -31,11 +31,9 @@ import time
 from pathlib import Path
 
 import torch
-from common import Results, check_all_running, cuda_time_ms, measure_ceilings, start_decoding
+from common import Results, build, check_all_running, cuda_time_ms, greedy, measure_ceilings, start_decoding
 
-from pegainfer.config.schema import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pegainfer.engine.llm import LLM
-from pegainfer.sampling.sampling_params import RequestOutputKind, SamplingParams
 from pegainfer.text.tiny_tokenizer import write_tiny_tokenizer
 
 BASE = {
@@ -85,26 +83,6 @@ def checkpoint_folder(shape: dict) -> Path:
     write_tiny_tokenizer(folder)
     (folder / "config.json").write_text(json.dumps(shape))
     return folder
-
-
-def build(folder: Path, max_num_seqs: int, max_model_len: int, enforce_eager: bool = False) -> LLM:
-    return LLM.from_config(
-        EngineConfig(
-            model=ModelConfig(
-                path=str(folder), load_format="dummy", dtype="bfloat16", max_model_len=max_model_len
-            ),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=16384),
-            cache=CacheConfig(gpu_memory_utilization=0.85),
-            device="cuda",
-            enforce_eager=enforce_eager,
-        )
-    )
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(
-        temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
-    )
 
 
 def prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
@@ -242,7 +220,9 @@ def main() -> None:
         decode: dict[int, dict] = {}
         for variant, switch in variants:
             os.environ["PEGAINFER_QWEN35_GDN_KERNELS"] = switch  # read at every forward (and capture)
-            llm = build(folder, max_num_seqs=max(batches), max_model_len=longest + 64)
+            llm = build(
+                folder, max_num_seqs=max(batches), max_model_len=longest + 64, gpu_memory_utilization=0.85
+            )
             model = llm.engine.executor.runner.model
             tag = f"qwen35_{name}" + ("" if variant == "kernels" else f".{variant}")
             for batch in batches:

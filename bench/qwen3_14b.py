@@ -20,12 +20,10 @@ import time
 from pathlib import Path
 
 import torch
-from common import Results, check_all_running, cuda_time_ms, measure_ceilings, start_decoding
+from common import Results, build, check_all_running, cuda_time_ms, greedy, measure_ceilings, start_decoding
 
-from pegainfer.config.schema import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pegainfer.engine.llm import LLM
 from pegainfer.kernels import skinny_gemm
-from pegainfer.sampling.sampling_params import RequestOutputKind, SamplingParams
 from pegainfer.text.tiny_tokenizer import write_tiny_tokenizer
 
 QWEN3_14B = {
@@ -76,26 +74,6 @@ def _write_word_tokenizer(folder: Path, vocab_size: int) -> None:
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.add_special_tokens(sorted(tokens))
     tokenizer.save(str(folder / "tokenizer.json"))
-
-
-def build(folder: Path, max_num_seqs: int, max_model_len: int, enforce_eager: bool = False) -> LLM:
-    return LLM.from_config(
-        EngineConfig(
-            model=ModelConfig(
-                path=str(folder), load_format="dummy", dtype="bfloat16", max_model_len=max_model_len
-            ),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=16384),
-            cache=CacheConfig(gpu_memory_utilization=0.9),
-            device="cuda",
-            enforce_eager=enforce_eager,
-        )
-    )
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(
-        temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
-    )
 
 
 def random_prompt(rng: random.Random, n: int) -> list[int]:
