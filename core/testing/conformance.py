@@ -436,3 +436,27 @@ def mutation_errors(
         return teacher_forced_errors(llm, reference or folder)
     finally:
         llm.engine.shutdown()
+
+
+def relabelled_checkpoint(
+    folder: str | Path,
+    target: str | Path,
+    architecture: str,
+    model_type: str,
+    edit: Callable[[dict[str, Any]], None] | None = None,
+) -> Path:
+    """``folder`` copied to ``target`` (weights, tokenizer files) with config.json's ``architectures`` and
+    ``model_type`` relabelled, then ``edit`` applied to it: what transformers loads as the reference of a
+    plugin architecture that shares the layout of one transformers knows (``PluginConformance
+    .reference_checkpoint``). Written once: an existing ``target`` is returned as it is."""
+    import shutil
+
+    folder, target = Path(folder), Path(target)
+    if not (target / "config.json").exists():
+        shutil.copytree(folder, target, dirs_exist_ok=True)
+        config = json.loads((folder / "config.json").read_text())
+        config.update(architectures=[architecture], model_type=model_type)
+        if edit is not None:
+            edit(config)
+        (target / "config.json").write_text(json.dumps(config, indent=2))
+    return target

@@ -11,7 +11,6 @@ import ast
 import importlib.metadata
 import json
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from pegainfer.model.checkpoint import CheckpointReader  # noqa: E402
 from pegainfer.plugins.registry import get_model_registry, reset_plugins  # noqa: E402
 from pegainfer.plugins.tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 from pegainfer.sampling.sampling_params import SamplingParams  # noqa: E402
+from pegainfer.testing.conformance import relabelled_checkpoint  # noqa: E402
 from pegainfer.testing.suite import PluginConformance  # noqa: E402
 from pegainfer_toy.config import ToyQwen3Config  # noqa: E402
 
@@ -45,16 +45,8 @@ def fresh_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def as_qwen3(folder: Path, target: Path, edit: Callable[[dict[str, Any]], None] | None = None) -> Path:
-    """``folder`` copied to ``target`` (weights and tokenizer files) with config.json labelled as
-    transformers' Qwen3, and ``edit`` applied to it: what transformers loads as the toy's reference."""
-    if not (target / "config.json").exists():
-        shutil.copytree(folder, target, dirs_exist_ok=True)
-        config = json.loads((folder / "config.json").read_text())
-        config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
-        if edit is not None:
-            edit(config)
-        (target / "config.json").write_text(json.dumps(config, indent=2))
-    return target
+    """What transformers loads as the toy's reference: ``folder`` labelled as its Qwen3."""
+    return relabelled_checkpoint(folder, target, "Qwen3ForCausalLM", "qwen3", edit)
 
 
 @pytest.fixture(scope="module")
