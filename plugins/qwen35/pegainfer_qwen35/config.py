@@ -8,6 +8,13 @@ Accepted layouts:
 
 ``layer_types`` wins over ``full_attention_interval`` (which is only the fallback transformers uses).
 For text-only input mRoPE's three position streams are equal, so it is plain partial rotary.
+
+Qwen3-Next (``model_type`` ``qwen3_next``, a flat text config) is the predecessor with the same decoder.
+What its config changes: the Gated DeltaNet projections are stored fused and head-grouped
+(``in_proj_qkvz`` / ``in_proj_ba``: ``fused_gdn_projections``, de-interleaved at load time); the FFN of a
+layer is the sparse MoE block only where ``num_experts > 0``, the layer is not in ``mlp_only_layers`` and
+``(i + 1) % decoder_sparse_step == 0`` (a dense MLP of ``intermediate_size`` elsewhere); the router
+renormalises its top-k only under ``norm_topk_prob``. Norms, rotary and attention are Qwen3.5's.
 """
 
 from __future__ import annotations
@@ -70,16 +77,30 @@ class Qwen35Config(_LinearAttentionWidths):
     linear_key_head_dim: int
     linear_value_head_dim: int
     conv_kernel: int
-    # Feed-forward: dense (intermediate_size) or MoE (num_experts > 0) in every layer.
+    # Feed-forward: dense (intermediate_size) or MoE (num_experts > 0) in every layer (Qwen3.5), or per
+    # layer (Qwen3-Next: the MoE layers are ``moe_layers``, None meaning all of them).
     intermediate_size: int = 0
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] | None = None
+    norm_topk_prob: bool = True
+    # Qwen3-Next's fused, head-grouped GDN projections (``in_proj_qkvz``, ``in_proj_ba``).
+    fused_gdn_projections: bool = False
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and (self.moe_layers is None or layer in self.moe_layers)
 
     @property
     def is_moe(self) -> bool:
-        return self.num_experts > 0
+        """Whether any layer's FFN is the sparse MoE block."""
+        return any(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    @property
+    def has_dense_ffn(self) -> bool:
+        """Whether any layer's FFN is the dense MLP."""
+        return not all(self.is_moe_layer(i) for i in range(self.num_layers))
 
     def layers_of(self, kind: str) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == kind]
@@ -99,7 +120,10 @@ class Qwen35Config(_LinearAttentionWidths):
             raise CheckpointError(f"config.json: hidden_act '{act}' is not supported (Qwen3.5 uses 'silu')")
         if cfg.get("attention_bias"):
             raise CheckpointError("config.json: attention_bias=true is not supported by the qwen35 plugin")
+        next_ = is_qwen3_next(hf_config)
         moe = int(cfg.get("num_experts") or 0)
+        moe_layers = _moe_layers(cfg, num_layers, moe) if next_ else None
+        dense = not moe or (moe_layers is not None and len(moe_layers) < num_layers)
         num_heads = need("num_attention_heads")
         head_dim = cfg.get("head_dim") or need("hidden_size") // num_heads
         theta, rotary_factor = _rope(cfg)
@@ -122,11 +146,15 @@ class Qwen35Config(_LinearAttentionWidths):
             linear_key_head_dim=need("linear_key_head_dim"),
             linear_value_head_dim=need("linear_value_head_dim"),
             conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
-            intermediate_size=0 if moe else need("intermediate_size"),
+            intermediate_size=need("intermediate_size") if dense else 0,
             num_experts=moe,
             num_experts_per_tok=need("num_experts_per_tok") if moe else 0,
             moe_intermediate_size=need("moe_intermediate_size") if moe else 0,
             shared_expert_intermediate_size=need("shared_expert_intermediate_size") if moe else 0,
+            moe_layers=moe_layers,
+            # Qwen3.5's router always renormalises; Qwen3-Next's as transformers does (default true).
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)) if next_ else True,
+            fused_gdn_projections=next_,
         )
         config._check()
         return config
@@ -153,6 +181,29 @@ class Qwen35Config(_LinearAttentionWidths):
             raise CheckpointError(
                 f"config.json: num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, num_experts]"
             )
+
+
+def is_qwen3_next(hf_config: dict[str, Any]) -> bool:
+    """Whether the config is Qwen3-Next's (by ``model_type``, else by its architecture)."""
+    if "model_type" in hf_config:
+        return hf_config["model_type"] == "qwen3_next"
+    return "Qwen3NextForCausalLM" in (hf_config.get("architectures") or ())
+
+
+def _moe_layers(cfg: dict[str, Any], num_layers: int, num_experts: int) -> tuple[int, ...]:
+    """Qwen3-Next's sparse layers: not in ``mlp_only_layers`` and every ``decoder_sparse_step``-th."""
+    step = int(cfg.get("decoder_sparse_step", 1))
+    if step < 1:
+        raise CheckpointError(f"config.json: decoder_sparse_step must be >= 1, got {step}")
+    dense_only = set(cfg.get("mlp_only_layers") or ())
+    bad = sorted(i for i in dense_only if not 0 <= int(i) < num_layers)
+    if bad:
+        raise CheckpointError(
+            f"config.json: mlp_only_layers {bad} are not layers of a {num_layers}-layer model"
+        )
+    if not num_experts:
+        return ()
+    return tuple(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
 
 
 def _layer_types(cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
@@ -234,7 +285,7 @@ class Qwen35Shard(_LinearAttentionWidths):
         if config.is_moe:
             ie = tp.split(ie, "moe_intermediate_size")
             is_ = tp.split(is_, "shared_expert_intermediate_size")
-        else:
+        if config.has_dense_ffn:
             inter = tp.split(inter, "intermediate_size")
         return cls(
             num_heads=nq,

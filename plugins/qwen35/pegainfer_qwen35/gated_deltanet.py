@@ -14,6 +14,8 @@ slot in place, addressed through the device tensor of slots (CUDA-graph safe); e
 row 0 (its slot, its inputs): the reference scatters the same new state into the same slot, and the
 kernels skip a row whose slot repeats row 0's, so the slot is updated once.
 Value head j reads q/k head ``j // (Hv / Hk)`` (consecutive heads share, as transformers does).
+Qwen3-Next stores the input projections fused and grouped by key head (``in_proj_qkvz``, ``in_proj_ba``);
+they are de-interleaved at load time into the same packed rows (``_defused_projections``).
 
 Tensor parallelism splits the layer by heads: each rank holds Hk/tp key heads and Hv/tp value heads, so
 local value head j reads local key head ``j // (Hv / Hk)`` as on one rank. ``in_proj_qkv`` and the conv
@@ -372,18 +374,42 @@ class GatedDeltaNet(nn.Module):
             return reader.get(prefix + name, shape, dtype, shard)
 
         with torch.no_grad():
-            self.in_proj.copy_(
-                torch.cat(
-                    [
-                        get("in_proj_qkv.weight", (c.conv_dim, h), qkv),
-                        get("in_proj_z.weight", (c.value_dim, h), heads),
-                        get("in_proj_b.weight", (hv, h), heads),
-                        get("in_proj_a.weight", (hv, h), heads),
-                    ]
+            if c.fused_gdn_projections:
+                self.in_proj.copy_(self._defused_projections(reader, prefix))
+            else:
+                self.in_proj.copy_(
+                    torch.cat(
+                        [
+                            get("in_proj_qkv.weight", (c.conv_dim, h), qkv),
+                            get("in_proj_z.weight", (c.value_dim, h), heads),
+                            get("in_proj_b.weight", (hv, h), heads),
+                            get("in_proj_a.weight", (hv, h), heads),
+                        ]
+                    )
                 )
-            )
             self.conv_weight.copy_(get("conv1d.weight", (c.conv_dim, 1, c.conv_kernel), qkv)[:, 0])
             self.dt_bias.copy_(get("dt_bias", (hv,), heads))
             self.A_log.copy_(get("A_log", (hv,), heads))
             self.norm.copy_(get("norm.weight", (c.linear_value_head_dim,)))
             self.out_proj.copy_(get("out_proj.weight", (h, c.value_dim), columns))
+
+    def _defused_projections(self, reader: CheckpointReader, prefix: str) -> torch.Tensor:
+        """Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba`` in this layer's ``[q|k|v, z, b, a]`` rows.
+
+        Both are stored grouped by key head: group g holds ``[q_g (dk), k_g (dk), v_g (r dv), z_g (r dv)]``
+        and ``[b_g (r), a_g (r)]`` for its ``r = Hv / Hk`` value heads ``g r .. g r + r - 1``. The groups
+        are consecutive, so an even split of the rows hands each rank whole groups: its key heads and
+        exactly the value heads that read them, the heads ``dt_bias``/``A_log``/``out_proj`` are split by.
+        Each rank's rows are then de-interleaved into one q block, one k block, ... of its own heads.
+        """
+        c, h, dtype = self.config, self.config.hidden_size, self.in_proj.dtype
+        hk_full, hv_full = c.linear_num_key_heads, c.linear_num_value_heads
+        dk, dv, r = c.linear_key_head_dim, c.linear_value_head_dim, hv_full // hk_full
+        hk = self.shard.linear_num_key_heads  # this rank's groups
+        qkvz = reader.get(
+            prefix + "in_proj_qkvz.weight", (2 * c.key_dim + 2 * c.value_dim, h), dtype, split(0)
+        )
+        ba = reader.get(prefix + "in_proj_ba.weight", (2 * hv_full, h), dtype, split(0))
+        q, k, v, z = qkvz.view(hk, 2 * dk + 2 * r * dv, h).split([dk, dk, r * dv, r * dv], dim=1)
+        b, a = ba.view(hk, 2 * r, h).split([r, r], dim=1)
+        return torch.cat([t.reshape(-1, h) for t in (q, k, v, z, b, a)])

@@ -1,8 +1,9 @@
-"""Qwen3.5 hybrid (dense and MoE): Gated DeltaNet and gated full attention layers, per ``layer_types``.
+"""Qwen3.5 hybrid (dense and MoE) and Qwen3-Next: Gated DeltaNet and gated full attention layers, per
+``layer_types``.
 
 Each layer: ``h = x + Mixer(norm1(x)); x = h + FFN(norm2(h))`` with zero-centred ``(1 + w)`` RMSNorms;
 the mixer is a Gated DeltaNet (``linear_attention``) or gated softmax attention (``full_attention``), the
-FFN a SwiGLU MLP or the sparse MoE block. Then the final zero-centred norm and ``lm_head``.
+FFN a SwiGLU MLP or the sparse MoE block (per layer under Qwen3-Next: ``Qwen35Config.is_moe_layer``). Then the final zero-centred norm and ``lm_head``.
 
 Memory: full-attention layers use the paged KV cache; each GDN layer keeps its conv window and delta-rule
 state in the request's state slot (``RecurrentStateSpec``). A forward allocates its pass buffers once
@@ -73,7 +74,7 @@ class Qwen35DecoderLayer(nn.Module):
         )
         self.mlp: SparseMoE | DenseMLP = (
             SparseMoE(config, dtype, shard, tp)
-            if config.is_moe
+            if config.is_moe_layer(layer_index)
             else DenseMLP(h, config.intermediate_size, dtype, tp)
         )
 

@@ -1,7 +1,8 @@
 """Qwen3.5-MoE's sparse block: softmax router, top-k renormalised, SwiGLU experts, gated shared expert.
 
-1. ``p = softmax(x Wg^T)`` over all experts in fp32; the top-k by p, renormalised to sum to 1 (always:
-   Qwen3.5 has no ``norm_topk_prob`` switch), cast to the model dtype.
+1. ``p = softmax(x Wg^T)`` over all experts in fp32; the top-k by p, renormalised to sum to 1 (always
+   for Qwen3.5, which has no ``norm_topk_prob`` switch; for Qwen3-Next only under ``norm_topk_prob``),
+   cast to the model dtype.
 2. Each chosen expert runs on its tokens; its output is scaled by the token's weight and summed per token.
 3. ``sigmoid(shared_expert_gate(x)) * SharedExpert(x)`` is added (one scalar gate per token).
 
@@ -67,7 +68,9 @@ class SparseMoE(nn.Module):
         logits = torch.matmul(x, self.router.t(), out=bufs.moe_router)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = probs.topk(self.config.num_experts_per_tok, dim=-1)
-        return (weights / weights.sum(-1, keepdim=True)).to(x.dtype), experts
+        if self.config.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights.to(x.dtype), experts
 
     def forward(self, x: torch.Tensor, bufs: PassBuffers, *, static_shapes: bool = False) -> torch.Tensor:
         """Block output of the normed rows ``x`` ``[T, H]`` into ``bufs.mlp_down``.

@@ -80,7 +80,7 @@ def pass_buffer_roles(
             Role("shared_out", h, dtype),
             Role("shared_gate", 1, dtype),
         ]
-    else:
+    if config.has_dense_ffn:
         i = s.intermediate_size
         roles += [Role("mlp_gate_up", 2 * i, dtype), Role("mlp_act", i, dtype)]
     return roles

@@ -22,6 +22,13 @@ Left at the defaults, with the reason: ``tie_word_embeddings`` (false; true in t
 ("default"/"mrope" only). Random weights are scaled so the logits are peaked and greedy
 decoding has clear margins; dk != dv and GVA (value heads = 2 x key heads) catch transposed or mis-mapped
 heads.
+
+``qwen3_next`` writes the flat ``Qwen3NextForCausalLM`` layout of Qwen3-Next (weights under ``model.``):
+the fused, key-head-grouped ``in_proj_qkvz`` / ``in_proj_ba`` of its GDN layers, six layers with the FFN
+chosen per layer, and beyond the keys above (same values; ``num_key_value_heads`` 1, not transformers'
+2) the keys only it has, each off its default: ``decoder_sparse_step`` 2 (not 1) and ``mlp_only_layers``
+[5] (not []) make layers 1 and 3 sparse and 0, 2, 4, 5 dense; ``norm_topk_prob`` false (not true);
+``intermediate_size`` 128 (not 5632) for the dense layers; no rope scaling, as its published files.
 """
 
 from __future__ import annotations
@@ -300,3 +307,77 @@ def qwen3_5_tensors(config: dict[str, Any], gen: torch.Generator) -> dict[str, t
 
 def qwen3_5_moe_tensors(config: dict[str, Any], gen: torch.Generator) -> dict[str, torch.Tensor]:
     return _tensors(config, gen, moe=True)
+
+
+def qwen3_next_config(vocab_size: int, **overrides: Any) -> dict[str, Any]:
+    """A flat Qwen3-Next text config (``Qwen3NextForCausalLM``); every override goes to the top level."""
+    config = _text_config(vocab_size, "qwen3_next")
+    del config["attn_output_gate"]  # Qwen3-Next's attention is always gated; the key is Qwen3.5's
+    config.update(
+        {
+            "architectures": ["Qwen3NextForCausalLM"],
+            "num_hidden_layers": 6,
+            "num_key_value_heads": 1,
+            "rope_scaling": None,
+            "intermediate_size": 128,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "decoder_sparse_step": 2,
+            "mlp_only_layers": [5],
+            "norm_topk_prob": False,
+            "router_aux_loss_coef": 0.001,
+        }
+    )
+    config.update(overrides)
+    config.setdefault("layer_types", default_layer_types(config["num_hidden_layers"]))
+    return config
+
+
+def _qwen3_next_sparse(cfg: dict[str, Any], layer: int) -> bool:
+    step, dense_only = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers") or []
+    return cfg.get("num_experts", 0) > 0 and layer not in dense_only and (layer + 1) % step == 0
+
+
+def qwen3_next_tensors(config: dict[str, Any], gen: torch.Generator) -> dict[str, torch.Tensor]:
+    init = _Init(gen)
+    h, v = config["hidden_size"], config["vocab_size"]
+    tensors = {"model.embed_tokens.weight": init.randn(v, h), "model.norm.weight": init.norm_zero_centred(h)}
+    for layer, kind in enumerate(config["layer_types"]):
+        p = f"model.layers.{layer}."
+        tensors[p + "input_layernorm.weight"] = init.norm_zero_centred(h)
+        tensors[p + "post_attention_layernorm.weight"] = init.norm_zero_centred(h)
+        if kind == "linear_attention":
+            gdn = _linear_attention(init, p + "linear_attn.", config)
+            # The same weights, stored fused and grouped by key head, as Qwen3-Next's files are.
+            tensors.update(_fuse_gdn_projections(gdn, p + "linear_attn.", config))
+        else:
+            tensors.update(_full_attention(init, p + "self_attn.", config))
+        if _qwen3_next_sparse(config, layer):
+            tensors.update(_moe(init, p + "mlp.", config))
+        else:
+            tensors.update(_mlp(init, p + "mlp.", h, config["intermediate_size"]))
+    if not config["tie_word_embeddings"]:
+        tensors["lm_head.weight"] = init.randn(v, h) * 0.5
+    if config.get("mtp_num_hidden_layers"):
+        tensors.update(_mtp_tensors(init, h))
+    return tensors
+
+
+def _fuse_gdn_projections(
+    gdn: dict[str, torch.Tensor], p: str, cfg: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """Qwen3.5's separate ``in_proj_qkv/z/b/a`` as Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba``: per key
+    head g, ``[q_g, k_g, v_g, z_g]`` and ``[b_g, a_g]`` (v_g, z_g, b_g, a_g: its Hv / Hk value heads)."""
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv, h = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["hidden_size"]
+    q, k, vv = gdn.pop(p + "in_proj_qkv.weight").split([hk * dk, hk * dk, hv * dv])
+    z, b, a = (gdn.pop(p + f"in_proj_{n}.weight") for n in "zba")
+
+    def grouped(*parts: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t.reshape(hk, -1, h) for t in parts], dim=1).reshape(-1, h)
+
+    gdn[p + "in_proj_qkvz.weight"] = grouped(q, k, vv, z)
+    gdn[p + "in_proj_ba.weight"] = grouped(b, a)
+    return gdn
