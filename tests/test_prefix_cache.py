@@ -331,6 +331,30 @@ def test_memory_plan_sizes_snapshots() -> None:
     assert capped.num_blocks == 4 * 16 < uncapped.num_blocks
 
 
+def test_automatic_snapshot_count_never_fails_a_plan_that_fits_without_caching() -> None:
+    """Prefix caching is on by default: its automatic snapshot count ("at most a tenth of what the slots
+    leave") must not turn a plan that fits into a ConfigError. Here a tenth is less than one snapshot, and
+    one snapshot leaves too little for the pages of one request: no snapshot (caching runs off) instead."""
+    state = RecurrentStateSpec(0, (("s", (256 * 64,)),), torch.float32)  # 64 KiB a slot
+    kv = PagedKVSpec(1, 1, 8, torch.float32)  # 512 B a 4-token page
+    common = dict(
+        budget=4 * 65536 + 16 * 512 + 20000,  # the 4 slots, one 64-token request's 16 pages and a little
+        weight_bytes=0,
+        specs=[state, kv],
+        transients=[],
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+    )
+    off = plan_memory(**common)
+    on = plan_memory(**common, prefix_caching=True)
+    assert on.num_snapshot_slots == 0 and on.num_blocks == off.num_blocks
+    # Where one snapshot fits beside one request's pages, there is one (as before).
+    roomy = plan_memory(**{**common, "budget": common["budget"] + 65536}, prefix_caching=True)
+    assert roomy.num_snapshot_slots == 1 and roomy.num_blocks >= 16
+
+
 def test_cache_config_validation() -> None:
     assert CacheConfig().enable_prefix_caching is True
     with pytest.raises(ConfigError, match="enable_prefix_caching"):

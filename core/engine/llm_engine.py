@@ -125,7 +125,8 @@ class LLMEngine:
         plan = self.executor.plan
         if plan.num_state_slots and not plan.num_snapshot_slots:
             logger.warning(
-                "prefix caching is off: the model keeps recurrent state and cache.num_state_snapshots is 0"
+                "prefix caching is off: the model keeps recurrent state and the memory plan holds no state snapshot "
+                "(cache.num_state_snapshots)"
             )
             return False
         return True

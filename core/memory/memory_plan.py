@@ -82,7 +82,8 @@ def plan_memory(
 
     Transients are reserved at their worst case before anything else; every admitted request needs one
     state slot, so there are ``max_num_seqs`` slots; with ``prefix_caching`` a model with state also gets
-    ``num_state_snapshots`` snapshots (None: ``max_num_seqs``, at most a tenth of what the slots leave);
+    ``num_state_snapshots`` snapshots (None: ``max_num_seqs``, at most a tenth of what the slots leave, at
+    least one unless that leaves too little for one request's pages);
     pages get what is left, at most what ``max_num_seqs`` full-length requests use when ``cap_pages``
     (more pages then only cost allocation time). Raises ConfigError when not even one request of
     ``max_model_len`` tokens fits.
@@ -97,6 +98,10 @@ def plan_memory(
     if prefix_caching and state_per_slot and paged:
         if num_state_snapshots is None:
             num_snapshots = max(1, min(max_num_seqs, max(free, 0) // 10 // state_per_slot))
+            if num_blocks_override is None:
+                # Never so many that a plan which fits without them fails: what one request's pages leave.
+                spare = free - -(-max_model_len // block_size) * bytes_per_page
+                num_snapshots = min(num_snapshots, max(spare, 0) // state_per_slot)
         else:
             num_snapshots = num_state_snapshots
         free -= num_snapshots * state_per_slot
