@@ -368,6 +368,31 @@ def test_cache_config_validation() -> None:
 # ---------------------------------------------------------------------------- the simulated engine
 
 
+def random_bases(rng: random.Random) -> list[list[int]]:
+    """Two random prompts of 4-19 tokens over 3 ids: the prefixes a simulated workload shares."""
+    return [[rng.randrange(3) for _ in range(rng.randrange(4, 20))] for _ in range(2)]
+
+
+def add_random_wave(
+    sched: ContinuousBatchingScheduler,
+    rng: random.Random,
+    bases: list[list[int]],
+    wave: int,
+    num_blocks: int,
+    headroom: int = 0,
+    **params,
+) -> None:
+    """Up to 6 requests: a random prefix of one of ``bases`` plus a tail of up to 2 tokens, 1-13 tokens
+    out; a request that could not fit the pool (with ``headroom`` more positions, e.g. drafts) is left out."""
+    for i in range(rng.randrange(1, 7)):
+        base = rng.choice(bases)
+        prompt = base[: rng.randrange(1, len(base) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(3))]
+        max_tokens = rng.randrange(1, 14)
+        if len(prompt) + max_tokens + headroom > (num_blocks - 1) * BS:
+            continue
+        sched.add_request(make_request(f"{wave}-{i}", prompt, max_tokens, **params))
+
+
 class FakeDevice:
     """What the device would hold, written through the block tables: each page slot's token, each state
     slot's tokens so far (a recurrent state is a function of them), each snapshot's."""
@@ -445,18 +470,10 @@ def test_simulated_engine_reads_only_its_own_prefix(
     sched = ContinuousBatchingScheduler(
         SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget), buffers
     )
-    bases = [[rng.randrange(3) for _ in range(rng.randrange(4, 20))] for _ in range(2)]
+    bases = random_bases(rng)
     device = FakeDevice(buffers)
     for wave in range(waves):
-        for i in range(rng.randrange(1, 7)):
-            base = rng.choice(bases)
-            prompt = base[: rng.randrange(1, len(base) + 1)] + [
-                rng.randrange(3) for _ in range(rng.randrange(3))
-            ]
-            max_tokens = rng.randrange(1, 14)
-            if len(prompt) + max_tokens > (num_blocks - 1) * BS:
-                continue
-            sched.add_request(make_request(f"{wave}-{i}", prompt, max_tokens))
+        add_random_wave(sched, rng, bases, wave, num_blocks)
         for out, _ in run_engine(sched, buffers, device):
             event("preempted" if out.preempted else "no preemption")
     event("hit" if buffers.prefix_cache_stats[1] else "no hit")

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from pegainfer.config.schema import SchedulerConfig
 from pegainfer.engine.request import PENDING_TOKEN, Request, RequestStatus
 from pegainfer.scheduling.scheduler import ContinuousBatchingScheduler, SchedulerOutput
-from tests.test_prefix_cache import BS, make_manager, make_request
+from tests.test_prefix_cache import add_random_wave, make_manager, random_bases
 
 
 def future(request: Request, k: int) -> int:
@@ -119,18 +119,10 @@ def test_async_simulated_engine_reads_only_its_own_prefix(
     sched = ContinuousBatchingScheduler(
         SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget), buffers
     )
-    bases = [[rng.randrange(3) for _ in range(rng.randrange(4, 20))] for _ in range(2)]
+    bases = random_bases(rng)
     device = AsyncDevice(buffers)
     for wave in range(waves):
-        for i in range(rng.randrange(1, 7)):
-            base = rng.choice(bases)
-            prompt = base[: rng.randrange(1, len(base) + 1)] + [
-                rng.randrange(3) for _ in range(rng.randrange(3))
-            ]
-            max_tokens = rng.randrange(1, 14)
-            if len(prompt) + max_tokens > (num_blocks - 1) * BS:
-                continue
-            sched.add_request(make_request(f"{wave}-{i}", prompt, max_tokens))
+        add_random_wave(sched, rng, bases, wave, num_blocks)
         run_async(sched, buffers, device, rng, abort_rate)
     assert buffers.pool.num_free == num_blocks and buffers.num_active == 0
     buffers.snapshots.check()

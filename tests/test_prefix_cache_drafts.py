@@ -15,7 +15,7 @@ from pegainfer.config.schema import SchedulerConfig
 from pegainfer.engine.request import Request, RequestStatus
 from pegainfer.scheduling.scheduler import ContinuousBatchingScheduler
 from pegainfer.scheduling.speculative import SpeculativeDecoder
-from tests.test_prefix_cache import BS, make_manager, make_request
+from tests.test_prefix_cache import BS, add_random_wave, make_manager, random_bases
 
 NUM_SPEC = 2
 
@@ -109,18 +109,10 @@ def test_drafting_simulated_engine_reads_only_its_own_prefix(
     sched = ContinuousBatchingScheduler(
         SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget), buffers
     )
-    bases = [[rng.randrange(3) for _ in range(rng.randrange(4, 20))] for _ in range(2)]
+    bases = random_bases(rng)
     main: dict[int, list] = {}
     mtp: dict[int, list] = {}
     for wave in range(waves):
-        for i in range(rng.randrange(1, 7)):
-            base = rng.choice(bases)
-            prompt = base[: rng.randrange(1, len(base) + 1)] + [
-                rng.randrange(3) for _ in range(rng.randrange(3))
-            ]
-            max_tokens = rng.randrange(1, 14)
-            if len(prompt) + max_tokens + NUM_SPEC > (num_blocks - 1) * BS:
-                continue
-            sched.add_request(make_request(f"{wave}-{i}", prompt, max_tokens, temperature=0.0))
+        add_random_wave(sched, rng, bases, wave, num_blocks, headroom=NUM_SPEC, temperature=0.0)
         simulate(sched, buffers, rng, main, mtp)
     assert buffers.pool.num_free == num_blocks and buffers.num_active == 0
