@@ -121,7 +121,10 @@ class SparseMoE(nn.Module):
                 self._expert(expert, rows[rs], gate_up[rs], act[rs], out[rs])
                 start += n
         out.mul_(weights.flatten()[order].unsqueeze(-1))
-        y.index_add_(0, token_of, out)
+        # Back to (token, choice) order, then a sum over the choices: deterministic, where index_add_'s
+        # float atomics on CUDA add in a different order each run (and greedy tokens drift apart).
+        by_choice = rows.index_copy_(0, order, out)
+        torch.sum(by_choice.view(t, k, h), dim=1, out=y)
 
     def _experts_static(
         self,
