@@ -179,7 +179,10 @@ def _paged_attention_kernels(
 
     out = torch.empty_like(q)
     if meta.prefills:
-        paged_prefill_attention(q, cache, prefill_tensors(meta.prefills, q.device), scale, out=out)
+        packed = meta.derived.get("prefill_tensors")
+        if packed is None:  # once per forward, not per layer
+            packed = meta.derived["prefill_tensors"] = prefill_tensors(meta.prefills, q.device)
+        paged_prefill_attention(q, cache, packed, scale, out=out)
     if meta.num_decodes:
         rows = slice(meta.num_prefill_tokens, meta.num_prefill_tokens + meta.num_decodes)
         paged_decode_attention(

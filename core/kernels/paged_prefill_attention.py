@@ -45,12 +45,13 @@ class PrefillTensors:
 
 
 def prefill_tensors(segments: list[PrefillSegment], device: torch.device | str) -> PrefillTensors:
-    """Pack :class:`PrefillSegment` s into :class:`PrefillTensors` (one host-to-device copy each)."""
+    """Pack :class:`PrefillSegment` s into :class:`PrefillTensors` on ``device``. The block tables are
+    copied where they are (device tables stay on the device: no read back, no sync with the host)."""
     count = len(segments)
     width = max((seg.block_table.numel() for seg in segments), default=1)
-    tables = torch.zeros(count, max(1, width), dtype=torch.int32)
+    tables = torch.zeros(count, max(1, width), dtype=torch.int32, device=device)
     for i, seg in enumerate(segments):
-        tables[i, : seg.block_table.numel()] = seg.block_table.to("cpu", torch.int32)
+        tables[i, : seg.block_table.numel()] = seg.block_table
     ints = torch.tensor(
         [[seg.q_start, seg.q_len, seg.ctx_len] for seg in segments] or [[0, 0, 0]], dtype=torch.int32
     )[:count]
@@ -59,7 +60,7 @@ def prefill_tensors(segments: list[PrefillSegment], device: torch.device | str) 
         q_start=ints[0],
         q_len=ints[1],
         ctx_len=ints[2],
-        block_tables=tables.to(device, non_blocking=True),
+        block_tables=tables,
         max_q_len=max((seg.q_len for seg in segments), default=0),
     )
 

@@ -6,7 +6,7 @@ decode row. Decode rows read their metadata from the persistent decode buffers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
     decode_seq_lens: torch.Tensor | None = None  # [num_decodes], context length including the new token
     max_decode_seq_len: int = 0
+    #: Forms of this metadata a backend builds once per forward and every layer reuses (e.g. the packed
+    #: device tensors of the prefill segments), by name.
+    derived: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
 
 
 #: Queries per block in the reference prefill attention.

@@ -28,6 +28,7 @@ and heads only; they are never reduced.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -76,6 +77,17 @@ class RecurrentRows:
     decode_start: int
     num_decodes: int
     decode_slots: torch.Tensor  # [num_decodes] int64
+
+    @functools.cached_property
+    def cu_seqlens_cpu(self) -> torch.Tensor:
+        """The segments' bounds ``[num_segments + 1]`` int64 (the varlen form of fla's kernels), on the host."""
+        return torch.tensor([0] + [start + n for start, n in self.segments], dtype=torch.int64)
+
+    @functools.cached_property
+    def cu_seqlens(self) -> torch.Tensor:
+        """:attr:`cu_seqlens_cpu` on the slots' device: one object every layer of the forward passes, so fla's
+        identity-keyed caches build the chunk indices derived from it once per forward, not per layer."""
+        return self.cu_seqlens_cpu.to(self.segment_slots.device)
 
     def prefills(self) -> list[tuple[tuple[int, int], torch.Tensor]]:
         """((first row, length), slot as a 1-element index tensor) per prefill segment."""
@@ -204,19 +216,16 @@ def prefill_with_fla(
     hk, hv = widths.linear_num_key_heads, widths.linear_num_value_heads
     dk, dv = widths.linear_key_head_dim, widths.linear_value_head_dim
     q, k, v = conv.split([widths.key_dim, widths.key_dim, widths.value_dim], dim=-1)
-    # q and k repeated to the value heads: any fla version takes equal head counts.
-    q, k = (y.reshape(p, hk, dk).repeat_interleave(hv // hk, dim=1) for y in (q, k))
-    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
-    bounds = [0]
-    for start, n in rows.segments:
-        bounds.append(start + n)
-    cu_seqlens = torch.tensor(bounds, dtype=torch.int64, device=conv.device)
     try:
+        # fla takes fewer q/k heads than value heads (value head j reads q/k head j // (hv / hk)), the raw
+        # decay input and beta logits (the gate, softplus and sigmoid in its kernels), and the segments'
+        # bounds on the host as well (no device sync to build its chunk indices).
         o, final = rule(
-            q.unsqueeze(0), k.unsqueeze(0), v.reshape(1, p, hv, dv), g=g.unsqueeze(0),
-            beta=torch.sigmoid(b).unsqueeze(0), scale=dk**-0.5,
-            initial_state=ssm.index_select(0, rows.segment_slots), output_final_state=True,
-            cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True,
+            q.reshape(1, p, hk, dk), k.reshape(1, p, hk, dk), v.reshape(1, p, hv, dv), g=a.unsqueeze(0),
+            beta=b.unsqueeze(0), scale=dk**-0.5, initial_state=ssm.index_select(0, rows.segment_slots),
+            output_final_state=True, cu_seqlens=rows.cu_seqlens, cu_seqlens_cpu=rows.cu_seqlens_cpu,
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=a_log, dt_bias=dt_bias,
+            use_beta_sigmoid_in_kernel=True,
         )  # fmt: skip
     except Exception as exc:  # an fla version whose API differs: say so once, keep the torch form
         logger.warning("fla's chunk_gated_delta_rule failed (%r); prefill uses the torch chunked form", exc)

@@ -167,28 +167,35 @@ def test_decode_rows_update_their_slots_in_one_batched_step(llm, monkeypatch):
 
 
 def _fla_semantics(
-    q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel
-):
-    """fla's ``chunk_gated_delta_rule`` as documented (varlen batch of 1, q/k normalised in the kernel,
-    per-sequence initial and final states), in torch: what ``prefill_with_fla`` is written against."""
+    q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
+    use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
+):  # fmt: skip
+    """fla's ``chunk_gated_delta_rule`` as documented (varlen batch of 1; fewer q/k heads than value heads,
+    value head j reading q/k head j // (HV / H); q/k normalised, the gate ``-exp(A_log) * softplus(g +
+    dt_bias)`` and ``sigmoid(beta)`` in the kernel; per-sequence initial and final states), in torch: what
+    ``prefill_with_fla`` is written against."""
     assert q.shape[0] == 1 and output_final_state and use_qk_l2norm_in_kernel
+    assert use_gate_in_kernel and use_beta_sigmoid_in_kernel
+    assert cu_seqlens_cpu.device.type == "cpu" and cu_seqlens_cpu.tolist() == cu_seqlens.tolist()
+    group = v.shape[2] // q.shape[2]
+    q, k = (x.repeat_interleave(group, dim=2) for x in (q, k))
+    g = -A_log.float().exp() * torch.nn.functional.softplus(g.float() + dt_bias)
+    beta = torch.sigmoid(beta.float())
     bounds = cu_seqlens.tolist()
     outs, finals = [], []
     for i in range(len(bounds) - 1):
         a, b = bounds[i], bounds[i + 1]
         qs = l2_normalise(q[0, a:b].float()) * scale
         ks = l2_normalise(k[0, a:b].float())
-        o, final = chunked_delta_rule(
-            qs, ks, v[0, a:b].float(), g[0, a:b], beta[0, a:b].float(), initial_state[i]
-        )
+        o, final = chunked_delta_rule(qs, ks, v[0, a:b].float(), g[0, a:b], beta[0, a:b], initial_state[i])
         outs.append(o)
         finals.append(final)
     return torch.cat(outs)[None].to(v.dtype), torch.stack(finals)
 
 
 def test_prefill_with_fla_passes_segments_and_slots_as_fla_expects():
-    """The varlen call's plumbing (cu_seqlens, the slots' states gathered and scattered, q/k repeated to
-    the value heads) against the per-segment torch path, with a torch stand-in of fla's function."""
+    """The varlen call's plumbing (cu_seqlens, the slots' states gathered and scattered, q/k heads
+    grouped under the value heads) against the per-segment torch path, with a torch stand-in of fla's function."""
     from pegainfer_qwen35.gated_deltanet import RecurrentRows, gate_and_normalise, prefill_with_fla
 
     widths = gated_deltanet._Widths(2, 4, 16, 8)

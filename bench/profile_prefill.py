@@ -1,0 +1,77 @@
+"""Where a prefill step's time goes, with and without a prefix-cache hit: each engine step's wall time, then
+(``--profile``) a torch.profiler table (host and GPU time by op) of a hit's steps.
+
+    python bench/profile_prefill.py --shape qwen35_9b [--prompt-len 2112 --shared-len 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+from prefix_cache import gpu_shapes, random_tokens
+
+from pegainfer.config.compose import build_engine_config, compose
+from pegainfer.engine.llm import LLM
+from pegainfer.sampling.sampling_params import SamplingParams
+
+
+def run(llm: LLM, prompt: list[int], salt: str | None) -> list[float]:
+    """Wall ms of each step until ``prompt``'s first token."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    engine.add_request(f"p{time.perf_counter_ns()}", None, params, prompt_token_ids=prompt, cache_salt=salt)
+    steps = []
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        steps.append((time.perf_counter() - t0) * 1e3)
+    return steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen35_9b")
+    parser.add_argument("--prompt-len", type=int, default=2112)
+    parser.add_argument("--shared-len", type=int, default=2048)
+    parser.add_argument("--rows", type=int, default=30)
+    parser.add_argument("--profile", action="store_true", help="also the torch.profiler tables")
+    args = parser.parse_args()
+    [(name, folder)] = gpu_shapes(args.shape)
+    overrides = [
+        f"model.path={folder}", "device=cuda", "model.dtype=bfloat16", "model.load_format=dummy",
+        f"model.max_model_len={args.prompt_len + 16}",
+    ]  # fmt: skip
+    llm = LLM.from_config(build_engine_config(compose("generate", overrides)))
+    rng = random.Random(0)
+    prompt = random_tokens(rng, args.prompt_len)
+    shared = [prompt[: args.shared_len] + random_tokens(rng, 64) for _ in range(4)]
+    run(llm, prompt, None)  # cached from here on
+    for rep in range(3):  # the first compiles (and autotunes) what a new shape needs
+        print(f"[{name} rep {rep}] step ms of each run (miss: a fresh salt; hit: the prompt again; shared:")
+        print(f"  {args.shared_len} cached + 64 new)")
+        for label, p, salt in [
+            ("miss", prompt, f"m{rep}"),
+            ("hit", prompt, None),
+            ("shared", shared[rep], None),
+        ]:
+            print(f"  {label:6s}", " ".join(f"{ms:7.1f}" for ms in run(llm, p, salt)))
+    if not args.profile:
+        return
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        run(llm, shared[3], None)
+    events = prof.key_averages()
+    for key in ("self_cpu_time_total", "device_time_total"):
+        print(f"--- by {key}")
+        for e in sorted(events, key=lambda e: getattr(e, key), reverse=True)[: args.rows]:
+            print(
+                f"{e.key[:70]:70s} self cpu {e.self_cpu_time_total / 1e3:8.2f} ms  gpu {e.device_time_total / 1e3:8.2f} ms  x{e.count}"
+            )
+
+
+if __name__ == "__main__":
+    main()
