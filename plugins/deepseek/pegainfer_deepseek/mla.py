@@ -5,7 +5,7 @@ shared key ``k_pe`` (``rkv + dr`` values, the page tensor ``[blocks, block_size,
 per-head K/V. Prefill segments expand the latents of their context into per-head keys and values through
 ``kv_b_proj``; decode rows use the absorbed form: the query's no-rope part goes through W_UK into latent
 space, attention runs over the latents directly (an MQA with head size rkv + dr), and W_UV maps the
-result back to per-head values.
+result back to per-head values (``mla_decode``: a Triton kernel on CUDA, its torch reference elsewhere).
 
 The rope channels stay in the checkpoint's pairing (interleaved by default) for q and k alike.
 
@@ -34,6 +34,7 @@ from pegainfer.parallel.sharding import split
 from pegainfer_deepseek.config import DeepseekV3Dims
 from pegainfer_deepseek.fp8 import WeightReader
 from pegainfer_deepseek.indexer import IndexSelection, LightningIndexer
+from pegainfer_deepseek.mla_decode import mla_decode_attention
 from pegainfer_deepseek.params import param
 
 
@@ -151,27 +152,21 @@ class MLAttention(nn.Module):
         out: torch.Tensor,
         selection: IndexSelection | None = None,
     ) -> None:
-        """Absorbed form: scores ``(W_UKᵀ q_nope)·c + q_pe·k_pe`` over the latents, output ``W_UV p·c``."""
+        """Absorbed form: scores ``(W_UKᵀ q_nope)·c + q_pe·k_pe`` over the latents, output ``W_UV p·c``
+        (``mla_decode``: the Triton kernel on CUDA, its torch reference elsewhere)."""
         if not meta.num_decodes:
             return
         dims = self.dims
-        nh, dn, rkv = self.num_heads, dims.qk_nope_head_dim, dims.kv_lora_rank
+        nh, dn = self.num_heads, dims.qk_nope_head_dim
         rows = slice(meta.num_prefill_tokens, meta.num_prefill_tokens + meta.num_decodes)
-        w_kv = self.kv_b_proj.view(nh, dn + dims.v_head_dim, rkv)
+        w_kv = self.kv_b_proj.view(nh, dn + dims.v_head_dim, dims.kv_lora_rank)
         w_uk, w_uv = w_kv[:, :dn], w_kv[:, dn:]
         q_latent = torch.einsum("bhd,hdr->bhr", q_nope[rows], w_uk)
-        queries = torch.cat([q_latent, q_pe[rows]], dim=-1)  # [B, nh, rkv + dr]
-        positions = torch.arange(meta.max_decode_seq_len, device=q_nope.device)
-        latent = cache.flatten(0, 1)[
-            _slots(meta.decode_block_tables, positions, meta.block_size)
-        ]  # [B, L, .]
-        scores = torch.einsum("bhr,blr->bhl", queries, latent) * self.scale
-        valid = positions[None, :] < meta.decode_seq_lens[:, None]  # [B, L]
-        if selection is not None and selection.decode is not None:
-            valid = valid & selection.decode
-        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(latent.dtype)
-        o_latent = torch.einsum("bhl,blr->bhr", probs, latent[..., :rkv])
+        o_latent = mla_decode_attention(
+            q_latent.contiguous(), q_pe[rows].contiguous(), cache, meta.decode_block_tables,
+            meta.decode_seq_lens, self.scale, max_seq_len=meta.max_decode_seq_len,
+            mask=selection.decode if selection is not None else None,
+        )  # fmt: skip
         out[rows] = torch.einsum("bhr,hvr->bhv", o_latent, w_uv)
 
     def load(self, reader: WeightReader, prefix: str) -> None:

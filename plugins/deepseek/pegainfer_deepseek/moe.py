@@ -27,6 +27,7 @@ from pegainfer.parallel.distributed import TensorParallel
 from pegainfer.parallel.sharding import split
 from pegainfer_deepseek.config import DeepseekV3Dims
 from pegainfer_deepseek.fp8 import WeightReader
+from pegainfer_deepseek.fused_moe import fused_moe
 from pegainfer_deepseek.params import param
 
 
@@ -161,7 +162,10 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = routed_experts(x, weights, ids, self.experts_gate_up, self.experts_down)
+        # The Triton grouped GEMMs on CUDA (no host sync, graph-safe); the reference loop elsewhere.
+        out = fused_moe(x, weights, ids, self.experts_gate_up, self.experts_down)
+        if out is None:
+            out = routed_experts(x, weights, ids, self.experts_gate_up, self.experts_down)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -1,8 +1,13 @@
 """Fixtures of the DeepSeek plugin tests: a tiny V3 checkpoint (with MTP layer), its "aligned" copy whose
-MTP layer drafts well, and a float32 LLM on the tiny checkpoint."""
+MTP layer drafts well, and a float32 LLM on the tiny checkpoint.
+
+Without a GPU the plugin's Triton kernels run on CPU tensors through Triton's interpreter, which must be
+chosen before Triton is first imported: ``TRITON_INTERPRET`` is set here (nothing else launches Triton
+kernels off CUDA)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -11,7 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pegainfer_deepseek.tiny import EMBED_STD
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from pegainfer_deepseek.tiny import EMBED_STD  # noqa: E402
 
 
 @pytest.fixture(scope="session")

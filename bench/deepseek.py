@@ -1,0 +1,218 @@
+"""DeepSeek-V3 on one GPU: the MLA decode kernel and the fused MoE alone, then decode steps of the real
+layer shape (random bf16 weights, ``--layers`` layers: the first dense, the rest MoE of 256 experts) at
+each ``--batches`` size, against the bytes a step must read, and HF transformers' eager decode at batch 1.
+
+    python bench/deepseek.py --out bench/results/deepseek.jsonl --commit <sha>
+
+The ceilings are measured first, in the same process. A step's bytes: every weight except the routed
+experts and the embedding table, plus the experts the router actually picked in a measured step (the
+distinct ones per layer: 8 at batch 1), one embedding row per token and the latents the rows attend to.
+The MLA kernel's figure is its latent bytes over the copy rate (the issue's goal), the MoE's its expert
+bytes over the streaming-read rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import Results, build, check_all_running, graph_time_ms, greedy, measure_ceilings, start_decoding
+
+from pegainfer.text.tiny_tokenizer import write_tiny_tokenizer
+from pegainfer_deepseek.fused_moe import fused_moe
+from pegainfer_deepseek.mla_decode import mla_decode_attention
+from pegainfer_deepseek.moe import MoE
+from pegainfer_deepseek.tiny import deepseek_v3_config
+
+#: DeepSeek-V3's published config (671B), less the MTP layer; the layer count comes from ``--layers``.
+V3 = dict(
+    hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, first_k_dense_replace=1,
+    num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
+    norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=163840, rms_norm_eps=1e-6,
+    rope_theta=10000.0, num_nextn_predict_layers=0, torch_dtype="bfloat16",
+    rope_scaling={
+        "type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+    },
+)  # fmt: skip
+VOCAB = 129280
+
+
+def checkpoint_folder(layers: int) -> Path:
+    folder = Path(tempfile.mkdtemp(prefix="deepseek-bench-"))
+    write_tiny_tokenizer(folder)
+    (folder / "config.json").write_text(json.dumps(deepseek_v3_config(VOCAB, num_hidden_layers=layers, **V3)))
+    return folder
+
+
+def bench_mla_kernel(batch: int, ctx: int, copy_bw: float) -> dict:
+    heads, rkv, dr, page = 128, 512, 64, 64
+    pages = batch * ctx // page
+    cache = torch.randn(pages, page, rkv + dr, device="cuda", dtype=torch.bfloat16)
+    tables = torch.randperm(pages, device="cuda", dtype=torch.int64).view(batch, -1).to(torch.int32)
+    lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+    q = torch.randn(batch, heads, rkv, device="cuda", dtype=torch.bfloat16) * 0.1
+    q_pe = torch.randn(batch, heads, dr, device="cuda", dtype=torch.bfloat16) * 0.1
+    ms = graph_time_ms(lambda: mla_decode_attention(q, q_pe, cache, tables, lens, 0.1, max_seq_len=ctx))
+    latent_bytes = batch * ctx * (rkv + dr) * 2
+    return {"ms": ms, "latent_gb": latent_bytes / 1e9, "copy_ratio": latent_bytes / (ms / 1e3) / copy_bw}
+
+
+def bench_fused_moe(tokens: int, read_bw: float) -> dict:
+    experts, hidden, inter, k = 256, 7168, 2048, 8
+    gate_up = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.01
+    down = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.01
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(experts, device="cuda")[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, device="cuda")
+    ms = graph_time_ms(lambda: fused_moe(x, weights, ids, gate_up, down))
+    touched = ids.unique().numel() * 3 * hidden * inter * 2
+    return {"ms": ms, "experts": ids.unique().numel(), "read_ratio": touched / (ms / 1e3) / read_bw}
+
+
+def distinct_experts(llm, prompts_step) -> list[int]:
+    """The distinct experts each MoE layer's router picks in one step (a hook, outside the timed steps)."""
+    model = llm.engine.executor.runner.model
+    seen: list[int] = []
+    hooks = [
+        m.gate.register_forward_hook(lambda _m, _i, out: seen.append(out[1].unique().numel()))
+        for m in model.modules()
+        if isinstance(m, MoE)
+    ]
+    prompts_step()
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def step_bytes(llm, batch: int, ctx: float, experts_per_layer: list[int]) -> float:
+    model = llm.engine.executor.runner.model
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    routed = per_expert = 0
+    for m in model.modules():
+        if isinstance(m, MoE):
+            size = sum(t.numel() * t.element_size() for t in (m.experts_gate_up, m.experts_down))
+            routed += size
+            per_expert = size / m.experts_gate_up.shape[0]
+    embed = model.embed_tokens
+    row = embed.shape[1] * embed.element_size()
+    layers = len(experts_per_layer) + V3["first_k_dense_replace"]
+    latents = batch * ctx * (V3["kv_lora_rank"] + V3["qk_rope_head_dim"]) * 2 * layers
+    return (
+        total
+        - routed
+        - embed.numel() * embed.element_size()
+        + batch * row
+        + sum(experts_per_layer) * per_expert
+        + latents
+    )
+
+
+def bench_decode(llm, batch: int, ctx: int, steps: int, rng: random.Random) -> dict:
+    engine = llm.engine
+    prompts = [[rng.randrange(VOCAB) for _ in range(ctx)] for _ in range(batch)]
+    ids = start_decoding(engine, f"d{batch}-{rng.random()}", prompts, greedy(steps + 64))
+    experts = distinct_experts(llm, engine.step)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - t0) * 1e3 / steps
+    check_all_running(engine, batch)
+    for rid in ids:
+        engine.abort_request(rid)
+    engine.step()
+    return {"step_ms": step_ms, "experts": experts, "ctx": ctx + 4 + steps / 2}
+
+
+def bench_peer(folder: Path, layers: int, ctx: int, steps: int) -> float:
+    """transformers' DeepseekV3ForCausalLM, eager bf16, random weights, batch 1: ms per decode step."""
+    from transformers import AutoConfig, DeepseekV3ForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = DeepseekV3ForCausalLM(config).eval()
+    torch.set_default_dtype(torch.float32)
+    ids = torch.randint(0, VOCAB, (1, ctx), device="cuda")
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        cache = out.past_key_values
+        token = out.logits[:, -1:].argmax(-1)
+        for _ in range(3):
+            out = model(token, past_key_values=cache, use_cache=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = model(out.logits[:, -1:].argmax(-1), past_key_values=out.past_key_values, use_cache=True)
+        torch.cuda.synchronize()
+    del model, out
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="append the records to this JSONL file")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--ctx", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--skip-peer", action="store_true")
+    parser.add_argument("--commit", default=None)
+    args = parser.parse_args()
+    results = Results(args.out or Path(os.devnull), "python " + " ".join(sys.argv), args.commit)
+    ceil = measure_ceilings()
+    torch.cuda.empty_cache()
+    copy_bw, read_bw = ceil["hbm_bytes_per_s"], ceil["decode_ceiling_bytes_per_s"]
+    results.add("h200.hbm_copy_bandwidth", copy_bw / 1e12, "TB/s")
+    results.add("h200.hbm_stream_read_bandwidth", ceil["hbm_read_bytes_per_s"] / 1e12, "TB/s")
+
+    mla = bench_mla_kernel(64, 4096, copy_bw)
+    results.add("deepseek.mla_decode.bs64_ctx4096.ms", mla["ms"], "ms")
+    results.add("deepseek.mla_decode.bs64_ctx4096.copy_bandwidth_ratio", mla["copy_ratio"], "fraction", 0.7)
+    for tokens in (1, 32):
+        moe = bench_fused_moe(tokens, read_bw)
+        results.add(f"deepseek.fused_moe.bs{tokens}.ms", moe["ms"], "ms")
+        results.add(f"deepseek.fused_moe.bs{tokens}.bandwidth_utilization", moe["read_ratio"], "fraction")
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    folder = checkpoint_folder(args.layers)
+    batches = [int(b) for b in args.batches.split(",") if b]
+    llm = build(folder, max_num_seqs=max(batches), max_model_len=args.ctx + args.steps + 128)
+    rng = random.Random(0)
+    for batch in batches:
+        d = bench_decode(llm, batch, args.ctx, args.steps, rng)
+        floor_ms = step_bytes(llm, batch, d["ctx"], d["experts"]) / read_bw * 1e3
+        goal = 0.8 if batch == 1 else 0.6 if batch == 32 else None
+        tag = f"deepseek.decode.bs{batch}"
+        results.add(f"{tag}.step_ms", d["step_ms"], "ms")
+        results.add(f"{tag}.floor_ms", floor_ms, "ms")
+        results.add(f"{tag}.distinct_experts_per_layer", sum(d["experts"]) / len(d["experts"]), "experts")
+        results.add(f"{tag}.bandwidth_utilization", floor_ms / d["step_ms"], "fraction", goal)
+        if batch == 1:
+            ours_bs1 = d["step_ms"]
+    llm.engine.shutdown()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    if not args.skip_peer and 1 in batches:
+        peer = bench_peer(folder, args.layers, args.ctx, args.steps)
+        results.add("deepseek.peer_hf.bs1.step_ms", peer, "ms")
+        results.add("deepseek.peer_hf.bs1.speedup", peer / ours_bs1, "x", 10.0)
+    if args.out:
+        results.write()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""Routed experts in two Triton grouped GEMMs, with no host sync: ``Σ_k w[t, k] · Expert_{ids[t, k]}(x[t])``.
+
+The (token, choice) pairs are sorted by expert on the device and each expert's run is padded to whole
+blocks of ``BLOCK_M`` rows (:func:`expert_blocks`); the grid covers the most blocks any routing can need
+(``P + E·(BLOCK_M - 1)`` rows for ``P`` pairs over ``E`` experts), and a block past the routing's own
+exits at once, so nothing depends on the host knowing the counts (graph-safe). One program owns one
+block and one tile of output features: it gathers its rows' inputs and multiplies them by its expert's
+weight tile, so an expert's weights are read once per block of its tokens (at batch 1, once per chosen
+expert).
+
+- ``gate_up``: ``act[p] = silu(x[t] · Wg_eᵀ) ⊙ (x[t] · Wu_eᵀ)`` for pair ``p`` of token ``t`` (stacked
+  gate|up ``[E, 2I, H]``), both halves in one program.
+- ``down``: ``y[p] = w[p] · (act[p] · Wd_eᵀ)`` (``[E, H, I]``), then the ``k`` pairs of each token are
+  summed in a fixed order (deterministic, unlike atomics).
+
+fp32 accumulation; the torch reference is ``moe.routed_experts``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pegainfer.kernels._triton import cast_to, dot_precision, interp_bf16, mma, tl, triton, use_kernel
+
+
+def expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``rows`` ``[max_blocks · block_m]``: the pair index of each padded row, ``P`` for padding;
+    ``block_expert`` ``[max_blocks]``: each block's expert, ``num_experts`` past the last used block), with
+    the pairs of ``ids`` ``[T, k]`` (flattened, ``P = T·k``) sorted by expert. Device ops only."""
+    flat = ids.flatten()
+    pairs = flat.numel()
+    max_blocks = triton.cdiv(pairs + num_experts * (block_m - 1), block_m)
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    expert = flat[order]
+    first_sorted = counts.cumsum(0) - counts  # each expert's first position among the sorted pairs
+    rank = torch.arange(pairs, device=ids.device) - first_sorted[expert]
+    dest = (padded_end - padded)[expert] + rank
+    rows = torch.full((max_blocks * block_m,), pairs, dtype=torch.int64, device=ids.device)
+    rows.scatter_(0, dest, order)
+    starts = torch.arange(max_blocks, device=ids.device) * block_m
+    block_expert = torch.searchsorted(padded_end, starts, right=True)  # num_experts past the end
+    return rows, block_expert
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    act_ptr,
+    rows_ptr,
+    block_expert_ptr,
+    num_pairs,
+    num_experts,
+    hidden,
+    inter,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_act,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    FIX: tl.constexpr,
+):
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert < num_experts:
+        pair = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        live = pair < num_pairs
+        token = tl.where(live, pair // TOP_K, 0).to(tl.int64)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < inter
+        w = w_ptr + expert.to(tl.int64) * stride_we
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < hidden
+            a = tl.load(
+                x_ptr + token[:, None] * stride_x + offs_k[None, :],
+                mask=live[:, None] & mask_k[None, :],
+                other=0.0,
+            )
+            wk = mask_k[:, None] & mask_n[None, :]
+            wg = tl.load(w + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wk, other=0.0)
+            wu = tl.load(w + (inter + offs_n[None, :]) * stride_wn + offs_k[:, None], mask=wk, other=0.0)
+            acc_g += mma(a, wg, FIX, DOT_PREC)
+            acc_u += mma(a, wu, FIX, DOT_PREC)
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        out = act_ptr + pair.to(tl.int64)[:, None] * stride_act + offs_n[None, :]
+        tl.store(out, cast_to(act, act_ptr.dtype.element_ty, FIX), mask=live[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr,
+    w_ptr,
+    weights_ptr,
+    y_ptr,
+    rows_ptr,
+    block_expert_ptr,
+    num_pairs,
+    num_experts,
+    hidden,
+    inter,
+    stride_act,
+    stride_we,
+    stride_wn,
+    stride_y,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    FIX: tl.constexpr,
+):
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert < num_experts:
+        pair = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        live = pair < num_pairs
+        pair64 = tl.where(live, pair, 0).to(tl.int64)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hidden
+        w = w_ptr + expert.to(tl.int64) * stride_we
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < inter
+            a = tl.load(
+                act_ptr + pair64[:, None] * stride_act + offs_k[None, :],
+                mask=live[:, None] & mask_k[None, :],
+                other=0.0,
+            )
+            wd = tl.load(
+                w + offs_n[None, :] * stride_wn + offs_k[:, None],
+                mask=mask_k[:, None] & mask_n[None, :],
+                other=0.0,
+            )
+            acc += mma(a, wd, FIX, DOT_PREC)
+        scale = tl.load(weights_ptr + pair64, mask=live, other=0.0).to(tl.float32)
+        out = y_ptr + pair64[:, None] * stride_y + offs_n[None, :]
+        tl.store(
+            out,
+            cast_to(acc * scale[:, None], y_ptr.dtype.element_ty, FIX),
+            mask=live[:, None] & mask_n[None, :],
+        )
+
+
+def fused_moe_triton(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    *,
+    block_m: int | None = None,
+    block_n: int = 64,
+    block_k: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> torch.Tensor:
+    """The Triton path of :func:`fused_moe`; the keyword knobs are for the benchmark."""
+    tokens, hidden = x.shape
+    top_k = ids.shape[1]
+    num_experts, two_inter, _ = gate_up.shape
+    inter = two_inter // 2
+    pairs = tokens * top_k
+    if x.stride(-1) != 1 or gate_up.stride(-1) != 1 or down.stride(-1) != 1:
+        raise ValueError("x and the expert weights need a contiguous last dimension")
+    if pairs == 0:
+        return torch.zeros_like(x)
+    # Decode batches take the smallest tensor-core tile; larger ones fill bigger blocks per expert.
+    bm = block_m or (16 if pairs <= 4 * num_experts else 64)
+    rows, block_expert = expert_blocks(ids, num_experts, bm)
+    act = x.new_empty(pairs, inter)
+    y = x.new_empty(pairs, hidden)
+    fix, prec = interp_bf16(x.dtype), dot_precision(x.dtype)
+    blocks = block_expert.numel()
+    _gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
+        x, gate_up, act, rows, block_expert, pairs, num_experts, hidden, inter,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
+        TOP_K=top_k, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PREC=prec, FIX=fix,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    _down_kernel[(blocks, triton.cdiv(hidden, block_n))](
+        act, down, weights.flatten().contiguous(), y, rows, block_expert, pairs, num_experts, hidden, inter,
+        act.stride(0), down.stride(0), down.stride(1), y.stride(0),
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PREC=prec, FIX=fix,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return y.view(tokens, top_k, hidden).sum(dim=1)
+
+
+def fused_moe(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor | None:
+    """The routed experts' output ``[T, H]`` through the Triton kernels on CUDA; None elsewhere (the
+    caller runs the reference loop)."""
+    return fused_moe_triton(x, weights, ids, gate_up, down) if use_kernel(x) else None

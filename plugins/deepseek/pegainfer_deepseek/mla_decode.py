@@ -1,0 +1,317 @@
+"""MLA decode attention over the paged latent cache, absorbed form: a Triton kernel and its torch reference.
+
+The cache is ``[blocks, block_size, rkv + dr]``: per token the latent ``c`` (``rkv`` values) and the roped
+shared key ``k_pe`` (``dr``); row ``b`` reads its first ``seq_lens[b]`` tokens through
+``block_tables[b]``. The queries come absorbed, ``q_latent = W_UKᵀ q_nope`` ``[B, H, rkv]`` beside
+``q_pe`` ``[B, H, dr]``: the scores are ``scale · (q_latent · c + q_pe · k_pe)`` and the result is the
+probability-weighted sum of the latents, ``o_latent`` ``[B, H, rkv]`` (the caller applies W_UV). It is an
+MQA with one shared key/value head of size ``rkv + dr`` (values: the first ``rkv``).
+
+One program owns (row, ``BLOCK_H`` heads, split): every latent tile it loads serves ``BLOCK_H`` heads
+through tensor-core dots, so a step reads each latent ``H / BLOCK_H`` times, all but the first from L2. A
+row's context is cut into ``num_splits`` chunks of whole ``BLOCK_N`` tiles; each program writes a partial
+(max, sum, unnormalised acc) and a second kernel merges them (with one split the first kernel writes the
+output). An optional ``mask`` ``[B, >= max_seq_len]`` (bool) drops keys (DeepSeek-V3.2's indexer
+selection); a row with every key dropped gets zeros.
+
+CUDA-graph friendly: no host syncs; the grid depends on the batch, the heads and ``num_splits``, which
+comes from static maxima (``max_seq_len``), never from the current lengths. Rows with ``seq_len == 0``
+(padding) read nothing and get zeros.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pegainfer.kernels._triton import (
+    cast_to,
+    dot_precision,
+    interp_bf16,
+    mma,
+    next_pow2,
+    num_sms,
+    tl,
+    triton,
+    use_kernel,
+)
+
+#: The reduce kernel merges at most this many partials per row; chunks grow beyond it instead.
+MAX_SPLITS = 32
+#: A split covers at least this many tokens (its fixed cost: the queries' load and a partial's write).
+MIN_TOKENS_PER_SPLIT = 128
+#: Query heads per program: the M of its dots (16 is the smallest tensor-core tile).
+BLOCK_H = 16
+
+
+def mla_decode_num_splits(batch: int, num_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Splits per row from static sizes only: about four programs per multiprocessor, never more splits
+    than ``max_seq_len`` has ``MIN_TOKENS_PER_SPLIT`` chunks, at most ``MAX_SPLITS``."""
+    programs = max(1, batch * triton.cdiv(num_heads, BLOCK_H))
+    wanted = math.ceil(4 * num_sms(device) / programs)
+    by_len = math.ceil(max(1, max_seq_len) / MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, by_len, MAX_SPLITS))
+
+
+@triton.jit
+def _mla_decode_partial_kernel(
+    q_lat_ptr,
+    q_pe_ptr,
+    cache_ptr,
+    tables_ptr,
+    seq_lens_ptr,
+    mask_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    scale_log2,
+    num_splits,
+    num_heads,
+    stride_qb,
+    stride_qh,
+    stride_pb,
+    stride_ph,
+    stride_cblk,
+    stride_ctok,
+    stride_bt,
+    stride_mb,
+    stride_ob,
+    stride_oh,
+    RKV: tl.constexpr,
+    DR: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    FIX: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + row)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    row64 = row.to(tl.int64)
+
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_p = tl.arange(0, BLOCK_P)
+    mask_h = heads < num_heads
+    mask_r = offs_r < RKV
+    mask_p = offs_p < DR
+    out_ptrs = out_ptr + row64 * stride_ob + heads[:, None] * stride_oh + offs_r[None, :]
+    if start < seq_len:
+        q = tl.load(
+            q_lat_ptr + row64 * stride_qb + heads[:, None] * stride_qh + offs_r[None, :],
+            mask=mask_h[:, None] & mask_r[None, :],
+            other=0.0,
+        )
+        qp = tl.load(
+            q_pe_ptr + row64 * stride_pb + heads[:, None] * stride_ph + offs_p[None, :],
+            mask=mask_h[:, None] & mask_p[None, :],
+            other=0.0,
+        )
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+        table = tables_ptr + row64 * stride_bt
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            valid = offs_n < end
+            block = tl.load(table + offs_n // PAGE, mask=valid, other=0).to(tl.int64)
+            tok = block * stride_cblk + (offs_n % PAGE) * stride_ctok
+            c = tl.load(
+                cache_ptr + tok[:, None] + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0
+            )
+            kp = tl.load(
+                cache_ptr + tok[:, None] + RKV + offs_p[None, :],
+                mask=valid[:, None] & mask_p[None, :],
+                other=0.0,
+            )
+            if HAS_MASK:
+                keep = tl.load(mask_ptr + row64 * stride_mb + offs_n, mask=valid, other=0)
+                valid = valid & (keep != 0)
+            s = (mma(q, tl.trans(c), FIX, DOT_PREC) + mma(qp, tl.trans(kp), FIX, DOT_PREC)) * scale_log2
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A head whose keys so far were all dropped keeps m = -inf: shift by 0 there (no inf - inf).
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + mma(cast_to(p, c.dtype, FIX), c, FIX, DOT_PREC)
+            m_i = m_new
+        if SPLIT:
+            part = (row64 * num_heads + heads) * num_splits + split
+            tl.store(part_m_ptr + part, m_i, mask=mask_h)
+            tl.store(part_l_ptr + part, l_i, mask=mask_h)
+            tl.store(
+                part_acc_ptr + part[:, None] * RKV + offs_r[None, :],
+                acc,
+                mask=mask_h[:, None] & mask_r[None, :],
+            )
+        else:
+            o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(
+                out_ptrs, cast_to(o, out_ptr.dtype.element_ty, FIX), mask=mask_h[:, None] & mask_r[None, :]
+            )
+    else:
+        if not SPLIT:  # only split 0 exists, so this row is padding (seq_len 0): zeros
+            zeros = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+            tl.store(
+                out_ptrs,
+                cast_to(zeros, out_ptr.dtype.element_ty, FIX),
+                mask=mask_h[:, None] & mask_r[None, :],
+            )
+
+
+@triton.jit
+def _mla_decode_reduce_kernel(
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    num_splits,
+    num_heads,
+    stride_ob,
+    stride_oh,
+    RKV: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FIX: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + row)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    n_active = tl.cdiv(seq_len, tl.maximum(chunk, 1))
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_s = offs_s < n_active
+    mask_r = offs_r < RKV
+    part = (row.to(tl.int64) * num_heads + head) * num_splits + offs_s
+    m = tl.load(part_m_ptr + part, mask=mask_s, other=float("-inf"))
+    l_s = tl.load(part_l_ptr + part, mask=mask_s, other=0.0)
+    m_max = tl.maximum(tl.max(m, 0), -1e30)  # finite for padding rows and fully masked heads
+    w = tl.where(mask_s & (m > float("-inf")), tl.exp2(m - m_max), 0.0)
+    denom = tl.sum(w * l_s, 0)
+    acc = tl.load(
+        part_acc_ptr + part[:, None] * RKV + offs_r[None, :],
+        mask=mask_s[:, None] & mask_r[None, :],
+        other=0.0,
+    )
+    o = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    o_ptrs = out_ptr + row.to(tl.int64) * stride_ob + head * stride_oh + offs_r
+    tl.store(o_ptrs, cast_to(o, out_ptr.dtype.element_ty, FIX), mask=mask_r)
+
+
+def mla_decode_attention_ref(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The torch reference: the latents of every row gathered up to ``max_seq_len``, a masked softmax."""
+    rkv, block_size = q_latent.shape[-1], cache.shape[1]
+    positions = torch.arange(max(1, max_seq_len), device=q_latent.device)
+    slots = block_tables[:, positions // block_size].long() * block_size + positions % block_size
+    latent = cache.flatten(0, 1)[slots]  # [B, L, rkv + dr]
+    queries = torch.cat([q_latent, q_pe], dim=-1)
+    scores = torch.einsum("bhr,blr->bhl", queries, latent) * scale
+    valid = positions[None, :] < seq_lens[:, None]
+    if mask is not None:
+        valid = valid & mask[:, : positions.numel()]
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(latent.dtype)
+    return torch.einsum("bhl,blr->bhr", probs, latent[..., :rkv])
+
+
+def mla_decode_attention_triton(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int,
+    mask: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int = 32,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """The Triton path of :func:`mla_decode_attention`; the keyword knobs are for the benchmark."""
+    batch, heads, rkv = q_latent.shape
+    dr = q_pe.shape[-1]
+    if cache.dim() != 3 or cache.shape[-1] != rkv + dr:
+        raise ValueError(f"cache {tuple(cache.shape)} is not [blocks, block_size, {rkv} + {dr}]")
+    for name, t in (("q_latent", q_latent), ("q_pe", q_pe), ("cache", cache), ("block_tables", block_tables)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dimension")
+    out = torch.empty_like(q_latent)
+    if batch == 0:
+        return out
+    splits = num_splits or mla_decode_num_splits(batch, heads, max_seq_len, q_latent.device)
+    split = splits > 1
+    f32 = torch.float32
+    part_acc = torch.empty((batch, heads, splits, rkv) if split else (1,), dtype=f32, device=out.device)
+    part_m = torch.empty((batch, heads, splits) if split else (1,), dtype=f32, device=out.device)
+    part_l = torch.empty_like(part_m)
+    if mask is not None and mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)
+    fix = interp_bf16(q_latent.dtype)
+    block_r = next_pow2(rkv)
+    _mla_decode_partial_kernel[(batch, triton.cdiv(heads, BLOCK_H), splits)](
+        q_latent, q_pe, cache, block_tables, seq_lens, mask if mask is not None else seq_lens, out,
+        part_acc, part_m, part_l, scale * math.log2(math.e), splits, heads,
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0),
+        cache.stride(1), block_tables.stride(0), mask.stride(0) if mask is not None else 0, out.stride(0),
+        out.stride(1),
+        RKV=rkv, DR=dr, BLOCK_R=block_r, BLOCK_P=next_pow2(dr), PAGE=cache.shape[1], BLOCK_H=BLOCK_H,
+        BLOCK_N=block_n, SPLIT=split, HAS_MASK=mask is not None, DOT_PREC=dot_precision(q_latent.dtype),
+        FIX=fix, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if split:
+        _mla_decode_reduce_kernel[(batch, heads)](
+            part_acc, part_m, part_l, seq_lens, out, splits, heads, out.stride(0), out.stride(1),
+            RKV=rkv, BLOCK_R=block_r, BLOCK_S=next_pow2(splits), BLOCK_N=block_n, FIX=fix, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def mla_decode_attention(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``o_latent`` ``[B, H, rkv]`` of the absorbed decode rows (see the module docstring): Triton on CUDA,
+    the torch reference elsewhere. ``max_seq_len`` bounds every ``seq_lens`` entry (a static maximum is
+    fine: it only sizes the splits and the reference's gather)."""
+    if use_kernel(q_latent):
+        return mla_decode_attention_triton(
+            q_latent, q_pe, cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len, mask=mask
+        )
+    return mla_decode_attention_ref(
+        q_latent, q_pe, cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len, mask=mask
+    )
