@@ -30,7 +30,10 @@ def expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
     flat = ids.flatten()
     pairs = flat.numel()
     max_blocks = triton.cdiv(pairs + num_experts * (block_m - 1), block_m)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # Not bincount: on CUDA it reads the largest id back to the host.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     order = torch.argsort(flat, stable=True)

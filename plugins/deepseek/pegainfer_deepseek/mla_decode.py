@@ -91,8 +91,10 @@ def _mla_decode_partial_kernel(
     DOT_PREC: tl.constexpr,
     FIX: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    head_block = tl.program_id(1)
+    # Head blocks vary fastest in launch order: the programs sharing a row's latents run side by side and
+    # all but the first read them from L2.
+    head_block = tl.program_id(0)
+    row = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + row)
     chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -276,7 +278,7 @@ def mla_decode_attention_triton(
         mask = mask.view(torch.uint8)
     fix = interp_bf16(q_latent.dtype)
     block_r = next_pow2(rkv)
-    _mla_decode_partial_kernel[(batch, triton.cdiv(heads, BLOCK_H), splits)](
+    _mla_decode_partial_kernel[(triton.cdiv(heads, BLOCK_H), batch, splits)](
         q_latent, q_pe, cache, block_tables, seq_lens, mask if mask is not None else seq_lens, out,
         part_acc, part_m, part_l, scale * math.log2(math.e), splits, heads,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0),
