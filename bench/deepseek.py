@@ -171,47 +171,51 @@ def main() -> None:
     parser.add_argument("--commit", default=None)
     args = parser.parse_args()
     results = Results(args.out or Path(os.devnull), "python " + " ".join(sys.argv), args.commit)
-    ceil = measure_ceilings()
-    torch.cuda.empty_cache()
-    copy_bw, read_bw = ceil["hbm_bytes_per_s"], ceil["decode_ceiling_bytes_per_s"]
-    results.add("h200.hbm_copy_bandwidth", copy_bw / 1e12, "TB/s")
-    results.add("h200.hbm_stream_read_bandwidth", ceil["hbm_read_bytes_per_s"] / 1e12, "TB/s")
+    try:
+        ceil = measure_ceilings()
+        torch.cuda.empty_cache()
+        copy_bw, read_bw = ceil["hbm_bytes_per_s"], ceil["decode_ceiling_bytes_per_s"]
+        results.add("h200.hbm_copy_bandwidth", copy_bw / 1e12, "TB/s")
+        results.add("h200.hbm_stream_read_bandwidth", ceil["hbm_read_bytes_per_s"] / 1e12, "TB/s")
 
-    mla = bench_mla_kernel(64, 4096, copy_bw)
-    results.add("deepseek.mla_decode.bs64_ctx4096.ms", mla["ms"], "ms")
-    results.add("deepseek.mla_decode.bs64_ctx4096.copy_bandwidth_ratio", mla["copy_ratio"], "fraction", 0.7)
-    for tokens in (1, 32):
-        moe = bench_fused_moe(tokens, read_bw)
-        results.add(f"deepseek.fused_moe.bs{tokens}.ms", moe["ms"], "ms")
-        results.add(f"deepseek.fused_moe.bs{tokens}.bandwidth_utilization", moe["read_ratio"], "fraction")
-    gc.collect()
-    torch.cuda.empty_cache()
+        mla = bench_mla_kernel(64, 4096, copy_bw)
+        results.add("deepseek.mla_decode.bs64_ctx4096.ms", mla["ms"], "ms")
+        results.add(
+            "deepseek.mla_decode.bs64_ctx4096.copy_bandwidth_ratio", mla["copy_ratio"], "fraction", 0.7
+        )
+        for tokens in (1, 32):
+            moe = bench_fused_moe(tokens, read_bw)
+            results.add(f"deepseek.fused_moe.bs{tokens}.ms", moe["ms"], "ms")
+            results.add(f"deepseek.fused_moe.bs{tokens}.bandwidth_utilization", moe["read_ratio"], "fraction")
+        gc.collect()
+        torch.cuda.empty_cache()
 
-    folder = checkpoint_folder(args.layers)
-    batches = [int(b) for b in args.batches.split(",") if b]
-    llm = build(folder, max_num_seqs=max(batches), max_model_len=args.ctx + args.steps + 128)
-    rng = random.Random(0)
-    for batch in batches:
-        d = bench_decode(llm, batch, args.ctx, args.steps, rng)
-        floor_ms = step_bytes(llm, batch, d["ctx"], d["experts"]) / read_bw * 1e3
-        goal = 0.8 if batch == 1 else 0.6 if batch == 32 else None
-        tag = f"deepseek.decode.bs{batch}"
-        results.add(f"{tag}.step_ms", d["step_ms"], "ms")
-        results.add(f"{tag}.floor_ms", floor_ms, "ms")
-        results.add(f"{tag}.distinct_experts_per_layer", sum(d["experts"]) / len(d["experts"]), "experts")
-        results.add(f"{tag}.bandwidth_utilization", floor_ms / d["step_ms"], "fraction", goal)
-        if batch == 1:
-            ours_bs1 = d["step_ms"]
-    llm.engine.shutdown()
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
-    if not args.skip_peer and 1 in batches:
-        peer = bench_peer(folder, args.layers, args.ctx, args.steps)
-        results.add("deepseek.peer_hf.bs1.step_ms", peer, "ms")
-        results.add("deepseek.peer_hf.bs1.speedup", peer / ours_bs1, "x", 10.0)
-    if args.out:
-        results.write()
+        folder = checkpoint_folder(args.layers)
+        batches = [int(b) for b in args.batches.split(",") if b]
+        llm = build(folder, max_num_seqs=max(batches), max_model_len=args.ctx + args.steps + 128)
+        rng = random.Random(0)
+        for batch in batches:
+            d = bench_decode(llm, batch, args.ctx, args.steps, rng)
+            floor_ms = step_bytes(llm, batch, d["ctx"], d["experts"]) / read_bw * 1e3
+            goal = 0.8 if batch == 1 else 0.6 if batch == 32 else None
+            tag = f"deepseek.decode.bs{batch}"
+            results.add(f"{tag}.step_ms", d["step_ms"], "ms")
+            results.add(f"{tag}.floor_ms", floor_ms, "ms")
+            results.add(f"{tag}.distinct_experts_per_layer", sum(d["experts"]) / len(d["experts"]), "experts")
+            results.add(f"{tag}.bandwidth_utilization", floor_ms / d["step_ms"], "fraction", goal)
+            if batch == 1:
+                ours_bs1 = d["step_ms"]
+        llm.engine.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+        if not args.skip_peer and 1 in batches:
+            peer = bench_peer(folder, args.layers, args.ctx, args.steps)
+            results.add("deepseek.peer_hf.bs1.step_ms", peer, "ms")
+            results.add("deepseek.peer_hf.bs1.speedup", peer / ours_bs1, "x", 10.0)
+    finally:  # what was measured is kept even if a later part fails
+        if args.out:
+            results.write()
 
 
 if __name__ == "__main__":
