@@ -232,7 +232,7 @@ def test_streaming_arrivals_and_aborts(tiny_qwen3, graph_path):
 
 
 def test_async_needs_device_embedding_and_no_speculation(tiny_checkpoint_factory):
-    path = tiny_checkpoint_factory("deepseek_v3")
+    path = tiny_checkpoint_factory("deepseek_v32")  # handed its embeddings by the engine
     with pytest.raises(ConfigError, match="async_scheduling"):
         LLM(str(path), dtype="float32", device="cpu", cpu_kv_cache_bytes=8 << 20, async_scheduling=True)
 

@@ -6,8 +6,12 @@ DeepSeek-V3.2 (``DeepseekV32ForCausalLM``) is the same model with a DSA lightnin
 (``indexer.py``): a second paged cache per layer, named ``indexer`` (``caches[(layer, "indexer")]``), holds its keys.
 Its MTP layer is not served (drafting would need the MTP layer's indexer cache too).
 
-The model does not embed on the device: the engine calls ``embed`` on the host side and passes the
-result as ``batch.hidden_states`` (already in the device layout: prefill segments, then decode rows).
+DeepSeek-V3 embeds its tokens inside ``forward`` (``embeds_on_device``), so its decode-only steps run on
+the engine's decode-graph path: on CUDA the whole step, the embedding lookup included, is one CUDA graph
+per batch bucket (the MLA decode and fused MoE kernels are graph-safe). V3.2 keeps the engine-side
+embedding (``batch.hidden_states``) and eager decode: its indexer's reference scores every position up to
+the static bound a graph is sized for (``max_model_len``), which at real context lengths would cost more
+than the graph saves.
 
 Tensor parallelism (``tp``): each rank holds its heads of MLA (``mla.py``), its share of every SwiGLU's
 and expert's intermediate features (``moe.py``) and its rows of the vocab-parallel embedding and
@@ -87,7 +91,11 @@ def check_tensor_parallel(dims: DeepseekV3Dims, tp: TensorParallel) -> None:
 
 
 class DeepseekV3ForCausalLM(CausalLM):
-    embeds_on_device = False
+    @property
+    def embeds_on_device(self) -> bool:  # type: ignore[override]
+        """V3 embeds in ``forward`` (and so decodes in graphs); V3.2 is handed its embeddings (see the
+        module docstring)."""
+        return self.dims.indexer is None
 
     def __init__(
         self,
@@ -211,11 +219,14 @@ class DeepseekV3ForCausalLM(CausalLM):
         states: dict[int, dict[str, torch.Tensor]],
     ) -> torch.Tensor:
         if batch.hidden_states is None:
-            raise ExecutorError(
-                "DeepseekV3ForCausalLM does not embed on the device: the batch must carry hidden_states "
-                "(the engine fills them through embed())"
-            )
-        x = batch.hidden_states.to(self.dtype)
+            if not self.embeds_on_device:
+                raise ExecutorError(
+                    "DeepSeek-V3.2 does not embed on the device: the batch must carry hidden_states "
+                    "(the engine fills them through embed())"
+                )
+            x = self.embed(batch.token_ids)
+        else:
+            x = batch.hidden_states.to(self.dtype)
         indexed = self.dims.indexer is not None
         for layer in self.layers:
             index_cache = caches[cache_key(layer.layer_index, INDEXER_CACHE)] if indexed else None

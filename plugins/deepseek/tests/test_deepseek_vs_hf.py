@@ -1,9 +1,9 @@
 """DeepSeek-V3 on the reference path against HF transformers, float32: greedy tokens identical, logits close.
 
 Prefill runs the expanded MLA form, decode the absorbed form over the latent cache; both are compared
-with transformers' teacher-forced logits. The model takes prepared hidden states (``embeds_on_device``
-False): its model runner embeds the batch's tokens before the forward; the model called without them
-fails clearly.
+with transformers' teacher-forced logits. V3 embeds its tokens in ``forward`` (``embeds_on_device``), so
+it runs the engine's decode-graph path (``test_deepseek_graph_path.py``); V3.2 is handed its embeddings,
+and called without them fails clearly.
 """
 
 from __future__ import annotations
@@ -122,13 +122,17 @@ def test_checkpoint_variants_match_hf(tiny_checkpoint_factory, options):
     assert relative_error(out.all_logits["probe"], hf_logits(folder, prompts[1])) < 1e-4
 
 
-def test_executor_declares_host_embedding(llm):
-    assert llm.engine.executor.runner.model.embeds_on_device is False
-    assert llm.engine.executor.capabilities.device_embedding is False
-
-
-def test_missing_hidden_states_is_a_clear_error(llm):
-    model = llm.engine.executor.runner.model
+def test_v3_embeds_on_the_device_and_v32_does_not(llm, tiny_checkpoint_factory):
+    assert llm.engine.executor.runner.model.embeds_on_device
+    assert llm.engine.executor.capabilities.device_embedding
+    v32 = LLM(
+        str(tiny_checkpoint_factory("deepseek_v32")),
+        dtype="float32",
+        device="cpu",
+        cpu_kv_cache_bytes=4 << 20,
+    )
+    model = v32.engine.executor.runner.model
+    assert not model.embeds_on_device and not v32.engine.executor.capabilities.device_embedding
     ids = torch.tensor([1, 2, 3])
     meta = AttentionMetadata(block_size=16, slot_mapping=ids, prefills=[], num_prefill_tokens=3)
     with pytest.raises(ExecutorError, match="must carry hidden_states"):
