@@ -7,8 +7,10 @@ shared key ``k_pe`` (``dr``); row ``b`` reads its first ``seq_lens[b]`` tokens t
 probability-weighted sum of the latents, ``o_latent`` ``[B, H, rkv]`` (the caller applies W_UV). It is an
 MQA with one shared key/value head of size ``rkv + dr`` (values: the first ``rkv``).
 
-One program owns (row, ``BLOCK_H`` heads, split): every latent tile it loads serves ``BLOCK_H`` heads
-through tensor-core dots, so a step reads each latent ``H / BLOCK_H`` times, all but the first from L2. A
+One program owns (``block_h`` heads, row, split), optionally only ``block_v`` of the output features
+(then the programs of the other slices recompute the same scores): every latent tile it loads serves
+``block_h`` heads through tensor-core dots, so a step reads each latent ``H / block_h`` times, all but the
+first from L2 (the programs sharing a row's latents are adjacent in launch order). A
 row's context is cut into ``num_splits`` chunks of whole ``BLOCK_N`` tiles; each program writes a partial
 (max, sum, unnormalised acc) and a second kernel merges them (with one split the first kernel writes the
 output). An optional ``mask`` ``[B, >= max_seq_len]`` (bool) drops keys (DeepSeek-V3.2's indexer
@@ -45,10 +47,12 @@ MIN_TOKENS_PER_SPLIT = 128
 BLOCK_H = 16
 
 
-def mla_decode_num_splits(batch: int, num_heads: int, max_seq_len: int, device: torch.device) -> int:
+def mla_decode_num_splits(
+    batch: int, num_heads: int, max_seq_len: int, device: torch.device, block_h: int = BLOCK_H
+) -> int:
     """Splits per row from static sizes only: about four programs per multiprocessor, never more splits
     than ``max_seq_len`` has ``MIN_TOKENS_PER_SPLIT`` chunks, at most ``MAX_SPLITS``."""
-    programs = max(1, batch * triton.cdiv(num_heads, BLOCK_H))
+    programs = max(1, batch * triton.cdiv(num_heads, block_h))
     wanted = math.ceil(4 * num_sms(device) / programs)
     by_len = math.ceil(max(1, max_seq_len) / MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, by_len, MAX_SPLITS))
@@ -85,6 +89,8 @@ def _mla_decode_partial_kernel(
     BLOCK_P: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    V_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     HAS_MASK: tl.constexpr,
@@ -93,7 +99,8 @@ def _mla_decode_partial_kernel(
 ):
     # Head blocks vary fastest in launch order: the programs sharing a row's latents run side by side and
     # all but the first read them from L2.
-    head_block = tl.program_id(0)
+    head_block = tl.program_id(0) // V_SPLITS
+    v_split = tl.program_id(0) % V_SPLITS
     row = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + row)
@@ -105,10 +112,13 @@ def _mla_decode_partial_kernel(
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_r = tl.arange(0, BLOCK_R)
     offs_p = tl.arange(0, BLOCK_P)
+    offs_v = v_split * BLOCK_V + tl.arange(0, BLOCK_V)  # the output features this program accumulates
     mask_h = heads < num_heads
     mask_r = offs_r < RKV
     mask_p = offs_p < DR
-    out_ptrs = out_ptr + row64 * stride_ob + heads[:, None] * stride_oh + offs_r[None, :]
+    mask_v = offs_v < RKV
+    mask_hv = mask_h[:, None] & mask_v[None, :]
+    out_ptrs = out_ptr + row64 * stride_ob + heads[:, None] * stride_oh + offs_v[None, :]
     if start < seq_len:
         q = tl.load(
             q_lat_ptr + row64 * stride_qb + heads[:, None] * stride_qh + offs_r[None, :],
@@ -122,7 +132,7 @@ def _mla_decode_partial_kernel(
         )
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
         table = tables_ptr + row64 * stride_bt
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -148,30 +158,28 @@ def _mla_decode_partial_kernel(
             alpha = tl.exp2(m_i - m_use)
             p = tl.exp2(s - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + mma(cast_to(p, c.dtype, FIX), c, FIX, DOT_PREC)
+            if V_SPLITS == 1:
+                cv = c
+            else:  # this program's slice of the tile it just read (from L1/L2)
+                cv = tl.load(
+                    cache_ptr + tok[:, None] + offs_v[None, :],
+                    mask=valid[:, None] & mask_v[None, :],
+                    other=0.0,
+                )
+            acc = acc * alpha[:, None] + mma(cast_to(p, c.dtype, FIX), cv, FIX, DOT_PREC)
             m_i = m_new
         if SPLIT:
             part = (row64 * num_heads + heads) * num_splits + split
             tl.store(part_m_ptr + part, m_i, mask=mask_h)
             tl.store(part_l_ptr + part, l_i, mask=mask_h)
-            tl.store(
-                part_acc_ptr + part[:, None] * RKV + offs_r[None, :],
-                acc,
-                mask=mask_h[:, None] & mask_r[None, :],
-            )
+            tl.store(part_acc_ptr + part[:, None] * RKV + offs_v[None, :], acc, mask=mask_hv)
         else:
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            tl.store(
-                out_ptrs, cast_to(o, out_ptr.dtype.element_ty, FIX), mask=mask_h[:, None] & mask_r[None, :]
-            )
+            tl.store(out_ptrs, cast_to(o, out_ptr.dtype.element_ty, FIX), mask=mask_hv)
     else:
         if not SPLIT:  # only split 0 exists, so this row is padding (seq_len 0): zeros
-            zeros = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
-            tl.store(
-                out_ptrs,
-                cast_to(zeros, out_ptr.dtype.element_ty, FIX),
-                mask=mask_h[:, None] & mask_r[None, :],
-            )
+            zeros = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
+            tl.store(out_ptrs, cast_to(zeros, out_ptr.dtype.element_ty, FIX), mask=mask_hv)
 
 
 @triton.jit
@@ -253,11 +261,16 @@ def mla_decode_attention_triton(
     max_seq_len: int,
     mask: torch.Tensor | None = None,
     num_splits: int | None = None,
+    block_h: int = BLOCK_H,
+    block_v: int | None = None,
     block_n: int = 32,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
-    """The Triton path of :func:`mla_decode_attention`; the keyword knobs are for the benchmark."""
+    """The Triton path of :func:`mla_decode_attention`; the keyword knobs are for the benchmark:
+    ``block_h`` query heads a program (the M of its dots), ``block_v`` the output features it accumulates
+    (None: all; fewer splits the ``block_h × rkv`` accumulator over programs that each recompute the
+    scores), ``block_n`` keys a tile."""
     batch, heads, rkv = q_latent.shape
     dr = q_pe.shape[-1]
     if cache.dim() != 3 or cache.shape[-1] != rkv + dr:
@@ -268,7 +281,7 @@ def mla_decode_attention_triton(
     out = torch.empty_like(q_latent)
     if batch == 0:
         return out
-    splits = num_splits or mla_decode_num_splits(batch, heads, max_seq_len, q_latent.device)
+    splits = num_splits or mla_decode_num_splits(batch, heads, max_seq_len, q_latent.device, block_h)
     split = splits > 1
     f32 = torch.float32
     part_acc = torch.empty((batch, heads, splits, rkv) if split else (1,), dtype=f32, device=out.device)
@@ -278,14 +291,16 @@ def mla_decode_attention_triton(
         mask = mask.view(torch.uint8)
     fix = interp_bf16(q_latent.dtype)
     block_r = next_pow2(rkv)
-    _mla_decode_partial_kernel[(triton.cdiv(heads, BLOCK_H), batch, splits)](
+    block_v = min(block_v or block_r, block_r)
+    v_splits = block_r // block_v
+    _mla_decode_partial_kernel[(triton.cdiv(heads, block_h) * v_splits, batch, splits)](
         q_latent, q_pe, cache, block_tables, seq_lens, mask if mask is not None else seq_lens, out,
         part_acc, part_m, part_l, scale * math.log2(math.e), splits, heads,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0),
         cache.stride(1), block_tables.stride(0), mask.stride(0) if mask is not None else 0, out.stride(0),
         out.stride(1),
-        RKV=rkv, DR=dr, BLOCK_R=block_r, BLOCK_P=next_pow2(dr), PAGE=cache.shape[1], BLOCK_H=BLOCK_H,
-        BLOCK_N=block_n, SPLIT=split, HAS_MASK=mask is not None, DOT_PREC=dot_precision(q_latent.dtype),
+        RKV=rkv, DR=dr, BLOCK_R=block_r, BLOCK_P=next_pow2(dr), PAGE=cache.shape[1], BLOCK_H=block_h,
+        BLOCK_V=block_v, V_SPLITS=v_splits, BLOCK_N=block_n, SPLIT=split, HAS_MASK=mask is not None, DOT_PREC=dot_precision(q_latent.dtype),
         FIX=fix, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split:

@@ -50,13 +50,16 @@ def _case(seq_lens, heads, rkv, dr, page, dtype, seed, masked=False):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("masked", [False, True], ids=["all", "masked"])
-def test_decode_matches_reference(dtype, num_splits, masked):
+@pytest.mark.parametrize("block_h, block_v", [(16, None), (32, 16)], ids=["h16", "h32-v16"])
+def test_decode_matches_reference(dtype, num_splits, masked, block_h, block_v):
+    """Heads over two head blocks (20 heads, 16 a block) or one partial one (32), the output features in
+    one program or split over two (``block_v`` 16 of 32)."""
     seq_lens = [5, 37, 0, 16]
     q, q_pe, cache, tables, lens, mask = _case(seq_lens, 20, 32, 8, 4, dtype, seed=num_splits, masked=masked)
     scale = 0.17
     ours = mla_decode_attention_triton(
         q, q_pe, cache, tables, lens, scale, max_seq_len=max(seq_lens), mask=mask, num_splits=num_splits,
-        block_n=8,
+        block_h=block_h, block_v=block_v, block_n=8,
     )  # fmt: skip
     ref = mla_decode_attention_ref(q, q_pe, cache, tables, lens, scale, max_seq_len=max(seq_lens), mask=mask)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
@@ -85,6 +88,13 @@ def test_deepseek_v3_shape_inside_a_cuda_graph():
     seq_lens = [4096, 1, 777, 2049] * 4
     q, q_pe, cache, tables, lens, _ = _case(seq_lens, 128, 512, 64, 64, torch.bfloat16, seed=11)
     scale = 0.1
+    for block_h, block_v, warps in [(32, 256, 8), (64, 128, 8)]:  # the benchmark's other tilings
+        ours = mla_decode_attention_triton(
+            q, q_pe, cache, tables, lens, scale, max_seq_len=4096, block_h=block_h, block_v=block_v,
+            num_warps=warps,
+        )  # fmt: skip
+        ref = mla_decode_attention_ref(q, q_pe, cache, tables, lens, scale, max_seq_len=4096)
+        torch.testing.assert_close(ours.float(), ref.float(), atol=2e-2, rtol=2e-2)
     run = lambda: mla_decode_attention(q, q_pe, cache, tables, lens, scale, max_seq_len=4096)  # noqa: E731
     run()
     graph = torch.cuda.CUDAGraph()
