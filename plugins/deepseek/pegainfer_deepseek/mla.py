@@ -121,7 +121,8 @@ class MLAttention(nn.Module):
         out: torch.Tensor,
         selection: IndexSelection | None = None,
     ) -> None:
-        """Expanded form: per-head keys ``[k_nope | k_pe]`` and values from each segment's cached latents."""
+        """Expanded form: per-head keys ``[k_nope | k_pe]`` and values from each segment's cached latents,
+        attended through ``scaled_dot_product_attention``."""
         dims = self.dims
         nh, dn, rkv = self.num_heads, dims.qk_nope_head_dim, dims.kv_lora_rank
         flat = cache.flatten(0, 1)
@@ -134,14 +135,19 @@ class MLAttention(nn.Module):
             keys = torch.cat([k_nope, k_pe[:, None, :].expand(-1, nh, -1)], dim=-1)  # [L, nh, dn + dr]
             rows = slice(seg.q_start, seg.q_start + seg.q_len)
             queries = torch.cat([q_nope[rows], q_pe[rows]], dim=-1)  # [n, nh, dn + dr]
-            scores = torch.einsum("qhd,khd->hqk", queries, keys) * self.scale
             q_pos = positions[seg.ctx_len - seg.q_len :]
-            allowed = positions[None, :] <= q_pos[:, None]
+            allowed = positions[None, :] <= q_pos[:, None]  # causal from the chunk's place in its context
             if selection is not None:
                 allowed = allowed & selection.prefill[i]
-            scores = scores.masked_fill(~allowed, float("-inf"))
-            probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-            out[rows] = torch.einsum("hqk,khd->qhd", probs, v)
+            # SDPA (a fused kernel on CUDA): no [heads, queries, keys] score tensor is materialised.
+            attended = F.scaled_dot_product_attention(
+                queries.transpose(0, 1),
+                keys.transpose(0, 1),
+                v.transpose(0, 1),
+                attn_mask=allowed,
+                scale=self.scale,
+            )
+            out[rows] = attended.transpose(0, 1)
 
     def _decode(
         self,
