@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from common import Results, build, check_all_running, graph_time_ms, greedy, measure_ceilings, start_decoding
 
+from pegainfer.ops import fused_moe
 from pegainfer.text.tiny_tokenizer import write_tiny_tokenizer
-from pegainfer_deepseek.fused_moe import fused_moe
 from pegainfer_deepseek.mla_decode import mla_decode_attention, mla_decode_attention_triton
 from pegainfer_deepseek.moe import MoE
 from pegainfer_deepseek.tiny import deepseek_v3_config

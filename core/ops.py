@@ -19,6 +19,7 @@ from pegainfer.layers.attention import (
     reference_scratch_bytes,
     write_kv,
 )
+from pegainfer.layers.moe import routed_experts
 from pegainfer.layers.norm import rms_norm as rms_norm_ref
 from pegainfer.layers.rotary import RotaryEmbedding
 from pegainfer.memory.buffer_specs import TransientSpec
@@ -66,6 +67,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
         return activations.silu_mul(gate_up)
     return silu_mul_ref(gate_up)
+
+
+def fused_moe(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """The routed experts' output ``[T, H]``, ``Σ_k weights[t, k] · Expert_{ids[t, k]}(x[t])`` over stacked
+    experts (gate|up ``[E, 2I, H]``, down ``[E, H, I]``): on CUDA two Triton grouped GEMMs with no host sync
+    (graph-safe), elsewhere the reference loop."""
+    if use_triton(x):
+        from pegainfer.kernels.fused_moe import fused_moe_triton
+
+        return fused_moe_triton(x, weights, ids, gate_up, down)
+    return routed_experts(x, weights, ids, gate_up, down)
 
 
 def norm_linear(

@@ -23,45 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pegainfer import ops
+from pegainfer.layers.moe import swiglu
 from pegainfer.parallel.distributed import TensorParallel
 from pegainfer.parallel.sharding import split
 from pegainfer_deepseek.config import DeepseekV3Dims
 from pegainfer_deepseek.fp8 import WeightReader
-from pegainfer_deepseek.fused_moe import fused_moe
 from pegainfer_deepseek.params import param
-
-
-def swiglu(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float | None = None
-) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))``; with ``limit`` (DeepSeek-V4) gate is capped at it and up clamped
-    to ``[-limit, limit]`` first."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    if limit is not None:
-        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return F.linear(F.silu(gate) * up, down)
-
-
-def routed_experts(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    limit: float | None = None,
-) -> torch.Tensor:
-    """``Σ_k weights[:, k] · Expert_{ids[:, k]}(x)`` over stacked experts (gate|up ``[E, 2I, H]``, down
-    ``[E, H, I]``): a reference loop over the experts that received tokens, in expert order."""
-    out = torch.zeros_like(x)
-    k = ids.shape[1]
-    flat_ids, flat_weights = ids.flatten(), weights.flatten()
-    token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(k)
-    for expert in torch.unique(flat_ids).tolist():
-        picks = (flat_ids == expert).nonzero().squeeze(1)
-        tokens = token_of[picks]
-        y = swiglu(x[tokens], gate_up[expert], down[expert], limit)
-        out.index_add_(0, tokens, (y * flat_weights[picks, None]).to(out.dtype))
-    return out
 
 
 class SwiGLU(nn.Module):
@@ -163,9 +131,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         # The Triton grouped GEMMs on CUDA (no host sync, graph-safe); the reference loop elsewhere.
-        out = fused_moe(x, weights, ids, self.experts_gate_up, self.experts_down)
-        if out is None:
-            out = routed_experts(x, weights, ids, self.experts_gate_up, self.experts_down)
+        out = ops.fused_moe(x, weights, ids, self.experts_gate_up, self.experts_down)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

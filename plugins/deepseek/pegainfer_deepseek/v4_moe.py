@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pegainfer.errors import CheckpointError
-from pegainfer_deepseek.moe import SwiGLU, routed_experts
+from pegainfer.layers.moe import routed_experts
+from pegainfer_deepseek.moe import SwiGLU
 from pegainfer_deepseek.params import param
 from pegainfer_deepseek.v4_config import DeepseekV4Dims
 from pegainfer_deepseek.v4_weights import V4Weights

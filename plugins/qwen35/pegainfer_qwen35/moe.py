@@ -7,8 +7,10 @@
 3. ``sigmoid(shared_expert_gate(x)) * SharedExpert(x)`` is added (one scalar gate per token).
 
 The checkpoint stores experts one by one; they are stacked at load time (``[E, 2Ie, H]``, gate rows first,
-and ``[E, H, Ie]``). The reference forward has two schedules with the same sums (in ascending expert order,
-as transformers adds them):
+and ``[E, H, Ie]``). On CUDA every step's routed experts go through ``ops.fused_moe`` (Triton grouped GEMMs
+over the chosen experts only, no host sync, so the decode graphs capture it and eager and graph decode
+compute the same). Elsewhere the reference forward has two schedules with the same sums (in ascending
+expert order, as transformers adds them):
 - grouped (steps with prefill tokens): the (token, expert) pairs are sorted by expert and each expert
   runs one GEMM over its rows; the row counts are read on the host.
 - static (decode-only steps, which the engine captures in CUDA graphs): no host sync and shapes fixed by
@@ -31,7 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pegainfer import ops
 from pegainfer.model.checkpoint import CheckpointReader
+from pegainfer.ops import use_triton
 from pegainfer.parallel.distributed import TensorParallel
 from pegainfer.parallel.sharding import Shard, split, stitch
 from pegainfer_qwen35.config import Qwen35Config, Qwen35Shard
@@ -78,11 +82,13 @@ class SparseMoE(nn.Module):
         ``static_shapes``: no host sync and no data-dependent shapes (the schedule for CUDA graphs).
         """
         weights, experts = self.route(x, bufs)
-        y = bufs.mlp_down.zero_()
-        if static_shapes:
-            self._experts_static(x, weights, experts, bufs, y)
+        y = bufs.mlp_down
+        if use_triton(x):
+            y.copy_(ops.fused_moe(x, weights, experts, self.experts_gate_up, self.experts_down))
+        elif static_shapes:
+            self._experts_static(x, weights, experts, bufs, y.zero_())
         else:
-            self._experts_grouped(x, weights, experts, bufs, y)
+            self._experts_grouped(x, weights, experts, bufs, y.zero_())
         gate, up = torch.matmul(x, self.shared_gate_up.t(), out=bufs.shared_gate_up).chunk(2, -1)
         shared_act = torch.mul(F.silu(gate), up, out=bufs.shared_act)
         shared = torch.matmul(shared_act, self.shared_down.t(), out=bufs.shared_out)

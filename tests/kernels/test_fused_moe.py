@@ -1,9 +1,9 @@
-"""The fused MoE kernels (``fused_moe``) against the reference loop (``moe.routed_experts``) on fresh random
-inputs: tokens routed to repeated and unused experts, feature sizes that are not tile multiples, the
+"""The fused MoE kernels (``pegainfer.kernels.fused_moe``) against the reference loop
+(``pegainfer.layers.moe.routed_experts``) on fresh random inputs: tokens routed to repeated and unused experts, feature sizes that are not tile multiples, the
 decode tile (16 rows a block) and the prefill one (64), fp32 and bf16; and the device-side expert blocks.
 
 Without a GPU the kernels run through Triton's interpreter on CPU tensors (the conftest selects it); with
-one, compiled, and the ``gpu``-marked case at DeepSeek-V3's expert shape inside a CUDA graph.
+one, compiled, and the ``gpu``-marked cases at DeepSeek-V3's expert shape inside a CUDA graph.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import os
 import pytest
 import torch
 
-from pegainfer_deepseek.fused_moe import expert_blocks, fused_moe, fused_moe_triton
-from pegainfer_deepseek.moe import routed_experts
+from pegainfer.kernels.fused_moe import expert_blocks, fused_moe_triton
+from pegainfer.layers.moe import routed_experts
+from pegainfer.ops import fused_moe
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -55,9 +56,14 @@ def test_fused_moe_matches_reference(dtype, tokens, block_m):
     torch.testing.assert_close(ours.float(), ref.float(), **tol)
 
 
-def test_fused_moe_dispatch_is_cuda_only():
+def test_dispatch_takes_the_reference_off_cuda(monkeypatch):
     x, weights, ids, gate_up, down = _case(2, 2, 4, 16, 16, torch.float32, seed=1)
-    assert (fused_moe(x, weights, ids, gate_up, down) is None) == (DEVICE == "cpu")
+    calls = []
+    monkeypatch.setattr("pegainfer.ops.routed_experts", lambda *a: calls.append(a) or routed_experts(*a))
+    torch.testing.assert_close(
+        fused_moe(x, weights, ids, gate_up, down), routed_experts(x, weights, ids, gate_up, down)
+    )
+    assert bool(calls) == (DEVICE == "cpu")
 
 
 @pytest.mark.gpu

@@ -13,14 +13,14 @@ expert).
 - ``down``: ``y[p] = w[p] · (act[p] · Wd_eᵀ)`` (``[E, H, I]``), then the ``k`` pairs of each token are
   summed in a fixed order (deterministic, unlike atomics).
 
-fp32 accumulation; the torch reference is ``moe.routed_experts``.
+fp32 accumulation; the torch reference is ``pegainfer.layers.moe.routed_experts``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pegainfer.kernels._triton import cast_to, dot_precision, interp_bf16, mma, tl, triton, use_kernel
+from pegainfer.kernels._triton import cast_to, dot_precision, interp_bf16, mma, tl, triton
 
 
 def expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,11 +197,3 @@ def fused_moe_triton(
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return y.view(tokens, top_k, hidden).sum(dim=1)
-
-
-def fused_moe(
-    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
-) -> torch.Tensor | None:
-    """The routed experts' output ``[T, H]`` through the Triton kernels on CUDA; None elsewhere (the
-    caller runs the reference loop)."""
-    return fused_moe_triton(x, weights, ids, gate_up, down) if use_kernel(x) else None
