@@ -3,6 +3,7 @@ layer shape (random bf16 weights, ``--layers`` layers: the first dense, the rest
 each ``--batches`` size, against the bytes a step must read, and HF transformers' eager decode at batch 1.
 
     python bench/deepseek.py --out bench/results/deepseek.jsonl --commit <sha>
+    python bench/deepseek.py --shape moonlight --batches 1,16 --skip-kernels --out ...   # a whole ~16B model
 
 The ceilings are measured first, in the same process. A step's bytes: every weight except the routed
 experts and the embedding table, plus the experts the router actually picked in a measured step (the
@@ -44,13 +45,26 @@ V3 = dict(
         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
     },
 )  # fmt: skip
-VOCAB = 129280
+#: A whole ~16B deepseek_v3-layout model that fits one GPU (about Moonlight-16B-A3B's shape).
+MOONLIGHT = dict(
+    hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408, first_k_dense_replace=1,
+    num_hidden_layers=27, num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+    n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.446, max_position_embeddings=8192,
+    rms_norm_eps=1e-5, rope_theta=50000.0, rope_scaling=None, num_nextn_predict_layers=0,
+    torch_dtype="bfloat16",
+)  # fmt: skip
+#: shape name -> (config keys, vocabulary, figure prefix)
+SHAPES = {"v3": (V3, 129280, "deepseek"), "moonlight": (MOONLIGHT, 163840, "deepseek_moonlight")}
 
 
-def checkpoint_folder(layers: int) -> Path:
+def checkpoint_folder(shape: dict, vocab: int, layers: int | None) -> Path:
     folder = Path(tempfile.mkdtemp(prefix="deepseek-bench-"))
     write_tiny_tokenizer(folder)
-    (folder / "config.json").write_text(json.dumps(deepseek_v3_config(VOCAB, num_hidden_layers=layers, **V3)))
+    config = deepseek_v3_config(vocab, **shape)
+    if layers is not None:
+        config["num_hidden_layers"] = layers
+    (folder / "config.json").write_text(json.dumps(config))
     return folder
 
 
@@ -119,7 +133,7 @@ def distinct_experts(llm, prompts_step) -> list[int]:
     return seen
 
 
-def step_bytes(llm, batch: int, ctx: float, experts_per_layer: list[int]) -> float:
+def step_bytes(llm, batch: int, ctx: float, experts_per_layer: list[int], shape: dict) -> float:
     model = llm.engine.executor.runner.model
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     routed = per_expert = 0
@@ -130,8 +144,8 @@ def step_bytes(llm, batch: int, ctx: float, experts_per_layer: list[int]) -> flo
             per_expert = size / m.experts_gate_up.shape[0]
     embed = model.embed_tokens
     row = embed.shape[1] * embed.element_size()
-    layers = len(experts_per_layer) + V3["first_k_dense_replace"]
-    latents = batch * ctx * (V3["kv_lora_rank"] + V3["qk_rope_head_dim"]) * 2 * layers
+    layers = len(experts_per_layer) + shape["first_k_dense_replace"]
+    latents = batch * ctx * (shape["kv_lora_rank"] + shape["qk_rope_head_dim"]) * 2 * layers
     return (
         total
         - routed
@@ -142,9 +156,9 @@ def step_bytes(llm, batch: int, ctx: float, experts_per_layer: list[int]) -> flo
     )
 
 
-def bench_decode(llm, batch: int, ctx: int, steps: int, rng: random.Random) -> dict:
+def bench_decode(llm, vocab: int, batch: int, ctx: int, steps: int, rng: random.Random) -> dict:
     engine = llm.engine
-    prompts = [[rng.randrange(VOCAB) for _ in range(ctx)] for _ in range(batch)]
+    prompts = [[rng.randrange(vocab) for _ in range(ctx)] for _ in range(batch)]
     ids = start_decoding(engine, f"d{batch}-{rng.random()}", prompts, greedy(steps + 64))
     experts = distinct_experts(llm, engine.step)
     torch.cuda.synchronize()
@@ -160,7 +174,7 @@ def bench_decode(llm, batch: int, ctx: int, steps: int, rng: random.Random) -> d
     return {"step_ms": step_ms, "experts": experts, "ctx": ctx + 4 + steps / 2}
 
 
-def bench_peer(folder: Path, layers: int, ctx: int, steps: int) -> float:
+def bench_peer(folder: Path, vocab: int, ctx: int, steps: int) -> float:
     """transformers' DeepseekV3ForCausalLM, eager bf16, random weights, batch 1: ms per decode step."""
     from transformers import AutoConfig, DeepseekV3ForCausalLM
 
@@ -169,7 +183,7 @@ def bench_peer(folder: Path, layers: int, ctx: int, steps: int) -> float:
     with torch.device("cuda"):
         model = DeepseekV3ForCausalLM(config).eval()
     torch.set_default_dtype(torch.float32)
-    ids = torch.randint(0, VOCAB, (1, ctx), device="cuda")
+    ids = torch.randint(0, vocab, (1, ctx), device="cuda")
     with torch.no_grad():
         out = model(ids, use_cache=True)
         cache = out.past_key_values
@@ -188,8 +202,10 @@ def bench_peer(folder: Path, layers: int, ctx: int, steps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="append the records to this JSONL file")
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--shape", default="v3", choices=sorted(SHAPES))
+    parser.add_argument("--layers", type=int, default=None, help="default: 4 for v3, all for moonlight")
     parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--skip-kernels", action="store_true", help="no MLA / fused MoE microbenchmarks")
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--skip-peer", action="store_true")
@@ -203,7 +219,7 @@ def main() -> None:
         results.add("h200.hbm_copy_bandwidth", copy_bw / 1e12, "TB/s")
         results.add("h200.hbm_stream_read_bandwidth", ceil["hbm_read_bytes_per_s"] / 1e12, "TB/s")
 
-        tilings = bench_mla_kernel(64, 4096, copy_bw)
+        tilings = [] if args.skip_kernels else bench_mla_kernel(64, 4096, copy_bw)
         for t in tilings:
             results.add(f"deepseek.mla_decode.bs64_ctx4096.{t['name']}.ms", t["ms"], "ms")
         default = [t for t in tilings if t["name"] == "h16_v512_n32_w4"]  # the kernel's own defaults
@@ -220,26 +236,29 @@ def main() -> None:
                 "fraction",
                 0.7,
             )
-        for tokens in (1, 32):
+        for tokens in () if args.skip_kernels else (1, 32):
             moe = bench_fused_moe(tokens, read_bw)
             results.add(f"deepseek.fused_moe.bs{tokens}.ms", moe["ms"], "ms")
             results.add(f"deepseek.fused_moe.bs{tokens}.bandwidth_utilization", moe["read_ratio"], "fraction")
         gc.collect()
         torch.cuda.empty_cache()
 
-        folder = checkpoint_folder(args.layers)
+        shape, vocab, prefix = SHAPES[args.shape]
+        layers = args.layers if args.layers is not None else (4 if args.shape == "v3" else None)
+        folder = checkpoint_folder(shape, vocab, layers)
         batches = [int(b) for b in args.batches.split(",") if b]
         llm = build(folder, max_num_seqs=max(batches), max_model_len=args.ctx + args.steps + 128)
         rng = random.Random(0)
         for batch in batches:
-            d = bench_decode(llm, batch, args.ctx, args.steps, rng)
-            floor_ms = step_bytes(llm, batch, d["ctx"], d["experts"]) / read_bw * 1e3
-            goal = 0.8 if batch == 1 else 0.6 if batch == 32 else None
-            tag = f"deepseek.decode.bs{batch}"
+            d = bench_decode(llm, vocab, batch, args.ctx, args.steps, rng)
+            floor_ms = step_bytes(llm, batch, d["ctx"], d["experts"], shape) / read_bw * 1e3
+            goal = (0.8 if batch == 1 else 0.6 if batch == 32 else None) if args.shape == "v3" else None
+            tag = f"{prefix}.decode.bs{batch}"
             results.add(f"{tag}.step_ms", d["step_ms"], "ms")
             results.add(f"{tag}.floor_ms", floor_ms, "ms")
             results.add(f"{tag}.distinct_experts_per_layer", sum(d["experts"]) / len(d["experts"]), "experts")
             results.add(f"{tag}.bandwidth_utilization", floor_ms / d["step_ms"], "fraction", goal)
+            results.add(f"{tag}.tok_per_s", batch * 1e3 / d["step_ms"], "tok/s")
             if batch == 1:
                 ours_bs1 = d["step_ms"]
         llm.engine.shutdown()
@@ -247,9 +266,9 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         if not args.skip_peer and 1 in batches:
-            peer = bench_peer(folder, args.layers, args.ctx, args.steps)
-            results.add("deepseek.peer_hf.bs1.step_ms", peer, "ms")
-            results.add("deepseek.peer_hf.bs1.speedup", peer / ours_bs1, "x", 10.0)
+            peer = bench_peer(folder, vocab, args.ctx, args.steps)
+            results.add(f"{prefix}.peer_hf.bs1.step_ms", peer, "ms")
+            results.add(f"{prefix}.peer_hf.bs1.speedup", peer / ours_bs1, "x", 10.0)
     finally:  # what was measured is kept even if a later part fails
         if args.out:
             results.write()
