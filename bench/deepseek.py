@@ -4,6 +4,7 @@ each ``--batches`` size, against the bytes a step must read, and HF transformers
 
     python bench/deepseek.py --out bench/results/deepseek.jsonl --commit <sha>
     python bench/deepseek.py --shape moonlight --batches 1,16 --skip-kernels --out ...   # a whole ~16B model
+    python bench/deepseek.py --fp8 --batches 1 --skip-kernels --out ...   # float8 experts (no peer)
 
 The ceilings are measured first, in the same process. A step's bytes: every weight except the routed
 experts and the embedding table, plus the experts the router actually picked in a measured step (the
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 from common import Results, build, check_all_running, graph_time_ms, greedy, measure_ceilings, start_decoding
 
+from pegainfer.layers.moe import BlockScales
 from pegainfer.ops import fused_moe
 from pegainfer.text.tiny_tokenizer import write_tiny_tokenizer
 from pegainfer_deepseek.mla_decode import mla_decode_attention, mla_decode_attention_triton
@@ -58,12 +60,18 @@ MOONLIGHT = dict(
 SHAPES = {"v3": (V3, 129280, "deepseek"), "moonlight": (MOONLIGHT, 163840, "deepseek_moonlight")}
 
 
-def checkpoint_folder(shape: dict, vocab: int, layers: int | None) -> Path:
+def checkpoint_folder(shape: dict, vocab: int, layers: int | None, fp8: bool = False) -> Path:
+    """config.json (with DeepSeek's block-FP8 quantization_config when ``fp8``: the routed experts then
+    stay float8 in memory) and a tokenizer; weights come from load_format=dummy."""
     folder = Path(tempfile.mkdtemp(prefix="deepseek-bench-"))
     write_tiny_tokenizer(folder)
     config = deepseek_v3_config(vocab, **shape)
     if layers is not None:
         config["num_hidden_layers"] = layers
+    if fp8:
+        config["quantization_config"] = {
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]
+        }  # fmt: skip
     (folder / "config.json").write_text(json.dumps(config))
     return folder
 
@@ -106,15 +114,24 @@ def bench_mla_kernel(batch: int, ctx: int, copy_bw: float) -> list[dict]:
     return timed
 
 
-def bench_fused_moe(tokens: int, read_bw: float) -> dict:
+def bench_fused_moe(tokens: int, read_bw: float, fp8: bool = False) -> dict:
+    """DeepSeek-V3's routed experts (256 of 7168 → 2048, top-8), bf16 or block-FP8 (128×128 tiles)."""
     experts, hidden, inter, k = 256, 7168, 2048, 8
-    gate_up = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.01
-    down = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.01
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda") * 0.01).to(dtype)
+    down = (torch.randn(experts, hidden, inter, device="cuda") * 0.01).to(dtype)
+    scales = None
+    if fp8:
+        tiles_i, tiles_h = inter // 128, hidden // 128
+        scales = BlockScales(
+            torch.rand(experts, 2, tiles_i, tiles_h, device="cuda"), torch.rand(experts, tiles_h, tiles_i, device="cuda"),
+            (128, 128),
+        )  # fmt: skip
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     ids = torch.stack([torch.randperm(experts, device="cuda")[:k] for _ in range(tokens)])
     weights = torch.rand(tokens, k, device="cuda")
-    ms = graph_time_ms(lambda: fused_moe(x, weights, ids, gate_up, down))
-    touched = ids.unique().numel() * 3 * hidden * inter * 2
+    ms = graph_time_ms(lambda: fused_moe(x, weights, ids, gate_up, down, scales))
+    touched = ids.unique().numel() * 3 * hidden * inter * gate_up.element_size()
     return {"ms": ms, "experts": ids.unique().numel(), "read_ratio": touched / (ms / 1e3) / read_bw}
 
 
@@ -206,6 +223,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="default: 4 for v3, all for moonlight")
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--skip-kernels", action="store_true", help="no MLA / fused MoE microbenchmarks")
+    parser.add_argument("--fp8", action="store_true", help="a block-FP8 checkpoint: float8 routed experts")
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--skip-peer", action="store_true")
@@ -237,22 +255,26 @@ def main() -> None:
                 0.7,
             )
         for tokens in () if args.skip_kernels else (1, 32):
-            moe = bench_fused_moe(tokens, read_bw)
-            results.add(f"deepseek.fused_moe.bs{tokens}.ms", moe["ms"], "ms")
-            results.add(f"deepseek.fused_moe.bs{tokens}.bandwidth_utilization", moe["read_ratio"], "fraction")
+            for fp8 in (False, True):
+                moe = bench_fused_moe(tokens, read_bw, fp8)
+                tag = f"deepseek.fused_moe{'_fp8' if fp8 else ''}.bs{tokens}"
+                results.add(f"{tag}.ms", moe["ms"], "ms")
+                results.add(f"{tag}.bandwidth_utilization", moe["read_ratio"], "fraction")
         gc.collect()
         torch.cuda.empty_cache()
 
         shape, vocab, prefix = SHAPES[args.shape]
         layers = args.layers if args.layers is not None else (4 if args.shape == "v3" else None)
-        folder = checkpoint_folder(shape, vocab, layers)
+        folder = checkpoint_folder(shape, vocab, layers, args.fp8)
+        prefix += "_fp8" if args.fp8 else ""
         batches = [int(b) for b in args.batches.split(",") if b]
         llm = build(folder, max_num_seqs=max(batches), max_model_len=args.ctx + args.steps + 128)
         rng = random.Random(0)
         for batch in batches:
             d = bench_decode(llm, vocab, batch, args.ctx, args.steps, rng)
             floor_ms = step_bytes(llm, batch, d["ctx"], d["experts"], shape) / read_bw * 1e3
-            goal = (0.8 if batch == 1 else 0.6 if batch == 32 else None) if args.shape == "v3" else None
+            goals = {1: 0.75} if args.fp8 else {1: 0.8, 32: 0.6}
+            goal = goals.get(batch) if args.shape == "v3" else None
             tag = f"{prefix}.decode.bs{batch}"
             results.add(f"{tag}.step_ms", d["step_ms"], "ms")
             results.add(f"{tag}.floor_ms", floor_ms, "ms")
@@ -265,7 +287,7 @@ def main() -> None:
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-        if not args.skip_peer and 1 in batches:
+        if not args.skip_peer and not args.fp8 and 1 in batches:  # the peer runs the bf16 model
             peer = bench_peer(folder, vocab, args.ctx, args.steps)
             results.add(f"{prefix}.peer_hf.bs1.step_ms", peer, "ms")
             results.add(f"{prefix}.peer_hf.bs1.speedup", peer / ours_bs1, "x", 10.0)

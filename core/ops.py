@@ -19,7 +19,7 @@ from pegainfer.layers.attention import (
     reference_scratch_bytes,
     write_kv,
 )
-from pegainfer.layers.moe import routed_experts
+from pegainfer.layers.moe import BlockScales, routed_experts
 from pegainfer.layers.norm import rms_norm as rms_norm_ref
 from pegainfer.layers.rotary import RotaryEmbedding
 from pegainfer.memory.buffer_specs import TransientSpec
@@ -70,16 +70,21 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def fused_moe(
-    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    scales: BlockScales | None = None,
 ) -> torch.Tensor:
     """The routed experts' output ``[T, H]``, ``Σ_k weights[t, k] · Expert_{ids[t, k]}(x[t])`` over stacked
-    experts (gate|up ``[E, 2I, H]``, down ``[E, H, I]``): on CUDA two Triton grouped GEMMs with no host sync
-    (graph-safe), elsewhere the reference loop."""
+    experts (gate|up ``[E, 2I, H]``, down ``[E, H, I]``; block-FP8 with ``scales``): on CUDA two Triton
+    grouped GEMMs with no host sync (graph-safe), elsewhere the reference loop."""
     if use_triton(x):
         from pegainfer.kernels.fused_moe import fused_moe_triton
 
-        return fused_moe_triton(x, weights, ids, gate_up, down)
-    return routed_experts(x, weights, ids, gate_up, down)
+        return fused_moe_triton(x, weights, ids, gate_up, down, scales=scales)
+    return routed_experts(x, weights, ids, gate_up, down, scales=scales)
 
 
 def norm_linear(

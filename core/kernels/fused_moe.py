@@ -13,7 +13,9 @@ expert).
 - ``down``: ``y[p] = w[p] · (act[p] · Wd_eᵀ)`` (``[E, H, I]``), then the ``k`` pairs of each token are
   summed in a fixed order (deterministic, unlike atomics).
 
-fp32 accumulation; the torch reference is ``pegainfer.layers.moe.routed_experts``.
+Block-FP8 experts (with ``BlockScales``) stay float8 in memory: each weight tile is dequantized as it is
+loaded (W8A16), so a step reads half the bytes of bf16 experts. fp32 accumulation; the torch reference is
+``pegainfer.layers.moe.routed_experts``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from pegainfer.kernels._triton import cast_to, dot_precision, interp_bf16, mma, tl, triton
+from pegainfer.layers.moe import BlockScales
 
 
 def expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,12 +52,34 @@ def expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
 
 
 @triton.jit
+def _weight_tile(
+    ptr,
+    mask,
+    scale_ptr,
+    scale_rows,
+    scale_cols,
+    mask_s,
+    QUANT: tl.constexpr,
+    DTYPE: tl.constexpr,
+    FIX: tl.constexpr,
+):
+    """A weight tile in the activations' dtype; float8 ones times their tile scales (gathered per element:
+    a tile of the kernel need not sit inside one quantization tile)."""
+    w = tl.load(ptr, mask=mask, other=0.0)
+    if QUANT:
+        scale = tl.load(scale_ptr + scale_rows + scale_cols, mask=mask_s, other=0.0)
+        w = cast_to(w.to(tl.float32) * scale, DTYPE, FIX)
+    return w
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,
     w_ptr,
     act_ptr,
     rows_ptr,
     block_expert_ptr,
+    scale_ptr,
     num_pairs,
     num_experts,
     hidden,
@@ -63,6 +88,14 @@ def _gate_up_kernel(
     stride_we,
     stride_wn,
     stride_act,
+    stride_se,
+    stride_shalf,
+    stride_srow,
+    stride_scol,
+    scale_offset,
+    QUANT: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -79,6 +112,8 @@ def _gate_up_kernel(
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < inter
         w = w_ptr + expert.to(tl.int64) * stride_we
+        scales = scale_ptr + expert.to(tl.int64) * stride_se
+        scale_rows = ((offs_n + scale_offset) // BLOCK_ROWS)[None, :] * stride_srow  # I: the weight's rows
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
@@ -90,8 +125,15 @@ def _gate_up_kernel(
                 other=0.0,
             )
             wk = mask_k[:, None] & mask_n[None, :]
-            wg = tl.load(w + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wk, other=0.0)
-            wu = tl.load(w + (inter + offs_n[None, :]) * stride_wn + offs_k[:, None], mask=wk, other=0.0)
+            scale_cols = (offs_k // BLOCK_COLS)[:, None] * stride_scol
+            wg = _weight_tile(
+                w + offs_n[None, :] * stride_wn + offs_k[:, None], wk, scales, scale_rows, scale_cols, wk,
+                QUANT, a.dtype, FIX,
+            )  # fmt: skip
+            wu = _weight_tile(
+                w + (inter + offs_n[None, :]) * stride_wn + offs_k[:, None], wk, scales + stride_shalf,
+                scale_rows, scale_cols, wk, QUANT, a.dtype, FIX,
+            )  # fmt: skip
             acc_g += mma(a, wg, FIX, DOT_PREC)
             acc_u += mma(a, wu, FIX, DOT_PREC)
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -107,6 +149,7 @@ def _down_kernel(
     y_ptr,
     rows_ptr,
     block_expert_ptr,
+    scale_ptr,
     num_pairs,
     num_experts,
     hidden,
@@ -115,6 +158,13 @@ def _down_kernel(
     stride_we,
     stride_wn,
     stride_y,
+    stride_se,
+    stride_srow,
+    stride_scol,
+    scale_offset,
+    QUANT: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -130,6 +180,8 @@ def _down_kernel(
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hidden
         w = w_ptr + expert.to(tl.int64) * stride_we
+        scales = scale_ptr + expert.to(tl.int64) * stride_se
+        scale_rows = (offs_n // BLOCK_ROWS)[None, :] * stride_srow  # H: the weight's rows
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -139,11 +191,12 @@ def _down_kernel(
                 mask=live[:, None] & mask_k[None, :],
                 other=0.0,
             )
-            wd = tl.load(
-                w + offs_n[None, :] * stride_wn + offs_k[:, None],
-                mask=mask_k[:, None] & mask_n[None, :],
-                other=0.0,
-            )
+            wk = mask_k[:, None] & mask_n[None, :]
+            scale_cols = ((offs_k + scale_offset) // BLOCK_COLS)[:, None] * stride_scol  # I: its columns
+            wd = _weight_tile(
+                w + offs_n[None, :] * stride_wn + offs_k[:, None], wk, scales, scale_rows, scale_cols, wk,
+                QUANT, a.dtype, FIX,
+            )  # fmt: skip
             acc += mma(a, wd, FIX, DOT_PREC)
         scale = tl.load(weights_ptr + pair64, mask=live, other=0.0).to(tl.float32)
         out = y_ptr + pair64[:, None] * stride_y + offs_n[None, :]
@@ -161,13 +214,15 @@ def fused_moe_triton(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     *,
+    scales: BlockScales | None = None,
     block_m: int | None = None,
     block_n: int = 64,
     block_k: int = 64,
     num_warps: int = 4,
     num_stages: int = 3,
 ) -> torch.Tensor:
-    """The Triton path of :func:`fused_moe`; the keyword knobs are for the benchmark."""
+    """The Triton path of ``ops.fused_moe``; float8 experts with ``scales`` are dequantized tile by tile
+    (the dots run in the activations' dtype); the keyword knobs are for the benchmark."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     num_experts, two_inter, _ = gate_up.shape
@@ -175,6 +230,8 @@ def fused_moe_triton(
     pairs = tokens * top_k
     if x.stride(-1) != 1 or gate_up.stride(-1) != 1 or down.stride(-1) != 1:
         raise ValueError("x and the expert weights need a contiguous last dimension")
+    if (scales is not None) != (gate_up.element_size() == 1 and down.element_size() == 1):
+        raise ValueError(f"{gate_up.dtype} experts need block scales exactly when they are float8")
     if pairs == 0:
         return torch.zeros_like(x)
     # Decode batches take the smallest tensor-core tile; larger ones fill bigger blocks per expert.
@@ -184,16 +241,24 @@ def fused_moe_triton(
     y = x.new_empty(pairs, hidden)
     fix, prec = interp_bf16(x.dtype), dot_precision(x.dtype)
     blocks = block_expert.numel()
+    quant = scales is not None
+    gu_s = scales.gate_up if quant else x
+    d_s = scales.down if quant else x
+    block_rows, block_cols = scales.block if quant else (1, 1)
+    offset = scales.offset if quant else 0
     _gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
-        x, gate_up, act, rows, block_expert, pairs, num_experts, hidden, inter,
+        x, gate_up, act, rows, block_expert, gu_s, pairs, num_experts, hidden, inter,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-        TOP_K=top_k, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PREC=prec, FIX=fix,
-        num_warps=num_warps, num_stages=num_stages,
+        gu_s.stride(0) if quant else 0, gu_s.stride(1) if quant else 0, gu_s.stride(2) if quant else 0,
+        gu_s.stride(3) if quant else 0, offset,
+        QUANT=quant, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, TOP_K=top_k, BLOCK_M=bm, BLOCK_N=block_n,
+        BLOCK_K=block_k, DOT_PREC=prec, FIX=fix, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     _down_kernel[(blocks, triton.cdiv(hidden, block_n))](
-        act, down, weights.flatten().contiguous(), y, rows, block_expert, pairs, num_experts, hidden, inter,
+        act, down, weights.flatten().contiguous(), y, rows, block_expert, d_s, pairs, num_experts, hidden, inter,
         act.stride(0), down.stride(0), down.stride(1), y.stride(0),
-        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PREC=prec, FIX=fix,
-        num_warps=num_warps, num_stages=num_stages,
+        d_s.stride(0) if quant else 0, d_s.stride(1) if quant else 0, d_s.stride(2) if quant else 0, offset,
+        QUANT=quant, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, BLOCK_M=bm, BLOCK_N=block_n,
+        BLOCK_K=block_k, DOT_PREC=prec, FIX=fix, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return y.view(tokens, top_k, hidden).sum(dim=1)

@@ -2,12 +2,45 @@
 
 Experts are stacked: gate|up ``[E, 2I, H]`` (each expert's gate rows, then its up rows) and down
 ``[E, H, I]``. A token's output is ``Σ_k weights[t, k] · Expert_{ids[t, k]}(x[t])``.
+
+Block-FP8 experts (DeepSeek's checkpoints) stay in float8 with :class:`BlockScales`: every weight tile of
+``block`` (rows, columns) has one float32 scale, and an expert is dequantized only where it is used (here
+for the experts that received tokens, in the kernels tile by tile).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class BlockScales:
+    """The float32 tile scales of stacked float8 experts: ``gate_up`` ``[E, 2, tiles_I, tiles_H]`` (the gate's,
+    then the up's: each half is its own ``[I, H]`` matrix), ``down`` ``[E, tiles_H, tiles_I]``. ``block`` is
+    a tile's (rows, columns); ``offset`` is where feature 0 of this rank's ``I`` sits in its first tile
+    (a tensor-parallel shard need not start on a tile boundary)."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    block: tuple[int, int]
+    offset: int = 0
+
+    def dequantize(
+        self, expert: int, gate_up: torch.Tensor, down: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert ``expert``'s weights (``gate_up`` ``[2I, H]``, ``down`` ``[H, I]`` in float8) in ``dtype``."""
+        bo, bi = self.block
+        inter, hidden = down.shape[1], down.shape[0]
+        rows = (torch.arange(inter, device=down.device) + self.offset) // bo  # I as the gate/up rows
+        cols = torch.arange(hidden, device=down.device) // bi
+        gu_scale = self.gate_up[expert][:, rows][:, :, cols].reshape(2 * inter, hidden)
+        d_rows = torch.arange(hidden, device=down.device) // bo
+        d_cols = (torch.arange(inter, device=down.device) + self.offset) // bi  # I as down's columns
+        d_scale = self.down[expert][d_rows][:, d_cols]
+        return (gate_up.float() * gu_scale).to(dtype), (down.float() * d_scale).to(dtype)
 
 
 def swiglu(
@@ -28,9 +61,11 @@ def routed_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     limit: float | None = None,
+    scales: BlockScales | None = None,
 ) -> torch.Tensor:
     """``Σ_k weights[:, k] · Expert_{ids[:, k]}(x)`` over stacked experts (gate|up ``[E, 2I, H]``, down
-    ``[E, H, I]``): a reference loop over the experts that received tokens, in expert order."""
+    ``[E, H, I]``; float8 with ``scales``): a reference loop over the experts that received tokens, in
+    expert order."""
     out = torch.zeros_like(x)
     k = ids.shape[1]
     flat_ids, flat_weights = ids.flatten(), weights.flatten()
@@ -38,6 +73,9 @@ def routed_experts(
     for expert in torch.unique(flat_ids).tolist():
         picks = (flat_ids == expert).nonzero().squeeze(1)
         tokens = token_of[picks]
-        y = swiglu(x[tokens], gate_up[expert], down[expert], limit)
+        w_gate_up, w_down = gate_up[expert], down[expert]
+        if scales is not None:
+            w_gate_up, w_down = scales.dequantize(expert, w_gate_up, w_down, x.dtype)
+        y = swiglu(x[tokens], w_gate_up, w_down, limit)
         out.index_add_(0, tokens, (y * flat_weights[picks, None]).to(out.dtype))
     return out

@@ -153,7 +153,11 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
     """Random weights of the real shapes: matrices ~ N(0, 1/fan_in), vectors (norms, biases) ~ 1 + N(0, 0.1²)."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for param in model.parameters():
+        # Drawn in float32 where the dtype has no sampler of its own (float8 weights), then cast.
+        value = param if param.element_size() > 1 else torch.empty_like(param, dtype=torch.float32)
         if param.dim() >= 2:
-            param.normal_(0.0, param.shape[-1] ** -0.5, generator=gen)
+            value.normal_(0.0, param.shape[-1] ** -0.5, generator=gen)
         else:
-            param.normal_(1.0, 0.1, generator=gen)
+            value.normal_(1.0, 0.1, generator=gen)
+        if value is not param:
+            param.copy_(value)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pegainfer.kernels.fused_moe import expert_blocks, fused_moe_triton
-from pegainfer.layers.moe import routed_experts
+from pegainfer.layers.moe import BlockScales, routed_experts
 from pegainfer.ops import fused_moe
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -56,10 +56,65 @@ def test_fused_moe_matches_reference(dtype, tokens, block_m):
     torch.testing.assert_close(ours.float(), ref.float(), **tol)
 
 
+def _quantized(gate_up, down, block, offset):
+    """Float8 experts with per-tile scales, as a tensor-parallel rank holds them: its features start
+    ``offset`` into their first tile (the tiles before are cut off), so tiles and kernel tiles do not align."""
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+
+    def quantize(w, row_offset, col_offset):  # w [E, R, C]; the shard starts at (row_offset, col_offset)
+        e, r, c = w.shape
+        bo, bi = block
+        tr, tc = -(-(r + row_offset) // bo), -(-(c + col_offset) // bi)
+        padded = torch.zeros(e, tr * bo, tc * bi, dtype=torch.float32, device=w.device)
+        padded[:, row_offset : row_offset + r, col_offset : col_offset + c] = w.float()
+        tiles = padded.view(e, tr, bo, tc, bi)
+        scale = tiles.abs().amax(dim=(2, 4)).clamp(min=1e-12) / fp8_max
+        q = (tiles / scale[:, :, None, :, None]).to(torch.float8_e4m3fn).view(e, tr * bo, tc * bi)
+        return q[:, row_offset : row_offset + r, col_offset : col_offset + c].contiguous(), scale
+
+    inter = down.shape[2]
+    gate, gate_s = quantize(gate_up[:, :inter], offset, 0)
+    up, up_s = quantize(gate_up[:, inter:], offset, 0)
+    down_q, down_s = quantize(down, 0, offset)
+    scales = BlockScales(torch.stack([gate_s, up_s], dim=1), down_s, block, offset)
+    return torch.cat([gate, up], dim=1), down_q, scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block, offset", [((16, 16), 0), ((16, 32), 5)], ids=["aligned", "shard-offset"])
+def test_fp8_experts_match_the_dequantized_reference(dtype, block, offset):
+    """Float8 experts dequantized tile by tile in the kernels equal the reference loop over the same float8
+    experts (each dequantized whole), with tiles wider than a kernel tile and a shard that starts inside
+    its first tile."""
+    x, weights, ids, gate_up, down = _case(6, 3, 7, 40, 24, dtype, seed=7)
+    q_gate_up, q_down, scales = _quantized(gate_up, down, block, offset)
+    ours = fused_moe_triton(x, weights, ids, q_gate_up, q_down, scales=scales, block_n=16, block_k=16)
+    ref = routed_experts(x, weights, ids, q_gate_up, q_down, scales=scales)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(ours.float(), ref.float(), **tol)
+    # The dequantized experts are the originals within float8's rounding (a tile's scale misplaced by the
+    # offset would be off by the ratio of two tiles' maxima).
+    for e in range(gate_up.shape[0]):
+        w_gate_up, w_down = scales.dequantize(e, q_gate_up[e], q_down[e], torch.float32)
+        for ours_w, orig in ((w_gate_up, gate_up[e]), (w_down, down[e])):
+            assert (ours_w - orig.float()).norm() < 0.04 * orig.float().norm()
+
+
+def test_quantized_experts_need_their_scales():
+    x, weights, ids, gate_up, down = _case(2, 2, 4, 16, 16, torch.float32, seed=1)
+    q_gate_up, q_down, scales = _quantized(gate_up, down, (16, 16), 0)
+    with pytest.raises(ValueError, match="block scales"):
+        fused_moe_triton(x, weights, ids, q_gate_up, q_down)
+    with pytest.raises(ValueError, match="block scales"):
+        fused_moe_triton(x, weights, ids, gate_up, down, scales=scales)
+
+
 def test_dispatch_takes_the_reference_off_cuda(monkeypatch):
     x, weights, ids, gate_up, down = _case(2, 2, 4, 16, 16, torch.float32, seed=1)
     calls = []
-    monkeypatch.setattr("pegainfer.ops.routed_experts", lambda *a: calls.append(a) or routed_experts(*a))
+    monkeypatch.setattr(
+        "pegainfer.ops.routed_experts", lambda *a, **kw: calls.append(a) or routed_experts(*a, **kw)
+    )
     torch.testing.assert_close(
         fused_moe(x, weights, ids, gate_up, down), routed_experts(x, weights, ids, gate_up, down)
     )

@@ -92,6 +92,35 @@ class WeightReader:
             raise CheckpointError(f"tensor '{scale_name}': {exc}") from None
         return dense.to(dtype)
 
+    def get_blocks(
+        self, name: str, shape: tuple[int, int], shard: Shard | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block-FP8 tensor ``name`` kept quantized: (its float8 values, the rank's part with ``shard``;
+        the float32 scales of the tiles that cover that part). A shard must be one range of the split
+        dimension; its start's place inside the first tile is the caller's to know (``start % block``)."""
+        scale_name = name + "_scale_inv"
+        if self.block is None or scale_name not in self.reader:
+            raise CheckpointError(
+                f"tensor '{name}' is not block-FP8 (no '{scale_name}' or no quantization_config)"
+            )
+        weight = self.reader.get(name, shape, shard=shard)
+        if weight.dtype != torch.float8_e4m3fn:
+            raise CheckpointError(
+                f"tensor '{name}' has its block scales but is stored in {weight.dtype}, not FP8"
+            )
+        stored = self.reader.shape(scale_name)
+        if stored != _scale_shape(shape, self.block):
+            raise CheckpointError(f"tensor '{scale_name}': {_scale_shape_error(stored, shape, self.block)}")
+        if shard is None:
+            return weight, self.reader.get(scale_name).float()
+        dim = shard.dim % 2
+        ranges = shard.ranges(shape[dim], self.reader.rank, self.reader.world_size, name)
+        if len(ranges) != 1:
+            raise CheckpointError(f"tensor '{name}': a block-FP8 shard must be one range, not {ranges}")
+        (start, stop), block = ranges[0], self.block[dim]
+        tiles = _Tiles(dim, start=start // block, stop=-(-stop // block))
+        return weight, self.reader.get(scale_name, shard=tiles).float()
+
     def _shard_scale(self, name: str, scale_name: str, shard: Shard, local: tuple[int, ...]) -> torch.Tensor:
         """The float32 scale of every element of the rank's part (``local``, as read) of weight ``name``,
         from the tiles that cover it: only the tile rows (or columns) of the rank's ranges are read."""

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pegainfer import ops
-from pegainfer.layers.moe import swiglu
+from pegainfer.errors import CheckpointError
+from pegainfer.layers.moe import BlockScales, swiglu
 from pegainfer.parallel.distributed import TensorParallel
 from pegainfer.parallel.sharding import split
 from pegainfer_deepseek.config import DeepseekV3Dims
@@ -105,7 +106,11 @@ class MoE(nn.Module):
     """Routed experts (stacked: gate|up ``[E, 2Ie, H]``, down ``[E, H, Ie]``) plus the shared experts.
 
     Under tensor parallelism ``Ie`` is this rank's ``moe_intermediate_size / tp`` (see the module
-    docstring) and ``forward`` returns the rank's partial output, all-reduced by the decoder layer."""
+    docstring) and ``forward`` returns the rank's partial output, all-reduced by the decoder layer.
+
+    From a block-FP8 checkpoint (square tiles, as DeepSeek ships them) the routed experts stay float8 in
+    memory with their tile scales (``experts_*_scale``; ``BlockScales``): they are most of the model's
+    bytes, and the fused MoE dequantizes only the tiles it reads. The rest is dequantized at load."""
 
     def __init__(self, dims: DeepseekV3Dims, dtype: torch.dtype, tp: TensorParallel | None = None) -> None:
         super().__init__()
@@ -114,8 +119,18 @@ class MoE(nn.Module):
         e, h, i = dims.n_routed_experts, dims.hidden_size, dims.moe_intermediate_size
         self.local = local = tp.split(i, "moe_intermediate_size")
         self.gate = GroupLimitedRouter(dims)
-        self.experts_gate_up = param(e, 2 * local, h, dtype=dtype)
-        self.experts_down = param(e, h, local, dtype=dtype)
+        block = dims.fp8.block if dims.fp8 is not None else None
+        self.fp8_block = block if block is not None and block[0] == block[1] else None
+        weight_dtype = torch.float8_e4m3fn if self.fp8_block else dtype
+        self.experts_gate_up = param(e, 2 * local, h, dtype=weight_dtype)
+        self.experts_down = param(e, h, local, dtype=weight_dtype)
+        if self.fp8_block:
+            b = self.fp8_block[0]
+            # Where this rank's first feature sits in its tile: shards need not start on tile boundaries.
+            self.scale_offset = tp.rank * local % b
+            features, hidden = -(-(self.scale_offset + local) // b), -(-h // b)
+            self.experts_gate_up_scale = param(e, 2, features, hidden, dtype=torch.float32)
+            self.experts_down_scale = param(e, hidden, features, dtype=torch.float32)
         self.shared_experts = (
             SwiGLU(
                 h,
@@ -131,10 +146,17 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         # The Triton grouped GEMMs on CUDA (no host sync, graph-safe); the reference loop elsewhere.
-        out = ops.fused_moe(x, weights, ids, self.experts_gate_up, self.experts_down)
+        out = ops.fused_moe(x, weights, ids, self.experts_gate_up, self.experts_down, self._scales())
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def _scales(self) -> BlockScales | None:
+        if not self.fp8_block:
+            return None
+        return BlockScales(
+            self.experts_gate_up_scale, self.experts_down_scale, self.fp8_block, self.scale_offset
+        )
 
     def load(self, reader: WeightReader, prefix: str) -> None:
         dims, dtype = self.dims, self.experts_down.dtype
@@ -144,9 +166,31 @@ class MoE(nn.Module):
         with torch.no_grad():
             for e in range(dims.n_routed_experts):
                 p = f"{prefix}experts.{e}."
+                if self.fp8_block:
+                    self._load_fp8(reader, p, e)
+                    continue
                 gate_up = self.experts_gate_up[e]
                 gate_up[:local].copy_(reader.get(p + "gate_proj.weight", (i, h), dtype, rows))
                 gate_up[local:].copy_(reader.get(p + "up_proj.weight", (i, h), dtype, rows))
                 self.experts_down[e].copy_(reader.get(p + "down_proj.weight", (h, i), dtype, columns))
         if self.shared_experts is not None:
             self.shared_experts.load(reader, prefix + "shared_experts.")
+
+    def _load_fp8(self, reader: WeightReader, p: str, e: int) -> None:
+        """Expert ``e``'s float8 weights and their tile scales, as stored (this rank's features only)."""
+        h, i, local = self.dims.hidden_size, self.dims.moe_intermediate_size, self.local
+        for half, name in enumerate(("gate_proj", "up_proj")):
+            q, tiles = reader.get_blocks(f"{p}{name}.weight", (i, h), split(0))
+            self.experts_gate_up[e, half * local : (half + 1) * local].copy_(q)
+            self._copy_tiles(self.experts_gate_up_scale[e, half], tiles, f"{p}{name}.weight_scale_inv")
+        q, tiles = reader.get_blocks(f"{p}down_proj.weight", (h, i), split(1))
+        self.experts_down[e].copy_(q)
+        self._copy_tiles(self.experts_down_scale[e], tiles, f"{p}down_proj.weight_scale_inv")
+
+    @staticmethod
+    def _copy_tiles(target: torch.Tensor, tiles: torch.Tensor, name: str) -> None:
+        if tuple(tiles.shape) != tuple(target.shape):
+            raise CheckpointError(
+                f"tensor '{name}': this rank's tiles are {tuple(tiles.shape)}, expected {tuple(target.shape)}"
+            )
+        target.copy_(tiles)

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from pegainfer import LLM, SamplingParams
+from pegainfer.config.compose import build_engine_config, compose
 from pegainfer.testing.conformance import hf_greedy, unused_checkpoint_tensors
 from pegainfer_deepseek.tiny import UNALIGNED_SHAPE, write_fp8_copy
 
@@ -80,7 +81,26 @@ def test_every_tensor_and_scale_is_consumed(folders):
         ("model.layers.0.mlp.gate_proj.weight", lambda m: m.layers[0].mlp.gate_up_proj[:288]),
         ("model.layers.0.self_attn.kv_b_proj.weight", lambda m: m.layers[0].self_attn.kv_b_proj),
         ("model.layers.1.self_attn.q_b_proj.weight", lambda m: m.layers[1].self_attn.q_b_proj),
-        ("model.layers.1.mlp.experts.5.down_proj.weight", lambda m: m.layers[1].mlp.experts_down[5]),
+        (  # the routed experts stay float8: dequantized through their tile scales where used
+            "model.layers.1.mlp.experts.5.down_proj.weight",
+            lambda m: (
+                m.layers[1]
+                .mlp._scales()
+                .dequantize(
+                    5, m.layers[1].mlp.experts_gate_up[5], m.layers[1].mlp.experts_down[5], torch.float32
+                )[1]
+            ),
+        ),
+        (
+            "model.layers.1.mlp.experts.3.up_proj.weight",
+            lambda m: (
+                m.layers[1]
+                .mlp._scales()
+                .dequantize(
+                    3, m.layers[1].mlp.experts_gate_up[3], m.layers[1].mlp.experts_down[3], torch.float32
+                )[0][48:]
+            ),
+        ),
         (
             "model.layers.1.mlp.shared_experts.up_proj.weight",
             lambda m: m.layers[1].mlp.shared_experts.gate_up_proj[m.layers[1].mlp.shared_experts.local :],
@@ -92,6 +112,24 @@ def test_dequantized_weights_equal_hand_reference(fp8_llm, folders, name, loaded
     with safe_open(str(folders[0] / "model.safetensors"), framework="pt") as f:
         expected = _hand_dequantize(f.get_tensor(name), f.get_tensor(name + "_scale_inv"))
     assert torch.equal(loaded(fp8_llm.engine.executor.runner.model), expected)
+
+
+def test_routed_experts_stay_float8_in_memory(fp8_llm, folders):
+    """Most of DeepSeek's bytes are its routed experts: kept as stored (float8 and the tile scales), they
+    take a quarter of their float32 size here (half of bf16's on a GPU)."""
+    model = fp8_llm.engine.executor.runner.model
+    moe = model.layers[1].mlp
+    assert moe.experts_gate_up.dtype == moe.experts_down.dtype == torch.float8_e4m3fn
+    with safe_open(str(folders[0] / "model.safetensors"), framework="pt") as f:
+        assert torch.equal(
+            moe.experts_down[2].view(torch.uint8),
+            f.get_tensor("model.layers.1.mlp.experts.2.down_proj.weight").view(torch.uint8),
+        )
+        assert torch.equal(
+            moe.experts_gate_up_scale[2, 0],
+            f.get_tensor("model.layers.1.mlp.experts.2.gate_proj.weight_scale_inv"),
+        )
+    assert model.layers[0].mlp.gate_up_proj.dtype == torch.float32  # the rest is dequantized at load
 
 
 def test_greedy_equals_the_dequantized_model(fp8_llm, folders):
@@ -121,3 +159,17 @@ def test_scales_without_quantization_config_are_refused(folders, tmp_path):
         CheckpointError, match="weight_scale_inv' is in the checkpoint but config.json has no FP8"
     ):
         LLM(str(broken), dtype="float32", device="cpu")
+
+
+def test_dummy_weights_fill_the_float8_experts(folders):
+    """``load_format=dummy`` (the benchmarks' random weights) draws float8 experts through float32."""
+    config = build_engine_config(
+        compose("generate", [f"model.path={folders[0]}", "model.load_format=dummy", "model.dtype=float32",
+                             "device=cpu", f"cache.cpu_kv_cache_bytes={4 << 20}"])
+    )  # fmt: skip
+    llm = LLM.from_config(config)
+    moe = llm.engine.executor.runner.model.layers[1].mlp
+    assert moe.experts_gate_up.dtype == torch.float8_e4m3fn
+    assert moe.experts_gate_up.float().std() > 0 and moe.experts_down_scale.float().std() > 0
+    out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=PARAMS, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == PARAMS.max_tokens

@@ -68,6 +68,8 @@ def expected_shard(name: str, full: torch.Tensor, rank: int) -> torch.Tensor:
         return _gate_up(full, 1, rank)
     if leaf == "experts_down":
         return _chunk(full, 2, rank)
+    if leaf in ("experts_gate_up_scale", "experts_down_scale"):
+        return full  # the float8 experts' tiles (fp8-128): both ranks' 24 features lie in tile 0 of 128
     return full  # replicated: norms, biases, router, latent projections, indexer, eh_proj
 
 
@@ -105,6 +107,9 @@ def test_rank_holds_its_slices_of_the_full_model(checkpoints, name: str, rank: i
     attn = model.layers[-1].self_attn
     assert attn.num_heads == 2 and attn.kv_b_proj.shape[0] == 2 * (16 + 24)
     assert model.layers[-1].mlp.experts_down.shape[-1] == model.dims.moe_intermediate_size // 2
+    if name == "fp8-128":  # float8 experts: rank 1's features start 24 into their tile
+        assert model.layers[-1].mlp.experts_down.dtype == torch.float8_e4m3fn
+        assert model.layers[-1].mlp.scale_offset == 24 * rank
 
 
 def test_a_sharded_fp8_weight_reads_only_its_scale_tiles(checkpoints, monkeypatch) -> None:
