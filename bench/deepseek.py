@@ -5,6 +5,7 @@ each ``--batches`` size, against the bytes a step must read, and HF transformers
     python bench/deepseek.py --out bench/results/deepseek.jsonl --commit <sha>
     python bench/deepseek.py --shape moonlight --batches 1,16 --skip-kernels --out ...   # a whole ~16B model
     python bench/deepseek.py --fp8 --batches 1 --skip-kernels --out ...   # float8 experts (no peer)
+    python bench/deepseek.py --batches 1 --skip-kernels --skip-peer --mtp --out ...   # MTP k=1 at batch 1
 
 The ceilings are measured first, in the same process. A step's bytes: every weight except the routed
 experts and the embedding table, plus the experts the router actually picked in a measured step (the
@@ -28,6 +29,8 @@ from pathlib import Path
 import torch
 from common import Results, build, check_all_running, graph_time_ms, greedy, measure_ceilings, start_decoding
 
+from pegainfer.config.schema import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from pegainfer.engine.llm import LLM
 from pegainfer.layers.moe import BlockScales
 from pegainfer.ops import fused_moe
 from pegainfer.text.tiny_tokenizer import write_tiny_tokenizer
@@ -191,6 +194,43 @@ def bench_decode(llm, vocab: int, batch: int, ctx: int, steps: int, rng: random.
     return {"step_ms": step_ms, "experts": experts, "ctx": ctx + 4 + steps / 2}
 
 
+def bench_mtp(shape: dict, vocab: int, layers: int | None, ctx: int, tokens: int) -> dict:
+    """Batch-1 greedy decode of ``tokens`` tokens with and without MTP drafting (k=1) on the same random
+    weights (one MTP layer added): whether the outputs are identical, the acceptance, tokens/s of each.
+    With random weights the draft is right about as often as chance: this measures what drafting costs
+    and that it changes nothing, not the speed-up a trained MTP layer gives."""
+    folder = checkpoint_folder({**shape, "num_nextn_predict_layers": 1}, vocab, layers)
+    prompt = [random.Random(1).randrange(vocab) for _ in range(ctx)]
+    runs = {}
+    for k in (0, 1):
+        config = EngineConfig(
+            model=ModelConfig(path=str(folder), load_format="dummy", dtype="bfloat16", max_model_len=ctx + tokens + 64),
+            scheduler=SchedulerConfig(max_num_seqs=1),
+            cache=CacheConfig(gpu_memory_utilization=0.9),
+            speculative=SpeculativeConfig(num_tokens=k),
+            device="cuda",
+        )  # fmt: skip
+        llm = LLM.from_config(config)
+        llm.generate(prompt_token_ids=[prompt], sampling_params=greedy(8), use_tqdm=False)  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = llm.generate(prompt_token_ids=[prompt], sampling_params=greedy(tokens), use_tqdm=False)[0]
+        torch.cuda.synchronize()
+        runs[k] = (out.outputs[0].token_ids, tokens / (time.perf_counter() - t0), out.metrics)
+        llm.engine.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    metrics = runs[1][2]
+    acceptance = getattr(metrics, "spec_acceptance_rate", None) if metrics is not None else None
+    return {
+        "identical": runs[0][0] == runs[1][0],
+        "acceptance": float("nan") if acceptance is None else acceptance,
+        "tok_per_s": runs[0][1],
+        "mtp_tok_per_s": runs[1][1],
+    }
+
+
 def bench_peer(folder: Path, vocab: int, ctx: int, steps: int) -> float:
     """transformers' DeepseekV3ForCausalLM, eager bf16, random weights, batch 1: ms per decode step."""
     from transformers import AutoConfig, DeepseekV3ForCausalLM
@@ -224,6 +264,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--skip-kernels", action="store_true", help="no MLA / fused MoE microbenchmarks")
     parser.add_argument("--fp8", action="store_true", help="a block-FP8 checkpoint: float8 routed experts")
+    parser.add_argument("--mtp", action="store_true", help="also batch-1 decode with MTP drafting (k=1)")
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--skip-peer", action="store_true")
@@ -291,6 +332,12 @@ def main() -> None:
             peer = bench_peer(folder, vocab, args.ctx, args.steps)
             results.add(f"{prefix}.peer_hf.bs1.step_ms", peer, "ms")
             results.add(f"{prefix}.peer_hf.bs1.speedup", peer / ours_bs1, "x", 10.0)
+        if args.mtp:
+            m = bench_mtp(shape, vocab, layers, args.ctx, 64)
+            results.add(f"{prefix}.mtp_k1.bs1.identical_greedy", float(m["identical"]), "bool", 1.0)
+            results.add(f"{prefix}.mtp_k1.bs1.acceptance", m["acceptance"], "fraction")
+            results.add(f"{prefix}.mtp_k1.bs1.tok_per_s", m["mtp_tok_per_s"], "tok/s")
+            results.add(f"{prefix}.mtp_k1.bs1.speedup", m["mtp_tok_per_s"] / m["tok_per_s"], "x")
     finally:  # what was measured is kept even if a later part fails
         if args.out:
             results.write()
