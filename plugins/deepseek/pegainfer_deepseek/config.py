@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
+from pegainfer.config.schema import ModelConfig
 from pegainfer.errors import CheckpointError
 from pegainfer.layers.rotary_yarn import YarnScaling
 
@@ -70,6 +71,9 @@ class DeepseekV3Dims:
     num_mtp_layers: int
     fp8: Fp8Config | None
     indexer: IndexerConfig | None = None  # set for DeepSeek-V3.2 (every layer has one)
+    #: ``model.quantization=fp8`` on a checkpoint that is not FP8: the routed experts are quantized to
+    #: block FP8 (``QUANTIZE_BLOCK``) at load.
+    quantize_experts: bool = False
 
     @property
     def qk_head_dim(self) -> int:
@@ -246,3 +250,17 @@ def parse_quantization(qc: dict[str, Any] | None) -> Fp8Config | None:
     if qc.get("fmt", "e4m3") != "e4m3":
         raise CheckpointError(f"config.json: FP8 format {qc.get('fmt')!r} is not supported (only 'e4m3')")
     return Fp8Config((int(block[0]), int(block[1])))
+
+
+#: The tile of experts quantized at load (``model.quantization=fp8``): DeepSeek's own.
+QUANTIZE_BLOCK = (128, 128)
+
+
+class DeepseekModelConfig(ModelConfig):
+    """The ``model.*`` keys of ``model=deepseek``: pegainfer's ModelConfig plus ``quantization``.
+
+    ``quantization=fp8``: a checkpoint whose experts are not FP8 has its routed experts quantized to block
+    FP8 (128×128 tiles, one scale each) at load, so they take half of bf16's memory and bytes a step (the
+    accuracy cost is measured in ``tests/test_deepseek_fp8.py``). FP8 checkpoints are FP8 anyway."""
+
+    quantization: Literal["fp8"] | None = None

@@ -1,4 +1,6 @@
-"""DeepSeek's block FP8 checkpoints on the reference path: weights are dequantized once, at load time.
+"""DeepSeek's block FP8 checkpoints: weights are dequantized once, at load time, except the routed experts,
+which stay float8 with their tile scales (``get_blocks``; ``moe.MoE``). ``quantize_blocks`` makes the same
+format from plain weights (``model.quantization=fp8``, and the tiny FP8 test checkpoints).
 
 A quantized projection ``X.weight`` is stored as float8_e4m3fn next to ``X.weight_scale_inv`` (float32,
 one value per ``block`` = 128×128 tile, edge tiles partial); the real weight is their product with each
@@ -21,6 +23,7 @@ from pegainfer.model.checkpoint import CheckpointReader
 from pegainfer.parallel.sharding import Shard
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -33,6 +36,21 @@ def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tupl
         raise CheckpointError(_scale_shape_error(tuple(scale_inv.shape), (out, inp), block))
     scale = scale_inv.float().repeat_interleave(bo, dim=0)[:out].repeat_interleave(bi, dim=1)[:, :inp]
     return weight.float() * scale
+
+
+def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(float8_e4m3fn weight, float32 scale_inv [ceil(out/bo), ceil(in/bi)])``; a block's largest magnitude
+    maps to 448. Edge blocks are partial (as if zero-padded to the full block)."""
+    bo, bi = block
+    out, inp = weight.shape
+    nbo, nbi = -(-out // bo), -(-inp // bi)
+    padded = torch.zeros(nbo * bo, nbi * bi, dtype=torch.float32)
+    padded[:out, :inp] = weight.float()
+    blocks = padded.view(nbo, bo, nbi, bi)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale_inv = amax / FP8_MAX
+    q = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(nbo * bo, nbi * bi)[:out, :inp].contiguous(), scale_inv.contiguous()
 
 
 def _scale_shape(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:

@@ -18,6 +18,7 @@ def register_models(register: Callable[[ModelRegistration], None]) -> None:
         ModelRegistration(
             name="deepseek",
             model_class="pegainfer_deepseek.model:DeepseekV3ForCausalLM",
+            config_schema="pegainfer_deepseek.config:DeepseekModelConfig",
             architectures=("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"),
             model_types=("deepseek_v3", "deepseek_v32"),
             description="DeepSeek-V3 / R1 and V3.2 (MLA, group-routed MoE)",

@@ -24,6 +24,7 @@ depend on ``tp``; the activation estimate counts the rank's own heads and featur
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -138,6 +139,8 @@ class DeepseekV3ForCausalLM(CausalLM):
         tp: TensorParallel | None = None,
     ) -> DeepseekV3ForCausalLM:
         dims = DeepseekV3Dims.from_hf_config(hf_config)
+        if getattr(model_config, "quantization", None) == "fp8" and dims.fp8 is None:
+            dims = dataclasses.replace(dims, quantize_experts=True)
         return cls(dims, dtype=dtype, max_model_len=max_model_len, tp=tp)
 
     @staticmethod

@@ -27,9 +27,9 @@ from pegainfer import ops
 from pegainfer.errors import CheckpointError
 from pegainfer.layers.moe import BlockScales, swiglu
 from pegainfer.parallel.distributed import TensorParallel
-from pegainfer.parallel.sharding import split
-from pegainfer_deepseek.config import DeepseekV3Dims
-from pegainfer_deepseek.fp8 import WeightReader
+from pegainfer.parallel.sharding import Shard, split
+from pegainfer_deepseek.config import QUANTIZE_BLOCK, DeepseekV3Dims
+from pegainfer_deepseek.fp8 import WeightReader, quantize_blocks
 from pegainfer_deepseek.params import param
 
 
@@ -119,15 +119,16 @@ class MoE(nn.Module):
         e, h, i = dims.n_routed_experts, dims.hidden_size, dims.moe_intermediate_size
         self.local = local = tp.split(i, "moe_intermediate_size")
         self.gate = GroupLimitedRouter(dims)
-        block = dims.fp8.block if dims.fp8 is not None else None
+        block = dims.fp8.block if dims.fp8 is not None else QUANTIZE_BLOCK if dims.quantize_experts else None
         self.fp8_block = block if block is not None and block[0] == block[1] else None
         weight_dtype = torch.float8_e4m3fn if self.fp8_block else dtype
         self.experts_gate_up = param(e, 2 * local, h, dtype=weight_dtype)
         self.experts_down = param(e, h, local, dtype=weight_dtype)
         if self.fp8_block:
             b = self.fp8_block[0]
-            # Where this rank's first feature sits in its tile: shards need not start on tile boundaries.
-            self.scale_offset = tp.rank * local % b
+            # Where this rank's first feature sits in its tile: a checkpoint's shards need not start on tile
+            # boundaries; experts quantized at load are tiled from the rank's own first feature.
+            self.scale_offset = 0 if dims.quantize_experts else tp.rank * local % b
             features, hidden = -(-(self.scale_offset + local) // b), -(-h // b)
             self.experts_gate_up_scale = param(e, 2, features, hidden, dtype=torch.float32)
             self.experts_down_scale = param(e, hidden, features, dtype=torch.float32)
@@ -177,13 +178,20 @@ class MoE(nn.Module):
             self.shared_experts.load(reader, prefix + "shared_experts.")
 
     def _load_fp8(self, reader: WeightReader, p: str, e: int) -> None:
-        """Expert ``e``'s float8 weights and their tile scales, as stored (this rank's features only)."""
+        """Expert ``e``'s float8 weights and their tile scales (this rank's features only): as stored, or
+        quantized here from the checkpoint's plain weights (``model.quantization=fp8``)."""
         h, i, local = self.dims.hidden_size, self.dims.moe_intermediate_size, self.local
+
+        def blocks(name: str, shape: tuple[int, int], shard: Shard) -> tuple[torch.Tensor, torch.Tensor]:
+            if self.dims.quantize_experts:
+                return quantize_blocks(reader.get(name, shape, torch.float32, shard), QUANTIZE_BLOCK)
+            return reader.get_blocks(name, shape, shard)
+
         for half, name in enumerate(("gate_proj", "up_proj")):
-            q, tiles = reader.get_blocks(f"{p}{name}.weight", (i, h), split(0))
+            q, tiles = blocks(f"{p}{name}.weight", (i, h), split(0))
             self.experts_gate_up[e, half * local : (half + 1) * local].copy_(q)
             self._copy_tiles(self.experts_gate_up_scale[e, half], tiles, f"{p}{name}.weight_scale_inv")
-        q, tiles = reader.get_blocks(f"{p}down_proj.weight", (h, i), split(1))
+        q, tiles = blocks(f"{p}down_proj.weight", (h, i), split(1))
         self.experts_down[e].copy_(q)
         self._copy_tiles(self.experts_down_scale[e], tiles, f"{p}down_proj.weight_scale_inv")
 

@@ -41,7 +41,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+from pegainfer_deepseek.fp8 import dequantize_blocks, quantize_blocks
+
 EMBED_STD = 0.02
 
 
@@ -232,29 +233,6 @@ def fp8_quantized(name: str, tensor: torch.Tensor) -> bool:
     return not name.endswith(excluded)
 
 
-def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(float8_e4m3fn weight, float32 scale_inv [ceil(out/bo), ceil(in/bi)])``; a block's largest magnitude
-    maps to 448. Edge blocks are partial (as if zero-padded to the full block)."""
-    bo, bi = block
-    out, inp = weight.shape
-    nbo, nbi = -(-out // bo), -(-inp // bi)
-    padded = torch.zeros(nbo * bo, nbi * bi, dtype=torch.float32)
-    padded[:out, :inp] = weight.float()
-    blocks = padded.view(nbo, bo, nbi, bi)
-    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)
-    scale_inv = amax / FP8_MAX
-    q = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(nbo * bo, nbi * bi)[:out, :inp].contiguous(), scale_inv.contiguous()
-
-
-def dequantize_fp8_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """float32 ``q · scale_inv`` with each scale broadcast over its block."""
-    bo, bi = block
-    out, inp = q.shape
-    scale = scale_inv.repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :inp]
-    return q.float() * scale
-
-
 #: A tiny DeepSeek-V3 shape whose FP8 blocks (128x128) and tensor-parallel shards do not line up: its
 #: projections are wider than one block but not a multiple of it.
 UNALIGNED_SHAPE = {
@@ -291,9 +269,9 @@ def write_fp8_copy(
         if not fp8_quantized(name, tensor):
             out[name] = tensor
             continue
-        q, scale_inv = quantize_fp8_blocks(tensor, block_size)
+        q, scale_inv = quantize_blocks(tensor, block_size)
         if dequantized:
-            out[name] = dequantize_fp8_blocks(q, scale_inv, block_size).to(tensor.dtype)
+            out[name] = dequantize_blocks(q, scale_inv, block_size).to(tensor.dtype)
         else:
             out[name] = q
             out[name + "_scale_inv"] = scale_inv

@@ -173,3 +173,35 @@ def test_dummy_weights_fill_the_float8_experts(folders):
     assert moe.experts_gate_up.float().std() > 0 and moe.experts_down_scale.float().std() > 0
     out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=PARAMS, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == PARAMS.max_tokens
+
+
+def test_quantization_fp8_quantizes_a_plain_checkpoints_experts(tiny_checkpoint_factory):
+    """``model.quantization=fp8`` on a float32 checkpoint: the routed experts become block FP8 (128×128
+    tiles, each tile's largest magnitude at 448) at load, the rest stays as it is. The accuracy cost,
+    teacher-forced logits against transformers on the unquantized weights (relative L2), is measured here:
+    the unquantized model is at 1.9e-6 / 2.2e-6 (prefill / decode), the quantized one at 0.033 / 0.039 on
+    this checkpoint (e4m3 keeps 3 mantissa bits, and here one tile spans a whole expert matrix)."""
+    from pegainfer.testing.conformance import conformance_engine, teacher_forced_errors
+    from pegainfer_deepseek.fp8 import quantize_blocks
+
+    source = tiny_checkpoint_factory("deepseek_v3", seed=5, **UNALIGNED_SHAPE)
+    plain = conformance_engine("deepseek", source)
+    quantized = conformance_engine("deepseek", source, "model.quantization=fp8")
+    moe = quantized.engine.executor.runner.model.layers[1].mlp
+    assert moe.experts_down.dtype == torch.float8_e4m3fn and moe.scale_offset == 0
+    with safe_open(str(source / "model.safetensors"), framework="pt") as f:
+        q, scale = quantize_blocks(f.get_tensor("model.layers.1.mlp.experts.4.down_proj.weight"), (128, 128))
+    assert torch.equal(moe.experts_down[4].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(moe.experts_down_scale[4], scale)
+    assert plain.engine.executor.runner.model.layers[1].mlp.experts_down.dtype == torch.float32
+    assert max(teacher_forced_errors(plain, source)) < 1e-4
+    prefill, decode = teacher_forced_errors(quantized, source)
+    assert 1e-4 < prefill < 0.06 and 1e-4 < decode < 0.06, (prefill, decode)
+
+
+def test_quantization_key_is_validated(tiny_checkpoint_factory):
+    from pegainfer.errors import ConfigError
+    from pegainfer.testing.conformance import conformance_engine
+
+    with pytest.raises(ConfigError, match="quantization"):
+        conformance_engine("deepseek", tiny_checkpoint_factory("deepseek_v3"), "model.quantization=int4")
