@@ -187,6 +187,45 @@ def test_scheduler_admits_by_the_pages_needed_after_the_hit() -> None:
     buffers.check_invariants()
 
 
+def test_a_burst_sharing_a_prefix_computes_it_once() -> None:
+    """Requests arriving together with the same 3-page prefix: the first is scheduled alone while the
+    others wait a step (their next page is being computed), then they hit all of it; a request whose pages
+    are nobody else's is admitted the same step."""
+    buffers = make_manager(num_blocks=32)
+    sched = ContinuousBatchingScheduler(SchedulerConfig(), buffers)
+    shared = list(range(12))
+    burst = [make_request(rid, [*shared, 20 + i, 30 + i], max_tokens=3) for i, rid in enumerate("abc")]
+    for request in burst:
+        sched.add_request(request)
+    out = sched.schedule()
+    assert [item.request.request_id for item in out.scheduled] == ["a"]
+    sched.update_after_step(out)
+    burst[0].append_output_token(5)
+    sched.add_request(make_request("d", list(range(50, 64))))
+    out = sched.schedule()
+    assert [item.request.request_id for item in out.scheduled] == ["a", "b", "c", "d"]
+    assert [item.start for item in out.scheduled[1:]] == [12, 12, 0]
+    assert burst[1].num_cached_tokens == burst[2].num_cached_tokens == 12
+    buffers.check_invariants()
+
+
+def test_a_request_waits_only_for_pages_computed_this_step() -> None:
+    """The page a waiting request would wait for is in flight only while the step computing it runs: a
+    request whose sharer left before its step ran (here: aborted) is admitted at once."""
+    buffers = make_manager(num_blocks=32)
+    sched = ContinuousBatchingScheduler(SchedulerConfig(), buffers)
+    first = make_request("a", list(range(12)) + [40, 41])
+    sched.add_request(first)
+    sched.schedule()
+    second = make_request("b", list(range(12)) + [42, 43])
+    assert buffers.waits_for_shared_prefix(second)  # a's pages are being computed in the open step
+    sched.finish_request(first, RequestStatus.FINISHED_ABORTED)  # before its step's pages were computed
+    sched.add_request(second)
+    out = sched.schedule()
+    assert [item.request.request_id for item in out.scheduled] == ["b"] and out.scheduled[0].start == 0
+    buffers.check_invariants()
+
+
 def test_hit_is_taken_before_new_pages_evict_it() -> None:
     """The new pages of an admission never evict the cached pages it takes."""
     buffers = make_manager(num_blocks=4)

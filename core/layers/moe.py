@@ -28,6 +28,11 @@ class BlockScales:
     block: tuple[int, int]
     offset: int = 0
 
+    def __post_init__(self) -> None:
+        # One offset serves the gate/up rows (tiles of block[0]) and down's columns (tiles of block[1]).
+        if self.offset and self.block[0] != self.block[1]:
+            raise ValueError(f"a shard offset ({self.offset}) needs square tiles, not {self.block}")
+
     def dequantize(
         self, expert: int, gate_up: torch.Tensor, down: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -212,6 +212,12 @@ class BufferManager(ABC):
         size, always short of the last token (its logits are needed). 0 without prefix caching."""
         return 0
 
+    def waits_for_shared_prefix(self, request: Request) -> bool:
+        """Whether waiting ``request`` (its cached prefix found this step) should wait a step: the next page
+        of its prompt is being computed by a request scheduled this step, so it is cached next step and
+        computing it twice wastes the step. False without prefix caching."""
+        return False
+
     def chunk_limit(self, request: Request, num_new_tokens: int) -> int:
         """``num_new_tokens`` cut so the chunk ends at the next snapshot boundary it would cross."""
         return num_new_tokens
@@ -279,6 +285,8 @@ class PagedBufferManager(BufferManager):
         self._divergence: dict[str, int] = {}
         self._restores: list[tuple[int, int]] = []
         self._saves: list[tuple[int, int]] = []
+        # Keys of the full pages the chunks scheduled this step complete (-> request id): cached next step.
+        self._in_flight: dict[bytes, str] = {}
         self._queries = 0
         self._hit_tokens = 0
         self._step = 0
@@ -312,6 +320,22 @@ class PagedBufferManager(BufferManager):
             register(table[k], hashes[k])
         self._registered[rid] = n
 
+    def _mark_in_flight(self, request: Request, end: int) -> None:
+        """The keys of the full pages this step's chunk of ``request`` completes (tokens up to ``end``)."""
+        first, last = self._registered.get(request.request_id, 0), self._hashable_pages(request, end)
+        if last > first:
+            for h in self._hashes(request, last)[first:last]:
+                self._in_flight.setdefault(h, request.request_id)
+
+    def waits_for_shared_prefix(self, request: Request) -> bool:
+        if not self._in_flight:
+            return False
+        cached = request.num_computed_tokens // self.block_size
+        if self._hashable_pages(request, request.num_tokens - 1) <= cached:
+            return False
+        owner = self._in_flight.get(self._hashes(request, cached + 1)[cached])
+        return owner is not None and owner != request.request_id
+
     def _next_event(self, request: Request, table: list[int]) -> int:
         """The fast-path limit: the request's capacity, or less when one of its pages is due to be keyed."""
         capacity = len(table) * self.block_size if self._paged else sys.maxsize
@@ -325,6 +349,7 @@ class PagedBufferManager(BufferManager):
     def begin_step(self) -> None:
         self._step += 1
         self._hits.clear()
+        self._in_flight.clear()
         if self.cuts_chunks:
             self.snapshots.publish(self._step, self._boundary_key)
 
@@ -410,6 +435,7 @@ class PagedBufferManager(BufferManager):
         table.extend(pages)
         if self.caching:
             self._register(request, table)
+            self._mark_in_flight(request, computed + num_new_tokens)
         self._fast[rid] = self._next_event(request, table)
         return True
 
@@ -435,6 +461,8 @@ class PagedBufferManager(BufferManager):
             self._slots[rid] = self._free_slots.pop()
         if snap is not None:
             self._restores.append((self._slots[rid], snap))
+        if self.caching:
+            self._mark_in_flight(request, request.num_computed_tokens + num_new_tokens)
         if self.caching and request.num_preemptions == 0:
             self._queries += request.num_prompt_tokens
             self._hit_tokens += request.num_computed_tokens

@@ -257,6 +257,11 @@ class ContinuousBatchingScheduler(Scheduler):
                 continue
             # A cached prefix is skipped: the request is admitted by the pages it needs after it.
             request.num_computed_tokens = self.buffers.find_cached_prefix(request)
+            if self.buffers.waits_for_shared_prefix(request):
+                # Its next pages are being computed this step by another request: admitted next step, it
+                # finds them cached (a burst sharing a system prompt computes the prompt once).
+                request.num_computed_tokens = 0
+                break
             n = self._chunk(request, budget)
             # Without chunked prefill a prompt is admitted whole; a preempted request's recompute may still
             # be chunked, or one longer than the budget would block the queue forever.

@@ -81,7 +81,9 @@ def _quantized(gate_up, down, block, offset):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("block, offset", [((16, 16), 0), ((16, 32), 5)], ids=["aligned", "shard-offset"])
+@pytest.mark.parametrize(
+    "block, offset", [((16, 16), 0), ((16, 32), 0), ((32, 32), 5)], ids=["aligned", "oblong", "shard-offset"]
+)
 def test_fp8_experts_match_the_dequantized_reference(dtype, block, offset):
     """Float8 experts dequantized tile by tile in the kernels equal the reference loop over the same float8
     experts (each dequantized whole), with tiles wider than a kernel tile and a shard that starts inside
@@ -98,6 +100,11 @@ def test_fp8_experts_match_the_dequantized_reference(dtype, block, offset):
         w_gate_up, w_down = scales.dequantize(e, q_gate_up[e], q_down[e], torch.float32)
         for ours_w, orig in ((w_gate_up, gate_up[e]), (w_down, down[e])):
             assert (ours_w - orig.float()).norm() < 0.04 * orig.float().norm()
+
+
+def test_a_shard_offset_needs_square_tiles():
+    with pytest.raises(ValueError, match="square tiles"):
+        BlockScales(torch.ones(1, 2, 1, 1), torch.ones(1, 1, 1), (16, 32), offset=5)
 
 
 def test_quantized_experts_need_their_scales():

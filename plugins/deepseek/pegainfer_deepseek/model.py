@@ -200,7 +200,7 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     def transient_specs(self) -> list[TransientSpec]:
         """Activations per scheduled token (attention projections, expanded prefill keys and values, MoE
-        intermediates), in the compute dtype, for this rank's heads and intermediate features. The
+        intermediates, the fused MoE's pair rows), in the compute dtype, for this rank's heads and intermediate features. The
         reference path's score matrices are not counted."""
         d, size = self.dims, self.tp.size
         per_head = d.qk_head_dim * 2 + d.v_head_dim * 2 + d.qk_nope_head_dim
@@ -210,6 +210,9 @@ class DeepseekV3ForCausalLM(CausalLM):
             + d.kv_lora_rank * 2
             + d.num_heads // size * per_head
             + 3 * max(d.intermediate_size, d.moe_intermediate_size * max(1, d.n_shared_experts)) // size
+            # the fused MoE's per-(token, choice) rows: SiLU·mul activations (this rank's features) and
+            # weighted outputs (whole hidden rows, summed over the choices after)
+            + d.num_experts_per_tok * (d.hidden_size + d.moe_intermediate_size // size)
         )
         if d.indexer is not None:  # indexer queries, key, head weights (float32: counted twice)
             widths += d.indexer.n_heads * (d.indexer.head_dim + 2) + d.indexer.head_dim

@@ -183,9 +183,17 @@ class MoE(nn.Module):
         h, i, local = self.dims.hidden_size, self.dims.moe_intermediate_size, self.local
 
         def blocks(name: str, shape: tuple[int, int], shard: Shard) -> tuple[torch.Tensor, torch.Tensor]:
-            if self.dims.quantize_experts:
-                return quantize_blocks(reader.get(name, shape, torch.float32, shard), QUANTIZE_BLOCK)
-            return reader.get_blocks(name, shape, shard)
+            if not self.dims.quantize_experts and name + "_scale_inv" in reader:
+                return reader.get_blocks(name, shape, shard)
+            # Plain weights (model.quantization=fp8, or an expert an FP8 checkpoint left unquantized):
+            # quantized here on the tile grid the scales are laid out on (from ``scale_offset`` into the
+            # first tile), zeros standing in for the features before the shard.
+            plain = reader.get(name, shape, torch.float32, shard)
+            dim = shard.dim % 2
+            pad = [0, 0, 0, 0]
+            pad[2 if dim == 0 else 0] = self.scale_offset  # F.pad: last dim first
+            q, tiles = quantize_blocks(F.pad(plain, pad), self.fp8_block)
+            return q.narrow(dim, self.scale_offset, plain.shape[dim]), tiles
 
         for half, name in enumerate(("gate_proj", "up_proj")):
             q, tiles = blocks(f"{p}{name}.weight", (i, h), split(0))

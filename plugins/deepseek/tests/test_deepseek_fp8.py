@@ -205,3 +205,31 @@ def test_quantization_key_is_validated(tiny_checkpoint_factory):
 
     with pytest.raises(ConfigError, match="quantization"):
         conformance_engine("deepseek", tiny_checkpoint_factory("deepseek_v3"), "model.quantization=int4")
+
+
+def test_an_expert_left_unquantized_is_quantized_at_load(folders, tmp_path):
+    """An FP8 checkpoint whose expert 2 of layer 1 is stored plain (its scales dropped): that expert is
+    quantized at load on the same tiles. Its weights sit on the FP8 grid already, so the model still
+    generates exactly what the dequantized model does."""
+    from safetensors.torch import load_file, save_file
+
+    folder = Path(shutil.copytree(folders[0], tmp_path / "mixed"))
+    tensors = load_file(str(folder / "model.safetensors"))
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        name = f"model.layers.1.mlp.experts.2.{proj}.weight"
+        tensors[name] = _hand_dequantize(tensors[name], tensors.pop(name + "_scale_inv"))
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    mixed = LLM(str(folder), dtype="float32", device="cpu", cpu_kv_cache_bytes=4 << 20)
+    moe = mixed.engine.executor.runner.model.layers[1].mlp
+    assert moe.experts_down.dtype == torch.float8_e4m3fn
+    rng = random.Random(3)
+    prompts = [[rng.randrange(990) for _ in range(n)] for n in (7, 19)]
+    dense = LLM(str(folders[1]), dtype="float32", device="cpu", cpu_kv_cache_bytes=4 << 20)
+
+    def run(llm):
+        return [
+            o.outputs[0].token_ids
+            for o in llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS, use_tqdm=False)
+        ]
+
+    assert run(mixed) == run(dense)

@@ -29,6 +29,7 @@ and heads only; they are never reduced.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import logging
 import os
 from dataclasses import dataclass
@@ -189,8 +190,26 @@ def fla_chunk_rule():
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule
         except Exception:  # not installed, or it fails to import on this stack: the torch chunked form
             chunk_gated_delta_rule = None
+        version = _fla_version()
+        if chunk_gated_delta_rule is not None and version not in FLA_VERSIONS:
+            # Its keyword options (the gate and beta in the kernel) are read through **kwargs: a version
+            # that ignored them would compute something else without an error.
+            logger.warning("fla-core %s is not one prefill was checked with (%s): the torch chunked form runs",
+                           version, ", ".join(FLA_VERSIONS))  # fmt: skip
+            chunk_gated_delta_rule = None
         _FLA.append(chunk_gated_delta_rule)
     return _FLA[0]
+
+
+#: fla-core versions ``prefill_with_fla`` is written and tested against (the plugin's ``gpu`` extra pins one).
+FLA_VERSIONS = ("0.6.0",)
+
+
+def _fla_version() -> str | None:
+    try:
+        return importlib.metadata.version("fla-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def prefill_with_fla(
