@@ -234,7 +234,7 @@ def _decode_partial_kernel(
 
 
 @triton.jit
-def _decode_reduce_kernel(
+def decode_merge_kernel(
     part_acc_ptr,
     part_m_ptr,
     part_l_ptr,
@@ -251,6 +251,11 @@ def _decode_reduce_kernel(
     FIX: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """Merge the split-K partials of one (row, head) (grid ``[rows, heads]``): ``part_m``/``part_l``
+    ``[(row · num_heads + head) · num_splits + split]`` (running max in base 2, sum) and ``part_acc`` (the
+    unnormalised ``HEAD_DIM`` outputs at the same index), written for the splits whose ``BLOCK_N``-tile
+    chunks of ``seq_lens[row]`` hold keys, into ``out``. A row or head without a key (every partial at
+    ``m = -inf``) gets zeros. The MLA decode kernel (DeepSeek's plugin) writes its partials this way too."""
     pdl_start(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -410,7 +415,7 @@ def paged_decode_attention_triton(
         **pdl_launch(q),
     )
     if split:
-        _decode_reduce_kernel[(batch, num_heads)](
+        decode_merge_kernel[(batch, num_heads)](
             part_acc,
             part_m,
             part_l,

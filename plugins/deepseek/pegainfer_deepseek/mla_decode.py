@@ -10,10 +10,10 @@ MQA with one shared key/value head of size ``rkv + dr`` (values: the first ``rkv
 One program owns (``block_h`` heads, row, split), optionally only ``block_v`` of the output features
 (then the programs of the other slices recompute the same scores): every latent tile it loads serves
 ``block_h`` heads through tensor-core dots, so a step reads each latent ``H / block_h`` times, all but the
-first from L2 (the programs sharing a row's latents are adjacent in launch order). A
-row's context is cut into ``num_splits`` chunks of whole ``BLOCK_N`` tiles; each program writes a partial
-(max, sum, unnormalised acc) and a second kernel merges them (with one split the first kernel writes the
-output). An optional ``mask`` ``[B, >= max_seq_len]`` (bool) drops keys (DeepSeek-V3.2's indexer
+first from L2 (the programs sharing a row's latents are adjacent in launch order). A row's context is
+cut into ``num_splits`` chunks of whole ``BLOCK_N`` tiles; each program writes a partial (max, sum,
+unnormalised acc) and the paged decode attention's ``decode_merge_kernel`` merges them (with one split the
+first kernel writes the output). An optional ``mask`` ``[B, >= max_seq_len]`` (bool) drops keys (DeepSeek-V3.2's indexer
 selection); a row with every key dropped gets zeros.
 
 CUDA-graph friendly: no host syncs; the grid depends on the batch, the heads and ``num_splits``, which
@@ -38,8 +38,9 @@ from pegainfer.kernels._triton import (
     triton,
     use_kernel,
 )
+from pegainfer.kernels.paged_decode_attention import decode_merge_kernel
 
-#: The reduce kernel merges at most this many partials per row; chunks grow beyond it instead.
+#: The merge kernel takes at most this many partials per row; chunks grow beyond it instead.
 MAX_SPLITS = 32
 #: A split covers at least this many tokens (its fixed cost: the queries' load and a partial's write).
 MIN_TOKENS_PER_SPLIT = 128
@@ -182,48 +183,6 @@ def _mla_decode_partial_kernel(
             tl.store(out_ptrs, cast_to(zeros, out_ptr.dtype.element_ty, FIX), mask=mask_hv)
 
 
-@triton.jit
-def _mla_decode_reduce_kernel(
-    part_acc_ptr,
-    part_m_ptr,
-    part_l_ptr,
-    seq_lens_ptr,
-    out_ptr,
-    num_splits,
-    num_heads,
-    stride_ob,
-    stride_oh,
-    RKV: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    FIX: tl.constexpr,
-):
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + row)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    n_active = tl.cdiv(seq_len, tl.maximum(chunk, 1))
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_r = tl.arange(0, BLOCK_R)
-    mask_s = offs_s < n_active
-    mask_r = offs_r < RKV
-    part = (row.to(tl.int64) * num_heads + head) * num_splits + offs_s
-    m = tl.load(part_m_ptr + part, mask=mask_s, other=float("-inf"))
-    l_s = tl.load(part_l_ptr + part, mask=mask_s, other=0.0)
-    m_max = tl.maximum(tl.max(m, 0), -1e30)  # finite for padding rows and fully masked heads
-    w = tl.where(mask_s & (m > float("-inf")), tl.exp2(m - m_max), 0.0)
-    denom = tl.sum(w * l_s, 0)
-    acc = tl.load(
-        part_acc_ptr + part[:, None] * RKV + offs_r[None, :],
-        mask=mask_s[:, None] & mask_r[None, :],
-        other=0.0,
-    )
-    o = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
-    o_ptrs = out_ptr + row.to(tl.int64) * stride_ob + head * stride_oh + offs_r
-    tl.store(o_ptrs, cast_to(o, out_ptr.dtype.element_ty, FIX), mask=mask_r)
-
-
 def mla_decode_attention_ref(
     q_latent: torch.Tensor,
     q_pe: torch.Tensor,
@@ -304,9 +263,10 @@ def mla_decode_attention_triton(
         FIX=fix, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split:
-        _mla_decode_reduce_kernel[(batch, heads)](
+        decode_merge_kernel[(batch, heads)](
             part_acc, part_m, part_l, seq_lens, out, splits, heads, out.stride(0), out.stride(1),
-            RKV=rkv, BLOCK_R=block_r, BLOCK_S=next_pow2(splits), BLOCK_N=block_n, FIX=fix, num_warps=4,
+            HEAD_DIM=rkv, BLOCK_D=block_r, BLOCK_S=max(2, next_pow2(splits)), BLOCK_N=block_n, FIX=fix,
+            PDL=False, num_warps=4,
         )  # fmt: skip
     return out
 
