@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pegainfer.config.schema import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pegainfer.config.schema import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from pegainfer.engine.llm import LLM
 from pegainfer.sampling.sampling_params import RequestOutputKind, SamplingParams
 
@@ -82,8 +82,10 @@ def build(
     max_model_len: int,
     enforce_eager: bool = False,
     gpu_memory_utilization: float = 0.9,
+    speculative_tokens: int = 0,
 ) -> LLM:
-    """A bf16 engine on the GPU with random weights of ``folder``'s config.json shape."""
+    """A bf16 engine on the GPU with random weights of ``folder``'s config.json shape (drafting
+    ``speculative_tokens`` tokens a step with the model's own draft layers)."""
     return LLM.from_config(
         EngineConfig(
             model=ModelConfig(
@@ -91,6 +93,7 @@ def build(
             ),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=16384),
             cache=CacheConfig(gpu_memory_utilization=gpu_memory_utilization),
+            speculative=SpeculativeConfig(num_tokens=speculative_tokens),
             device="cuda",
             enforce_eager=enforce_eager,
         )

@@ -29,8 +29,6 @@ from pathlib import Path
 import torch
 from common import Results, build, check_all_running, graph_time_ms, greedy, measure_ceilings, start_decoding
 
-from pegainfer.config.schema import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
-from pegainfer.engine.llm import LLM
 from pegainfer.layers.moe import BlockScales
 from pegainfer.ops import fused_moe
 from pegainfer.text.tiny_tokenizer import write_tiny_tokenizer
@@ -203,14 +201,7 @@ def bench_mtp(shape: dict, vocab: int, layers: int | None, ctx: int, tokens: int
     prompt = [random.Random(1).randrange(vocab) for _ in range(ctx)]
     runs = {}
     for k in (0, 1):
-        config = EngineConfig(
-            model=ModelConfig(path=str(folder), load_format="dummy", dtype="bfloat16", max_model_len=ctx + tokens + 64),
-            scheduler=SchedulerConfig(max_num_seqs=1),
-            cache=CacheConfig(gpu_memory_utilization=0.9),
-            speculative=SpeculativeConfig(num_tokens=k),
-            device="cuda",
-        )  # fmt: skip
-        llm = LLM.from_config(config)
+        llm = build(folder, max_num_seqs=1, max_model_len=ctx + tokens + 64, speculative_tokens=k)
         llm.generate(prompt_token_ids=[prompt], sampling_params=greedy(8), use_tqdm=False)  # warm-up
         torch.cuda.synchronize()
         t0 = time.perf_counter()
