@@ -120,6 +120,23 @@ def start_decoding(engine, prefix: str, prompts: list[list[int]], params) -> lis
     return ids
 
 
+def timed_steps_ms(engine, steps: int) -> float:
+    """Wall ms per engine step over ``steps`` steps, the GPU synchronised before and after."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
+def stop_decoding(engine, ids: list[str]) -> None:
+    """Abort the requests :func:`start_decoding` started and let the engine drop them."""
+    for rid in ids:
+        engine.abort_request(rid)
+    engine.step()
+
+
 def check_all_running(engine, batch: int) -> None:
     """Raise unless all ``batch`` requests still run: a batch that shrank during the timed steps would be
     timed as the full one."""

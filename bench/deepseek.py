@@ -27,7 +27,17 @@ import time
 from pathlib import Path
 
 import torch
-from common import Results, build, check_all_running, graph_time_ms, greedy, measure_ceilings, start_decoding
+from common import (
+    Results,
+    build,
+    check_all_running,
+    graph_time_ms,
+    greedy,
+    measure_ceilings,
+    start_decoding,
+    stop_decoding,
+    timed_steps_ms,
+)  # fmt: skip
 
 from pegainfer.layers.moe import BlockScales
 from pegainfer.ops import fused_moe
@@ -179,16 +189,9 @@ def bench_decode(llm, vocab: int, batch: int, ctx: int, steps: int, rng: random.
     prompts = [[rng.randrange(vocab) for _ in range(ctx)] for _ in range(batch)]
     ids = start_decoding(engine, f"d{batch}-{rng.random()}", prompts, greedy(steps + 64))
     experts = distinct_experts(llm, engine.step)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    step_ms = (time.perf_counter() - t0) * 1e3 / steps
+    step_ms = timed_steps_ms(engine, steps)
     check_all_running(engine, batch)
-    for rid in ids:
-        engine.abort_request(rid)
-    engine.step()
+    stop_decoding(engine, ids)
     return {"step_ms": step_ms, "experts": experts, "ctx": ctx + 4 + steps / 2}
 
 

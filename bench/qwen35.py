@@ -31,7 +31,17 @@ import time
 from pathlib import Path
 
 import torch
-from common import Results, build, check_all_running, cuda_time_ms, greedy, measure_ceilings, start_decoding
+from common import (
+    Results,
+    build,
+    check_all_running,
+    cuda_time_ms,
+    greedy,
+    measure_ceilings,
+    start_decoding,
+    stop_decoding,
+    timed_steps_ms,
+)  # fmt: skip
 
 from pegainfer.engine.llm import LLM
 from pegainfer.text.tiny_tokenizer import write_tiny_tokenizer
@@ -107,20 +117,13 @@ def bench_decode(llm: LLM, vocab: int, batch: int, ctx: int, steps: int, rng: ra
     engine = llm.engine
     prompts = [prompt(rng, vocab, ctx) for _ in range(batch)]
     ids = start_decoding(engine, f"d{batch}-{rng.random()}", prompts, greedy(steps + 64))
-    torch.cuda.synchronize()
     waited = engine.wait_time_s
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    step_ms = (time.perf_counter() - t0) * 1e3 / steps
+    step_ms = timed_steps_ms(engine, steps)
     check_all_running(engine, batch)
     host_ms = step_ms - (engine.wait_time_s - waited) * 1e3 / steps
     graphs = engine.executor.runner.graphs
     gpu_ms = cuda_time_ms(lambda: graphs.run(batch), reps=10) if graphs is not None else float("nan")
-    for rid in ids:
-        engine.abort_request(rid)
-    engine.step()
+    stop_decoding(engine, ids)
     return {"step_ms": step_ms, "gpu_ms": gpu_ms, "host_ms": host_ms, "ctx": ctx + 3 + steps / 2}
 
 

@@ -20,7 +20,16 @@ import time
 from pathlib import Path
 
 import torch
-from common import Results, build, check_all_running, cuda_time_ms, greedy, measure_ceilings, start_decoding
+from common import (
+    Results,
+    build,
+    check_all_running,
+    cuda_time_ms,
+    greedy,
+    measure_ceilings,
+    start_decoding,
+    stop_decoding,
+)
 
 from pegainfer.engine.llm import LLM
 from pegainfer.kernels import skinny_gemm
@@ -113,9 +122,7 @@ def bench_decode(
     host_ms = step_ms - (engine.wait_time_s - waited) * 1e3 / steps
     graphs = engine.executor.runner.graphs
     gpu_ms = cuda_time_ms(lambda: graphs.run(batch), reps=10) if graphs is not None else float("nan")
-    for rid in ids:
-        engine.abort_request(rid)
-    engine.step()  # reads the last pending step back, so the next run starts clean
+    stop_decoding(engine, ids)  # its step reads the last pending step back, so the next run starts clean
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     return {"step_ms": step_ms, "gpu_ms": gpu_ms, "host_ms": host_ms, "ctx": ctx + 3 + steps / 2}
