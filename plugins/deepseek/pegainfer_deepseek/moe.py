@@ -179,7 +179,8 @@ class MoE(nn.Module):
 
     def _load_fp8(self, reader: WeightReader, p: str, e: int) -> None:
         """Expert ``e``'s float8 weights and their tile scales (this rank's features only): as stored, or
-        quantized here from the checkpoint's plain weights (``model.quantization=fp8``)."""
+        quantized here where the checkpoint holds them plain (``model.quantization=fp8``, or an expert an
+        FP8 checkpoint left unquantized)."""
         h, i, local = self.dims.hidden_size, self.dims.moe_intermediate_size, self.local
 
         def blocks(name: str, shape: tuple[int, int], shard: Shard) -> tuple[torch.Tensor, torch.Tensor]:

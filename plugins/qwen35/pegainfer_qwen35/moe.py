@@ -35,7 +35,6 @@ from torch import nn
 
 from pegainfer import ops
 from pegainfer.model.checkpoint import CheckpointReader
-from pegainfer.ops import use_triton
 from pegainfer.parallel.distributed import TensorParallel
 from pegainfer.parallel.sharding import Shard, split, stitch
 from pegainfer_qwen35.config import Qwen35Config, Qwen35Shard
@@ -83,12 +82,12 @@ class SparseMoE(nn.Module):
         """
         weights, experts = self.route(x, bufs)
         y = bufs.mlp_down
-        if use_triton(x):
+        if ops.use_triton(x):
             y.copy_(ops.fused_moe(x, weights, experts, self.experts_gate_up, self.experts_down))
         elif static_shapes:
             self._experts_static(x, weights, experts, bufs, y.zero_())
         else:
-            self._experts_grouped(x, weights, experts, bufs, y.zero_())
+            self._experts_grouped(x, weights, experts, bufs, y)  # writes every row of y
         gate, up = torch.matmul(x, self.shared_gate_up.t(), out=bufs.shared_gate_up).chunk(2, -1)
         shared_act = torch.mul(F.silu(gate), up, out=bufs.shared_act)
         shared = torch.matmul(shared_act, self.shared_down.t(), out=bufs.shared_out)
