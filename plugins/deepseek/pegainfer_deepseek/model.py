@@ -200,8 +200,8 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     def transient_specs(self) -> list[TransientSpec]:
         """Activations per scheduled token (attention projections, expanded prefill keys and values, MoE
-        intermediates, the fused MoE's pair rows), in the compute dtype, for this rank's heads and intermediate features. The
-        reference path's score matrices are not counted."""
+        intermediates, the fused MoE's pair rows), in the compute dtype, for this rank's heads and
+        intermediate features. The reference path's score matrices are not counted."""
         d, size = self.dims, self.tp.size
         per_head = d.qk_head_dim * 2 + d.v_head_dim * 2 + d.qk_nope_head_dim
         widths = (
