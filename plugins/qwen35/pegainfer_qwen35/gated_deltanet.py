@@ -7,7 +7,8 @@ the delta rule, whose state also lives in the slot; a gated RMSNorm with z; the 
 
 Prefill segments run one request at a time (chunked delta rule from the slot's state, written back at the
 end of the chunk); on CUDA with fla-core installed (the plugin's ``gpu`` extra) all segments go through
-fla's varlen chunked kernels in one call instead. All decode rows of a step run as one batch: on CUDA two
+fla's varlen chunked kernels in one call instead, and a step whose segments are all short takes two
+launches of ``gdn_kernels`` (the conv, then the recurrence token by token with the gated norm). All decode rows of a step run as one batch: on CUDA two
 launches of ``gdn_kernels`` (conv update; gating + L2 norm + delta rule + gated norm) update each row's
 slot in place, addressed through the device tensor of slots (CUDA-graph safe); elsewhere
 :func:`decode_reference` gathers and scatters the slots. The padding rows of a CUDA-graph bucket replicate
@@ -58,6 +59,11 @@ from pegainfer_qwen35.projections import project, project_add
 
 logger = logging.getLogger(__name__)
 
+#: On CUDA, prefill steps whose segments are all this short run the recurrent form in Triton
+#: (``gdn_kernels.gdn_prefill``, one step per token) instead of fla's chunked kernels, whose fixed host cost
+#: per call dominates a short chunk (measured in docs/benchmarks.md, "Prefix caching").
+RECURRENT_PREFILL_MAX_TOKENS = 128
+
 #: The slot state of a GDN layer is kept in fp32: the delta-rule state must be, and the conv window (model-
 #: dtype values) is stored exactly in fp32 so one RecurrentStateSpec holds both.
 STATE_DTYPE = torch.float32
@@ -89,6 +95,10 @@ class RecurrentRows:
         """:attr:`cu_seqlens_cpu` on the slots' device: one object every layer of the forward passes, so fla's
         identity-keyed caches build the chunk indices derived from it once per forward, not per layer."""
         return self.cu_seqlens_cpu.to(self.segment_slots.device)
+
+    @property
+    def longest_segment(self) -> int:
+        return max((n for _, n in self.segments), default=0)
 
     def prefills(self) -> list[tuple[tuple[int, int], torch.Tensor]]:
         """((first row, length), slot as a 1-element index tensor) per prefill segment."""
@@ -365,6 +375,18 @@ class GatedDeltaNet(nn.Module):
         windows, ssm = state["conv"], state["ssm"]
         p = rows.decode_start  # the prefill tokens come first
         conv = bufs.gdn_conv[:p]
+        if decode_kernels_on(mixed) and rows.longest_segment <= RECURRENT_PREFILL_MAX_TOKENS:
+            # Short chunks (a prompt's tail after a prefix hit, chunked-prefill remainders): two launches.
+            from pegainfer_qwen35 import gdn_kernels
+
+            gdn_kernels.conv_prefill(
+                mixed[:p], self.conv_weight, windows, rows.segment_slots, rows.cu_seqlens, conv
+            )
+            gdn_kernels.gdn_prefill(
+                conv, b[:p], a[:p], z[:p], self.A_log, self.dt_bias, self.norm, ssm, rows.segment_slots,
+                rows.cu_seqlens, bufs.gdn_gated[:p], num_key_heads=s.linear_num_key_heads, eps=eps,
+            )  # fmt: skip
+            return
         for (start, n), slot in rows.prefills():
             y, window = causal_conv_prefill(
                 mixed[start : start + n], self.conv_weight, windows.index_select(0, slot)[0]

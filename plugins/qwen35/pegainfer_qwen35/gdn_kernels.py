@@ -1,4 +1,5 @@
-"""Triton kernels of the Gated DeltaNet decode step, each checked against ``delta_rule.py`` / ``norms.py``.
+"""Triton kernels of the Gated DeltaNet decode step and of short prefill chunks, each checked against
+``delta_rule.py`` / ``norms.py``.
 
 A decode step of a GDN layer between its two GEMMs is two launches for all decode rows:
 
@@ -18,8 +19,14 @@ negative is skipped (no state read or written), and so is a row ``r > 0`` whose 
 padding rows of a CUDA-graph bucket replicate row 0, and an in-place update must happen once. (Their
 outputs are still computed, from whatever state they read, so they stay finite.)
 
-:func:`gated_rms_norm` is the same norm as a kernel of its own, for rows the decode kernel did not
-normalise (prefill rows on the GPU).
+Short prefill segments (a prompt's tail after a prefix hit) take the same two steps over every segment
+at once: :func:`conv_prefill` (one program per (segment, channel block) walks its segment, so the window
+it reads is the one it then replaces) and :func:`gdn_prefill`, the decode step applied to each token of
+a segment in turn, the state held in registers from the first token to the last. That is a chain of
+dependent steps, so it serves short segments; fla's chunked kernels take long ones.
+
+:func:`gated_rms_norm` is the same norm as a kernel of its own, for rows the delta-rule kernels did not
+normalise (fla's prefill rows, and programs narrower than a head).
 
 Rounding follows the torch reference: the conv output and SiLU in the model dtype, ``beta`` rounded to
 the model dtype, the delta rule in fp32, ``o`` rounded before the gated norm, which rounds where
@@ -139,7 +146,165 @@ def conv_update(
     return out
 
 
+@triton.jit
+def _conv_prefill_kernel(
+    x_ptr,
+    stride_x,
+    w_ptr,
+    win_ptr,
+    stride_win_slot,
+    stride_win_c,
+    cu_ptr,
+    slot_ptr,
+    out_ptr,
+    stride_o,
+    channels,
+    K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    FIX: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_start(PDL)
+    seg = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = cols < channels
+    start = tl.load(cu_ptr + seg)
+    end = tl.load(cu_ptr + seg + 1)
+    slot = tl.load(slot_ptr + seg).to(tl.int64)
+    has_slot = slot >= 0
+    win = win_ptr + tl.maximum(slot, 0) * stride_win_slot + cols[None, :] * stride_win_c
+    dtype = x_ptr.dtype.element_ty
+    # Input position p of the segment's sequence: x's row p when p >= start, else window entry
+    # p - start + K - 1 (the K-1 inputs before the chunk).
+    for t0 in range(start, end, BLOCK_T):
+        rows = t0 + tl.arange(0, BLOCK_T)
+        mask = (rows < end)[:, None] & mask_c[None, :]
+        acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+        for j in tl.static_range(K):
+            pos = rows - (K - 1) + j
+            in_x = (pos >= start)[:, None]
+            xv = tl.load(x_ptr + pos[:, None] * stride_x + cols[None, :], mask=mask & in_x, other=0.0)
+            wv = tl.load(win + (pos - start + K - 1)[:, None], mask=_and(mask & ~in_x, has_slot), other=0.0)
+            w = tl.load(w_ptr + cols * K + j, mask=mask_c, other=0.0).to(tl.float32)
+            acc += w[None, :] * (xv.to(tl.float32) + wv)
+        y = cast_to(acc, dtype, FIX).to(tl.float32)
+        y = y / (1.0 + tl.exp(-y))
+        tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], cast_to(y, dtype, FIX), mask=mask)
+    # The new window: the last K-1 inputs, read (old entries included, for a chunk shorter than K-1)
+    # before any is overwritten.
+    pos = end - (K - 1) + tl.arange(0, BLOCK_W)
+    mask = (tl.arange(0, BLOCK_W) < K - 1)[:, None] & mask_c[None, :]
+    in_x = (pos >= start)[:, None]
+    xv = tl.load(x_ptr + pos[:, None] * stride_x + cols[None, :], mask=mask & in_x, other=0.0)
+    wv = tl.load(win + (pos - start + K - 1)[:, None], mask=_and(mask & ~in_x, has_slot), other=0.0)
+    new = xv.to(tl.float32) + wv
+    tl.debug_barrier()  # every thread's reads of the old window come first
+    tl.store(win + tl.arange(0, BLOCK_W)[:, None], new, mask=_and(mask, has_slot))
+
+
+def conv_prefill(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    windows: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """``silu(causal_conv_prefill(...))`` of every prefill segment in one launch, into ``out`` ``[P, C]``.
+
+    Segment ``s`` is rows ``[cu_seqlens[s], cu_seqlens[s + 1])`` of x ``[P, C]`` (a view with a row stride
+    is fine) continuing from window ``windows[slots[s]]`` (``[C, K-1]`` fp32), which is replaced by the
+    segment's last K-1 inputs; a negative slot reads a zero window and writes none. One program per
+    (segment, channel block) walks its segment a tile of tokens at a time, so the window is read and
+    written by the same program."""
+    _check_rows(x, "x")
+    _check_rows(out, "out")
+    c = x.shape[1]
+    k = weight.shape[1]
+    if weight.shape[0] != c or windows.shape[1:] != (c, k - 1) or windows.stride(2) != 1 or k < 2:
+        raise ValueError(
+            f"conv_prefill: x {tuple(x.shape)}, weight {tuple(weight.shape)}, windows {tuple(windows.shape)}"
+        )
+    if windows.dtype != torch.float32 or not weight.is_contiguous() or out.shape != x.shape:
+        raise ValueError("conv_prefill: fp32 windows, a contiguous weight and out shaped as x are required")
+    segments = cu_seqlens.shape[0] - 1
+    if segments <= 0 or x.shape[0] == 0:
+        return out
+    if slots.shape[0] < segments:
+        raise ValueError(f"conv_prefill: {slots.shape[0]} slots for {segments} segments")
+    block = min(64, next_pow2(c))
+    _conv_prefill_kernel[(segments, triton.cdiv(c, block))](
+        x,
+        x.stride(0),
+        weight,
+        windows,
+        windows.stride(0),
+        windows.stride(1),
+        cu_seqlens,
+        slots,
+        out,
+        out.stride(0),
+        c,
+        K=k,
+        BLOCK_T=32,
+        BLOCK_C=block,
+        BLOCK_W=max(2, next_pow2(k - 1)),
+        FIX=interp_bf16(x.dtype),
+        num_warps=4,
+        **pdl_launch(x),
+    )
+    return out
+
+
 # ------------------------------------------------------------------------------------------ delta rule
+
+
+@triton.jit
+def _load_qkv(base, hk, hv, key_dim, kcols, vcols, scale, DK: tl.constexpr, DV: tl.constexpr):
+    """One token's q, k (L2-normalised, q scaled) of key head ``hk`` and v columns of value head ``hv``."""
+    q = tl.load(base + hk * DK + kcols).to(tl.float32)
+    k = tl.load(base + key_dim + hk * DK + kcols).to(tl.float32)
+    v = tl.load(base + 2 * key_dim + hv * DV + vcols).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
+    k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+    return q, k, v
+
+
+@triton.jit
+def _gates(b_row, a_row, hv, a_log_ptr, dt_bias_ptr, FIX: tl.constexpr):
+    """One token's ``beta = sigmoid(b)`` (rounded to the model dtype) and decay ``exp(g)`` of head ``hv``."""
+    b = tl.load(b_row + hv)
+    beta = cast_to(1.0 / (1.0 + tl.exp(-b.to(tl.float32))), b.dtype, FIX).to(tl.float32)
+    x = tl.load(a_row + hv).to(tl.float32) + tl.load(dt_bias_ptr + hv).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+    return beta, tl.exp(-tl.exp(tl.load(a_log_ptr + hv).to(tl.float32)) * softplus)
+
+
+@triton.jit
+def _delta_step(s, q, k, v, beta, decay):
+    """The delta rule of one token on the state ``s`` ``[DK, BV]``: the new state and ``o = S^T q``."""
+    s = s * decay
+    u = beta * (v - tl.sum(s * k[:, None], 0))
+    s = s + k[:, None] * u[None, :]
+    return s, tl.sum(s * q[:, None], 0)
+
+
+@triton.jit
+def _store_out(
+    o, out, z_row, norm_w_ptr, vcols, eps, dtype: tl.constexpr, DV: tl.constexpr, FUSE_NORM: tl.constexpr,
+    FIX: tl.constexpr, FIX_OUT: tl.constexpr,
+):  # fmt: skip
+    """One token's ``o`` columns into ``out``; with ``FUSE_NORM`` (the whole head here) gated-normed by z."""
+    if FUSE_NORM:
+        o = cast_to(o, dtype, FIX).to(tl.float32)
+        n = cast_to(o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps), dtype, FIX).to(tl.float32)
+        y = cast_to(tl.load(norm_w_ptr + vcols).to(tl.float32) * n, dtype, FIX).to(tl.float32)
+        z = tl.load(z_row + vcols).to(tl.float32)
+        tl.store(out, cast_to(y * (z / (1.0 + tl.exp(-z))), out.dtype.element_ty, FIX_OUT))
+    else:
+        tl.store(out, cast_to(o, out.dtype.element_ty, FIX_OUT))
 
 
 @triton.jit
@@ -176,46 +341,25 @@ def _gdn_decode_kernel(
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1)
-    hk = hv // heads_per_key
     vcols = tl.program_id(2) * BV + tl.arange(0, BV)
     kcols = tl.arange(0, DK)
     slot = tl.load(slot_ptr + row).to(tl.int64)
     first = tl.load(slot_ptr).to(tl.int64)
     owns = _owns_slot(row, slot, first)
 
-    base = qkv_ptr + row * stride_qkv
-    q = tl.load(base + hk * DK + kcols).to(tl.float32)
-    k = tl.load(base + key_dim + hk * DK + kcols).to(tl.float32)
-    v = tl.load(base + 2 * key_dim + hv * DV + vcols).to(tl.float32)
-    q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
-    k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
-
-    b = tl.load(b_ptr + row * stride_ba + hv)
-    dtype = b.dtype
-    b = b.to(tl.float32)
-    beta = cast_to(1.0 / (1.0 + tl.exp(-b)), dtype, FIX).to(tl.float32)  # sigmoid in the model dtype
-    x = tl.load(a_ptr + row * stride_ba + hv).to(tl.float32) + tl.load(dt_bias_ptr + hv).to(tl.float32)
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
-    decay = tl.exp(-tl.exp(tl.load(a_log_ptr + hv).to(tl.float32)) * softplus)
-
+    q, k, v = _load_qkv(
+        qkv_ptr + row * stride_qkv, hv // heads_per_key, hv, key_dim, kcols, vcols, scale, DK, DV
+    )
+    beta, decay = _gates(b_ptr + row * stride_ba, a_ptr + row * stride_ba, hv, a_log_ptr, dt_bias_ptr, FIX)
     s_ptrs = state_ptr + tl.maximum(slot, 0) * stride_s_slot + hv * stride_s_head
     s_ptrs = s_ptrs + kcols[:, None] * stride_s_k + vcols[None, :]
     owns = _and((kcols[:, None] < DK) & (vcols[None, :] < DV), owns)
-    s = tl.load(s_ptrs, mask=owns, other=0.0) * decay  # [DK, BV] fp32
-    u = beta * (v - tl.sum(s * k[:, None], 0))
-    s = s + k[:, None] * u[None, :]
+    s, o = _delta_step(tl.load(s_ptrs, mask=owns, other=0.0), q, k, v, beta, decay)  # s: [DK, BV] fp32
     tl.store(s_ptrs, s, mask=owns)
-    o = tl.sum(s * q[:, None], 0)  # [BV]
-
-    out = out_ptr + row * stride_o + hv * DV + vcols
-    if FUSE_NORM:  # BV == DV: the whole head is here
-        o = cast_to(o, dtype, FIX).to(tl.float32)
-        n = cast_to(o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps), dtype, FIX).to(tl.float32)
-        y = cast_to(tl.load(norm_w_ptr + vcols).to(tl.float32) * n, dtype, FIX).to(tl.float32)
-        z = tl.load(z_ptr + row * stride_z + hv * DV + vcols).to(tl.float32)
-        tl.store(out, cast_to(y * (z / (1.0 + tl.exp(-z))), out_ptr.dtype.element_ty, FIX_OUT))
-    else:
-        tl.store(out, cast_to(o, out_ptr.dtype.element_ty, FIX_OUT))
+    _store_out(
+        o, out_ptr + row * stride_o + hv * DV + vcols, z_ptr + row * stride_z + hv * DV, norm_w_ptr, vcols,
+        eps, b_ptr.dtype.element_ty, DV, FUSE_NORM, FIX, FIX_OUT,
+    )  # fmt: skip
 
 
 #: Value columns per program of :func:`gdn_decode` (None: the whole head, so the gated norm fuses in).
@@ -247,26 +391,75 @@ def gdn_decode(
     ``block_v`` (default :data:`DECODE_BLOCK_V`, then dv): value columns per program. Below dv the
     programs write the un-normed ``o`` and :func:`gated_rms_norm` runs after (two launches, more programs
     for small batches)."""
+    rows = qkv.shape[0]
+    if slots.shape[0] < rows:
+        raise ValueError(f"gdn_decode: {slots.shape[0]} slots for {rows} rows")
+    return _delta_rule(
+        _gdn_decode_kernel, rows, (slots,), qkv, b, a, z, a_log, dt_bias, norm_weight, state, out,
+        num_key_heads, eps, block_v or DECODE_BLOCK_V,
+    )  # fmt: skip
+
+
+#: Value columns per program of :func:`gdn_prefill` (None: the whole head). A segment's tokens are a
+#: sequence of dependent steps, so more, narrower programs shorten it (a separate gated norm follows).
+PREFILL_BLOCK_V: int | None = 32
+
+
+def gdn_prefill(
+    qkv: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    z: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    num_key_heads: int,
+    eps: float,
+    block_v: int | None = None,
+) -> torch.Tensor:
+    """The delta rule over every prefill segment in one launch, token by token (the recurrent form), the
+    gated norm included; writes ``out`` ``[P, Hv * dv]``. Inputs as :func:`gdn_decode` with P rows;
+    segment ``s`` is rows ``[cu_seqlens[s], cu_seqlens[s + 1])`` and carries ``state[slots[s]]`` from its
+    first token to its last (a negative slot starts from zeros and writes nothing back). Each token is
+    the decode kernel's step, so a prompt gives what decoding it token by token would."""
+    segments = cu_seqlens.shape[0] - 1
+    if slots.shape[0] < segments:
+        raise ValueError(f"gdn_prefill: {slots.shape[0]} slots for {segments} segments")
+    return _delta_rule(
+        _gdn_prefill_kernel, max(segments, 0), (cu_seqlens, slots), qkv, b, a, z, a_log, dt_bias,
+        norm_weight, state, out, num_key_heads, eps, block_v or PREFILL_BLOCK_V,
+    )  # fmt: skip
+
+
+def _delta_rule(
+    kernel, programs, index, qkv, b, a, z, a_log, dt_bias, norm_weight, state, out, hk, eps, block_v
+) -> torch.Tensor:
+    """Checks and launches a delta-rule kernel over ``programs`` rows or segments (``index``: the device
+    tensors that say which); below a whole head of value columns the gated norm runs after it."""
     for t, name in ((qkv, "qkv"), (b, "b"), (a, "a"), (z, "z"), (out, "out")):
         _check_rows(t, name)
     rows = qkv.shape[0]
     _, hv, dk, dv = state.shape
-    hk = num_key_heads
     if qkv.shape[1] != 2 * hk * dk + hv * dv or b.shape[1] != hv or z.shape[1] != hv * dv:
         raise ValueError(
-            f"gdn_decode: qkv {tuple(qkv.shape)}, b {tuple(b.shape)}, z {tuple(z.shape)} do not fit a state "
+            f"delta rule: qkv {tuple(qkv.shape)}, b {tuple(b.shape)}, z {tuple(z.shape)} do not fit a state "
             f"of {hv} value heads of {dk}x{dv} with {hk} key heads"
         )
     if b.stride(0) != a.stride(0) or state.dtype != torch.float32 or state.stride(3) != 1 or hv % hk:
-        raise ValueError("gdn_decode: b and a must share a row stride; the state must be fp32, dv-contiguous")
-    if slots.shape[0] < rows or out.shape != (rows, hv * dv):
-        raise ValueError(f"gdn_decode: {slots.shape[0]} slots and out {tuple(out.shape)} for {rows} rows")
-    if rows == 0:
+        raise ValueError("delta rule: b and a must share a row stride; the state must be fp32, dv-contiguous")
+    if out.shape != (rows, hv * dv):
+        raise ValueError(f"delta rule: out {tuple(out.shape)} for {rows} rows of {hv} x {dv}")
+    if rows == 0 or programs == 0:
         return out
-    bv = min(block_v or DECODE_BLOCK_V or dv, dv)
+    bv = min(block_v or dv, dv)
     fuse = bv == dv
     target = out if fuse else torch.empty(out.shape, dtype=qkv.dtype, device=out.device)
-    _gdn_decode_kernel[(rows, hv, triton.cdiv(dv, bv))](
+    kernel[(programs, hv, triton.cdiv(dv, bv))](
         qkv,
         qkv.stride(0),
         b,
@@ -280,7 +473,7 @@ def gdn_decode(
         state.stride(0),
         state.stride(1),
         state.stride(2),
-        slots,
+        *index,
         norm_weight,
         target,
         target.stride(0),
@@ -300,6 +493,62 @@ def gdn_decode(
     if not fuse:
         gated_rms_norm(target.view(rows, hv, dv), z.view(rows, hv, dv), norm_weight, eps, out)
     return out
+
+
+@triton.jit
+def _gdn_prefill_kernel(
+    qkv_ptr,
+    stride_qkv,
+    b_ptr,
+    a_ptr,
+    stride_ba,
+    z_ptr,
+    stride_z,
+    a_log_ptr,
+    dt_bias_ptr,
+    state_ptr,
+    stride_s_slot,
+    stride_s_head,
+    stride_s_k,
+    cu_ptr,
+    slot_ptr,
+    norm_w_ptr,
+    out_ptr,
+    stride_o,
+    key_dim,
+    heads_per_key,
+    scale,
+    eps,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+    FUSE_NORM: tl.constexpr,
+    FIX: tl.constexpr,
+    FIX_OUT: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_start(PDL)
+    seg = tl.program_id(0)
+    hv = tl.program_id(1)
+    hk = hv // heads_per_key
+    vcols = tl.program_id(2) * BV + tl.arange(0, BV)
+    kcols = tl.arange(0, DK)
+    start = tl.load(cu_ptr + seg).to(tl.int64)
+    end = tl.load(cu_ptr + seg + 1).to(tl.int64)
+    slot = tl.load(slot_ptr + seg).to(tl.int64)
+    s_ptrs = state_ptr + tl.maximum(slot, 0) * stride_s_slot + hv * stride_s_head
+    s_ptrs = s_ptrs + kcols[:, None] * stride_s_k + vcols[None, :]
+    owns = _and((kcols[:, None] < DK) & (vcols[None, :] < DV), slot >= 0)
+    s = tl.load(s_ptrs, mask=owns, other=0.0)  # [DK, BV] fp32, carried through the segment's tokens
+    for t in range(start, end):
+        q, k, v = _load_qkv(qkv_ptr + t * stride_qkv, hk, hv, key_dim, kcols, vcols, scale, DK, DV)
+        beta, decay = _gates(b_ptr + t * stride_ba, a_ptr + t * stride_ba, hv, a_log_ptr, dt_bias_ptr, FIX)
+        s, o = _delta_step(s, q, k, v, beta, decay)
+        _store_out(
+            o, out_ptr + t * stride_o + hv * DV + vcols, z_ptr + t * stride_z + hv * DV, norm_w_ptr, vcols,
+            eps, b_ptr.dtype.element_ty, DV, FUSE_NORM, FIX, FIX_OUT,
+        )  # fmt: skip
+    tl.store(s_ptrs, s, mask=owns)
 
 
 # ------------------------------------------------------------------------------------------ gated norm

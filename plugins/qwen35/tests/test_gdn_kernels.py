@@ -1,5 +1,5 @@
-"""The Gated DeltaNet decode kernels (``gdn_kernels``) against the torch reference (``decode_reference``,
-the code the CPU path runs) on fresh random inputs.
+"""The Gated DeltaNet kernels (``gdn_kernels``) against the torch reference (``decode_reference``, the code
+the CPU path runs) on fresh random inputs; the prefill kernels against decoding the segments token by token.
 
 Without a GPU they run through Triton's interpreter on CPU tensors (the conftest selects it) at small
 shapes; with one, the same cases run compiled, and the ``gpu``-marked ones at Qwen3.5-9B's real shape
@@ -147,6 +147,69 @@ def test_gated_norm_kernel_matches_reference(dtype):
     _close(out.view(5, 3, 32), gated_rms_norm(x, z, w, 1e-6), dtype)
 
 
+def _prefill(case, lengths, slots, block_v=None):
+    """conv_prefill + gdn_prefill over segments of ``lengths`` rows of ``case``, from copies of its pools."""
+    windows, ssm = case.windows.clone(), case.ssm.clone()
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64, device=DEVICE)
+    slots = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+    conv = torch.empty_like(case.mixed)
+    out = torch.empty(case.mixed.shape[0], case.hv * case.dv, dtype=case.dtype, device=DEVICE)
+    gdn_kernels.conv_prefill(case.mixed, case.conv_weight, windows, slots, cu, conv)
+    gdn_kernels.gdn_prefill(
+        conv, case.b, case.a, case.z, case.a_log, case.dt_bias, case.norm, ssm, slots, cu, out,
+        num_key_heads=case.hk, eps=1e-6, block_v=block_v,
+    )  # fmt: skip
+    return conv, out, windows, ssm
+
+
+def _token_by_token(case, lengths, slots):
+    """The oracle of the prefill kernels: each segment decoded one token at a time by the reference."""
+    windows, ssm = case.windows.clone(), case.ssm.clone()
+    conv = torch.empty_like(case.mixed)
+    out = torch.empty(case.mixed.shape[0], case.hv * case.dv, dtype=case.dtype, device=DEVICE)
+    row = 0
+    for n, slot in zip(lengths, slots, strict=True):
+        index = torch.tensor([max(slot, 0)], dtype=torch.int64, device=DEVICE)
+        w, s = (windows, ssm) if slot >= 0 else (torch.zeros_like(windows), torch.zeros_like(ssm))
+        for t in range(row, row + n):
+            decode_reference(
+                case.mixed[t : t + 1], case.z[t : t + 1], case.b[t : t + 1], case.a[t : t + 1], case.conv_weight,
+                case.a_log, case.dt_bias, case.norm, w, s, index, conv[t : t + 1], out[t : t + 1],
+                num_key_heads=case.hk, eps=1e-6,
+            )  # fmt: skip
+        row += n
+    return conv, out, windows, ssm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("block_v", [None, 8], ids=["fused-norm", "split-v"])
+def test_prefill_kernels_equal_decoding_token_by_token(dtype, block_v):
+    """Segments longer and shorter than the conv window and than a conv tile (32 tokens), one of one
+    token, from their slots' windows and states; the slots of no segment stay as they were."""
+    lengths, slots = [5, 1, 40, 2], [3, 0, 5, 1]
+    case = Case(rows=sum(lengths), hk=2, hv=4, dk=16, dv=32, dtype=dtype, slots=slots, seed=4, num_slots=7)
+    conv, out, windows, ssm = _prefill(case, lengths, slots, block_v)
+    ref_conv, ref_out, ref_windows, ref_ssm = _token_by_token(case, lengths, slots)
+    _close(conv, ref_conv, dtype)
+    torch.testing.assert_close(windows, ref_windows, rtol=0, atol=0)
+    torch.testing.assert_close(ssm, ref_ssm, rtol=1e-5, atol=1e-5)
+    _close(out, ref_out, dtype)
+    untouched = [2, 4, 6]
+    assert torch.equal(ssm[untouched], case.ssm[untouched])
+    assert torch.equal(windows[untouched], case.windows[untouched])
+
+
+def test_prefill_segment_without_a_slot_starts_from_zeros_and_writes_nothing():
+    lengths, slots = [3, 4], [-1, 2]
+    case = Case(rows=7, hk=1, hv=2, dk=16, dv=16, dtype=torch.float32, slots=[0, 2], kernel=3, seed=5)
+    conv, out, windows, ssm = _prefill(case, lengths, slots)
+    ref_conv, ref_out, ref_windows, ref_ssm = _token_by_token(case, lengths, slots)
+    _close(conv, ref_conv, torch.float32)
+    _close(out, ref_out, torch.float32)
+    torch.testing.assert_close(ssm, ref_ssm, rtol=1e-5, atol=1e-5)
+    assert torch.equal(windows, ref_windows) and torch.equal(ssm[0], case.ssm[0])
+
+
 # ------------------------------------------------------------------------------------------ on the GPU
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -166,6 +229,21 @@ def test_qwen35_9b_shape_on_gpu(rows, block_v, dtype):
     torch.testing.assert_close(windows, ref_windows, rtol=0, atol=0)
     torch.testing.assert_close(ssm, ref_ssm, rtol=1e-4, atol=1e-4)
     # bf16 output: the gated norm amplifies a one-ulp flip of o; nearly every element still agrees.
+    tol = {torch.float32: 1e-4, torch.bfloat16: 2**-6}[dtype]
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_prefill_kernels_qwen35_9b_shape_on_gpu(dtype):
+    lengths, slots = [64, 1, 17, 128], [4, 0, 7, 2]
+    case = Case(sum(lengths), hk=16, hv=32, dk=128, dv=128, dtype=dtype, slots=slots, seed=9, num_slots=9)
+    conv, out, windows, ssm = _prefill(case, lengths, slots)
+    ref_conv, ref_out, ref_windows, ref_ssm = _token_by_token(case, lengths, slots)
+    _close(conv, ref_conv, dtype)
+    torch.testing.assert_close(windows, ref_windows, rtol=0, atol=0)
+    torch.testing.assert_close(ssm, ref_ssm, rtol=1e-4, atol=1e-4)
     tol = {torch.float32: 1e-4, torch.bfloat16: 2**-6}[dtype]
     torch.testing.assert_close(out.float(), ref_out.float(), rtol=tol, atol=tol)
 
