@@ -1,5 +1,7 @@
-"""Where a prefill step's time goes, with and without a prefix-cache hit: each engine step's wall time, then
-(``--profile``) a torch.profiler table (host and GPU time by op) of a hit's steps.
+"""Where a prefill step's time goes, with and without a prefix-cache hit: each engine step's wall time, the
+host time to issue its forward and the forward's span on the GPU (a step whose issue time is near its span
+is bound by the host), then (``--profile``) a torch.profiler table (host and GPU time by op) of a hit's
+steps.
 
     python bench/profile_prefill.py --shape qwen35_9b [--prompt-len 2112 --shared-len 2048]
 """
@@ -18,8 +20,32 @@ from pegainfer.engine.llm import LLM
 from pegainfer.sampling.sampling_params import SamplingParams
 
 
-def run(llm: LLM, prompt: list[int], salt: str | None) -> list[float]:
-    """Wall ms of each step until ``prompt``'s first token."""
+class ForwardTimes:
+    """Wraps the model's forward: host ms to issue it, and its span on the GPU (CUDA events), per call."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.calls: list[tuple[float, torch.cuda.Event, torch.cuda.Event]] = []
+        inner = model.forward
+
+        def timed(*args, **kwargs):
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            begin.record()
+            out = inner(*args, **kwargs)
+            end.record()
+            self.calls.append(((time.perf_counter() - t0) * 1e3, begin, end))
+            return out
+
+        model.forward = timed
+
+    def take(self) -> tuple[float, float]:
+        """(issue ms, GPU ms) of the calls since the last take, summed (after a synchronize)."""
+        calls, self.calls = self.calls, []
+        return sum(c[0] for c in calls), sum(b.elapsed_time(e) for _, b, e in calls)
+
+
+def run(llm: LLM, prompt: list[int], salt: str | None, times: ForwardTimes) -> list[str]:
+    """``wall/issue/gpu`` ms of each step until ``prompt``'s first token."""
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     engine.add_request(f"p{time.perf_counter_ns()}", None, params, prompt_token_ids=prompt, cache_salt=salt)
@@ -28,7 +54,8 @@ def run(llm: LLM, prompt: list[int], salt: str | None) -> list[float]:
         t0 = time.perf_counter()
         engine.step()
         torch.cuda.synchronize()
-        steps.append((time.perf_counter() - t0) * 1e3)
+        wall = (time.perf_counter() - t0) * 1e3
+        steps.append("{:.1f}/{:.1f}/{:.1f}".format(wall, *times.take()))
     return steps
 
 
@@ -46,24 +73,27 @@ def main() -> None:
         f"model.max_model_len={args.prompt_len + 16}",
     ]  # fmt: skip
     llm = LLM.from_config(build_engine_config(compose("generate", overrides)))
+    times = ForwardTimes(llm.engine.executor.runner.model)
     rng = random.Random(0)
     prompt = random_tokens(rng, args.prompt_len)
     shared = [prompt[: args.shared_len] + random_tokens(rng, 64) for _ in range(4)]
-    run(llm, prompt, None)  # cached from here on
+    run(llm, prompt, None, times)  # cached from here on
     for rep in range(3):  # the first compiles (and autotunes) what a new shape needs
-        print(f"[{name} rep {rep}] step ms of each run (miss: a fresh salt; hit: the prompt again; shared:")
-        print(f"  {args.shared_len} cached + 64 new)")
+        print(
+            f"[{name} rep {rep}] wall/issue/gpu ms of each step (miss: a fresh salt; hit: the prompt again;"
+        )
+        print(f"  shared: {args.shared_len} cached + 64 new)")
         for label, p, salt in [
             ("miss", prompt, f"m{rep}"),
             ("hit", prompt, None),
             ("shared", shared[rep], None),
         ]:
-            print(f"  {label:6s}", " ".join(f"{ms:7.1f}" for ms in run(llm, p, salt)))
+            print(f"  {label:6s}", " ".join(f"{step:>16s}" for step in run(llm, p, salt, times)))
     if not args.profile:
         return
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
-        run(llm, shared[3], None)
+        run(llm, shared[3], None, times)
     events = prof.key_averages()
     for key in ("self_cpu_time_total", "device_time_total"):
         print(f"--- by {key}")
