@@ -82,7 +82,9 @@ class ModelBatch:
 
 @dataclass
 class ExecutorOutput:
-    logits: torch.Tensor  # [sum of chunks' num_logits, V]: each chunk's trailing rows, in chunk order
+    # [sum of chunks' num_logits, V]: each chunk's trailing rows, in chunk order. A decode graph's logits are
+    # its static output, overwritten by the next step: clone what must outlive it.
+    logits: torch.Tensor
     all_logits: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> [len, V]
     # logits.argmax(-1), when the step computed it already (the decode graph); read-only for the caller.
     greedy_tokens: torch.Tensor | None = None
