@@ -267,9 +267,34 @@ def test_snapshots_are_saved_published_and_restored() -> None:
     second = make_request("b", tokens[:17] + [5, 5, 5], max_tokens=1)
     sched.add_request(second)
     out = sched.schedule()
-    restores, _ = buffers.take_state_copies()
+    restores, _, _ = buffers.take_state_copies()
     assert out.scheduled[0].start == 16 and restores == [(buffers.state_slot("b"), saves[1][1])]
     buffers.check_invariants()
+
+
+def test_a_short_chunk_keeps_a_boundary_inside_and_the_forward_snapshots_it() -> None:
+    """With ``snapshot_inside_chunk_tokens`` a chunk crossing the prompt's last page boundary is not cut
+    there: one step, whose forward saves the state at that boundary (a checkpoint, not a save after it),
+    and a repeat of the prompt resumes from it. A second boundary inside the same chunk still cuts it."""
+    buffers = make_manager(state_slots=2, snapshots=4, interval=2, snapshot_inside_chunk_tokens=12)
+    sched = ContinuousBatchingScheduler(SchedulerConfig(), buffers)
+    tokens = list(range(10))  # the prompt's last page boundary short of its last token: 8
+    sched.add_request(make_request("a", tokens, max_tokens=1))
+    out = sched.schedule()
+    assert [(i.start, i.num_new_tokens) for i in out.scheduled] == [(0, 10)], "one chunk, not 8 + 2"
+    _, saves, checkpoints = buffers.take_state_copies()
+    assert saves == [] and checkpoints == [(buffers.state_slot("a"), checkpoints[0][1], 8)]
+    sched.update_after_step(out)
+    out.scheduled[0].request.append_output_token(7)
+    sched.finish_request(out.scheduled[0].request, RequestStatus.FINISHED_LENGTH)
+    sched.add_request(make_request("b", tokens, max_tokens=1))
+    out = sched.schedule()
+    restores, _, _ = buffers.take_state_copies()
+    assert out.scheduled[0].start == 8 and restores == [(buffers.state_slot("b"), checkpoints[0][1])]
+    # 8 and 12 are boundaries of a 14-token prompt (the interval, and its last page boundary): the first
+    # stays inside a chunk of 14, the second cuts it.
+    wide = make_manager(state_slots=2, snapshots=4, interval=2, snapshot_inside_chunk_tokens=16)
+    assert wide.chunk_limit(make_request("c", list(range(50, 64))), 14) == 12
 
 
 def test_a_shared_prefix_gets_a_snapshot_where_the_cached_pages_end() -> None:
@@ -444,7 +469,7 @@ class FakeDevice:
 
     def run(self, out: SchedulerOutput) -> list[tuple[int, int]]:
         buffers, bs = self.buffers, self.buffers.block_size
-        restores, saves = buffers.take_state_copies()
+        restores, saves, checkpoints = buffers.take_state_copies()
         for slot, snap in restores:
             self.state[slot] = self.snaps[snap]
         for item in out.scheduled:
@@ -463,6 +488,10 @@ class FakeDevice:
                 assert buffers.pool.hash_of(page) is None, f"{rid} writes into keyed page {page}"
                 self.kv.setdefault(page, [None] * bs)[p % bs] = ids[p]
             if slot is not None:
+                for state, snap, tokens in checkpoints:  # saved inside the chunk by the forward
+                    if state == slot:
+                        assert 0 < tokens < end - item.start, f"{rid}: a checkpoint outside its chunk"
+                        self.snaps[snap] = tuple(ids[: item.start + tokens])
                 self.state[slot] = tuple(ids[:end])
         for slot, snap in saves:
             self.snaps[snap] = self.state[slot]
@@ -497,15 +526,22 @@ def run_engine(
     num_blocks=st.integers(6, 20),
     budget=st.integers(4, 40),
     waves=st.integers(1, 3),
+    inside=st.sampled_from([0, 6, 40]),
 )
 def test_simulated_engine_reads_only_its_own_prefix(
-    seed: int, hybrid: bool, num_blocks: int, budget: int, waves: int
+    seed: int, hybrid: bool, num_blocks: int, budget: int, waves: int, inside: int
 ) -> None:
     """Random prompts sharing random prefixes arrive in waves into a small pool (evictions, preemptions):
     every chunk reads the KV and state of exactly its own tokens, no keyed page is written, every page
-    comes back (the events show hits, evictions and preemptions happen)."""
+    comes back (the events show hits, evictions and preemptions happen). ``inside``: chunks up to that
+    long keep a snapshot boundary inside (a checkpoint the forward saves)."""
     rng = random.Random(seed)
-    buffers = make_manager(num_blocks, state_slots=4 if hybrid else 0, snapshots=3 if hybrid else 0)
+    buffers = make_manager(
+        num_blocks,
+        state_slots=4 if hybrid else 0,
+        snapshots=3 if hybrid else 0,
+        snapshot_inside_chunk_tokens=inside,
+    )
     sched = ContinuousBatchingScheduler(
         SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget), buffers
     )

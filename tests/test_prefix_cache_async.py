@@ -36,7 +36,7 @@ class AsyncDevice:
 
     def run(self, out: SchedulerOutput) -> None:
         buffers, bs = self.buffers, self.buffers.block_size
-        restores, saves = buffers.take_state_copies()
+        restores, saves, checkpoints = buffers.take_state_copies()
         for slot, snap in restores:
             self.state[slot] = self.snaps[snap]
         for item in out.scheduled:
@@ -55,6 +55,10 @@ class AsyncDevice:
                 assert buffers.pool.hash_of(page) is None, f"{rid} writes into keyed page {page}"
                 self.kv.setdefault(page, [None] * bs)[p % bs] = ids[p]
             if slot is not None:
+                for state, snap, tokens in checkpoints:  # saved inside the chunk by the forward
+                    if state == slot:
+                        assert 0 < tokens < end - item.start, f"{rid}: a checkpoint outside its chunk"
+                        self.snaps[snap] = tuple(ids[: item.start + tokens])
                 self.state[slot] = tuple(ids[:end])
         for slot, snap in saves:
             self.snaps[snap] = self.state[slot]
@@ -110,12 +114,18 @@ def run_async(sched, buffers, device, rng: random.Random, abort_rate: float) -> 
     budget=st.integers(4, 40),
     waves=st.integers(1, 3),
     abort_rate=st.sampled_from([0.0, 0.05, 0.2]),
+    inside=st.sampled_from([0, 6, 40]),
 )
 def test_async_simulated_engine_reads_only_its_own_prefix(
-    seed: int, hybrid: bool, num_blocks: int, budget: int, waves: int, abort_rate: float
+    seed: int, hybrid: bool, num_blocks: int, budget: int, waves: int, abort_rate: float, inside: int
 ) -> None:
     rng = random.Random(seed)
-    buffers = make_manager(num_blocks, state_slots=4 if hybrid else 0, snapshots=3 if hybrid else 0)
+    buffers = make_manager(
+        num_blocks,
+        state_slots=4 if hybrid else 0,
+        snapshots=3 if hybrid else 0,
+        snapshot_inside_chunk_tokens=inside,
+    )
     sched = ContinuousBatchingScheduler(
         SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget), buffers
     )

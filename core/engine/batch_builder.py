@@ -54,7 +54,7 @@ class BatchBuilder:
             batch = self._new_batch(plan, pending)
             self._decode_batch.remember(plan.scheduled, batch, step)
         # Prefix caching of recurrent state: this step's snapshot restores and saves (usually none).
-        batch.state_restores, batch.state_saves = self.buffers.take_state_copies()
+        batch.state_restores, batch.state_saves, batch.state_checkpoints = self.buffers.take_state_copies()
         return batch
 
     def _new_batch(self, plan: SchedulerOutput, pending: PendingStep | None) -> ModelBatch:

@@ -91,6 +91,7 @@ class LLMEngine:
             self.executor.plan,
             prefix_caching=self._prefix_caching(config),
             snapshot_interval_pages=config.cache.snapshot_interval_pages,
+            snapshot_inside_chunk_tokens=info.snapshot_inside_chunk_tokens,
             drafts=SpeculativeDecoder.drafts_for if num_spec else None,
         )
         self.scheduler: Scheduler = ContinuousBatchingScheduler(config.scheduler, self.buffers)

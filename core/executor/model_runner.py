@@ -35,7 +35,7 @@ from pegainfer.layers.attention import AttentionMetadata, PrefillSegment
 from pegainfer.memory.decode_buffers import DecodeBuffers
 from pegainfer.memory.device_buffers import DeviceBuffers
 from pegainfer.memory.rank_plan import plan_rank_memory
-from pegainfer.model.model_api import ForwardBatch
+from pegainfer.model.model_api import ForwardBatch, StateCheckpoints
 from pegainfer.model.model_loader import load_model
 from pegainfer.parallel.distributed import TensorParallel
 from pegainfer.scheduling.speculative import draft_buffer_specs
@@ -55,6 +55,8 @@ class ModelInfo:
     dtype: torch.dtype
     #: Why the model runs without prefix caching although it was asked for (None: cached as configured).
     prefix_caching_refusal: str | None = None
+    #: ``CausalLM.snapshot_inside_chunk_tokens``: chunks this short may keep a snapshot boundary inside.
+    snapshot_inside_chunk_tokens: int = 0
 
 
 class ModelRunner:
@@ -84,6 +86,7 @@ class ModelRunner:
             self.device,
             loaded.dtype,
             model.prefix_caching_refusal,
+            model.snapshot_inside_chunk_tokens,
         )
         self.capabilities = ExecutorCapabilities(
             device_embedding=model.embeds_on_device,
@@ -145,7 +148,8 @@ class ModelRunner:
     def execute(self, batch: ModelBatch) -> ExecutorOutput:
         """Run ``batch``: KV and state of its chunk tokens are written into the buffers; returns the logits
         of the rows that sample (and the full logits of chunks that asked), in chunk order. State snapshots
-        are restored before the forward and saved after it (``ModelBatch.state_restores``/``state_saves``)."""
+        are restored before the forward and saved after it (``ModelBatch.state_restores``/``state_saves``),
+        or by the forward inside a chunk (``state_checkpoints``)."""
         if batch.state_restores:
             self.buffers.copy_snapshots(batch.state_restores, save=False)
         out = self._execute(batch)
@@ -241,10 +245,28 @@ class ModelRunner:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         state_slots: torch.Tensor | None = None,
+        checkpoints: StateCheckpoints | None = None,
     ) -> ForwardBatch:
         """The model's batch; a model without device embedding gets its input embeddings made here."""
         hidden = None if self.capabilities.device_embedding else self.model.embed(token_ids)
-        return ForwardBatch(token_ids, positions, meta, state_slots=state_slots, hidden_states=hidden)
+        return ForwardBatch(
+            token_ids, positions, meta, state_slots=state_slots, hidden_states=hidden, checkpoints=checkpoints
+        )
+
+    def _checkpoints(
+        self, planned: list[tuple[int, int, int]], prefills: list[SequenceChunk]
+    ) -> StateCheckpoints | None:
+        """``ModelBatch.state_checkpoints`` (by state slot) as the forward takes them, per prefill segment."""
+        if not planned:
+            return None
+        by_slot = {state: (tokens, snapshot) for state, snapshot, tokens in planned}
+        host = [
+            by_slot.get(c.state_slot, (-1, -1)) if c.state_slot is not None else (-1, -1) for c in prefills
+        ]
+        if sum(tokens >= 0 for tokens, _ in host) != len(planned):
+            raise ExecutorError(f"state checkpoints {planned} do not each name a prefill chunk of the step")
+        both = torch.tensor(host, dtype=torch.int64).t().contiguous().to(self.device)
+        return StateCheckpoints(both[0], both[1], host, self.buffers.snapshots)
 
     def _execute_eager(
         self, batch: ModelBatch, prefills: list[SequenceChunk], decodes: list[SequenceChunk]
@@ -285,8 +307,9 @@ class ModelRunner:
                     self.decode.state_slots[: len(decodes)],
                 ]
             )
+        checkpoints = self._checkpoints(batch.state_checkpoints, prefills)
         hidden = self.model(
-            self._forward_batch(token_ids, positions, meta, state_slots),
+            self._forward_batch(token_ids, positions, meta, state_slots, checkpoints),
             self.buffers.caches,
             self.buffers.states,
         )

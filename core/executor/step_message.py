@@ -46,6 +46,7 @@ class StepEncoder:
                 grown,
                 batch.state_restores,
                 batch.state_saves,
+                batch.state_checkpoints,
             )
         sent: dict[Key, int] = {}
         rows = []
@@ -68,7 +69,7 @@ class StepEncoder:
                 )
             )
         self._sent, self._last = sent, batch
-        return ("batch", rows, batch.state_restores, batch.state_saves)
+        return ("batch", rows, batch.state_restores, batch.state_saves, batch.state_checkpoints)
 
     def drafts(self, inputs: list[DraftInput]) -> tuple:
         """Draft inputs name requests of the step just sent: their tables are sent as deltas too."""
@@ -99,7 +100,7 @@ class StepDecoder:
     def batch(self, message: tuple) -> ModelBatch:
         kind = message[0]
         if kind == "moved_on":
-            _, starts, grown, restores, saves = message
+            _, starts, grown, restores, saves, checkpoints = message
             batch = self._last
             if batch is None or len(starts) != len(batch.chunks):
                 raise ExecutorError("step message: a moved-on batch without the batch it moves on")
@@ -109,7 +110,7 @@ class StepDecoder:
                 chunk = batch.chunks[i]
                 self._table((chunk.serial, chunk.epoch), have, new, self._tables)
             batch.moved_on = True
-            batch.state_restores, batch.state_saves = restores, saves
+            batch.state_restores, batch.state_saves, batch.state_checkpoints = restores, saves, checkpoints
             return batch
         tables: dict[Key, list[int]] = {}
         chunks = []
@@ -123,7 +124,9 @@ class StepDecoder:
                 )
             )
         self._tables = tables
-        self._last = ModelBatch(chunks, state_restores=message[2], state_saves=message[3])
+        self._last = ModelBatch(
+            chunks, state_restores=message[2], state_saves=message[3], state_checkpoints=message[4]
+        )
         return self._last
 
     def drafts(self, message: tuple) -> list[DraftInput]:

@@ -219,15 +219,20 @@ class BufferManager(ABC):
         return False
 
     def chunk_limit(self, request: Request, num_new_tokens: int) -> int:
-        """``num_new_tokens`` cut so the chunk ends at the next snapshot boundary it would cross."""
+        """``num_new_tokens`` cut so the chunk ends at the next snapshot boundary it would cross (a short
+        chunk may keep one inside, see ``PagedBufferManager``)."""
         return num_new_tokens
 
     def plan_snapshots(self, scheduled: list) -> None:  # noqa: B027 - optional hook
-        """Snapshot the state of planned chunks that end at a snapshot boundary (``cuts_chunks`` only)."""
+        """Snapshot the state of planned chunks at the snapshot boundaries where they end or that they
+        keep inside (``cuts_chunks`` only)."""
 
-    def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The step's (state slot, snapshot slot) restores and saves, handed over once."""
-        return [], []
+    def take_state_copies(
+        self,
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int, int]]]:
+        """The step's (state slot, snapshot slot) restores and saves, and its (state slot, snapshot slot,
+        tokens) checkpoints inside chunks (``ModelBatch.state_checkpoints``), handed over once."""
+        return [], [], []
 
     @property
     def prefix_cache_stats(self) -> tuple[int, int]:
@@ -244,8 +249,11 @@ class PagedBufferManager(BufferManager):
     and, with ``prefix_caching``, the page cache and (models with state) a snapshot pool.
 
     ``snapshot_interval_pages``: a snapshot every so many pages (besides the last page boundary of every
-    prompt). ``drafts(request)``: whether the request's pages also hold draft-layer (MTP) KV, which
-    depends on the token after each position: its pages are keyed apart, with that token.
+    prompt). ``snapshot_inside_chunk_tokens`` (the model's ``CausalLM.snapshot_inside_chunk_tokens``): a
+    chunk of at most that many tokens is not cut at the first boundary lacking a snapshot that it crosses;
+    the forward saves the state there instead (a checkpoint), so a short prompt tail costs one step, not
+    two. ``drafts(request)``: whether the request's pages also hold draft-layer (MTP) KV, which depends on
+    the token after each position: its pages are keyed apart, with that token.
     """
 
     def __init__(
@@ -254,6 +262,7 @@ class PagedBufferManager(BufferManager):
         *,
         prefix_caching: bool = False,
         snapshot_interval_pages: int = 32,
+        snapshot_inside_chunk_tokens: int = 0,
         drafts: Callable[[Request], bool] | None = None,
     ) -> None:
         self.plan = plan
@@ -275,6 +284,7 @@ class PagedBufferManager(BufferManager):
         self.snapshots = SnapshotPool(plan.num_snapshot_slots if self.cuts_chunks else 0)
         self.pool.on_evict = self.snapshots.drop if self.cuts_chunks else None
         self._interval = snapshot_interval_pages * self.block_size
+        self._inside_tokens = snapshot_inside_chunk_tokens
         self._drafts = drafts
         # Pages at the start of each table that are keyed (computed and hashed, or taken from the cache).
         self._registered: dict[str, int] = {}
@@ -285,6 +295,7 @@ class PagedBufferManager(BufferManager):
         self._divergence: dict[str, int] = {}
         self._restores: list[tuple[int, int]] = []
         self._saves: list[tuple[int, int]] = []
+        self._checkpoints: list[tuple[int, int, int]] = []
         # Keys of the full pages the chunks scheduled this step complete (-> request id): cached next step.
         self._in_flight: dict[bytes, str] = {}
         self._queries = 0
@@ -500,10 +511,13 @@ class PagedBufferManager(BufferManager):
             return num_new_tokens
         start = request.num_computed_tokens
         end = start + num_new_tokens
+        inside = num_new_tokens <= self._inside_tokens  # may keep one boundary inside (a checkpoint)
         boundary = self._next_boundary(request, start)
         while boundary < end:
             if not self._has_snapshot(request, boundary):
-                return boundary - start
+                if not inside:
+                    return boundary - start
+                inside = False
             boundary = self._next_boundary(request, boundary)
         return num_new_tokens
 
@@ -519,22 +533,41 @@ class PagedBufferManager(BufferManager):
         if not self.cuts_chunks:
             return
         for item in scheduled:
-            end = item.start + item.num_new_tokens
-            if end % self.block_size or not self._is_boundary(item.request, end):
+            request, start = item.request, item.start
+            end = start + item.num_new_tokens
+            inside = (
+                self._next_boundary(request, start) if item.num_new_tokens <= self._inside_tokens else end
+            )
+            while inside < end and self._has_snapshot(request, inside):
+                inside = self._next_boundary(request, inside)
+            if inside < end and not self._snapshot(request, inside, start):
+                return
+            if end % self.block_size or not self._is_boundary(request, end):
                 continue
-            request = item.request
-            if self._has_snapshot(request, end):
-                continue
-            slot = self.snapshots.take()
-            if slot is None:
-                return  # every snapshot is still being written
-            self._saves.append((self._slots[request.request_id], slot))
-            self.snapshots.pend(slot, request, end // self.block_size, self._step)
+            if not self._has_snapshot(request, end) and not self._snapshot(request, end, None):
+                return
 
-    def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        copies = self._restores, self._saves
-        if copies[0] or copies[1]:
-            self._restores, self._saves = [], []
+    def _snapshot(self, request: Request, boundary: int, chunk_start: int | None) -> bool:
+        """Plan the snapshot of ``request``'s state at ``boundary``: after the forward when the chunk ends
+        there (``chunk_start`` None), else by the forward after the chunk's first ``boundary -
+        chunk_start`` tokens. False when every snapshot slot is still being written (nothing planned)."""
+        slot = self.snapshots.take()
+        if slot is None:
+            return False
+        state = self._slots[request.request_id]
+        if chunk_start is None:
+            self._saves.append((state, slot))
+        else:
+            self._checkpoints.append((state, slot, boundary - chunk_start))
+        self.snapshots.pend(slot, request, boundary // self.block_size, self._step)
+        return True
+
+    def take_state_copies(
+        self,
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int, int]]]:
+        copies = self._restores, self._saves, self._checkpoints
+        if copies[0] or copies[1] or copies[2]:
+            self._restores, self._saves, self._checkpoints = [], [], []
         return copies
 
     @property

@@ -16,7 +16,8 @@ from pegainfer.memory.memory_plan import MemoryPlan
 class DeviceBuffers:
     """``caches[spec.key]``: a layer's page pool (``buffer_specs.cache_key``); ``states[layer][name]``:
     ``[num_state_slots, *shape]``; ``snapshots[layer][name]``: ``[num_snapshot_slots, *shape]``, copies of
-    state slots kept at page boundaries for prefix caching (the model never sees them)."""
+    state slots kept at page boundaries for prefix caching (a model sees them only when it saves states inside
+    a chunk: ``ForwardBatch.checkpoints``)."""
 
     def __init__(self, specs: list[BufferSpec], plan: MemoryPlan, device: torch.device) -> None:
         self.plan = plan

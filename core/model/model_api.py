@@ -20,6 +20,19 @@ from pegainfer.model.checkpoint import CheckpointReader
 
 
 @dataclass
+class StateCheckpoints:
+    """Recurrent-state snapshots a forward takes inside its prefill segments (prefix caching; only for a
+    model with ``snapshot_inside_chunk_tokens``): segment ``i``'s state after its first ``tokens[i]``
+    tokens (-1: none) is copied into snapshot slot ``slots[i]`` of ``pools``, the snapshot tensors of each
+    state layer (the same names and shapes per slot as ``states``)."""
+
+    tokens: torch.Tensor  # [num_segments] int64, on the device
+    slots: torch.Tensor  # [num_segments] int64, on the device
+    host: list[tuple[int, int]]  # the same (tokens, slot) pairs on the host, for reference paths
+    pools: dict[int, dict[str, torch.Tensor]]
+
+
+@dataclass
 class ForwardBatch:
     """Device tensors of one step. Tokens are laid out prefill segments first, then decode rows."""
 
@@ -28,6 +41,7 @@ class ForwardBatch:
     attn: AttentionMetadata
     state_slots: torch.Tensor | None = None  # [num_requests] recurrent-state slot per segment/row
     hidden_states: torch.Tensor | None = None  # [T, H], for models that do not embed on the device
+    checkpoints: StateCheckpoints | None = None
 
 
 class CausalLM(torch.nn.Module, ABC):
@@ -44,6 +58,10 @@ class CausalLM(torch.nn.Module, ABC):
     #: slots) from a snapshot taken at a page boundary: a model whose full pages are still written later,
     #: or whose state lives anywhere but its slots, says why here and runs uncached.
     prefix_caching_refusal: str | None = None
+    #: Prefix caching of recurrent state: a prefill chunk of at most this many tokens may cross one snapshot
+    #: boundary instead of being cut there, the forward saving the state at it (``ForwardBatch.checkpoints``).
+    #: 0: every chunk ends at the boundaries it would cross, and the state is copied after the forward.
+    snapshot_inside_chunk_tokens: int = 0
 
     @classmethod
     @abstractmethod

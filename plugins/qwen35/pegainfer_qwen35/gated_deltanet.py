@@ -41,7 +41,7 @@ from torch import nn
 
 from pegainfer.memory.buffer_specs import RecurrentStateSpec
 from pegainfer.model.checkpoint import CheckpointReader
-from pegainfer.model.model_api import ForwardBatch
+from pegainfer.model.model_api import ForwardBatch, StateCheckpoints
 from pegainfer.ops import use_triton
 from pegainfer.parallel.distributed import TensorParallel
 from pegainfer.parallel.sharding import Shard, split, stitch
@@ -84,6 +84,7 @@ class RecurrentRows:
     decode_start: int
     num_decodes: int
     decode_slots: torch.Tensor  # [num_decodes] int64
+    checkpoints: StateCheckpoints | None = None  # snapshots to take inside the segments
 
     @functools.cached_property
     def cu_seqlens_cpu(self) -> torch.Tensor:
@@ -116,6 +117,7 @@ class RecurrentRows:
             decode_start=meta.num_prefill_tokens,
             num_decodes=meta.num_decodes,
             decode_slots=batch.state_slots[num_segments : num_segments + meta.num_decodes],
+            checkpoints=batch.checkpoints,
         )
 
 
@@ -369,41 +371,64 @@ class GatedDeltaNet(nn.Module):
         bufs: PassBuffers,
     ) -> None:
         """The prefill segments (rows ``[0, P)``): conv from each slot's window, the chunked delta rule
-        from its state (fla's kernels on CUDA when installed), the gated norm into ``bufs.gdn_gated``."""
+        from its state (fla's kernels on CUDA when installed), the gated norm into ``bufs.gdn_gated``; the
+        checkpoints of ``rows`` (snapshots inside segments) saved on the way."""
         s, eps = self.shard, self.config.rms_norm_eps
         hv, dv = s.linear_num_value_heads, s.linear_value_head_dim
         windows, ssm = state["conv"], state["ssm"]
         p = rows.decode_start  # the prefill tokens come first
         conv = bufs.gdn_conv[:p]
-        if decode_kernels_on(mixed) and rows.longest_segment <= RECURRENT_PREFILL_MAX_TOKENS:
-            # Short chunks (a prompt's tail after a prefix hit, chunked-prefill remainders): two launches.
+        ckpt = rows.checkpoints
+        snaps = ckpt.pools[self.layer_index] if ckpt is not None else None
+        # Short chunks (a prompt's tail after a prefix hit, chunked-prefill remainders): two launches. So
+        # are steps with checkpoints, which only the recurrent form saves (the scheduler keeps them to
+        # short chunks; a long chunk of another request in the same step pays the token-by-token cost).
+        if decode_kernels_on(mixed) and (rows.longest_segment <= RECURRENT_PREFILL_MAX_TOKENS or ckpt):
             from pegainfer_qwen35 import gdn_kernels
 
+            def at(pool: str) -> gdn_kernels.Checkpoints | None:
+                return None if ckpt is None else gdn_kernels.Checkpoints(ckpt.tokens, ckpt.slots, snaps[pool])
+
             gdn_kernels.conv_prefill(
-                mixed[:p], self.conv_weight, windows, rows.segment_slots, rows.cu_seqlens, conv
+                mixed[:p], self.conv_weight, windows, rows.segment_slots, rows.cu_seqlens, conv, at("conv")
             )
             gdn_kernels.gdn_prefill(
                 conv, b[:p], a[:p], z[:p], self.A_log, self.dt_bias, self.norm, ssm, rows.segment_slots,
                 rows.cu_seqlens, bufs.gdn_gated[:p], num_key_heads=s.linear_num_key_heads, eps=eps,
+                checkpoints=at("ssm"),
             )  # fmt: skip
             return
-        for (start, n), slot in rows.prefills():
-            y, window = causal_conv_prefill(
-                mixed[start : start + n], self.conv_weight, windows.index_select(0, slot)[0]
-            )
+        saves = ckpt.host if ckpt is not None else [(-1, -1)] * len(rows.segments)
+        for ((start, n), slot), (tokens, snap) in zip(rows.prefills(), saves, strict=True):
+            window = windows.index_select(0, slot)[0]
+            if tokens >= 0:  # the window after the first ``tokens`` inputs
+                snaps["conv"][snap] = causal_conv_prefill(
+                    mixed[start : start + tokens], self.conv_weight, window
+                )[1]
+            y, window = causal_conv_prefill(mixed[start : start + n], self.conv_weight, window)
             conv[start : start + n] = F.silu(y)
             windows.index_copy_(0, slot, window.unsqueeze(0).to(windows.dtype))
         core = bufs.gdn_core[:p].view(p, hv, dv)
-        if not prefill_with_fla(conv, b[:p], a[:p], self.A_log, self.dt_bias, rows, ssm, s, core):
+        if ckpt is not None or not prefill_with_fla(
+            conv, b[:p], a[:p], self.A_log, self.dt_bias, rows, ssm, s, core
+        ):
             q, k, v, g, beta = gate_and_normalise(conv, b[:p], a[:p], self.A_log, self.dt_bias, s)
-            for (start, n), slot in rows.prefills():
-                end = start + n
-                o, final = chunked_delta_rule(
-                    q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end],
-                    ssm.index_select(0, slot)[0],
-                )  # fmt: skip
-                core[start:end] = o
-                ssm.index_copy_(0, slot, final.unsqueeze(0))
+            for ((start, n), slot), (tokens, snap) in zip(rows.prefills(), saves, strict=True):
+                # A checkpoint splits the segment: the state after its first part is saved, then carried on.
+                pieces = (
+                    [(start, start + tokens), (start + tokens, start + n)]
+                    if tokens >= 0
+                    else [(start, start + n)]
+                )
+                carried = ssm.index_select(0, slot)[0]
+                for i, (lo, hi) in enumerate(pieces):
+                    o, carried = chunked_delta_rule(
+                        q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], carried
+                    )
+                    core[lo:hi] = o
+                    if i == 0 and tokens >= 0:
+                        snaps["ssm"][snap] = carried
+                ssm.index_copy_(0, slot, carried.unsqueeze(0))
         out = bufs.gdn_gated[:p].view(p, hv, dv)
         z = z[:p].reshape(p, hv, dv)
         if use_triton(core):

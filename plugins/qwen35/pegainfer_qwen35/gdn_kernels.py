@@ -35,6 +35,8 @@ the model dtype, the delta rule in fp32, ``o`` rounded before the gated norm, wh
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pegainfer.kernels._triton import cast_to, interp_bf16, next_pow2, pdl_launch, pdl_start, tl, triton
@@ -46,6 +48,39 @@ L2_EPS = 1e-6
 def _check_rows(x: torch.Tensor, name: str) -> None:
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"{name} must be [rows, width] with a contiguous last dim, got {tuple(x.shape)}")
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    """States the prefill kernels also save inside their segments: after segment ``s``'s first
+    ``tokens[s]`` tokens (-1: none), into slot ``slots[s]`` of ``pool`` (a snapshot pool laid out as the
+    state pool it copies). Device tensors, so a launch needs no host sync."""
+
+    tokens: torch.Tensor  # [segments] int64
+    slots: torch.Tensor  # [segments] int64
+    pool: torch.Tensor
+
+
+def _checkpoint_args(
+    checkpoints: Checkpoints | None, state: torch.Tensor, segments: int, fallback: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels' (tokens, slots, pool) arguments; without checkpoints, unread stand-ins."""
+    if checkpoints is None:
+        return fallback, fallback, state
+    pool = checkpoints.pool
+    if pool.shape[1:] != state.shape[1:] or pool.stride() != state.stride() or pool.dtype != state.dtype:
+        raise ValueError(
+            f"checkpoints: a pool {tuple(pool.shape)} not laid out as the state {tuple(state.shape)}"
+        )
+    tokens, slots = checkpoints.tokens, checkpoints.slots
+    if (
+        tokens.shape[0] < segments
+        or slots.shape[0] < segments
+        or tokens.stride(0) != 1
+        or slots.stride(0) != 1
+    ):
+        raise ValueError(f"checkpoints: tokens and slots need {segments} contiguous entries, one per segment")
+    return checkpoints.tokens, checkpoints.slots, pool
 
 
 # ------------------------------------------------------------------------------------------------ conv
@@ -147,6 +182,21 @@ def conv_update(
 
 
 @triton.jit
+def _window_before(
+    x_ptr, stride_x, cols, mask_c, win, start, at, has_slot, K: tl.constexpr, BLOCK_W: tl.constexpr
+):
+    """The K-1 inputs before position ``at`` of a segment starting at row ``start`` (``[BLOCK_W, BLOCK_C]``
+    fp32, rows past K-1 masked) and their mask: x's rows where they are in the chunk, else entries of the
+    window ``win`` (the inputs before the chunk; zeros without a slot)."""
+    pos = at - (K - 1) + tl.arange(0, BLOCK_W)
+    mask = (tl.arange(0, BLOCK_W) < K - 1)[:, None] & mask_c[None, :]
+    in_x = (pos >= start)[:, None]
+    xv = tl.load(x_ptr + pos[:, None] * stride_x + cols[None, :], mask=mask & in_x, other=0.0)
+    wv = tl.load(win + (pos - start + K - 1)[:, None], mask=_and(mask & ~in_x, has_slot), other=0.0)
+    return xv.to(tl.float32) + wv, mask
+
+
+@triton.jit
 def _conv_prefill_kernel(
     x_ptr,
     stride_x,
@@ -156,6 +206,9 @@ def _conv_prefill_kernel(
     stride_win_c,
     cu_ptr,
     slot_ptr,
+    ckpt_tokens_ptr,
+    ckpt_slot_ptr,
+    snap_ptr,
     out_ptr,
     stride_o,
     channels,
@@ -163,6 +216,7 @@ def _conv_prefill_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    HAS_CKPT: tl.constexpr,
     FIX: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -192,14 +246,17 @@ def _conv_prefill_kernel(
         y = cast_to(acc, dtype, FIX).to(tl.float32)
         y = y / (1.0 + tl.exp(-y))
         tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], cast_to(y, dtype, FIX), mask=mask)
+    if HAS_CKPT:  # the window after the segment's first ``tokens`` inputs, into a snapshot slot
+        tokens = tl.load(ckpt_tokens_ptr + seg)
+        if tokens >= 0:
+            snap = snap_ptr + tl.load(ckpt_slot_ptr + seg).to(tl.int64) * stride_win_slot
+            saved, mask = _window_before(
+                x_ptr, stride_x, cols, mask_c, win, start, start + tokens, has_slot, K, BLOCK_W
+            )
+            tl.store(snap + cols[None, :] * stride_win_c + tl.arange(0, BLOCK_W)[:, None], saved, mask=mask)
     # The new window: the last K-1 inputs, read (old entries included, for a chunk shorter than K-1)
     # before any is overwritten.
-    pos = end - (K - 1) + tl.arange(0, BLOCK_W)
-    mask = (tl.arange(0, BLOCK_W) < K - 1)[:, None] & mask_c[None, :]
-    in_x = (pos >= start)[:, None]
-    xv = tl.load(x_ptr + pos[:, None] * stride_x + cols[None, :], mask=mask & in_x, other=0.0)
-    wv = tl.load(win + (pos - start + K - 1)[:, None], mask=_and(mask & ~in_x, has_slot), other=0.0)
-    new = xv.to(tl.float32) + wv
+    new, mask = _window_before(x_ptr, stride_x, cols, mask_c, win, start, end, has_slot, K, BLOCK_W)
     tl.debug_barrier()  # every thread's reads of the old window come first
     tl.store(win + tl.arange(0, BLOCK_W)[:, None], new, mask=_and(mask, has_slot))
 
@@ -211,6 +268,7 @@ def conv_prefill(
     slots: torch.Tensor,
     cu_seqlens: torch.Tensor,
     out: torch.Tensor,
+    checkpoints: Checkpoints | None = None,
 ) -> torch.Tensor:
     """``silu(causal_conv_prefill(...))`` of every prefill segment in one launch, into ``out`` ``[P, C]``.
 
@@ -218,7 +276,8 @@ def conv_prefill(
     is fine) continuing from window ``windows[slots[s]]`` (``[C, K-1]`` fp32), which is replaced by the
     segment's last K-1 inputs; a negative slot reads a zero window and writes none. One program per
     (segment, channel block) walks its segment a tile of tokens at a time, so the window is read and
-    written by the same program."""
+    written by the same program. ``checkpoints`` (its pool: snapshot windows shaped as ``windows``): the
+    window after a segment's first ``tokens[s]`` inputs is also written to snapshot ``slots[s]``."""
     _check_rows(x, "x")
     _check_rows(out, "out")
     c = x.shape[1]
@@ -234,6 +293,7 @@ def conv_prefill(
         return out
     if slots.shape[0] < segments:
         raise ValueError(f"conv_prefill: {slots.shape[0]} slots for {segments} segments")
+    ckpt = _checkpoint_args(checkpoints, windows, segments, cu_seqlens)
     block = min(64, next_pow2(c))
     _conv_prefill_kernel[(segments, triton.cdiv(c, block))](
         x,
@@ -244,6 +304,7 @@ def conv_prefill(
         windows.stride(1),
         cu_seqlens,
         slots,
+        *ckpt,
         out,
         out.stride(0),
         c,
@@ -251,6 +312,7 @@ def conv_prefill(
         BLOCK_T=32,
         BLOCK_C=block,
         BLOCK_W=max(2, next_pow2(k - 1)),
+        HAS_CKPT=checkpoints is not None,
         FIX=interp_bf16(x.dtype),
         num_warps=4,
         **pdl_launch(x),
@@ -421,23 +483,27 @@ def gdn_prefill(
     num_key_heads: int,
     eps: float,
     block_v: int | None = None,
+    checkpoints: Checkpoints | None = None,
 ) -> torch.Tensor:
     """The delta rule over every prefill segment in one launch, token by token (the recurrent form), the
     gated norm included; writes ``out`` ``[P, Hv * dv]``. Inputs as :func:`gdn_decode` with P rows;
     segment ``s`` is rows ``[cu_seqlens[s], cu_seqlens[s + 1])`` and carries ``state[slots[s]]`` from its
     first token to its last (a negative slot starts from zeros and writes nothing back). Each token is
-    the decode kernel's step, so a prompt gives what decoding it token by token would."""
+    the decode kernel's step, so a prompt gives what decoding it token by token would. ``checkpoints``
+    (its pool: snapshot states shaped as ``state``): the state after a segment's first ``tokens[s]``
+    tokens is also written to snapshot ``slots[s]``."""
     segments = cu_seqlens.shape[0] - 1
     if slots.shape[0] < segments:
         raise ValueError(f"gdn_prefill: {slots.shape[0]} slots for {segments} segments")
+    index = (cu_seqlens, slots, *_checkpoint_args(checkpoints, state, segments, cu_seqlens))
     return _delta_rule(
-        _gdn_prefill_kernel, max(segments, 0), (cu_seqlens, slots), qkv, b, a, z, a_log, dt_bias,
-        norm_weight, state, out, num_key_heads, eps, block_v or PREFILL_BLOCK_V,
+        _gdn_prefill_kernel, max(segments, 0), index, qkv, b, a, z, a_log, dt_bias, norm_weight, state, out,
+        num_key_heads, eps, block_v or PREFILL_BLOCK_V, HAS_CKPT=checkpoints is not None,
     )  # fmt: skip
 
 
 def _delta_rule(
-    kernel, programs, index, qkv, b, a, z, a_log, dt_bias, norm_weight, state, out, hk, eps, block_v
+    kernel, programs, index, qkv, b, a, z, a_log, dt_bias, norm_weight, state, out, hk, eps, block_v, **flags
 ) -> torch.Tensor:
     """Checks and launches a delta-rule kernel over ``programs`` rows or segments (``index``: the device
     tensors that say which); below a whole head of value columns the gated norm runs after it."""
@@ -488,6 +554,7 @@ def _delta_rule(
         FIX=interp_bf16(qkv.dtype),
         FIX_OUT=interp_bf16(target.dtype),
         num_warps=8 if dk * bv >= 128 * 128 else 4,
+        **flags,
         **pdl_launch(qkv),
     )
     if not fuse:
@@ -512,6 +579,9 @@ def _gdn_prefill_kernel(
     stride_s_k,
     cu_ptr,
     slot_ptr,
+    ckpt_tokens_ptr,
+    ckpt_slot_ptr,
+    snap_ptr,
     norm_w_ptr,
     out_ptr,
     stride_o,
@@ -523,6 +593,7 @@ def _gdn_prefill_kernel(
     DV: tl.constexpr,
     BV: tl.constexpr,
     FUSE_NORM: tl.constexpr,
+    HAS_CKPT: tl.constexpr,
     FIX: tl.constexpr,
     FIX_OUT: tl.constexpr,
     PDL: tl.constexpr,
@@ -540,10 +611,20 @@ def _gdn_prefill_kernel(
     s_ptrs = s_ptrs + kcols[:, None] * stride_s_k + vcols[None, :]
     owns = _and((kcols[:, None] < DK) & (vcols[None, :] < DV), slot >= 0)
     s = tl.load(s_ptrs, mask=owns, other=0.0)  # [DK, BV] fp32, carried through the segment's tokens
+    saved_at = -1  # the row after which the state goes into a snapshot too
+    if HAS_CKPT:
+        tokens = tl.load(ckpt_tokens_ptr + seg)
+        saved_at = tl.where(tokens >= 0, start + tokens - 1, -1)
+        snap = tl.maximum(tl.load(ckpt_slot_ptr + seg).to(tl.int64), 0)
+        snap_ptrs = snap_ptr + snap * stride_s_slot + hv * stride_s_head
+        snap_ptrs = snap_ptrs + kcols[:, None] * stride_s_k + vcols[None, :]
     for t in range(start, end):
         q, k, v = _load_qkv(qkv_ptr + t * stride_qkv, hk, hv, key_dim, kcols, vcols, scale, DK, DV)
         beta, decay = _gates(b_ptr + t * stride_ba, a_ptr + t * stride_ba, hv, a_log_ptr, dt_bias_ptr, FIX)
         s, o = _delta_step(s, q, k, v, beta, decay)
+        if HAS_CKPT:
+            if t == saved_at:
+                tl.store(snap_ptrs, s, mask=(kcols[:, None] < DK) & (vcols[None, :] < DV))
         _store_out(
             o, out_ptr + t * stride_o + hv * DV + vcols, z_ptr + t * stride_z + hv * DV, norm_w_ptr, vcols,
             eps, b_ptr.dtype.element_ty, DV, FUSE_NORM, FIX, FIX_OUT,

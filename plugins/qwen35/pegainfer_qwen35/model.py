@@ -37,7 +37,7 @@ from pegainfer.parallel.sharding import vocab_shard, vocab_split
 from pegainfer_qwen35 import pass_buffers
 from pegainfer_qwen35.attention import GatedAttention
 from pegainfer_qwen35.config import FULL, LINEAR, Qwen35Config, Qwen35Shard, text_part
-from pegainfer_qwen35.gated_deltanet import GatedDeltaNet, RecurrentRows
+from pegainfer_qwen35.gated_deltanet import RECURRENT_PREFILL_MAX_TOKENS, GatedDeltaNet, RecurrentRows
 from pegainfer_qwen35.mlp import DenseMLP
 from pegainfer_qwen35.moe import SparseMoE
 from pegainfer_qwen35.norms import rms_norm_zero_centred
@@ -122,6 +122,10 @@ class Qwen35DecoderLayer(nn.Module):
 
 
 class Qwen35ForCausalLM(CausalLM):
+    #: A short chunk crossing a snapshot boundary saves the GDN state there itself (``GatedDeltaNet``): a
+    #: prompt's tail after a hit is one step, not two. Bounded so the GPU's token-by-token form stays short.
+    snapshot_inside_chunk_tokens = RECURRENT_PREFILL_MAX_TOKENS
+
     def __init__(
         self,
         config: Qwen35Config,

@@ -8,6 +8,7 @@ shapes; with one, the same cases run compiled, and the ``gpu``-marked ones at Qw
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -147,18 +148,26 @@ def test_gated_norm_kernel_matches_reference(dtype):
     _close(out.view(5, 3, 32), gated_rms_norm(x, z, w, 1e-6), dtype)
 
 
-def _prefill(case, lengths, slots, block_v=None):
-    """conv_prefill + gdn_prefill over segments of ``lengths`` rows of ``case``, from copies of its pools."""
+def _prefill(case, lengths, slots, block_v=None, checkpoints=None):
+    """conv_prefill + gdn_prefill over segments of ``lengths`` rows of ``case``, from copies of its pools.
+    ``checkpoints``: (tokens, snapshot slot) per segment; then also returns the snapshot pools."""
     windows, ssm = case.windows.clone(), case.ssm.clone()
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64, device=DEVICE)
     slots = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
     conv = torch.empty_like(case.mixed)
     out = torch.empty(case.mixed.shape[0], case.hv * case.dv, dtype=case.dtype, device=DEVICE)
-    gdn_kernels.conv_prefill(case.mixed, case.conv_weight, windows, slots, cu, conv)
+    conv_ckpt = ssm_ckpt = None
+    if checkpoints is not None:
+        tokens, snaps = torch.tensor(checkpoints, dtype=torch.int64, device=DEVICE).t().contiguous()
+        conv_ckpt = gdn_kernels.Checkpoints(tokens, snaps, torch.full_like(windows, -7.0))
+        ssm_ckpt = gdn_kernels.Checkpoints(tokens, snaps, torch.full_like(ssm, -7.0))
+    gdn_kernels.conv_prefill(case.mixed, case.conv_weight, windows, slots, cu, conv, checkpoints=conv_ckpt)
     gdn_kernels.gdn_prefill(
         conv, case.b, case.a, case.z, case.a_log, case.dt_bias, case.norm, ssm, slots, cu, out,
-        num_key_heads=case.hk, eps=1e-6, block_v=block_v,
+        num_key_heads=case.hk, eps=1e-6, block_v=block_v, checkpoints=ssm_ckpt,
     )  # fmt: skip
+    if checkpoints is not None:
+        return conv, out, windows, ssm, conv_ckpt.pool, ssm_ckpt.pool
     return conv, out, windows, ssm
 
 
@@ -197,6 +206,32 @@ def test_prefill_kernels_equal_decoding_token_by_token(dtype, block_v):
     untouched = [2, 4, 6]
     assert torch.equal(ssm[untouched], case.ssm[untouched])
     assert torch.equal(windows[untouched], case.windows[untouched])
+
+
+@pytest.mark.parametrize("block_v", [None, 8], ids=["fused-norm", "split-v"])
+def test_prefill_kernels_save_checkpoints_inside_segments(block_v):
+    """A segment's window and state after its first ``tokens`` tokens go into its snapshot slot: what
+    decoding just those tokens leaves in its slot. The rest of the forward is as without checkpoints."""
+    lengths, slots = [5, 40, 2, 9], [3, 0, 5, 1]
+    checkpoints = [(3, 2), (-1, -1), (1, 0), (8, 3)]
+    case = Case(
+        rows=sum(lengths), hk=2, hv=4, dk=16, dv=32, dtype=torch.float32, slots=slots, seed=6, num_slots=7
+    )
+    conv, out, windows, ssm, snap_windows, snap_ssm = _prefill(case, lengths, slots, block_v, checkpoints)
+    plain = _prefill(case, lengths, slots, block_v)
+    for got, want in zip((conv, out, windows, ssm), plain, strict=True):
+        assert torch.equal(got, want)
+    starts = torch.tensor([0, *lengths]).cumsum(0).tolist()
+    for (tokens, snap), slot, start in zip(checkpoints, slots, starts, strict=False):
+        if tokens < 0:
+            continue
+        rows = slice(start, start + tokens)
+        head = copy.copy(case)  # the same weights and pools, only this segment's first rows
+        head.mixed, head.z, head.b, head.a = (x[rows] for x in (case.mixed, case.z, case.b, case.a))
+        _, _, ref_windows, ref_ssm = _token_by_token(head, [tokens], [slot])
+        torch.testing.assert_close(snap_windows[snap], ref_windows[slot], rtol=0, atol=0)
+        torch.testing.assert_close(snap_ssm[snap], ref_ssm[slot], rtol=1e-5, atol=1e-5)
+    assert (snap_ssm[[1, 4, 5, 6]] == -7.0).all(), "only the checkpoints' snapshot slots are written"
 
 
 def test_prefill_segment_without_a_slot_starts_from_zeros_and_writes_nothing():
