@@ -265,8 +265,9 @@ class ModelRunner:
         ]
         if sum(tokens >= 0 for tokens, _ in host) != len(planned):
             raise ExecutorError(f"state checkpoints {planned} do not each name a prefill chunk of the step")
-        both = torch.tensor(host, dtype=torch.int64).t().contiguous().to(self.device)
-        return StateCheckpoints(both[0], both[1], host, self.buffers.snapshots)
+        n = len(host)  # one copy to the device: the tokens, then the slots (each contiguous)
+        both = torch.tensor([t for t, _ in host] + [s for _, s in host], dtype=torch.int64).to(self.device)
+        return StateCheckpoints(both[:n], both[n:], host, self.buffers.snapshots)
 
     def _execute_eager(
         self, batch: ModelBatch, prefills: list[SequenceChunk], decodes: list[SequenceChunk]
