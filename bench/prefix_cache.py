@@ -218,8 +218,9 @@ def main() -> None:
         system = random_tokens(rng, args.system_len)
         for name, folder in models:
             off = build(args, folder, "cache.enable_prefix_caching=false")
-            uncached, _, _ = median_ttft(off, prompt, args.reps, miss=True)
+            uncached, _, steps = median_ttft(off, prompt, args.reps, miss=True)
             record(name, "ttft_ms.uncached", uncached, "ms")
+            record(name, "ttft_steps.uncached", steps, "steps")
             host_off, step_off = decode_ms_per_step(off, args.batch, 64, args.decode_steps)
             tput_off = shared_prompt_throughput(
                 off, args.requests, args.concurrency, system, args.user_len, args.out_len
@@ -227,11 +228,13 @@ def main() -> None:
             release(off)
             on = build(args, folder)
             hybrid = on.engine.buffers.cuts_chunks
-            ms, _, _ = median_ttft(on, prompt, args.reps, miss=True)
+            ms, _, steps = median_ttft(on, prompt, args.reps, miss=True)
             record(name, "ttft_ms.miss", ms, "ms")
+            record(name, "ttft_steps.miss", steps, "steps")
             ttft_ms(on, prompt)  # cache it
-            ms, cached, _ = median_ttft(on, prompt, args.reps, miss=False)
+            ms, cached, steps = median_ttft(on, prompt, args.reps, miss=False)
             record(name, "ttft_ms.hit", ms, "ms")
+            record(name, "ttft_steps.hit", steps, "steps")
             # A prefix shared with the cached prompt, each run with a tail of its own: the first run finds
             # the cached pages (hybrid models: up to the last snapshot, and it snapshots where they end),
             # the later ones all of them.
@@ -240,6 +243,7 @@ def main() -> None:
             partial = statistics.median(r[0] for r in runs[1:])
             record(name, f"ttft_ms.shared{shared_len}_hit", partial, "ms")
             record(name, "partial_hit.cached_tokens", runs[-1][1], "tokens")
+            record(name, f"ttft_steps.shared{shared_len}_hit", runs[-1][2], "steps")
             record(name, f"ttft_ratio.shared{shared_len}_hit_vs_uncached", partial / uncached, "ratio", 0.15)
             host_on, step_on = decode_ms_per_step(on, args.batch, 64, args.decode_steps)
             record(name, f"host_ms_per_step.bs{args.batch}.nohit.uncached", host_off, "ms")
@@ -260,6 +264,7 @@ def main() -> None:
                     llm = build(args, folder, f"cache.snapshot_interval_pages={interval}")
                     ms, _, steps = median_ttft(llm, prompt, args.reps, miss=True)
                     record(name, f"ttft_ms.miss.interval{interval}", ms, "ms")
+                    record(name, f"ttft_steps.miss.interval{interval}", steps, "steps")
                     release(llm)
     if args.out is not None:
         results.write()
