@@ -260,9 +260,7 @@ class ModelRunner:
         if not planned:
             return None
         by_slot = {state: (tokens, snapshot) for state, snapshot, tokens in planned}
-        host = [
-            by_slot.get(c.state_slot, (-1, -1)) if c.state_slot is not None else (-1, -1) for c in prefills
-        ]
+        host = [by_slot.get(c.state_slot, (-1, -1)) for c in prefills]
         if sum(tokens >= 0 for tokens, _ in host) != len(planned):
             raise ExecutorError(f"state checkpoints {planned} do not each name a prefill chunk of the step")
         n = len(host)  # one copy to the device: the tokens, then the slots (each contiguous)

@@ -511,15 +511,17 @@ class PagedBufferManager(BufferManager):
             return num_new_tokens
         start = request.num_computed_tokens
         end = start + num_new_tokens
-        inside = num_new_tokens <= self._inside_tokens  # may keep one boundary inside (a checkpoint)
-        boundary = self._next_boundary(request, start)
-        while boundary < end:
-            if not self._has_snapshot(request, boundary):
-                if not inside:
-                    return boundary - start
-                inside = False
+        boundary = self._unsnapshotted_boundary(request, start, end)
+        if boundary < end and num_new_tokens <= self._inside_tokens:  # one may stay inside (a checkpoint)
+            boundary = self._unsnapshotted_boundary(request, boundary, end)
+        return boundary - start
+
+    def _unsnapshotted_boundary(self, request: Request, after: int, end: int) -> int:
+        """The first snapshot boundary in ``(after, end)`` that has no snapshot, else ``end``."""
+        boundary = self._next_boundary(request, after)
+        while boundary < end and self._has_snapshot(request, boundary):
             boundary = self._next_boundary(request, boundary)
-        return num_new_tokens
+        return min(boundary, end)
 
     def _is_boundary(self, request: Request, position: int) -> bool:
         if position % self._interval == 0 or position == self._divergence.get(request.request_id):
@@ -528,20 +530,18 @@ class PagedBufferManager(BufferManager):
 
     def plan_snapshots(self, scheduled: list) -> None:
         """For each planned chunk ending at a snapshot boundary that has no snapshot yet: copy the request's
-        slot into a snapshot after the step's forward; the snapshot is published (found by lookups) once
-        that step has run and the boundary's tokens are known."""
+        slot into a snapshot after the step's forward; for a short chunk keeping such a boundary inside
+        (``chunk_limit``), a checkpoint the forward saves there. A snapshot is published (found by lookups)
+        once that step has run and the boundary's tokens are known."""
         if not self.cuts_chunks:
             return
         for item in scheduled:
             request, start = item.request, item.start
             end = start + item.num_new_tokens
-            inside = (
-                self._next_boundary(request, start) if item.num_new_tokens <= self._inside_tokens else end
-            )
-            while inside < end and self._has_snapshot(request, inside):
-                inside = self._next_boundary(request, inside)
-            if inside < end and not self._snapshot(request, inside, start):
-                return
+            if item.num_new_tokens <= self._inside_tokens:
+                inside = self._unsnapshotted_boundary(request, start, end)
+                if inside < end and not self._snapshot(request, inside, start):
+                    return
             if end % self.block_size or not self._is_boundary(request, end):
                 continue
             if not self._has_snapshot(request, end) and not self._snapshot(request, end, None):
@@ -566,7 +566,7 @@ class PagedBufferManager(BufferManager):
         self,
     ) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int, int]]]:
         copies = self._restores, self._saves, self._checkpoints
-        if copies[0] or copies[1] or copies[2]:
+        if any(copies):
             self._restores, self._saves, self._checkpoints = [], [], []
         return copies
 
