@@ -80,7 +80,7 @@ def _checkpoint_args(
         or slots.stride(0) != 1
     ):
         raise ValueError(f"checkpoints: tokens and slots need {segments} contiguous entries, one per segment")
-    return checkpoints.tokens, checkpoints.slots, pool
+    return tokens, slots, pool
 
 
 # ------------------------------------------------------------------------------------------------ conv
@@ -182,18 +182,24 @@ def conv_update(
 
 
 @triton.jit
-def _window_before(
-    x_ptr, stride_x, cols, mask_c, win, start, at, has_slot, K: tl.constexpr, BLOCK_W: tl.constexpr
-):
-    """The K-1 inputs before position ``at`` of a segment starting at row ``start`` (``[BLOCK_W, BLOCK_C]``
-    fp32, rows past K-1 masked) and their mask: x's rows where they are in the chunk, else entries of the
-    window ``win`` (the inputs before the chunk; zeros without a slot)."""
-    pos = at - (K - 1) + tl.arange(0, BLOCK_W)
-    mask = (tl.arange(0, BLOCK_W) < K - 1)[:, None] & mask_c[None, :]
+def _inputs_at(x_ptr, stride_x, cols, win, start, pos, mask, has_slot, K: tl.constexpr):
+    """The conv inputs at positions ``pos`` of a segment starting at row ``start`` (fp32, masked by
+    ``mask``): x's rows where they are in the chunk, else entries ``pos - start + K - 1`` of the window
+    ``win`` (the K-1 inputs before the chunk; zeros without a slot)."""
     in_x = (pos >= start)[:, None]
     xv = tl.load(x_ptr + pos[:, None] * stride_x + cols[None, :], mask=mask & in_x, other=0.0)
     wv = tl.load(win + (pos - start + K - 1)[:, None], mask=_and(mask & ~in_x, has_slot), other=0.0)
-    return xv.to(tl.float32) + wv, mask
+    return xv.to(tl.float32) + wv
+
+
+@triton.jit
+def _window_before(
+    x_ptr, stride_x, cols, mask_c, win, start, at, has_slot, K: tl.constexpr, BLOCK_W: tl.constexpr
+):
+    """The K-1 inputs before position ``at`` (``[BLOCK_W, BLOCK_C]``, rows past K-1 masked) and their mask."""
+    mask = (tl.arange(0, BLOCK_W) < K - 1)[:, None] & mask_c[None, :]
+    pos = at - (K - 1) + tl.arange(0, BLOCK_W)
+    return _inputs_at(x_ptr, stride_x, cols, win, start, pos, mask, has_slot, K), mask
 
 
 @triton.jit
@@ -230,19 +236,14 @@ def _conv_prefill_kernel(
     has_slot = slot >= 0
     win = win_ptr + tl.maximum(slot, 0) * stride_win_slot + cols[None, :] * stride_win_c
     dtype = x_ptr.dtype.element_ty
-    # Input position p of the segment's sequence: x's row p when p >= start, else window entry
-    # p - start + K - 1 (the K-1 inputs before the chunk).
     for t0 in range(start, end, BLOCK_T):
         rows = t0 + tl.arange(0, BLOCK_T)
         mask = (rows < end)[:, None] & mask_c[None, :]
         acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
         for j in tl.static_range(K):
-            pos = rows - (K - 1) + j
-            in_x = (pos >= start)[:, None]
-            xv = tl.load(x_ptr + pos[:, None] * stride_x + cols[None, :], mask=mask & in_x, other=0.0)
-            wv = tl.load(win + (pos - start + K - 1)[:, None], mask=_and(mask & ~in_x, has_slot), other=0.0)
+            inputs = _inputs_at(x_ptr, stride_x, cols, win, start, rows - (K - 1) + j, mask, has_slot, K)
             w = tl.load(w_ptr + cols * K + j, mask=mask_c, other=0.0).to(tl.float32)
-            acc += w[None, :] * (xv.to(tl.float32) + wv)
+            acc += w[None, :] * inputs
         y = cast_to(acc, dtype, FIX).to(tl.float32)
         y = y / (1.0 + tl.exp(-y))
         tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], cast_to(y, dtype, FIX), mask=mask)
@@ -370,6 +371,12 @@ def _store_out(
 
 
 @triton.jit
+def _state_tile(ptr, slot, hv, kcols, vcols, stride_slot, stride_head, stride_k):
+    """Pointers of the ``[DK, BV]`` state tile of value head ``hv`` in slot ``slot`` of a pool."""
+    return ptr + slot * stride_slot + hv * stride_head + kcols[:, None] * stride_k + vcols[None, :]
+
+
+@triton.jit
 def _gdn_decode_kernel(
     qkv_ptr,
     stride_qkv,
@@ -413,8 +420,9 @@ def _gdn_decode_kernel(
         qkv_ptr + row * stride_qkv, hv // heads_per_key, hv, key_dim, kcols, vcols, scale, DK, DV
     )
     beta, decay = _gates(b_ptr + row * stride_ba, a_ptr + row * stride_ba, hv, a_log_ptr, dt_bias_ptr, FIX)
-    s_ptrs = state_ptr + tl.maximum(slot, 0) * stride_s_slot + hv * stride_s_head
-    s_ptrs = s_ptrs + kcols[:, None] * stride_s_k + vcols[None, :]
+    s_ptrs = _state_tile(
+        state_ptr, tl.maximum(slot, 0), hv, kcols, vcols, stride_s_slot, stride_s_head, stride_s_k
+    )
     owns = _and((kcols[:, None] < DK) & (vcols[None, :] < DV), owns)
     s, o = _delta_step(tl.load(s_ptrs, mask=owns, other=0.0), q, k, v, beta, decay)  # s: [DK, BV] fp32
     tl.store(s_ptrs, s, mask=owns)
@@ -607,24 +615,25 @@ def _gdn_prefill_kernel(
     start = tl.load(cu_ptr + seg).to(tl.int64)
     end = tl.load(cu_ptr + seg + 1).to(tl.int64)
     slot = tl.load(slot_ptr + seg).to(tl.int64)
-    s_ptrs = state_ptr + tl.maximum(slot, 0) * stride_s_slot + hv * stride_s_head
-    s_ptrs = s_ptrs + kcols[:, None] * stride_s_k + vcols[None, :]
-    owns = _and((kcols[:, None] < DK) & (vcols[None, :] < DV), slot >= 0)
+    s_ptrs = _state_tile(
+        state_ptr, tl.maximum(slot, 0), hv, kcols, vcols, stride_s_slot, stride_s_head, stride_s_k
+    )
+    in_tile = (kcols[:, None] < DK) & (vcols[None, :] < DV)
+    owns = _and(in_tile, slot >= 0)
     s = tl.load(s_ptrs, mask=owns, other=0.0)  # [DK, BV] fp32, carried through the segment's tokens
     saved_at = -1  # the row after which the state goes into a snapshot too
     if HAS_CKPT:
         tokens = tl.load(ckpt_tokens_ptr + seg)
         saved_at = tl.where(tokens >= 0, start + tokens - 1, -1)
         snap = tl.maximum(tl.load(ckpt_slot_ptr + seg).to(tl.int64), 0)
-        snap_ptrs = snap_ptr + snap * stride_s_slot + hv * stride_s_head
-        snap_ptrs = snap_ptrs + kcols[:, None] * stride_s_k + vcols[None, :]
+        snap_ptrs = _state_tile(snap_ptr, snap, hv, kcols, vcols, stride_s_slot, stride_s_head, stride_s_k)
     for t in range(start, end):
         q, k, v = _load_qkv(qkv_ptr + t * stride_qkv, hk, hv, key_dim, kcols, vcols, scale, DK, DV)
         beta, decay = _gates(b_ptr + t * stride_ba, a_ptr + t * stride_ba, hv, a_log_ptr, dt_bias_ptr, FIX)
         s, o = _delta_step(s, q, k, v, beta, decay)
         if HAS_CKPT:
             if t == saved_at:
-                tl.store(snap_ptrs, s, mask=(kcols[:, None] < DK) & (vcols[None, :] < DV))
+                tl.store(snap_ptrs, s, mask=in_tile)
         _store_out(
             o, out_ptr + t * stride_o + hv * DV + vcols, z_ptr + t * stride_z + hv * DV, norm_w_ptr, vcols,
             eps, b_ptr.dtype.element_ty, DV, FUSE_NORM, FIX, FIX_OUT,
