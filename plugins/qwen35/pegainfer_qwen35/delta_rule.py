@@ -38,10 +38,16 @@ def causal_conv_prefill(
     this chunk (zeros at the sequence start). Returns the conv output ``[T, C]`` (before the activation)
     and the new window: the last K-1 inputs, which may still include old ones when T < K-1.
     """
-    width = weight.shape[1] - 1
     seq = torch.cat([window.to(x.dtype), x.t()], dim=1)  # [C, K-1+T]
     y = F.conv1d(seq.unsqueeze(0), weight.unsqueeze(1), groups=weight.shape[0])[0]  # [C, T]
-    return y.t(), seq[:, seq.shape[1] - width :]
+    return y.t(), seq[:, seq.shape[1] - window.shape[1] :]
+
+
+def conv_window_after(x: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+    """The window ``[C, K-1]`` after the inputs x ``[T, C]`` that follow ``window`` (what
+    ``causal_conv_prefill`` returns beside its output, without the conv)."""
+    seq = torch.cat([window.to(x.dtype), x.t()], dim=1)
+    return seq[:, seq.shape[1] - window.shape[1] :]
 
 
 def causal_conv_step(

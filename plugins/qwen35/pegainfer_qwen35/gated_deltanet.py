@@ -50,6 +50,7 @@ from pegainfer_qwen35.delta_rule import (
     causal_conv_prefill,
     causal_conv_step,
     chunked_delta_rule,
+    conv_window_after,
     delta_rule_step,
     l2_normalise,
 )
@@ -402,9 +403,7 @@ class GatedDeltaNet(nn.Module):
         for ((start, n), slot), (tokens, snap) in zip(rows.prefills(), saves, strict=True):
             window = windows.index_select(0, slot)[0]
             if tokens >= 0:  # the window after the first ``tokens`` inputs
-                snaps["conv"][snap] = causal_conv_prefill(
-                    mixed[start : start + tokens], self.conv_weight, window
-                )[1]
+                snaps["conv"][snap] = conv_window_after(mixed[start : start + tokens], window)
             y, window = causal_conv_prefill(mixed[start : start + n], self.conv_weight, window)
             conv[start : start + n] = F.silu(y)
             windows.index_copy_(0, slot, window.unsqueeze(0).to(windows.dtype))
