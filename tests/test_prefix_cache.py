@@ -457,6 +457,16 @@ def add_random_wave(
         sched.add_request(make_request(f"{wave}-{i}", prompt, max_tokens, **params))
 
 
+def save_checkpoints(
+    snaps: dict[int, tuple[int, ...]], checkpoints: list, slot: int, ids: list[int], item, rid: str
+) -> None:
+    """A fake device's forward saving ``slot``'s checkpoints inside ``item``'s chunk: the tokens up to each."""
+    for state, snap, tokens in checkpoints:
+        if state == slot:
+            assert 0 < tokens < item.num_new_tokens, f"{rid}: a checkpoint outside its chunk"
+            snaps[snap] = tuple(ids[: item.start + tokens])
+
+
 class FakeDevice:
     """What the device would hold, written through the block tables: each page slot's token, each state
     slot's tokens so far (a recurrent state is a function of them), each snapshot's."""
@@ -488,10 +498,7 @@ class FakeDevice:
                 assert buffers.pool.hash_of(page) is None, f"{rid} writes into keyed page {page}"
                 self.kv.setdefault(page, [None] * bs)[p % bs] = ids[p]
             if slot is not None:
-                for state, snap, tokens in checkpoints:  # saved inside the chunk by the forward
-                    if state == slot:
-                        assert 0 < tokens < end - item.start, f"{rid}: a checkpoint outside its chunk"
-                        self.snaps[snap] = tuple(ids[: item.start + tokens])
+                save_checkpoints(self.snaps, checkpoints, slot, ids, item, rid)
                 self.state[slot] = tuple(ids[:end])
         for slot, snap in saves:
             self.snaps[snap] = self.state[slot]

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from pegainfer.config.schema import SchedulerConfig
 from pegainfer.engine.request import PENDING_TOKEN, Request, RequestStatus
 from pegainfer.scheduling.scheduler import ContinuousBatchingScheduler, SchedulerOutput
-from tests.test_prefix_cache import add_random_wave, make_manager, random_bases
+from tests.test_prefix_cache import add_random_wave, make_manager, random_bases, save_checkpoints
 
 
 def future(request: Request, k: int) -> int:
@@ -55,10 +55,7 @@ class AsyncDevice:
                 assert buffers.pool.hash_of(page) is None, f"{rid} writes into keyed page {page}"
                 self.kv.setdefault(page, [None] * bs)[p % bs] = ids[p]
             if slot is not None:
-                for state, snap, tokens in checkpoints:  # saved inside the chunk by the forward
-                    if state == slot:
-                        assert 0 < tokens < end - item.start, f"{rid}: a checkpoint outside its chunk"
-                        self.snaps[snap] = tuple(ids[: item.start + tokens])
+                save_checkpoints(self.snaps, checkpoints, slot, ids, item, rid)
                 self.state[slot] = tuple(ids[:end])
         for slot, snap in saves:
             self.snaps[snap] = self.state[slot]
