@@ -8,7 +8,7 @@ upload, sampling bookkeeping, detokenizing and outputs, with the model's forward
 A tiny random Qwen3 (the qwen3_14b plugin, float32) runs ``batch`` greedy ``ignore_eos`` requests with
 FINAL_ONLY outputs, as ``bench/qwen3_14b.py``'s ``bench_decode`` does on the GPU; every timed step is one
 decode step of all of them. By default the executor takes the GPU's decode path: persistent decode rows
-and bucket padding through ``capture_decode_graphs(eager=True)`` (what ``enforce_eager`` runs), so
+and bucket padding through ``capture_cuda_graphs(eager=True)`` (what ``enforce_eager`` runs), so
 ``prepare`` and ``pad_rows`` are measured; ``--no-graph-path`` times the plain eager executor instead.
 What a GPU runs inside the decode graph (the carried tokens' gather, the model, ``compute_logits``, the
 greedy argmax) is timed and subtracted:
@@ -134,7 +134,7 @@ def build(folder: Path, max_num_seqs: int, max_model_len: int, graph_path: bool)
         async_scheduling=True,
     )
     if graph_path:
-        llm.engine.executor.capture_decode_graphs(eager=True)
+        llm.engine.executor.capture_cuda_graphs(eager=True)
     return llm
 
 

@@ -258,7 +258,20 @@ def main() -> None:
             record(name, f"{figure}.uncached", tput_off, "output tok/s")
             record(name, f"{figure}.cached", tput_on, "output tok/s")
             record(name, f"{figure}.speedup", tput_on / tput_off, "ratio")
+            prefill_graphs = getattr(on.engine.executor, "runner", None)
+            prefill_graphs = prefill_graphs is not None and prefill_graphs.prefill_graphs is not None
             release(on)
+            if prefill_graphs and args.device == "cuda":
+                # Side by side: the same hits with the short prefill steps run eagerly.
+                eager = build(args, folder, "prefill_graph_max_tokens=0")
+                ttft_ms(eager, prompt)
+                runs = [ttft_ms(eager, prompt[:shared_len] + tail) for tail in tails]
+                ms = statistics.median(r[0] for r in runs[1:])
+                record(name, f"ttft_ms.shared{shared_len}_hit.prefill_graphs_off", ms, "ms")
+                record(
+                    name, f"ttft_ratio.shared{shared_len}_hit.graphs_vs_eager_prefill", partial / ms, "ratio"
+                )
+                release(eager)
             if hybrid:
                 for interval in [int(i) for i in args.intervals.split(",") if i]:
                     llm = build(args, folder, f"cache.snapshot_interval_pages={interval}")

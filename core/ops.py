@@ -17,8 +17,8 @@ from pegainfer.layers.attention import (
     AttentionMetadata,
     paged_attention_reference,
     reference_scratch_bytes,
-    write_kv,
 )
+from pegainfer.layers.attention import write_kv as write_kv_ref
 from pegainfer.layers.moe import BlockScales, routed_experts
 from pegainfer.layers.norm import rms_norm as rms_norm_ref
 from pegainfer.layers.rotary import RotaryEmbedding
@@ -26,9 +26,14 @@ from pegainfer.memory.buffer_specs import TransientSpec
 from pegainfer.parallel.distributed import TensorParallel
 
 
+def triton_enabled() -> bool:
+    """False where ``PEGAINFER_DISABLE_TRITON=1`` asks for the torch reference on CUDA too."""
+    return os.environ.get("PEGAINFER_DISABLE_TRITON", "0") != "1"
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """Triton kernels for CUDA tensors unless ``PEGAINFER_DISABLE_TRITON=1`` asks for the torch reference."""
-    return t.is_cuda and os.environ.get("PEGAINFER_DISABLE_TRITON", "0") != "1"
+    return t.is_cuda and triton_enabled()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -172,8 +177,19 @@ def qk_norm_rope_attention(
         )
     else:
         q, k = rotary(positions, rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps))
-        write_kv(cache, k, v, slot_mapping)
+        write_kv_ref(cache, k, v, slot_mapping)
     return paged_attention(q, cache, meta, scale)
+
+
+def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k, v ``[T, KVH, D]`` into the pages at ``slot_mapping`` (negative slots skipped): one kernel on CUDA,
+    with no host sync (graph-safe), the reference elsewhere."""
+    if use_triton(k):
+        from pegainfer.kernels import rope_kv
+
+        rope_kv.write_kv(cache, k, v, slot_mapping)
+        return
+    write_kv_ref(cache, k, v, slot_mapping)
 
 
 def paged_attention(

@@ -24,7 +24,7 @@ def _llm(tiny_qwen3, async_scheduling: bool, graph_path: bool = False, **kwargs)
     options.update(kwargs)
     llm = LLM(str(tiny_qwen3), async_scheduling=async_scheduling, **options)
     if graph_path:
-        llm.engine.executor.capture_decode_graphs(eager=True)
+        llm.engine.executor.capture_cuda_graphs(eager=True)
     return llm
 
 

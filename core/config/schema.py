@@ -102,6 +102,9 @@ class EngineConfig(_Section):
     device: str = "auto"
     seed: int = 0
     enforce_eager: bool = False
+    #: Prefill-only steps of at most this many tokens (a prompt's tail after a prefix hit, short prompts)
+    #: replay from CUDA graphs where the model supports it (``CausalLM.prefill_graph_tokens``); 0: never.
+    prefill_graph_max_tokens: int = Field(default=128, ge=0)
     #: Schedule and launch step N+1 before step N's tokens are read back, so the host's work of a step
     #: runs beside the GPU's; None: on for CUDA devices. Needs device embedding and no speculation.
     async_scheduling: bool | None = None

@@ -49,6 +49,7 @@ class LLM:
         device: str = "auto",
         seed: int = 0,
         enforce_eager: bool = False,
+        prefill_graph_max_tokens: int = 128,
         speculative_num_tokens: int = 0,
         async_scheduling: bool | None = None,
     ) -> None:
@@ -85,6 +86,7 @@ class LLM:
             device=device,
             seed=seed,
             enforce_eager=enforce_eager,
+            prefill_graph_max_tokens=prefill_graph_max_tokens,
             async_scheduling=async_scheduling,
         )
         self.engine = LLMEngine(config)

@@ -86,19 +86,19 @@ class DecodeGraphs:
         return logits
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, pool) -> None:
+        """Capture every bucket into ``pool`` (see ``_capture``); nothing with ``eager``."""
         if self.eager:
             return
-        self._capture()
+        self._capture(pool)
 
-    def _capture(self) -> None:
+    def _capture(self, pool) -> None:
         """Capture every bucket, largest first, so smaller graphs reuse the pool the largest reserved.
 
         The buffers hold zeros (valid token 0, page 0, length 1) while capturing: no request exists yet, so
         the writes to page 0 during warm-up and capture touch nothing live.
         """
         self.decode.seq_lens.fill_(1)
-        pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

@@ -6,7 +6,7 @@ An executor is built from the EngineConfig by ``build_executor``: a plugin may s
 or the ``TensorParallelExecutor`` (one runner per rank, rank 0 in the engine's process).
 
 Contract: after construction ``info``, ``plan`` and ``capabilities`` are fixed (``capabilities`` may
-gain ``cuda_graphs`` through ``capture_decode_graphs``). ``execute`` runs one ``ModelBatch``; the
+gain ``cuda_graphs`` through ``capture_cuda_graphs``). ``execute`` runs one ``ModelBatch``; the
 returned logits live on rank 0's device and are valid until the next ``execute``. An executor that has
 failed (a rank died, a collective timed out) raises ``ExecutorError`` from every later call.
 """
@@ -56,7 +56,7 @@ class Executor(ABC):
         had ``keep_hidden``; also fills the draft layers' caches at the inputs' positions."""
         raise ExecutorError("this executor does not draft (capabilities.max_speculative_tokens is 0)")
 
-    def capture_decode_graphs(self, *, eager: bool = False) -> None:
+    def capture_cuda_graphs(self, *, eager: bool = False) -> None:
         """Take the bucket-padded decode path from now on: captured CUDA graphs, or with ``eager`` the same
         padded forward without graphs (on any device). Runners on CUDA do this at start already."""
         raise ExecutorError(f"{type(self).__name__} has no decode-graph path")
@@ -88,8 +88,8 @@ class LocalExecutor(Executor):
     def propose(self, inputs: list[DraftInput]) -> list[list[int]]:
         return self.runner.propose(inputs)
 
-    def capture_decode_graphs(self, *, eager: bool = False) -> None:
-        self.runner.capture_decode_graphs(eager=eager)
+    def capture_cuda_graphs(self, *, eager: bool = False) -> None:
+        self.runner.capture_cuda_graphs(eager=eager)
 
     @property
     def wait_time_s(self) -> float:

@@ -31,9 +31,15 @@ from pegainfer.executor.model_batch import (
     ModelBatch,
     SequenceChunk,
 )
+from pegainfer.executor.prefill_graphs import PrefillGraphs
 from pegainfer.layers.attention import AttentionMetadata, PrefillSegment
 from pegainfer.memory.decode_buffers import DecodeBuffers
 from pegainfer.memory.device_buffers import DeviceBuffers
+from pegainfer.memory.prefill_graph_inputs import (
+    PrefillGraphInputs,
+    prefill_graph_buckets,
+    prefill_graph_shape,
+)
 from pegainfer.memory.rank_plan import plan_rank_memory
 from pegainfer.model.model_api import ForwardBatch, StateCheckpoints
 from pegainfer.model.model_loader import load_model
@@ -96,18 +102,28 @@ class ModelRunner:
         )
         # Request id -> (first position, final hidden states) of its last chunk, for ``propose``.
         self._kept_hidden: dict[str, tuple[int, torch.Tensor]] = {}
-        self.decode = DecodeBuffers(
-            config.scheduler.max_num_seqs, -(-self.max_model_len // self.block_size), self.device
+        max_blocks = -(-self.max_model_len // self.block_size)
+        sched = config.scheduler
+        self.decode = DecodeBuffers(sched.max_num_seqs, max_blocks, self.device)
+        tokens, segments = prefill_graph_shape(
+            model.prefill_graph_tokens,
+            config.prefill_graph_max_tokens,
+            sched.max_num_batched_tokens,
+            sched.max_num_seqs,
+        )
+        self.prefill_inputs = (
+            PrefillGraphInputs(tokens, segments, max_blocks, self.device) if tokens else None
         )
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         # The last batch run on the decode-graph path and its rows' inputs (kept while it is moved on).
         self._graph_rows: DecodeRows | None = None
         self._launch_s = 0.0
         if graphs:
-            self.capture_decode_graphs(eager=config.enforce_eager)
+            self.capture_cuda_graphs(eager=config.enforce_eager)
 
     def check_graph_path(self, *, eager: bool = False) -> None:
-        """ExecutorError unless ``capture_decode_graphs(eager=eager)`` can run here."""
+        """ExecutorError unless ``capture_cuda_graphs(eager=eager)`` can run here."""
         if (self.device.type != "cuda" and not eager) or not self.capabilities.device_embedding:
             raise ExecutorError("decode CUDA graphs need a CUDA device and a model that embeds on the device")
 
@@ -116,11 +132,14 @@ class ModelRunner:
         if not self.capabilities.max_speculative_tokens:
             raise ExecutorError("this executor does not draft (capabilities.max_speculative_tokens is 0)")
 
-    def capture_decode_graphs(self, *, eager: bool = False) -> None:
-        """Capture CUDA graphs for decode-only steps (needs a CUDA device and device embedding); with
-        ``eager`` decode-only steps run the same bucket-padded forward without graphs (on any device: the
-        CPU benchmark of the host's work takes the GPU's decode path this way)."""
+    def capture_cuda_graphs(self, *, eager: bool = False) -> None:
+        """Capture CUDA graphs for decode-only steps and, where the model runs them
+        (``CausalLM.prefill_graph_tokens``), short prefill-only steps, into one pool (needs a CUDA device
+        and device embedding); with ``eager`` those steps run the same bucket-padded forwards without
+        graphs (on any device: the CPU tests and the CPU benchmark of the host's work take the GPU's
+        paths this way)."""
         self.check_graph_path(eager=eager)
+        pool = None if eager else torch.cuda.graph_pool_handle()
         graphs = DecodeGraphs(
             self.model,
             self.decode,
@@ -132,15 +151,29 @@ class ModelRunner:
             buckets=graph_buckets(self.decode.max_num_seqs),
             eager=eager,
         )
-        graphs.capture()
+        graphs.capture(pool)
         self.graphs = graphs
+        if self.prefill_inputs is not None:
+            prefill = PrefillGraphs(
+                self.model,
+                self.prefill_inputs,
+                self.buffers.caches,
+                self.buffers.states,
+                self.buffers.snapshots,
+                block_size=self.block_size,
+                buckets=prefill_graph_buckets(self.prefill_inputs.max_tokens),
+                eager=eager,
+            )
+            prefill.capture(pool)
+            self.prefill_graphs = prefill
         self.capabilities = replace(self.capabilities, cuda_graphs=not eager)
 
     @property
     def wait_time_s(self) -> float:
         """Seconds the host spent blocked on the GPU here: waiting for an upload, and in graph launches
         (a graph launched while its previous replay still runs may block until that one is done)."""
-        return self.decode.wait_time_s + self._launch_s
+        prefill = self.prefill_inputs.wait_time_s if self.prefill_inputs is not None else 0.0
+        return self.decode.wait_time_s + prefill + self._launch_s
 
     # ------------------------------------------------------------------------------------------ a step
 
@@ -176,7 +209,21 @@ class ModelRunner:
                 self._graph_rows = DecodeRows.of(batch, decodes)
                 return self._execute_graph(self._graph_rows, batch.carried_tokens)
         self._graph_rows = None
+        if self.prefill_graphs is not None and not decodes and self.prefill_graphs.takes(prefills):
+            return self._execute_prefill_graph(batch, prefills)
         return self._execute_eager(batch, prefills, decodes)
+
+    def _execute_prefill_graph(self, batch: ModelBatch, prefills: list[SequenceChunk]) -> ExecutorOutput:
+        slots = [c.state_slot or 0 for c in prefills] if self.plan.num_state_slots else None
+        t0 = time.perf_counter()
+        logits = self.prefill_graphs.run(
+            prefills, slots, self._checkpoint_pairs(batch.state_checkpoints, prefills)
+        )
+        self._launch_s += time.perf_counter() - t0
+        sampled = [i for i, c in enumerate(prefills) if c.num_logits]
+        if len(sampled) < len(prefills):  # a chunk that is not its prompt's last samples nothing
+            logits = logits.index_select(0, torch.tensor(sampled, dtype=torch.int64, device=self.device))
+        return ExecutorOutput(logits=logits)
 
     def _prepare_decode_rows(
         self,
@@ -253,16 +300,26 @@ class ModelRunner:
             token_ids, positions, meta, state_slots=state_slots, hidden_states=hidden, checkpoints=checkpoints
         )
 
-    def _checkpoints(
-        self, planned: list[tuple[int, int, int]], prefills: list[SequenceChunk]
-    ) -> StateCheckpoints | None:
-        """``ModelBatch.state_checkpoints`` (by state slot) as the forward takes them, per prefill segment."""
+    @staticmethod
+    def _checkpoint_pairs(
+        planned: list[tuple[int, int, int]], prefills: list[SequenceChunk]
+    ) -> list[tuple[int, int]] | None:
+        """``ModelBatch.state_checkpoints`` (by state slot) as (tokens, snapshot slot) per prefill segment."""
         if not planned:
             return None
         by_slot = {state: (tokens, snapshot) for state, snapshot, tokens in planned}
         host = [by_slot.get(c.state_slot, (-1, -1)) for c in prefills]
         if sum(tokens >= 0 for tokens, _ in host) != len(planned):
             raise ExecutorError(f"state checkpoints {planned} do not each name a prefill chunk of the step")
+        return host
+
+    def _checkpoints(
+        self, planned: list[tuple[int, int, int]], prefills: list[SequenceChunk]
+    ) -> StateCheckpoints | None:
+        """The forward's checkpoints (see ``_checkpoint_pairs``), on the device."""
+        host = self._checkpoint_pairs(planned, prefills)
+        if host is None:
+            return None
         n = len(host)  # one copy to the device: the tokens, then the slots (each contiguous)
         both = torch.tensor([t for t, _ in host] + [s for _, s in host], dtype=torch.int64).to(self.device)
         return StateCheckpoints(both[:n], both[n:], host, self.buffers.snapshots)

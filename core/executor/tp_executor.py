@@ -100,10 +100,10 @@ class TensorParallelExecutor(Executor):
         self._send(self._encoder.drafts(inputs))
         return self._guarded(self.runner.propose, inputs)
 
-    def capture_decode_graphs(self, *, eager: bool = False) -> None:
+    def capture_cuda_graphs(self, *, eager: bool = False) -> None:
         self.runner.check_graph_path(eager=eager)
         self._send(("capture", eager))
-        self._guarded(self.runner.capture_decode_graphs, eager=eager)
+        self._guarded(self.runner.capture_cuda_graphs, eager=eager)
 
     def _send(self, message: tuple) -> None:
         if self._failure is not None:

@@ -51,7 +51,7 @@ def serve(runner: ModelRunner, channel: Any) -> None:
         elif kind == "drafts":
             runner.propose(decoder.drafts(message))
         elif kind == "capture":
-            runner.capture_decode_graphs(eager=message[1])
+            runner.capture_cuda_graphs(eager=message[1])
         elif kind == "stop":
             return
         else:

@@ -32,6 +32,11 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
     decode_seq_lens: torch.Tensor | None = None  # [num_decodes], context length including the new token
     max_decode_seq_len: int = 0
+    #: A CUDA-graph prefill step (``pegainfer.executor.prefill_graphs``): ``prefills`` are placeholders
+    #: whose host values are bounds only (``q_len``: the bucket's token count, the same ``q_start`` 0), and
+    #: the segments' real values are device tensors in ``derived`` ("prefill_tensors", "cu_seqlens"). Only
+    #: models with ``CausalLM.prefill_graph_tokens`` get such steps.
+    in_graph: bool = False
     #: Forms of this metadata a backend builds once per forward and every layer reuses (e.g. the packed
     #: device tensors of the prefill segments), by name.
     derived: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
@@ -51,7 +56,11 @@ def reference_scratch_bytes(
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store k, v ``[T, kv_heads, D]`` into ``cache`` ``[2, blocks, block_size, kv_heads, D]`` at the slots."""
+    """Store k, v ``[T, kv_heads, D]`` into ``cache`` ``[2, blocks, block_size, kv_heads, D]`` at the slots;
+    negative slots (padding tokens) are skipped."""
+    if slot_mapping.numel() and bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     flat = cache.flatten(1, 2)
     flat[0].index_copy_(0, slot_mapping, k.to(cache.dtype))
     flat[1].index_copy_(0, slot_mapping, v.to(cache.dtype))

@@ -14,6 +14,7 @@ import torch
 from pegainfer.config.schema import EngineConfig
 from pegainfer.memory.buffer_specs import BufferSpec, TransientSpec, dtype_size
 from pegainfer.memory.memory_plan import MemoryPlan, plan_memory
+from pegainfer.memory.prefill_graph_inputs import prefill_graph_buckets, prefill_graph_shape
 from pegainfer.model.model_loader import LoadedModel
 from pegainfer.parallel.distributed import TensorParallel
 from pegainfer.scheduling.scheduler import PROMPT_LOGPROBS_CHUNK
@@ -36,7 +37,7 @@ def prefix_caching_enabled(loaded: LoadedModel, config: EngineConfig) -> bool:
 
 
 def step_transients(loaded: LoadedModel, config: EngineConfig, *, graphs: bool) -> list[TransientSpec]:
-    """The model's transients plus what the sampler, the decode buffers and the decode graphs take."""
+    """The model's transients plus what the sampler, the decode buffers and the CUDA graphs take."""
     model = loaded.model
     vocab = getattr(model, "vocab_size", 0)
     num_spec = config.speculative.num_tokens
@@ -55,6 +56,18 @@ def step_transients(loaded: LoadedModel, config: EngineConfig, *, graphs: bool) 
         # them per token) and its static logits.
         per_row = sum(t.bytes_per_token for t in model.transient_specs())
         specs.append(TransientSpec("cuda_graphs", bytes_fixed=64 << 20, bytes_per_seq=4 * vocab + per_row))
+        sched = config.scheduler
+        tokens, segments = prefill_graph_shape(
+            model.prefill_graph_tokens,
+            config.prefill_graph_max_tokens,
+            sched.max_num_batched_tokens,
+            sched.max_num_seqs,
+        )
+        if tokens:
+            # The same pool: the largest bucket's activations, and every bucket's static logits.
+            logits = len(prefill_graph_buckets(tokens)) * segments * 4 * vocab
+            inputs = 8 * (3 * tokens + 5 * segments + 1) + 4 * segments * (3 + max_blocks)
+            specs.append(TransientSpec("prefill_graphs", bytes_fixed=tokens * per_row + logits + 2 * inputs))
     return specs
 
 

@@ -62,6 +62,10 @@ class CausalLM(torch.nn.Module, ABC):
     #: boundary instead of being cut there, the forward saving the state at it (``ForwardBatch.checkpoints``).
     #: 0: every chunk ends at the boundaries it would cross, and the state is copied after the forward.
     snapshot_inside_chunk_tokens: int = 0
+    #: The most tokens of a prefill-only step this model's forward runs inside a CUDA graph (0: none). Such
+    #: a forward gets ``AttentionMetadata.in_graph`` batches: it reads the segments only from their device
+    #: form, with no host sync and no shape that depends on the segments' values.
+    prefill_graph_tokens: int = 0
 
     @classmethod
     @abstractmethod

@@ -207,6 +207,44 @@ def unused_checkpoint_tensors(folder: str | Path, name: str = "auto") -> list[st
     return reader.unused()
 
 
+def assert_prefill_graphs_match_eager(folder: str | Path, **options: Any) -> None:
+    """On a GPU: prefix-cache hits (a long prompt, then prompts sharing 17..290 of its tokens with short
+    tails, one batch whose tails run in the same steps, then that batch again) whose short prefill steps
+    replay from CUDA graphs give the greedy tokens of ``enforce_eager`` (the same padded forwards without
+    graphs), and the prefill graphs really ran. ``options``: the LLM's (device, dtype, memory)."""
+    from pegainfer.engine.llm import LLM
+
+    rng = random.Random(6)
+    base = [rng.randrange(990) for _ in range(300)]
+    shared = [
+        base[:k] + [rng.randrange(990) for _ in range(n)] for k, n in ((290, 5), (150, 30), (64, 60), (17, 3))
+    ]
+    rounds = [[base], shared, shared]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def tokens(llm: Any) -> list[list[list[int]]]:
+        outs = [llm.generate(prompt_token_ids=r, sampling_params=params, use_tqdm=False) for r in rounds]
+        llm.engine.buffers.check_invariants()
+        assert any(o.num_cached_tokens for o in outs[1]), "the shared prompts hit no cached prefix"
+        return [[o.outputs[0].token_ids for o in r] for r in outs]
+
+    graph_llm = LLM(str(folder), **options)
+    graphs = graph_llm.engine.executor.runner.prefill_graphs
+    assert graph_llm.engine.executor.capabilities.cuda_graphs and graphs is not None
+    run, replays = graphs.run, [0]
+
+    def counting(*args: Any) -> Any:
+        replays[0] += 1
+        return run(*args)
+
+    graphs.run = counting
+    expected = tokens(graph_llm)
+    assert replays[0] > 0, "no prefill step replayed a graph"
+    del graph_llm, graphs
+    torch.cuda.empty_cache()
+    assert tokens(LLM(str(folder), enforce_eager=True, **options)) == expected
+
+
 def _tp_llm(folder: str | Path, tp: int, **options: Any) -> Any:
     """An engine of ``tp`` ranks whose ``carried_steps[0]`` counts the steps that took a token from the
     device (scheduled ahead of the last step's read-back)."""
@@ -304,7 +342,7 @@ def assert_tensor_parallel_matches(
     )
     try:
         if async_scheduling:
-            small.engine.executor.capture_decode_graphs(eager=True)
+            small.engine.executor.capture_cuda_graphs(eager=True)
         outs = small.generate(prompt_token_ids=batch, sampling_params=greedy, use_tqdm=False)
         assert sum(o.metrics.num_preemptions for o in outs) > 0, (
             "tp: the pool was large enough to preempt nothing"

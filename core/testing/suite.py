@@ -263,6 +263,39 @@ class PluginConformance:
         assert hits == sum(map(sum, cached)) and queries > hits > 0
         assert 0 < on.engine.prefix_cache_hit_rate < 1
 
+    def test_prefix_caching_on_the_graph_paths(self, conformance_checkpoint: Path) -> None:
+        """The rounds above on the GPU's graph paths (on the CPU their eager form: bucket-padded decode
+        rows and, where the model runs prefill graphs, padded prefill steps, with their checkpoints inside
+        chunks for models with state) give the uncached run's greedy tokens, and the hits' short prefill
+        steps really take the prefill-graph path."""
+        if not self.prefix_caching:
+            pytest.skip("the model refuses prefix caching (test_prefix_caching_matches_uncached checks it)")
+        base, rounds = self._prefix_rounds()
+        small = ["cache.block_size=4", "cache.snapshot_interval_pages=2", "model.max_model_len=64"]
+        off = self._variant(conformance_checkpoint, *small, "cache.enable_prefix_caching=false")
+        expected = [[o.outputs[0].token_ids for o in r] for r in self._run_rounds(off, [[base], *rounds], 6)]
+        on = self._variant(conformance_checkpoint, *small)
+        executor = on.engine.executor
+        if not executor.capabilities.device_embedding:
+            pytest.skip("the model takes its embeddings from the engine: it has no graph paths")
+        executor.capture_cuda_graphs(eager=True)
+        prefill = executor.runner.prefill_graphs
+        steps = []
+        if prefill is not None:
+            run = prefill.run
+
+            def recording_run(chunks, state_slots, checkpoints):
+                steps.append((len(chunks), checkpoints is not None))
+                return run(chunks, state_slots, checkpoints)
+
+            prefill.run = recording_run
+        outs = self._run_rounds(on, [[base], *rounds], 6)
+        assert [[o.outputs[0].token_ids for o in r] for r in outs] == expected
+        if executor.runner.model.prefill_graph_tokens:
+            assert any(n > 1 for n, _ in steps), f"no prefill-graph step of several requests: {steps}"
+            if on.engine.buffers.cuts_chunks:
+                assert any(ckpt for _, ckpt in steps), "no prefill-graph step saved a checkpoint"
+
     def test_prefix_caching_under_page_pressure(self, conformance_checkpoint: Path) -> None:
         """A pool too small to keep every prefix: cached pages are evicted for new ones, requests whose
         pages are shared are preempted (their shared pages stay with the others), and the greedy tokens

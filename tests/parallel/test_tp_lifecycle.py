@@ -232,7 +232,7 @@ def test_a_refused_call_does_not_fail_the_ranks(tiny_qwen3):
     llm = _tp_llm(tiny_qwen3)
     try:
         with pytest.raises(ExecutorError, match="need a CUDA device"):
-            llm.engine.executor.capture_decode_graphs()  # on the CPU only the eager path exists
+            llm.engine.executor.capture_cuda_graphs()  # on the CPU only the eager path exists
         with pytest.raises(ExecutorError, match="does not draft"):
             llm.engine.executor.propose([])
         assert llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=GREEDY, use_tqdm=False)

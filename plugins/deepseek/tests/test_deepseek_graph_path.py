@@ -2,7 +2,7 @@
 one CUDA graphs capture (bucket-padded rows, static bound on the context, the MLA decode and fused MoE
 kernels on CUDA).
 
-On the CPU ``capture_decode_graphs(eager=True)`` runs that same padded forward without graphs: its greedy
+On the CPU ``capture_cuda_graphs(eager=True)`` runs that same padded forward without graphs: its greedy
 tokens must equal the plain path's and transformers'. On a GPU, graph decode must give the tokens of
 ``enforce_eager`` decode (the same padded forward, no graphs).
 """
@@ -36,7 +36,7 @@ def test_padded_decode_path_equals_plain_path_and_transformers(tiny_deepseek, as
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 5, 9, 3, 7)]
     plain = LLM(str(tiny_deepseek), **options)
     graph_path = LLM(str(tiny_deepseek), **options)
-    graph_path.engine.executor.capture_decode_graphs(eager=True)
+    graph_path.engine.executor.capture_cuda_graphs(eager=True)
     runs = [0]
     graphs = graph_path.engine.executor.runner.graphs
     run = graphs.run

@@ -17,12 +17,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pegainfer.layers.attention import write_kv
 from pegainfer.layers.rotary import RotaryEmbedding
 from pegainfer.memory.buffer_specs import PagedKVSpec
 from pegainfer.model.checkpoint import CheckpointReader
 from pegainfer.model.model_api import ForwardBatch
-from pegainfer.ops import paged_attention
+from pegainfer.ops import paged_attention, write_kv
 from pegainfer.parallel.distributed import TensorParallel
 from pegainfer.parallel.sharding import Shard, split
 from pegainfer_qwen35.config import Qwen35Config, Qwen35Shard

@@ -42,7 +42,7 @@ from torch import nn
 from pegainfer.memory.buffer_specs import RecurrentStateSpec
 from pegainfer.model.checkpoint import CheckpointReader
 from pegainfer.model.model_api import ForwardBatch, StateCheckpoints
-from pegainfer.ops import use_triton
+from pegainfer.ops import triton_enabled, use_triton
 from pegainfer.parallel.distributed import TensorParallel
 from pegainfer.parallel.sharding import Shard, split, stitch
 from pegainfer_qwen35.config import Qwen35Config, Qwen35Shard, _LinearAttentionWidths
@@ -70,10 +70,16 @@ RECURRENT_PREFILL_MAX_TOKENS = 128
 STATE_DTYPE = torch.float32
 
 
+def gdn_kernels_enabled() -> bool:
+    """False where ``PEGAINFER_QWEN35_GDN_KERNELS=0`` (the benchmarks compare) or
+    ``PEGAINFER_DISABLE_TRITON=1`` keeps the torch reference on CUDA."""
+    return triton_enabled() and os.environ.get("PEGAINFER_QWEN35_GDN_KERNELS", "1") != "0"
+
+
 def decode_kernels_on(x: torch.Tensor) -> bool:
-    """Whether decode rows take the fused kernels of ``gdn_kernels``: CUDA tensors (``ops.use_triton``)
-    unless ``PEGAINFER_QWEN35_GDN_KERNELS=0`` keeps the torch reference there (the benchmarks compare)."""
-    return use_triton(x) and os.environ.get("PEGAINFER_QWEN35_GDN_KERNELS", "1") != "0"
+    """Whether decode rows (and short prefill segments) take the fused kernels of ``gdn_kernels``: CUDA
+    tensors where :func:`gdn_kernels_enabled`."""
+    return x.is_cuda and gdn_kernels_enabled()
 
 
 @dataclass
@@ -94,8 +100,9 @@ class RecurrentRows:
 
     @functools.cached_property
     def cu_seqlens(self) -> torch.Tensor:
-        """:attr:`cu_seqlens_cpu` on the slots' device: one object every layer of the forward passes, so fla's
-        identity-keyed caches build the chunk indices derived from it once per forward, not per layer."""
+        """:attr:`cu_seqlens_cpu` on the slots' device (a CUDA-graph step's own device tensor, see
+        ``from_batch``): one object every layer of the forward passes, so fla's identity-keyed caches build
+        the chunk indices derived from it once per forward, not per layer."""
         return self.cu_seqlens_cpu.to(self.segment_slots.device)
 
     @property
@@ -112,7 +119,7 @@ class RecurrentRows:
             raise RuntimeError("Qwen3.5 needs a state slot per request, but the batch carries none")
         meta = batch.attn
         num_segments = len(meta.prefills)
-        return cls(
+        rows = cls(
             segments=[(seg.q_start, seg.q_len) for seg in meta.prefills],
             segment_slots=batch.state_slots[:num_segments],
             decode_start=meta.num_prefill_tokens,
@@ -120,6 +127,9 @@ class RecurrentRows:
             decode_slots=batch.state_slots[num_segments : num_segments + meta.num_decodes],
             checkpoints=batch.checkpoints,
         )
+        if meta.in_graph:  # placeholder segments: the real bounds are the graph's device tensor
+            rows.cu_seqlens = meta.derived["cu_seqlens"]
+        return rows
 
 
 def gate_and_normalise(

@@ -37,7 +37,12 @@ from pegainfer.parallel.sharding import vocab_shard, vocab_split
 from pegainfer_qwen35 import pass_buffers
 from pegainfer_qwen35.attention import GatedAttention
 from pegainfer_qwen35.config import FULL, LINEAR, Qwen35Config, Qwen35Shard, text_part
-from pegainfer_qwen35.gated_deltanet import RECURRENT_PREFILL_MAX_TOKENS, GatedDeltaNet, RecurrentRows
+from pegainfer_qwen35.gated_deltanet import (
+    RECURRENT_PREFILL_MAX_TOKENS,
+    GatedDeltaNet,
+    RecurrentRows,
+    gdn_kernels_enabled,
+)
 from pegainfer_qwen35.mlp import DenseMLP
 from pegainfer_qwen35.moe import SparseMoE
 from pegainfer_qwen35.norms import rms_norm_zero_centred
@@ -102,8 +107,8 @@ class Qwen35DecoderLayer(nn.Module):
         else:
             self.mixer(normed, batch, cache, rotary, bufs, residual=x)
         normed = rms_norm_zero_centred(x, self.post_attention_layernorm, eps, out=bufs.normed)
-        # Decode-only steps run inside CUDA graphs: the FFN must not sync with the host there.
-        static = not batch.attn.prefills
+        # Decode-only steps and short prefill steps run inside CUDA graphs: the FFN must not sync there.
+        static = not batch.attn.prefills or batch.attn.in_graph
         if isinstance(self.mlp, DenseMLP):
             self.mlp(normed, bufs, static_shapes=static, residual=x)
         else:
@@ -125,6 +130,12 @@ class Qwen35ForCausalLM(CausalLM):
     #: A short chunk crossing a snapshot boundary saves the GDN state there itself (``GatedDeltaNet``): a
     #: prompt's tail after a hit is one step, not two. Bounded so the GPU's token-by-token form stays short.
     snapshot_inside_chunk_tokens = RECURRENT_PREFILL_MAX_TOKENS
+
+    @property
+    def prefill_graph_tokens(self) -> int:
+        """Prefill steps this short run the GDN prefill kernels, which read the segments' device form
+        (``RecurrentRows``); the torch and fla forms read them on the host and never run in a graph."""
+        return RECURRENT_PREFILL_MAX_TOKENS if gdn_kernels_enabled() else 0
 
     def __init__(
         self,

@@ -1,7 +1,7 @@
 """Qwen3.5 on the decode-graph path: the model embeds on the device and its decode-only forward is the
 one the CUDA graphs capture (bucket-padded rows, state slots read from the persistent decode buffers).
 
-On the CPU ``capture_decode_graphs(eager=True)`` runs that same padded forward without graphs: its greedy
+On the CPU ``capture_cuda_graphs(eager=True)`` runs that same padded forward without graphs: its greedy
 tokens must equal the plain path's and transformers'. On a GPU, graph decode must give the tokens of
 ``enforce_eager`` decode (the same padded forward, no graphs), through the fused GDN decode kernels.
 """
@@ -47,7 +47,7 @@ def test_padded_decode_path_equals_plain_path_and_transformers(tiny_qwen35, asyn
     ]  # fmt: skip
     plain = LLM(str(tiny_qwen35), **options)
     graph_path = LLM(str(tiny_qwen35), **options)
-    graph_path.engine.executor.capture_decode_graphs(eager=True)
+    graph_path.engine.executor.capture_cuda_graphs(eager=True)
     runs = [0]
     graphs = graph_path.engine.executor.runner.graphs
     run = graphs.run
@@ -102,3 +102,25 @@ def test_graph_decode_equals_eager_decode(tiny_checkpoint_factory, architecture_
     eager_llm = LLM(str(folder), enforce_eager=True, **common)
     assert not eager_llm.engine.executor.capabilities.cuda_graphs
     assert _tokens(eager_llm, prompts, params) == graph
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("architecture_name", ["qwen3_5", "qwen3_5_moe"], ids=["dense", "moe"])
+def test_prefill_graphs_equal_eager(tiny_checkpoint_factory, architecture_name):
+    """bf16 on the GPU: prefix hits whose short tails (and the state checkpoints inside them) replay from
+    prefill CUDA graphs give the tokens of enforce_eager."""
+    from test_qwen35_gpu import VARIANTS
+
+    from pegainfer.testing.conformance import assert_prefill_graphs_match_eager
+
+    folder = tiny_checkpoint_factory(
+        architecture_name, seed=3, dtype="bfloat16", **VARIANTS[architecture_name]
+    )
+    assert_prefill_graphs_match_eager(
+        folder,
+        dtype="bfloat16",
+        device="cuda",
+        gpu_memory_utilization=0.3,
+        max_model_len=512,
+        max_num_seqs=16,
+    )

@@ -10,6 +10,7 @@ instead of ten.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,6 +200,13 @@ class Qwen3DecoderLayer(nn.Module):
 class Qwen3ForCausalLM(CausalLM):
     """Under tensor parallelism each rank holds its heads of q|k|v and o_proj, its share of gate|up and
     down (o_proj and down all-reduced), and its rows of the vocab-parallel embedding and lm_head."""
+
+    @property
+    def prefill_graph_tokens(self) -> int:
+        """The forward reads the prefill segments through ``ops``' kernels only, which take their device
+        form: a step of any size can run in a CUDA graph (the engine's cap decides). The torch
+        references read them on the host."""
+        return sys.maxsize if ops.triton_enabled() else 0
 
     def __init__(
         self, dims: Qwen3Dims, *, dtype: torch.dtype, max_model_len: int, tp: TensorParallel | None = None

@@ -1,0 +1,167 @@
+"""CUDA-graph prefill: short prefill-only steps replayed from graphs captured per token-count bucket.
+
+A short prefill step (a prompt's tail after a prefix hit, a short prompt) is bound by the host's launches
+when it runs eagerly (docs/benchmarks.md, "Prefix caching"): its kernels take a fraction of the time the
+host takes to issue them. Such a step writes its tokens and segments into ``PrefillGraphInputs``, which
+pads the rest, and replays the graph of the smallest bucket holding its tokens. Each segment's last row
+gets its logits, in a static ``[max_segments, V]`` output valid until the next step.
+
+Only a model whose forward reads the segments from their device form runs in a graph
+(``CausalLM.prefill_graph_tokens``). Its batch says ``in_graph``, its ``prefills`` are ``max_segments``
+placeholders bounded by the bucket, and the real values are in ``derived``: the attention's packed
+tensors ("prefill_tensors", with the bucket as the longest query) and the varlen bounds ("cu_seqlens").
+With ``eager`` the same padded forward runs without a graph and with the real segments on the host
+(``enforce_eager``; the reference paths on the CPU run it too).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from pegainfer.executor.model_batch import SequenceChunk
+from pegainfer.layers.attention import AttentionMetadata, PrefillSegment
+from pegainfer.memory.buffer_specs import CacheKey
+from pegainfer.memory.prefill_graph_inputs import PrefillGraphInputs
+from pegainfer.model.model_api import CausalLM, ForwardBatch, StateCheckpoints
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillGraphs:
+    def __init__(
+        self,
+        model: CausalLM,
+        inputs: PrefillGraphInputs,
+        caches: dict[CacheKey, torch.Tensor],
+        states: dict[int, dict[str, torch.Tensor]],
+        snapshots: dict[int, dict[str, torch.Tensor]],
+        *,
+        block_size: int,
+        buckets: list[int],
+        eager: bool = False,
+    ) -> None:
+        self.model = model
+        self.inputs = inputs
+        self.caches, self.states = caches, states
+        # Snapshot pools for in-chunk checkpoints, when the model takes them and caching keeps any.
+        self.snapshots = snapshots if model.snapshot_inside_chunk_tokens else {}
+        self.block_size = block_size
+        self.buckets = sorted(buckets)
+        self.eager = eager
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    @property
+    def max_tokens(self) -> int:
+        return self.buckets[-1]
+
+    def takes(self, chunks: Sequence[SequenceChunk]) -> bool:
+        """Whether a prefill-only step of ``chunks`` runs here: few enough tokens and segments, and at most
+        each chunk's last row sampled (prompt logprobs and kept hidden states take the eager path)."""
+        return (
+            len(chunks) <= self.inputs.max_segments
+            and sum(len(c.token_ids) for c in chunks) <= self.max_tokens
+            and all(c.num_logits <= 1 and not c.all_logits and not c.keep_hidden for c in chunks)
+        )
+
+    def bucket_for(self, tokens: int) -> int:
+        for size in self.buckets:
+            if size >= tokens:
+                return size
+        raise ValueError(f"{tokens} tokens exceed the largest prefill graph ({self.max_tokens})")
+
+    def _batch(
+        self,
+        size: int,
+        segments: list[PrefillSegment] | None,
+        checkpoints: Sequence[tuple[int, int]] | None,
+    ) -> ForwardBatch:
+        """The bucket's batch: with ``segments`` (eager) the real ones and the step's ``checkpoints`` on
+        the host, else the graph's placeholders (always with the checkpoint tensors, which say -1 where a
+        step has none)."""
+        inp = self.inputs
+        in_graph = segments is None
+        if in_graph:
+            segments = [PrefillSegment(0, size, size, inp.block_tables[s]) for s in range(inp.max_segments)]
+        meta = AttentionMetadata(
+            block_size=self.block_size,
+            slot_mapping=inp.slot_mapping[:size],
+            prefills=segments,
+            num_prefill_tokens=size,
+            in_graph=in_graph,
+        )
+        if in_graph:
+            from pegainfer.kernels.paged_prefill_attention import PrefillTensors  # CUDA only (see ops)
+
+            meta.derived["prefill_tensors"] = PrefillTensors(
+                inp.q_start, inp.q_len, inp.ctx_len, inp.block_tables, max_q_len=size
+            )
+            meta.derived["cu_seqlens"] = inp.cu_seqlens
+        if in_graph:  # the host pairs are read by the reference paths only, which a graph never runs
+            checkpoints = [(-1, -1)] * len(segments)
+        ckpt = None
+        if checkpoints is not None and self.snapshots:
+            ckpt = StateCheckpoints(
+                inp.checkpoint_tokens, inp.checkpoint_slots, list(checkpoints), self.snapshots
+            )
+        return ForwardBatch(
+            inp.input_ids[:size],
+            inp.positions[:size],
+            meta,
+            state_slots=inp.state_slots if self.states else None,
+            checkpoints=ckpt,
+        )
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.model(batch, self.caches, self.states)
+        return self.model.compute_logits(hidden.index_select(0, self.inputs.logit_rows))
+
+    @torch.inference_mode()
+    def capture(self, pool) -> None:
+        """Capture every bucket, largest first, into ``pool`` (the decode graphs' pool: no two graphs
+        replay at once). The inputs are all padding meanwhile: nothing is read or written but scratch."""
+        if self.eager:
+            return
+        self.inputs.clear()
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for size in reversed(self.buckets):
+                batch = self._batch(size, None, None)
+                self._forward(batch)  # warm-up: lazy initialisation and autotuning stay out of the graph
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    logits = self._forward(batch)
+                self._graphs[size] = (graph, logits)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        logger.info("captured prefill CUDA graphs for %s tokens", self.buckets)
+
+    def run(
+        self,
+        chunks: Sequence[SequenceChunk],
+        state_slots: Sequence[int] | None,
+        checkpoints: Sequence[tuple[int, int]] | None,
+    ) -> torch.Tensor:
+        """The step of ``chunks`` (``takes`` them), with their state slots and in-chunk checkpoints
+        ``(tokens, snapshot slot)``: the logits of each chunk's last row, ``[len(chunks), V]``."""
+        inp = self.inputs
+        tokens = inp.prepare(
+            [(c.token_ids, c.start, c.block_table) for c in chunks], state_slots, checkpoints, self.block_size
+        )
+        size = self.bucket_for(tokens)
+        if self.eager:
+            segments, first = [], 0
+            for s, c in enumerate(chunks):
+                n, ctx = len(c.token_ids), c.start + len(c.token_ids)
+                segments.append(
+                    PrefillSegment(first, n, ctx, inp.block_tables[s, : -(-ctx // self.block_size)])
+                )
+                first += n
+            return self._forward(self._batch(size, segments, checkpoints))[: len(chunks)]
+        graph, logits = self._graphs[size]
+        graph.replay()
+        return logits[: len(chunks)]

@@ -1,0 +1,128 @@
+"""The CUDA-graph prefill path: its buckets, its persistent inputs (padding that reads and writes nothing)
+and, on the CPU, its eager form (the same padded forward) against the plain path.
+
+The conformance suite runs it over prefix-cache hits for every plugin (``test_prefix_caching_on_the_graph_
+paths``); on a GPU, graph replay against ``enforce_eager`` is checked by the plugins' GPU tests.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pegainfer import LLM, SamplingParams
+from pegainfer.memory.prefill_graph_inputs import (
+    MAX_SEGMENTS,
+    PrefillGraphInputs,
+    prefill_graph_buckets,
+    prefill_graph_shape,
+)
+
+
+def test_buckets_double_up_to_the_largest():
+    assert prefill_graph_buckets(128) == [16, 32, 64, 128]
+    assert prefill_graph_buckets(100) == [16, 32, 64, 100]
+    assert prefill_graph_buckets(16) == [16]
+    assert prefill_graph_buckets(8) == [8]
+    assert prefill_graph_buckets(0) == []
+
+
+def test_shape_is_bounded_by_the_model_the_cap_and_the_budget():
+    assert prefill_graph_shape(128, 256, 4096, 128) == (128, MAX_SEGMENTS)
+    assert prefill_graph_shape(10**9, 64, 4096, 4) == (64, 4)
+    assert prefill_graph_shape(128, 128, 12, 8) == (12, 8)
+    assert prefill_graph_shape(0, 128, 4096, 128) == (0, 0)
+    assert prefill_graph_shape(128, 0, 4096, 128) == (0, 0)
+
+
+def test_inputs_hold_the_step_and_pad_the_rest():
+    inp = PrefillGraphInputs(max_tokens=16, max_segments=4, max_blocks_per_seq=5, device=torch.device("cpu"))
+    # Block size 4: a 3-token chunk at positions 5..7 (pages 9, 2), a 2-token one at 0..1 (page 6).
+    written = inp.prepare([([11, 12, 13], 5, [9, 2, 7]), ([21, 22], 0, [6])], [3, 1], [(-1, -1), (1, 4)], 4)
+    assert written == 5
+    assert inp.input_ids.tolist() == [11, 12, 13, 21, 22] + [0] * 11
+    assert inp.positions.tolist()[:5] == [5, 6, 7, 0, 1]
+    assert inp.slot_mapping.tolist() == [2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 6 * 4, 6 * 4 + 1] + [-1] * 11
+    assert inp.cu_seqlens.tolist() == [0, 3, 5, 5, 5]
+    assert (inp.q_start.tolist(), inp.q_len.tolist(), inp.ctx_len.tolist()) == (
+        [0, 3, 5, 5],
+        [3, 2, 0, 0],
+        [8, 2, 0, 0],
+    )
+    assert inp.block_tables[0, :2].tolist() == [9, 2] and inp.block_tables[1, 0].item() == 6
+    assert inp.state_slots.tolist() == [3, 1, -1, -1]
+    assert inp.checkpoint_tokens.tolist() == [-1, 1, -1, -1]
+    assert inp.checkpoint_slots.tolist()[1] == 4
+    assert inp.logit_rows.tolist() == [2, 4, 0, 0]
+    # The next step starts from a clean slate: nothing of the last one is left as a live segment.
+    inp.prepare([([5] * 4, 0, [1])], None, None, 4)
+    assert inp.q_len.tolist() == [4, 0, 0, 0] and inp.state_slots.tolist() == [0, -1, -1, -1]
+    assert inp.checkpoint_tokens.tolist() == [-1] * 4 and inp.slot_mapping.tolist()[4:] == [-1] * 12
+    inp.clear()
+    assert inp.q_len.tolist() == [0] * 4 and inp.slot_mapping.tolist() == [-1] * 16
+
+
+def test_inputs_refuse_a_step_too_large():
+    inp = PrefillGraphInputs(max_tokens=8, max_segments=2, max_blocks_per_seq=4, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="at most 8 tokens in 2 segments"):
+        inp.prepare([([1] * 9, 0, [0, 1, 2])], None, None, 4)
+    with pytest.raises(ValueError, match="not 3 in 3"):
+        inp.prepare([([1], 0, [0])] * 3, None, None, 4)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_padded_prefill_equals_the_plain_path(tiny_qwen3, async_scheduling):
+    """Prompts chunked at 24 tokens (chunks that sample nothing), several requests' chunks in one step,
+    prompts past the largest bucket (eager), prefix hits (short tails): the plain path's greedy tokens."""
+    options = dict(
+        dtype="float32", device="cpu", cpu_kv_cache_bytes=8 << 20, max_model_len=256, block_size=4,
+        max_num_seqs=8, long_prefill_token_threshold=24, async_scheduling=async_scheduling,
+        prefill_graph_max_tokens=32,
+    )  # fmt: skip
+    rng = random.Random(4)
+    base = [rng.randrange(990) for _ in range(60)]
+    prompts = [base] + [
+        base[: rng.randrange(5, 60)] + [rng.randrange(990) for _ in range(n)] for n in (3, 9, 20)
+    ]
+    prompts += [[rng.randrange(990) for _ in range(n)] for n in (2, 7, 40)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plain = LLM(str(tiny_qwen3), **options)
+    expected = [
+        o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)
+    ]
+    padded = LLM(str(tiny_qwen3), **options)
+    padded.engine.executor.capture_cuda_graphs(eager=True)
+    graphs = padded.engine.executor.runner.prefill_graphs
+    assert graphs.buckets == [16, 32]
+    steps = []
+    run = graphs.run
+
+    def recording_run(chunks, state_slots, checkpoints):
+        steps.append([c.num_logits for c in chunks])
+        return run(chunks, state_slots, checkpoints)
+
+    graphs.run = recording_run
+    for _ in range(2):  # the second round hits the first one's pages
+        outs = padded.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        padded.engine.buffers.check_invariants()
+    assert any(len(s) > 1 for s in steps), "no step ran several requests' chunks"
+    assert any(0 in s for s in steps), "no step ran a chunk that samples nothing"
+    assert any(o.num_cached_tokens for o in outs)
+
+
+@pytest.mark.gpu
+def test_prefill_graphs_equal_eager_on_the_gpu(tiny_checkpoint_factory):
+    from pegainfer.testing.conformance import assert_prefill_graphs_match_eager
+
+    folder = tiny_checkpoint_factory("qwen3", seed=3, dtype="bfloat16")
+    assert_prefill_graphs_match_eager(
+        folder,
+        dtype="bfloat16",
+        device="cuda",
+        gpu_memory_utilization=0.3,
+        max_model_len=512,
+        max_num_seqs=16,
+    )
