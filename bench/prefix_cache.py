@@ -271,6 +271,10 @@ def main() -> None:
                 record(
                     name, f"ttft_ratio.shared{shared_len}_hit.graphs_vs_eager_prefill", partial / ms, "ratio"
                 )
+                tput = shared_prompt_throughput(
+                    eager, args.requests, args.concurrency, system, args.user_len, args.out_len
+                )
+                record(name, f"{figure}.cached.prefill_graphs_off", tput, "output tok/s")
                 release(eager)
             if hybrid:
                 for interval in [int(i) for i in args.intervals.split(",") if i]:
