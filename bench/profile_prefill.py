@@ -4,6 +4,10 @@ is bound by the host), then (``--profile``) a torch.profiler table (host and GPU
 steps.
 
     python bench/profile_prefill.py --shape qwen35_9b [--prompt-len 2112 --shared-len 2048]
+
+A step replayed from a prefill CUDA graph shows no forward call (its issue and GPU figures are 0) and
+one graph launch in the profile: ``--override prefill_graph_max_tokens=0`` runs those steps eagerly, with
+the same kernels, for their breakdown.
 """
 
 from __future__ import annotations
@@ -66,11 +70,17 @@ def main() -> None:
     parser.add_argument("--shared-len", type=int, default=2048)
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--profile", action="store_true", help="also the torch.profiler tables")
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        help="more Hydra overrides, e.g. prefill_graph_max_tokens=0",
+    )
     args = parser.parse_args()
     [(name, folder)] = gpu_shapes(args.shape)
     overrides = [
         f"model.path={folder}", "device=cuda", "model.dtype=bfloat16", "model.load_format=dummy",
-        f"model.max_model_len={args.prompt_len + 16}",
+        f"model.max_model_len={args.prompt_len + 16}", *args.override,
     ]  # fmt: skip
     llm = LLM.from_config(build_engine_config(compose("generate", overrides)))
     times = ForwardTimes(llm.engine.executor.runner.model)

@@ -217,7 +217,8 @@ def _paged_attention_kernels(
         packed = meta.derived.get("prefill_tensors")
         if packed is None:  # once per forward, not per layer
             packed = meta.derived["prefill_tensors"] = prefill_tensors(meta.prefills, q.device)
-        paged_prefill_attention(q, cache, packed, scale, out=out)
+        rows = slice(0, meta.num_prefill_tokens)
+        paged_prefill_attention(q[rows], cache, packed, scale, out=out[rows])
     if meta.num_decodes:
         rows = slice(meta.num_prefill_tokens, meta.num_prefill_tokens + meta.num_decodes)
         paged_decode_attention(
@@ -238,14 +239,16 @@ def attention_scratch(
     """The attention backend's scratch on ``device``, for the memory plan."""
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     if device.type == "cuda":
-        # The split-K decode partials; the flash-style prefill kernel needs no scratch. Sized for a
-        # generous row count (the plan reserves, it does not allocate).
+        # The split-K partials: decode's, sized for a generous row count (the plan reserves, it does not
+        # allocate), and those of a short prefill chunk whose keys are split; a step has both.
         from pegainfer.kernels.paged_decode_attention import decode_num_splits, decode_workspace_bytes
+        from pegainfer.kernels.paged_prefill_attention import prefill_workspace_bytes
 
         rows = 1024
         splits = decode_num_splits(rows, kv_heads, max_model_len)
+        decode = decode_workspace_bytes(rows, num_heads, head_dim, splits)
         return TransientSpec(
-            "attention_scratch", bytes_fixed=decode_workspace_bytes(rows, num_heads, head_dim, splits)
+            "attention_scratch", bytes_fixed=decode + prefill_workspace_bytes(num_heads, head_dim, device)
         )
     return TransientSpec(
         "attention_scratch",

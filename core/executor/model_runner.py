@@ -161,6 +161,7 @@ class ModelRunner:
                 self.buffers.states,
                 self.buffers.snapshots,
                 block_size=self.block_size,
+                max_model_len=self.max_model_len,
                 buckets=prefill_graph_buckets(self.prefill_inputs.max_tokens),
                 eager=eager,
             )

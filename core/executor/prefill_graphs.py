@@ -40,6 +40,7 @@ class PrefillGraphs:
         snapshots: dict[int, dict[str, torch.Tensor]],
         *,
         block_size: int,
+        max_model_len: int,
         buckets: list[int],
         eager: bool = False,
     ) -> None:
@@ -48,7 +49,7 @@ class PrefillGraphs:
         self.caches, self.states = caches, states
         # Snapshot pools for in-chunk checkpoints, when the model takes them and caching keeps any.
         self.snapshots = snapshots if model.snapshot_inside_chunk_tokens else {}
-        self.block_size = block_size
+        self.block_size, self.max_model_len = block_size, max_model_len
         self.buckets = sorted(buckets)
         self.eager = eager
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -96,8 +97,9 @@ class PrefillGraphs:
             from pegainfer.kernels.paged_prefill_attention import PrefillTensors  # CUDA only (see ops)
 
             meta.derived["prefill_tensors"] = PrefillTensors(
-                inp.q_start, inp.q_len, inp.ctx_len, inp.block_tables, max_q_len=size
-            )
+                inp.q_start, inp.q_len, inp.ctx_len, inp.block_tables, max_q_len=size,
+                max_ctx_len=self.max_model_len,
+            )  # fmt: skip
             meta.derived["cu_seqlens"] = inp.cu_seqlens
         if in_graph:  # the host pairs are read by the reference paths only, which a graph never runs
             checkpoints = [(-1, -1)] * len(segments)

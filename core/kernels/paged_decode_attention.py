@@ -250,18 +250,23 @@ def decode_merge_kernel(
     BLOCK_N: tl.constexpr,
     FIX: tl.constexpr,
     PDL: tl.constexpr,
+    ALL_SPLITS: tl.constexpr,
 ):
     """Merge the split-K partials of one (row, head) (grid ``[rows, heads]``): ``part_m``/``part_l``
     ``[(row · num_heads + head) · num_splits + split]`` (running max in base 2, sum) and ``part_acc`` (the
     unnormalised ``HEAD_DIM`` outputs at the same index), written for the splits whose ``BLOCK_N``-tile
-    chunks of ``seq_lens[row]`` hold keys, into ``out``. A row or head without a key (every partial at
-    ``m = -inf``) gets zeros. The MLA decode kernel (DeepSeek's plugin) writes its partials this way too."""
+    chunks of ``seq_lens[row]`` hold keys (``ALL_SPLITS``: every split wrote one, ``seq_lens`` unread),
+    into ``out``. A row or head without a key (every partial at ``m = -inf``) gets zeros. The MLA decode
+    kernel (DeepSeek's plugin) and the split prefill attention write their partials this way too."""
     pdl_start(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + row)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    n_active = tl.cdiv(seq_len, tl.maximum(chunk, 1))
+    if ALL_SPLITS:
+        n_active = num_splits
+    else:
+        seq_len = tl.load(seq_lens_ptr + row)
+        chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        n_active = tl.cdiv(seq_len, tl.maximum(chunk, 1))
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     mask_s = offs_s < n_active
@@ -430,6 +435,7 @@ def paged_decode_attention_triton(
             BLOCK_S=max(2, next_pow2(num_splits)),
             BLOCK_N=block_n,
             FIX=interp_bf16(q.dtype),
+            ALL_SPLITS=False,
             num_warps=4,
             **pdl_launch(q),
         )

@@ -29,6 +29,7 @@ from pegainfer.kernels._triton import (
     triton,
     use_kernel,
 )
+from pegainfer.kernels.paged_decode_attention import decode_merge_kernel
 from pegainfer.layers.attention import AttentionMetadata, PrefillSegment, paged_attention_reference
 
 
@@ -42,6 +43,9 @@ class PrefillTensors:
     ctx_len: torch.Tensor
     block_tables: torch.Tensor
     max_q_len: int
+    #: A bound on the segments' context lengths (a CUDA graph's bucket passes the model's): it sizes the
+    #: split of the keys over programs (``key_splits``).
+    max_ctx_len: int
 
 
 def prefill_tensors(segments: list[PrefillSegment], device: torch.device | str) -> PrefillTensors:
@@ -62,7 +66,40 @@ def prefill_tensors(segments: list[PrefillSegment], device: torch.device | str) 
         ctx_len=ints[2],
         block_tables=tables,
         max_q_len=max((seg.q_len for seg in segments), default=0),
+        max_ctx_len=max((seg.ctx_len for seg in segments), default=0),
     )
+
+
+#: The fewest keys one program of a split prefill takes, and the most runs the keys are split into.
+MIN_KEYS_PER_SPLIT = 256
+MAX_SPLITS = 8
+_SM_COUNTS: dict[int, int] = {}
+
+
+def key_splits(num_heads: int, num_tiles: int, max_ctx_len: int, device: torch.device) -> int:
+    """Into how many runs each query tile splits its keys: 1 unless the (head, tile) programs of one
+    segment leave most of the GPU idle, as a short chunk over a long cached context does (one program per
+    head would walk thousands of keys alone); then enough runs, of at least ``MIN_KEYS_PER_SPLIT`` keys,
+    to fill it. Counted for one segment: a step of several segments has more programs anyway."""
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = _SM_COUNTS.get(index)
+    if sms is None:
+        sms = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    by_keys = max_ctx_len // MIN_KEYS_PER_SPLIT
+    return max(1, min(MAX_SPLITS, by_keys, sms // max(1, num_heads * num_tiles)))
+
+
+def prefill_workspace_bytes(num_heads: int, head_dim: int, device: torch.device) -> int:
+    """The most bytes one split call allocates for its partials (for the memory plan): splits happen
+    only while heads x tiles x splits stays within the SM count, so the rows x heads x splits partials
+    stay within SMs x BLOCK_M."""
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = torch.cuda.get_device_properties(index).multi_processor_count
+    return sms * 128 * (head_dim + 2) * 4
 
 
 @triton.jit
@@ -122,8 +159,13 @@ def _prefill_kernel(
     q_len_ptr,
     ctx_len_ptr,
     block_tables_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
     scale_log2,
     num_tiles,
+    num_splits,
+    num_heads,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -140,9 +182,11 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
     FIX: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     head = tl.program_id(0)
-    tile = num_tiles - 1 - tl.program_id(1)  # the longest rows of keys start first
+    tile = num_tiles - 1 - tl.program_id(1) // num_splits  # the longest rows of keys start first
+    split = tl.program_id(1) % num_splits
     seg = tl.program_id(2)
     q_len = tl.load(q_len_ptr + seg)
     if tile * BLOCK_M < q_len:
@@ -165,26 +209,42 @@ def _prefill_kernel(
         full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
         table = block_tables_ptr + seg.to(tl.int64) * stride_bt
         head_off = (head // GROUP).to(tl.int64) * stride_chead
+        # With SPLIT this program takes one of num_splits equal runs of BLOCK_N-tiles of the keys.
+        lo, hi = 0, last_pos + 1
+        if SPLIT:
+            chunk = tl.cdiv(tl.cdiv(hi, num_splits), BLOCK_N) * BLOCK_N
+            lo = split * chunk
+            hi = tl.minimum(lo + chunk, hi)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for n0 in range(0, full_end, BLOCK_N):
+        for n0 in range(lo, tl.minimum(full_end, hi), BLOCK_N):
             m_i, l_i, acc = _prefill_tile(
                 q, m_i, l_i, acc, k_ptr, v_ptr, table, head_off, q_pos, n0, last_pos, scale_log2,
                 stride_cblk, stride_ctok, offs_d, mask_d, False, PAGE, BLOCK_N, DOT_PREC, FIX,
             )  # fmt: skip
-        for n0 in range(full_end, last_pos + 1, BLOCK_N):
+        for n0 in range(tl.maximum(full_end, lo), hi, BLOCK_N):
             m_i, l_i, acc = _prefill_tile(
                 q, m_i, l_i, acc, k_ptr, v_ptr, table, head_off, q_pos, n0, last_pos, scale_log2,
                 stride_cblk, stride_ctok, offs_d, mask_d, True, PAGE, BLOCK_N, DOT_PREC, FIX,
             )  # fmt: skip
-        o = acc / l_i[:, None]
-        tl.store(
-            out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-            cast_to(o, out_ptr.dtype.element_ty, FIX),
-            mask=mask_m[:, None] & mask_d[None, :],
-        )
+        if SPLIT:  # the partials in decode_merge_kernel's layout; a run without keys stays at -inf
+            part = (rows * num_heads + head) * num_splits + split
+            tl.store(part_m_ptr + part, m_i, mask=mask_m)
+            tl.store(part_l_ptr + part, l_i, mask=mask_m)
+            tl.store(
+                part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+                acc,
+                mask=mask_m[:, None] & mask_d[None, :],
+            )
+        else:
+            o = acc / l_i[:, None]
+            tl.store(
+                out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+                cast_to(o, out_ptr.dtype.element_ty, FIX),
+                mask=mask_m[:, None] & mask_d[None, :],
+            )
 
 
 def _check(q: torch.Tensor, cache: torch.Tensor) -> None:
@@ -222,9 +282,10 @@ def paged_prefill_attention_triton(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """The Triton path of :func:`paged_prefill_attention`; the keyword knobs override
-    :func:`default_prefill_config`."""
+    :func:`default_prefill_config` and :func:`key_splits`."""
     _check(q, cache)
     num_heads, head_dim = q.shape[1], q.shape[2]
     page, kv_heads = cache.shape[2], cache.shape[3]
@@ -238,8 +299,18 @@ def paged_prefill_attention_triton(
     bm, bn, warps, stages = default_prefill_config(head_dim, q.dtype)
     bm, bn = block_m or bm, block_n or bn
     num_tiles = triton.cdiv(meta.max_q_len, bm)
+    splits = (
+        key_splits(num_heads, num_tiles, meta.max_ctx_len, q.device) if num_splits is None else num_splits
+    )
     k_cache, v_cache = cache[0], cache[1]
-    _prefill_kernel[(num_heads, num_tiles, num_segments)](
+    if splits > 1:
+        rows = q.shape[0]
+        part_acc = torch.empty(rows * num_heads * splits * head_dim, dtype=torch.float32, device=q.device)
+        part_m = torch.empty(rows * num_heads * splits, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_acc = part_m = part_l = out  # not read
+    _prefill_kernel[(num_heads, num_tiles * splits, num_segments)](
         q,
         k_cache,
         v_cache,
@@ -248,8 +319,13 @@ def paged_prefill_attention_triton(
         meta.q_len,
         meta.ctx_len,
         meta.block_tables,
+        part_acc,
+        part_m,
+        part_l,
         scale * math.log2(math.e),
         num_tiles,
+        splits,
+        num_heads,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -266,9 +342,16 @@ def paged_prefill_attention_triton(
         BLOCK_D=next_pow2(head_dim),
         DOT_PREC=dot_precision(q.dtype),
         FIX=interp_bf16(q.dtype),
+        SPLIT=splits > 1,
         num_warps=num_warps or warps,
         num_stages=num_stages or stages,
     )
+    if splits > 1:
+        decode_merge_kernel[(q.shape[0], num_heads)](
+            part_acc, part_m, part_l, meta.q_len, out, splits, num_heads, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_S=max(2, next_pow2(splits)), BLOCK_N=bn,
+            FIX=interp_bf16(q.dtype), PDL=False, ALL_SPLITS=True, num_warps=4,
+        )  # fmt: skip
     return out
 
 
@@ -317,8 +400,9 @@ def paged_prefill_attention(
     q ``[T, heads, D]`` (bf16/fp16/fp32, last dim contiguous; head ``h`` reads KV head
     ``h // (heads / kv_heads)``), cache ``[2, blocks, block_size, kv_heads, D]`` of q's dtype holding
     every segment's K/V up to ``ctx_len`` (write the chunk first), ``meta`` from :func:`prefill_tensors`.
-    Returns ``out`` (``[T, heads, D]``, allocated when None) with the segments' rows written and every
-    other row (e.g. decode rows) left as it was. fp32 softmax and accumulation. Triton on CUDA, the
+    Returns ``out`` (``[T, heads, D]``, allocated when None) with the segments' rows written; every other
+    row is left as it was, unless the keys are split over programs (:func:`key_splits`, a short chunk over
+    a long context on CUDA): then rows in no segment get unspecified values, so pass the prefill rows only. fp32 softmax and accumulation. Triton on CUDA, the
     torch reference elsewhere."""
     if use_kernel(q):
         return paged_prefill_attention_triton(q, cache, meta, scale, out=out)

@@ -88,7 +88,7 @@ def main() -> None:
         tables, lens = torch.zeros(8, 64, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
         for splits in (1, 4):
             paged_decode_attention_triton(q, cache, tables, lens, 0.1, num_splits=splits)
-        meta = PrefillTensors(ints, ints, ints, torch.zeros(3, 64, dtype=torch.int32), 100)
+        meta = PrefillTensors(ints, ints, ints, torch.zeros(3, 64, dtype=torch.int32), 100, 1000)
         paged_prefill_attention_triton(torch.empty(100, heads, d, dtype=dtype), cache, meta, 0.1)
         x, w = torch.empty(4, 5120, dtype=dtype), torch.empty(5120, dtype=dtype)
         norms.rms_norm_triton(x, w, 1e-6)

@@ -101,6 +101,23 @@ def test_prefill_qwen3_14b_shapes():
     assert (got[start:] == 3.0).all()
 
 
+def test_prefill_short_chunk_over_long_context_splits_keys():
+    """The Qwen3.5 9B attention shape (16 heads over 4 kv heads of 256): a 64-token chunk behind 2048
+    cached tokens splits its keys over programs (key_splits) and still matches the reference."""
+    from pegainfer.kernels.paged_prefill_attention import key_splits
+
+    gen = torch.Generator().manual_seed(15)
+    heads, kv_heads, d = 16, 4, 256
+    kv = PagedKV(2112 // BLOCK + 4, BLOCK, kv_heads, d, BF16, "cuda", gen)
+    segs = [PrefillSegment(0, 64, 2112, kv.add(2112))]
+    meta = prefill_tensors(segs, "cuda")
+    assert key_splits(heads, 1, meta.max_ctx_len, torch.device("cuda")) > 1
+    q = torch.randn(64, heads, d, generator=gen).to(BF16).cuda()
+    got = paged_prefill_attention(q, kv.cache, meta, d**-0.5)
+    ref = paged_prefill_attention_ref(q.float(), kv.cache.nan_to_num(0.0).float(), meta, d**-0.5)
+    assert rel_err(got, ref) < 1e-2
+
+
 def test_fused_ops_qwen3_14b_shapes():
     gen = torch.Generator().manual_seed(14)
     t, hidden, inter = 256, 5120, 17408

@@ -57,6 +57,17 @@ def test_prefill_fp32_matches_reference(heads, kv_heads, head_dim, tiles):
     assert (got[n:] == 7.0).all(), "rows outside the segments must be left as they were"
 
 
+@pytest.mark.parametrize("splits", [2, 3])
+def test_prefill_keys_split_over_programs(splits):
+    """Keys split into runs over programs (a short chunk over a long context on the GPU), merged: the
+    reference's rows; runs without keys (short contexts) merge to nothing."""
+    segments = [(21, 21), (9, 300), (1, 17), (0, 5), (16, 48)]
+    q, cache, meta, n = _case(5, 8, 2, 64, torch.float32, segments=segments)
+    got = paged_prefill_attention_triton(q[:n], cache, meta, 0.125, block_m=16, block_n=16, num_splits=splits)
+    ref = paged_prefill_attention_ref(q[:n], cache.nan_to_num(0.0), meta, 0.125)
+    assert rel_err(got, ref) < 3e-5
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 1, 128), (4, 4, 64)], ids=["g8-d128", "g1-d64"])
 def test_prefill_bf16_close_to_float64(heads, kv_heads, head_dim):
     q, cache, meta, n = _case(2, heads, kv_heads, head_dim, torch.bfloat16)
@@ -92,6 +103,7 @@ def test_prefill_tensors_pack_segments():
         and meta.ctx_len.tolist() == [10, 40]
     )
     assert meta.block_tables.tolist() == [[5, 0, 0], [1, 2, 9]] and meta.max_q_len == 3
+    assert meta.max_ctx_len == 40
     assert meta.block_tables.dtype == meta.q_len.dtype == torch.int32
 
 

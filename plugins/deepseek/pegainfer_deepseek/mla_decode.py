@@ -266,7 +266,7 @@ def mla_decode_attention_triton(
         decode_merge_kernel[(batch, heads)](
             part_acc, part_m, part_l, seq_lens, out, splits, heads, out.stride(0), out.stride(1),
             HEAD_DIM=rkv, BLOCK_D=block_r, BLOCK_S=max(2, next_pow2(splits)), BLOCK_N=block_n, FIX=fix,
-            PDL=False, num_warps=4,
+            PDL=False, ALL_SPLITS=False, num_warps=4,
         )  # fmt: skip
     return out
 

@@ -627,10 +627,21 @@ def _gdn_prefill_kernel(
         saved_at = tl.where(tokens >= 0, start + tokens - 1, -1)
         snap = tl.maximum(tl.load(ckpt_slot_ptr + seg).to(tl.int64), 0)
         snap_ptrs = _state_tile(snap_ptr, snap, hv, kcols, vcols, stride_s_slot, stride_s_head, stride_s_k)
+    # Each token's inputs are loaded one step ahead, so their latency hides behind the step before (the
+    # steps are a dependent chain; the loads are not). An empty segment loads row 0, which always exists.
+    t = tl.maximum(tl.minimum(start, end - 1), 0)
+    q, k, v = _load_qkv(qkv_ptr + t * stride_qkv, hk, hv, key_dim, kcols, vcols, scale, DK, DV)
+    beta, decay = _gates(b_ptr + t * stride_ba, a_ptr + t * stride_ba, hv, a_log_ptr, dt_bias_ptr, FIX)
     for t in range(start, end):
-        q, k, v = _load_qkv(qkv_ptr + t * stride_qkv, hk, hv, key_dim, kcols, vcols, scale, DK, DV)
-        beta, decay = _gates(b_ptr + t * stride_ba, a_ptr + t * stride_ba, hv, a_log_ptr, dt_bias_ptr, FIX)
+        ahead = tl.minimum(t + 1, end - 1)  # the last token loads itself again, unused
+        q_next, k_next, v_next = _load_qkv(
+            qkv_ptr + ahead * stride_qkv, hk, hv, key_dim, kcols, vcols, scale, DK, DV
+        )
+        beta_next, decay_next = _gates(
+            b_ptr + ahead * stride_ba, a_ptr + ahead * stride_ba, hv, a_log_ptr, dt_bias_ptr, FIX
+        )
         s, o = _delta_step(s, q, k, v, beta, decay)
+        q, k, v, beta, decay = q_next, k_next, v_next, beta_next, decay_next
         if HAS_CKPT:
             if t == saved_at:
                 tl.store(snap_ptrs, s, mask=in_tile)
