@@ -25,46 +25,53 @@ class DeviceBuffers:
         self.caches: dict[CacheKey, torch.Tensor] = {}
         self.states: dict[int, dict[str, torch.Tensor]] = {}
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
+        # State tensors of one name, shape and dtype (e.g. every GDN layer's "ssm") are slices of one
+        # stacked tensor ``[layers, slots, *shape]``, so zeroing slots or copying snapshots is one launch per
+        # stack, not one per layer (a prefix hit restores every layer's state before its first forward).
+        stacks: dict[tuple, list[int]] = {}
         for spec in specs:
             if isinstance(spec, PAGED_SPECS):
                 shape = spec.page_shape(plan.num_blocks, plan.block_size)
                 self.caches[spec.key] = torch.zeros(shape, dtype=spec.dtype, device=device)
             elif isinstance(spec, RecurrentStateSpec):
-                self.states[spec.layer_index] = {
-                    name: torch.zeros((plan.num_state_slots, *shape), dtype=spec.dtype, device=device)
-                    for name, shape in spec.shapes
-                }
-                if plan.num_snapshot_slots:
-                    self.snapshots[spec.layer_index] = {
-                        name: torch.zeros((plan.num_snapshot_slots, *shape), dtype=spec.dtype, device=device)
-                        for name, shape in spec.shapes
-                    }
-        self._state_tensors = [t for pools in self.states.values() for t in pools.values()]
-        self._pairs = [
-            (self.states[layer][name], self.snapshots[layer][name])
-            for layer, pools in self.snapshots.items()
-            for name in pools
-        ]
+                self.states[spec.layer_index], self.snapshots[spec.layer_index] = {}, {}
+                for name, shape in spec.shapes:
+                    stacks.setdefault((name, tuple(shape), spec.dtype), []).append(spec.layer_index)
+        self._state_stacks: list[torch.Tensor] = []
+        self._snapshot_stacks: list[torch.Tensor] = []
+        for (name, shape, dtype), layers in stacks.items():
+            for slots, pools, stacked in (
+                (plan.num_state_slots, self.states, self._state_stacks),
+                (plan.num_snapshot_slots, self.snapshots, self._snapshot_stacks),
+            ):
+                if pools is self.snapshots and not slots:
+                    continue
+                stack = torch.zeros((len(layers), slots, *shape), dtype=dtype, device=device)
+                stacked.append(stack)
+                for i, layer in enumerate(layers):
+                    pools[layer][name] = stack[i]
+        if not plan.num_snapshot_slots:
+            self.snapshots = {}
 
     def zero_slots(self, slots: list[int]) -> None:
         """Clear state slots whose new owner starts from position 0 (a fresh or recomputed request)."""
-        if not slots or not self._state_tensors:
+        if not slots or not self._state_stacks:
             return
         index = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        for tensor in self._state_tensors:
-            tensor.index_fill_(0, index, 0)
+        for stack in self._state_stacks:
+            stack.index_fill_(1, index, 0)
 
     def copy_snapshots(self, copies: list[tuple[int, int]], *, save: bool) -> None:
         """Copy whole states between the request slots and the snapshot pool: ``copies`` are (state slot,
         snapshot slot) pairs, state into snapshot when ``save``, else snapshot into state (a prefix hit
         resuming at the snapshot's page boundary). Every rank runs the same copies on its own shard."""
-        if not copies or not self._pairs:
+        if not copies or not self._snapshot_stacks:
             return
         pinned = self.device.type == "cuda"  # staged through pinned memory: the copy does not wait
         index = torch.tensor(copies, dtype=torch.int64, pin_memory=pinned).to(self.device, non_blocking=True)
         slots, snaps = index[:, 0], index[:, 1]
-        for state, snapshot in self._pairs:
+        for state, snapshot in zip(self._state_stacks, self._snapshot_stacks, strict=True):
             if save:
-                snapshot.index_copy_(0, snaps, state.index_select(0, slots))
+                snapshot.index_copy_(1, snaps, state.index_select(1, slots))
             else:
-                state.index_copy_(0, slots, snapshot.index_select(0, snaps))
+                state.index_copy_(1, slots, snapshot.index_select(1, snaps))
