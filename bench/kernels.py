@@ -43,6 +43,7 @@ from pegainfer.kernels.paged_decode_attention import (
 )
 from pegainfer.kernels.paged_prefill_attention import (
     default_prefill_config,
+    key_splits,
     paged_prefill_attention_ref,
     paged_prefill_attention_triton,
     prefill_tensors,
@@ -301,6 +302,11 @@ def _prefill_case(
         if expanded_ms is not None and (sdpa_ms is None or expanded_ms < sdpa_ms):
             sdpa_ms = expanded_ms
 
+    # Side by side: the keys split over programs (key_splits, a short chunk over a long context) or not.
+    unsplit_ms = None
+    if key_splits(heads, -(-q_len // default_prefill_config(d, BF16)[0]), ctx, q.device) > 1:
+        unsplit_ms = b.try_ms(b.eager_ms, _prefill_call(q, cache, meta, scale, out, {"num_splits": 1}))
+
     tag = f"prefill_attention.{name}"
     rate = flops / (default_ms / 1e3)
     b.add(f"{tag}.ms", default_ms, "ms")
@@ -311,13 +317,15 @@ def _prefill_case(
         b.add(f"{tag}.torch_sdpa_ms", sdpa_ms, "ms")
     if ref_ms:
         b.add(f"{tag}.torch_reference_ms", ref_ms, "ms")
+    if unsplit_ms:
+        b.add(f"{tag}.keys_unsplit_ms", unsplit_ms, "ms")
     b.table.append(
         (
             "prefill attn",
             name,
             f"{default_ms:7.3f} ms {rate / 1e12:5.0f} TFLOP/s ({rate / flops_rate:.0%} mm)",
             f"best {best_ms:.3f} ms {best_cfg}",
-            f"sdpa {_ms(sdpa_ms)} ref {_ms(ref_ms)}",
+            f"sdpa {_ms(sdpa_ms)} ref {_ms(ref_ms)} unsplit {_ms(unsplit_ms)}",
         )
     )
 
@@ -445,6 +453,7 @@ def main() -> None:
     parser.add_argument(
         "--smoke", action="store_true", help="tiny shapes on the CPU (interpreter), checks the script"
     )
+    parser.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD)")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
 
@@ -463,6 +472,7 @@ def main() -> None:
             ("8x1024", 8, 1024, 1024),
             ("1x8192", 1, 8192, 8192),
             ("chunk2048@6144", 1, 2048, 8192),
+            ("chunk64@2048", 1, 64, 2112),  # a prompt's tail after a prefix hit
         ]
         fused_tokens = [1, 64, 8192]
     torch.manual_seed(0)
@@ -480,7 +490,7 @@ def main() -> None:
     meta = {
         "gpu": gpu,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": args.commit or _commit(),
         "command": " ".join(["python", *sys.argv]),
     }
     if args.json:
