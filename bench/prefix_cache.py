@@ -130,10 +130,21 @@ def decode_ms_per_step(llm: LLM, batch: int, prompt_len: int, steps: int) -> tup
 
 
 def shared_prompt_throughput(
-    llm: LLM, requests: int, concurrency: int, system: list[int], user_len: int, out_len: int
+    llm: LLM,
+    requests: int,
+    concurrency: int,
+    system: list[int],
+    user_len: int,
+    out_len: int,
+    *,
+    warm_up: bool = True,
 ) -> float:
     """Output tokens per second of ``requests`` requests, each ``system`` + a user turn of its own, sent by
-    a client that keeps ``concurrency`` of them in flight (a new one as soon as one finishes)."""
+    a client that keeps ``concurrency`` of them in flight (a new one as soon as one finishes). With
+    ``warm_up`` one untimed wave of ``concurrency`` requests runs first, so the kernels its step shapes
+    compile (Triton compiles per specialisation on first use) are not timed."""
+    if warm_up:
+        shared_prompt_throughput(llm, concurrency, concurrency, system, user_len, out_len, warm_up=False)
     engine = llm.engine
     rng = random.Random(time.perf_counter_ns())
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)

@@ -53,7 +53,7 @@ class CacheConfig(_Section):
     enable_prefix_caching: StrictBool = True
     #: Hybrid models (recurrent state beside attention): a state snapshot is kept at the last page boundary
     #: of every prompt and every this many pages (prefill chunks are cut there when caching is on).
-    snapshot_interval_pages: int = Field(default=32, ge=1)
+    snapshot_interval_pages: int = Field(default=128, ge=1)
     #: State snapshots the memory plan reserves for prefix caching of hybrid models (None: as many as
     #: ``scheduler.max_num_seqs``, at most a tenth of the memory left after the state slots).
     num_state_snapshots: int | None = Field(default=None, ge=0)

@@ -261,7 +261,7 @@ class PagedBufferManager(BufferManager):
         plan: MemoryPlan,
         *,
         prefix_caching: bool = False,
-        snapshot_interval_pages: int = 32,
+        snapshot_interval_pages: int = 128,
         snapshot_inside_chunk_tokens: int = 0,
         drafts: Callable[[Request], bool] | None = None,
     ) -> None:
