@@ -93,13 +93,16 @@ class PrefillGraphs:
             num_prefill_tokens=size,
             in_graph=in_graph,
         )
-        if in_graph:
+        if inp.input_ids.is_cuda:
+            # The graph's attention tensors, eager too: the keys' split (key_splits) follows the context
+            # bound, so enforce_eager computes the graph's numbers only with the graph's bound.
             from pegainfer.kernels.paged_prefill_attention import PrefillTensors  # CUDA only (see ops)
 
             meta.derived["prefill_tensors"] = PrefillTensors(
                 inp.q_start, inp.q_len, inp.ctx_len, inp.block_tables, max_q_len=size,
                 max_ctx_len=self.max_model_len,
             )  # fmt: skip
+        if in_graph:
             meta.derived["cu_seqlens"] = inp.cu_seqlens
         if in_graph:  # the host pairs are read by the reference paths only, which a graph never runs
             checkpoints = [(-1, -1)] * len(segments)
