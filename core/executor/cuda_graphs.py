@@ -11,6 +11,7 @@ padded forward runs without a graph (``enforce_eager``), with identical numerics
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -28,6 +29,27 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
     sizes += list(range(16, max_num_seqs, 16))
     return sorted({*sizes, max_num_seqs})
+
+
+def capture_buckets(
+    sizes: list[int], forward: Callable[[int], torch.Tensor], pool
+) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
+    """``size -> (graph, its output)`` of ``forward(size)`` for every size, on a side stream into ``pool``:
+    largest first, so smaller graphs reuse what the largest reserved, each after one eager run (lazy
+    initialisation and autotuning stay out of the graph)."""
+    graphs = {}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for size in sorted(sizes, reverse=True):
+            forward(size)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                out = forward(size)
+            graphs[size] = (graph, out)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    return graphs
 
 
 class DecodeGraphs:
@@ -99,17 +121,7 @@ class DecodeGraphs:
         the writes to page 0 during warm-up and capture touch nothing live.
         """
         self.decode.seq_lens.fill_(1)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for size in reversed(self.buckets):
-                self._forward(size)  # warm-up: lazy initialisation and autotuning stay out of the graph
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    logits = self._forward(size)
-                self._graphs[size] = (graph, logits)
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        self._graphs = capture_buckets(self.buckets, self._forward, pool)
         logger.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
     def bucket_for(self, batch: int) -> int:

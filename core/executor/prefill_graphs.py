@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pegainfer.executor.cuda_graphs import capture_buckets
 from pegainfer.executor.model_batch import SequenceChunk
 from pegainfer.layers.attention import AttentionMetadata, PrefillSegment
 from pegainfer.memory.buffer_specs import CacheKey
@@ -131,18 +132,9 @@ class PrefillGraphs:
             return
         self.inputs.clear()
         torch.cuda.synchronize()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for size in reversed(self.buckets):
-                batch = self._batch(size, None, None)
-                self._forward(batch)  # warm-up: lazy initialisation and autotuning stay out of the graph
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    logits = self._forward(batch)
-                self._graphs[size] = (graph, logits)
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        self._graphs = capture_buckets(
+            self.buckets, lambda size: self._forward(self._batch(size, None, None)), pool
+        )
         logger.info("captured prefill CUDA graphs for %s tokens", self.buckets)
 
     def run(

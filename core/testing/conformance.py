@@ -211,8 +211,18 @@ def assert_prefill_graphs_match_eager(folder: str | Path, **options: Any) -> Non
     """On a GPU: prefix-cache hits (a long prompt, then prompts sharing 17..290 of its tokens with short
     tails, one batch whose tails run in the same steps, then that batch again) whose short prefill steps
     replay from CUDA graphs give the greedy tokens of ``enforce_eager`` (the same padded forwards without
-    graphs), and the prefill graphs really ran. ``options``: the LLM's (device, dtype, memory)."""
+    graphs), and the prefill graphs really ran. ``options``: the LLM's, over bf16 on CUDA at 30% of its
+    memory."""
     from pegainfer.engine.llm import LLM
+
+    options = {
+        "dtype": "bfloat16",
+        "device": "cuda",
+        "gpu_memory_utilization": 0.3,
+        "max_model_len": 512,
+        "max_num_seqs": 16,
+        **options,
+    }
 
     rng = random.Random(6)
     base = [rng.randrange(990) for _ in range(300)]
