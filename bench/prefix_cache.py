@@ -269,8 +269,8 @@ def main() -> None:
             record(name, f"{figure}.uncached", tput_off, "output tok/s")
             record(name, f"{figure}.cached", tput_on, "output tok/s")
             record(name, f"{figure}.speedup", tput_on / tput_off, "ratio")
-            prefill_graphs = getattr(on.engine.executor, "runner", None)
-            prefill_graphs = prefill_graphs is not None and prefill_graphs.prefill_graphs is not None
+            runner = getattr(on.engine.executor, "runner", None)
+            prefill_graphs = runner is not None and runner.prefill_graphs is not None
             release(on)
             if prefill_graphs and args.device == "cuda":
                 # Side by side: the same hits with the short prefill steps run eagerly.

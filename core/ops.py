@@ -182,8 +182,8 @@ def qk_norm_rope_attention(
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """k, v ``[T, KVH, D]`` into the pages at ``slot_mapping`` (negative slots skipped): one kernel on CUDA,
-    with no host sync (graph-safe), the reference elsewhere."""
+    """k, v ``[T, KVH, D]`` into the pages at ``slot_mapping``, negative slots skipped: one kernel on CUDA,
+    with no host sync (graph-safe), the reference elsewhere (which skips them on the CPU only)."""
     if use_triton(k):
         from pegainfer.kernels import rope_kv
 

@@ -174,6 +174,8 @@ class ModelRunner:
         """Seconds the host spent blocked on the GPU here: waiting for an upload, and in graph launches
         (a graph launched while its previous replay still runs may block until that one is done)."""
         prefill = self.prefill_inputs.wait_time_s if self.prefill_inputs is not None else 0.0
+        if self.prefill_graphs is not None:
+            prefill += self.prefill_graphs.launch_s
         return self.decode.wait_time_s + prefill + self._launch_s
 
     # ------------------------------------------------------------------------------------------ a step
@@ -216,11 +218,9 @@ class ModelRunner:
 
     def _execute_prefill_graph(self, batch: ModelBatch, prefills: list[SequenceChunk]) -> ExecutorOutput:
         slots = [c.state_slot or 0 for c in prefills] if self.plan.num_state_slots else None
-        t0 = time.perf_counter()
         logits = self.prefill_graphs.run(
             prefills, slots, self._checkpoint_pairs(batch.state_checkpoints, prefills)
         )
-        self._launch_s += time.perf_counter() - t0
         sampled = [i for i, c in enumerate(prefills) if c.num_logits]
         if len(sampled) < len(prefills):  # a chunk that is not its prompt's last samples nothing
             logits = logits.index_select(0, torch.tensor(sampled, dtype=torch.int64, device=self.device))

@@ -17,6 +17,7 @@ With ``eager`` the same padded forward runs without a graph and with the real se
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import torch
@@ -54,6 +55,8 @@ class PrefillGraphs:
         self.buckets = sorted(buckets)
         self.eager = eager
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        #: Seconds in graph launches (one launched while the last replay still runs may block on it).
+        self.launch_s = 0.0
 
     @property
     def max_tokens(self) -> int:
@@ -105,7 +108,7 @@ class PrefillGraphs:
             )  # fmt: skip
         if in_graph:
             meta.derived["cu_seqlens"] = inp.cu_seqlens
-        if in_graph:  # the host pairs are read by the reference paths only, which a graph never runs
+            # The host pairs are read by the reference paths only, which a graph never runs.
             checkpoints = [(-1, -1)] * len(segments)
         ckpt = None
         if checkpoints is not None and self.snapshots:
@@ -151,14 +154,10 @@ class PrefillGraphs:
         )
         size = self.bucket_for(tokens)
         if self.eager:
-            segments, first = [], 0
-            for s, c in enumerate(chunks):
-                n, ctx = len(c.token_ids), c.start + len(c.token_ids)
-                segments.append(
-                    PrefillSegment(first, n, ctx, inp.block_tables[s, : -(-ctx // self.block_size)])
-                )
-                first += n
+            segments = inp.segments(len(chunks), self.block_size)
             return self._forward(self._batch(size, segments, checkpoints))[: len(chunks)]
         graph, logits = self._graphs[size]
+        t0 = time.perf_counter()
         graph.replay()
+        self.launch_s += time.perf_counter() - t0
         return logits[: len(chunks)]

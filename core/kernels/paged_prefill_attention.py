@@ -25,6 +25,7 @@ from pegainfer.kernels._triton import (
     interp_bf16,
     mma,
     next_pow2,
+    num_sms,
     tl,
     triton,
     use_kernel,
@@ -73,7 +74,6 @@ def prefill_tensors(segments: list[PrefillSegment], device: torch.device | str) 
 #: The fewest keys one program of a split prefill takes, and the most runs the keys are split into.
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 8
-_SM_COUNTS: dict[int, int] = {}
 
 
 def key_splits(num_heads: int, num_tiles: int, max_ctx_len: int, device: torch.device) -> int:
@@ -83,12 +83,8 @@ def key_splits(num_heads: int, num_tiles: int, max_ctx_len: int, device: torch.d
     to fill it. Counted for one segment: a step of several segments has more programs anyway."""
     if device.type != "cuda":
         return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    sms = _SM_COUNTS.get(index)
-    if sms is None:
-        sms = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     by_keys = max_ctx_len // MIN_KEYS_PER_SPLIT
-    return max(1, min(MAX_SPLITS, by_keys, sms // max(1, num_heads * num_tiles)))
+    return max(1, min(MAX_SPLITS, by_keys, num_sms(device) // max(1, num_heads * num_tiles)))
 
 
 def prefill_workspace_bytes(num_heads: int, head_dim: int, device: torch.device) -> int:
@@ -97,9 +93,8 @@ def prefill_workspace_bytes(num_heads: int, head_dim: int, device: torch.device)
     stay within SMs x BLOCK_M."""
     if device.type != "cuda":
         return 0
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    sms = torch.cuda.get_device_properties(index).multi_processor_count
-    return sms * 128 * (head_dim + 2) * 4
+    largest_block_m = 128  # default_prefill_config's
+    return num_sms(device) * largest_block_m * (head_dim + 2) * 4
 
 
 @triton.jit

@@ -400,7 +400,7 @@ def write_kv_triton(
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store k, v ``[T, kv_heads, D]`` (strided views allowed, contiguous last dim) into the paged cache
     ``[2, blocks, block_size, kv_heads, D]`` at ``slot_mapping`` ``[T]`` (int64 flat slots, cast to the
-    cache dtype); negative slots (padding tokens) are skipped."""
+    cache dtype); the kernel skips negative slots (padding tokens), the reference on the CPU only."""
     if use_kernel(cache):
         write_kv_triton(cache, k, v, slot_mapping)
     else:

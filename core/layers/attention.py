@@ -56,9 +56,11 @@ def reference_scratch_bytes(
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store k, v ``[T, kv_heads, D]`` into ``cache`` ``[2, blocks, block_size, kv_heads, D]`` at the slots;
-    negative slots (padding tokens) are skipped."""
-    if slot_mapping.numel() and bool((slot_mapping < 0).any()):
+    """Store k, v ``[T, kv_heads, D]`` into ``cache`` ``[2, blocks, block_size, kv_heads, D]`` at the slots.
+    On the CPU negative slots (padding tokens of a prefill-graph step) are skipped; on CUDA, where this
+    reference runs inside decode graphs under ``PEGAINFER_DISABLE_TRITON`` and a check would sync with the
+    host, every slot must be valid (padded steps take the kernel there: ``ops.write_kv``)."""
+    if not slot_mapping.is_cuda and bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     flat = cache.flatten(1, 2)

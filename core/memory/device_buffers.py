@@ -34,24 +34,24 @@ class DeviceBuffers:
                 shape = spec.page_shape(plan.num_blocks, plan.block_size)
                 self.caches[spec.key] = torch.zeros(shape, dtype=spec.dtype, device=device)
             elif isinstance(spec, RecurrentStateSpec):
-                self.states[spec.layer_index], self.snapshots[spec.layer_index] = {}, {}
                 for name, shape in spec.shapes:
                     stacks.setdefault((name, tuple(shape), spec.dtype), []).append(spec.layer_index)
-        self._state_stacks: list[torch.Tensor] = []
-        self._snapshot_stacks: list[torch.Tensor] = []
+        self._state_stacks = self._stack(stacks, plan.num_state_slots, self.states)
+        self._snapshot_stacks = (
+            self._stack(stacks, plan.num_snapshot_slots, self.snapshots) if plan.num_snapshot_slots else []
+        )
+
+    def _stack(
+        self, stacks: dict[tuple, list[int]], slots: int, pools: dict[int, dict[str, torch.Tensor]]
+    ) -> list[torch.Tensor]:
+        """One ``[layers, slots, *shape]`` tensor per stack; each layer's pool gets its slice by name."""
+        tensors = []
         for (name, shape, dtype), layers in stacks.items():
-            for slots, pools, stacked in (
-                (plan.num_state_slots, self.states, self._state_stacks),
-                (plan.num_snapshot_slots, self.snapshots, self._snapshot_stacks),
-            ):
-                if pools is self.snapshots and not slots:
-                    continue
-                stack = torch.zeros((len(layers), slots, *shape), dtype=dtype, device=device)
-                stacked.append(stack)
-                for i, layer in enumerate(layers):
-                    pools[layer][name] = stack[i]
-        if not plan.num_snapshot_slots:
-            self.snapshots = {}
+            stack = torch.zeros((len(layers), slots, *shape), dtype=dtype, device=self.device)
+            tensors.append(stack)
+            for i, layer in enumerate(layers):
+                pools.setdefault(layer, {})[name] = stack[i]
+        return tensors
 
     def zero_slots(self, slots: list[int]) -> None:
         """Clear state slots whose new owner starts from position 0 (a fresh or recomputed request)."""

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from pegainfer.layers.attention import PrefillSegment
+
 #: The most prefill segments (requests) a graph step takes; a step with more runs eagerly.
 MAX_SEGMENTS = 16
 #: The smallest token bucket; buckets double from here up to the largest.
@@ -91,6 +93,19 @@ class PrefillGraphInputs:
         #: Seconds spent waiting for the previous upload (host-time accounting in the benchmarks).
         self.wait_time_s = 0.0
         self.clear()
+
+    def segments(self, count: int, block_size: int) -> list[PrefillSegment]:
+        """The last :meth:`prepare`'s first ``count`` segments with their host values (the eager form's
+        batch), each reading its block table on the device."""
+        return [
+            PrefillSegment(
+                int(self._q_start[s]),
+                int(self._q_len[s]),
+                int(self._ctx[s]),
+                self.block_tables[s, : -(-int(self._ctx[s]) // block_size)],
+            )
+            for s in range(count)
+        ]
 
     def clear(self) -> None:
         """Every token and segment padding (what the graphs are captured over)."""

@@ -66,8 +66,8 @@ def step_transients(loaded: LoadedModel, config: EngineConfig, *, graphs: bool) 
         if tokens:
             # The same pool: the largest bucket's activations, and every bucket's static logits.
             logits = len(prefill_graph_buckets(tokens)) * segments * 4 * vocab
-            inputs = 8 * (3 * tokens + 5 * segments + 1) + 4 * segments * (3 + max_blocks)
-            specs.append(TransientSpec("prefill_graphs", bytes_fixed=tokens * per_row + logits + 2 * inputs))
+            inputs = 8 * (3 * tokens + 5 * segments + 1) + 4 * segments * (3 + max_blocks)  # on the device
+            specs.append(TransientSpec("prefill_graphs", bytes_fixed=tokens * per_row + logits + inputs))
     return specs
 
 
