@@ -94,9 +94,11 @@ MLA_TILINGS = [
 ]  # fmt: skip
 
 
-def bench_mla_kernel(batch: int, ctx: int, copy_bw: float) -> list[dict]:
-    """Each of ``MLA_TILINGS`` (one that fails to compile here is reported and skipped), CUDA-graph timed."""
-    heads, rkv, dr, page = 128, 512, 64, 64
+def bench_mla_kernel(batch: int, ctx: int, heads: int, copy_bw: float) -> list[dict]:
+    """Each of ``MLA_TILINGS`` (one that fails to compile here is reported and skipped), CUDA-graph timed.
+    At 128 heads (one GPU) the step is compute-bound: 2 · heads · (576 + 512) flops per latent read, so the
+    tensor-core rate is reported beside the copy ratio; 16 heads is a GPU's share under tp=8."""
+    rkv, dr, page = 512, 64, 64
     pages = batch * ctx // page
     cache = torch.randn(pages, page, rkv + dr, device="cuda", dtype=torch.bfloat16)
     tables = torch.randperm(pages, device="cuda", dtype=torch.int64).view(batch, -1).to(torch.int32)
@@ -119,9 +121,9 @@ def bench_mla_kernel(batch: int, ctx: int, copy_bw: float) -> list[dict]:
             print(f"MLA tiling {knobs} skipped: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
             continue
         ratio = latent_bytes / (ms / 1e3) / copy_bw
-        timed.append(
-            {"name": f"h{block_h}_v{block_v or rkv}_n{block_n}_w{warps}", "ms": ms, "copy_ratio": ratio}
-        )
+        tflops = 2 * heads * (rkv + dr + rkv) * batch * ctx / (ms / 1e3) / 1e12
+        name = f"h{block_h}_v{block_v or rkv}_n{block_n}_w{warps}"
+        timed.append({"name": name, "ms": ms, "copy_ratio": ratio, "tflops": tflops})
     return timed
 
 
@@ -272,23 +274,20 @@ def main() -> None:
         results.add("h200.hbm_copy_bandwidth", copy_bw / 1e12, "TB/s")
         results.add("h200.hbm_stream_read_bandwidth", ceil["hbm_read_bytes_per_s"] / 1e12, "TB/s")
 
-        tilings = [] if args.skip_kernels else bench_mla_kernel(64, 4096, copy_bw)
-        for t in tilings:
-            results.add(f"deepseek.mla_decode.bs64_ctx4096.{t['name']}.ms", t["ms"], "ms")
-        default = [t for t in tilings if t["name"] == "h16_v512_n32_w4"]  # the kernel's own defaults
-        for t in default:
-            results.add("deepseek.mla_decode.bs64_ctx4096.ms", t["ms"], "ms")
-            results.add(
-                "deepseek.mla_decode.bs64_ctx4096.copy_bandwidth_ratio", t["copy_ratio"], "fraction", 0.7
-            )
-        if tilings:
-            best = max(tilings, key=lambda t: t["copy_ratio"])
-            results.add(
-                f"deepseek.mla_decode.bs64_ctx4096.best.{best['name']}.copy_bandwidth_ratio",
-                best["copy_ratio"],
-                "fraction",
-                0.7,
-            )
+        for heads in () if args.skip_kernels else (128, 16):
+            tilings = bench_mla_kernel(64, 4096, heads, copy_bw)
+            tag = "deepseek.mla_decode." + ("" if heads == 128 else f"h{heads}.") + "bs64_ctx4096"
+            for t in tilings:
+                results.add(f"{tag}.{t['name']}.ms", t["ms"], "ms")
+                results.add(f"{tag}.{t['name']}.tflops", t["tflops"], "TFLOP/s")
+            for t in [t for t in tilings if t["name"] == "h16_v512_n32_w4"]:  # the kernel's own defaults
+                results.add(f"{tag}.ms", t["ms"], "ms")
+                results.add(f"{tag}.copy_bandwidth_ratio", t["copy_ratio"], "fraction", 0.7)
+            if tilings:
+                best = max(tilings, key=lambda t: t["copy_ratio"])
+                results.add(
+                    f"{tag}.best.{best['name']}.copy_bandwidth_ratio", best["copy_ratio"], "fraction", 0.7
+                )
         for tokens in () if args.skip_kernels else (1, 32):
             for fp8 in (False, True):
                 moe = bench_fused_moe(tokens, read_bw, fp8)
