@@ -90,7 +90,7 @@ def checkpoint_folder(shape: dict, vocab: int, layers: int | None, fp8: bool = F
 #: (block_h, block_v, block_n, num_warps) tilings the MLA decode kernel is timed with; the first is its default.
 MLA_TILINGS = [
     (16, None, 32, 4), (16, None, 16, 4), (16, None, 32, 8), (32, None, 16, 8), (32, 256, 32, 8),
-    (64, 256, 16, 8), (64, 128, 32, 8), (64, 128, 32, 4), (128, 128, 16, 8),
+    (64, 256, 16, 8), (64, 128, 32, 8), (64, 128, 32, 4), (128, 128, 16, 8), (64, None, 16, 8), (16, None, 64, 4),
 ]  # fmt: skip
 
 
@@ -149,17 +149,29 @@ def bench_fused_moe(tokens: int, read_bw: float, fp8: bool = False) -> dict:
 
 
 def distinct_experts(llm, prompts_step) -> list[int]:
-    """The distinct experts each MoE layer's router picks in one step (a hook, outside the timed steps)."""
-    model = llm.engine.executor.runner.model
+    """The distinct experts each MoE layer's router picks in one step (a hook, outside the timed steps).
+    A graph replay runs no module code, so this one step takes the graphs' eager form (the same padded
+    shapes and numbers)."""
+    runner = llm.engine.executor.runner
     seen: list[int] = []
     hooks = [
         m.gate.register_forward_hook(lambda _m, _i, out: seen.append(out[1].unique().numel()))
-        for m in model.modules()
+        for m in runner.model.modules()
         if isinstance(m, MoE)
     ]
-    prompts_step()
-    for h in hooks:
-        h.remove()
+    graphs = runner.graphs
+    eager = graphs.eager if graphs is not None else None
+    try:
+        if graphs is not None:
+            graphs.eager = True
+        prompts_step()
+    finally:
+        if graphs is not None:
+            graphs.eager = eager
+        for h in hooks:
+            h.remove()
+    if not seen:
+        raise RuntimeError("no MoE router ran in the measured step: the floor would leave the experts out")
     return seen
 
 

@@ -1,35 +1,59 @@
-"""Where a Qwen3-14B decode step spends its GPU time: a torch.profiler table of one eager decode step
-(the same kernels the CUDA graph replays), grouped by kernel, against the weight-read floor.
+"""Where a decode step spends its GPU time: a torch.profiler table of eager decode steps (the same
+kernels the CUDA graph replays), grouped by kernel, for random weights in a benchmark shape.
 
-    python bench/profile_decode.py [--batch 1] [--layers 40]
+    python bench/profile_decode.py [--model qwen3_14b] [--batch 1] [--layers 40]
+    python bench/profile_decode.py --model qwen35 --shape 9b        # or 27b
+    python bench/profile_decode.py --model deepseek --shape v3 --layers 4 [--fp8]   # or moonlight
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+from pathlib import Path
 
 import torch
 from common import build, greedy
-from qwen3_14b import checkpoint_folder, random_prompt
+
+
+def checkpoint(model: str, shape: str | None, layers: int | None, fp8: bool) -> tuple[Path, int]:
+    """(checkpoint folder, vocabulary size) from the model's own benchmark."""
+    if model == "qwen3_14b":
+        import qwen3_14b
+
+        return qwen3_14b.checkpoint_folder(layers or 40), qwen3_14b.QWEN3_14B["vocab_size"]
+    if model == "qwen35":
+        import qwen35
+
+        config = dict(qwen35.SHAPES[shape or "9b"])
+        if layers:
+            config["num_hidden_layers"] = layers
+        return qwen35.checkpoint_folder(config), config["vocab_size"]
+    import deepseek
+
+    keys, vocab, _ = deepseek.SHAPES[shape or "v3"]
+    return deepseek.checkpoint_folder(
+        keys, vocab, layers or (4 if (shape or "v3") == "v3" else None), fp8
+    ), vocab
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen3_14b", choices=["qwen3_14b", "qwen35", "deepseek"])
+    parser.add_argument("--shape", default=None, help="qwen35: 9b or 27b; deepseek: v3 or moonlight")
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--layers", type=int, default=40)
+    parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--ctx", type=int, default=1024)
+    parser.add_argument("--fp8", action="store_true", help="deepseek: a block-FP8 checkpoint")
+    parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
-    llm = build(
-        checkpoint_folder(args.layers),
-        max_num_seqs=args.batch,
-        max_model_len=args.ctx + 64,
-        enforce_eager=True,
-    )
+    folder, vocab = checkpoint(args.model, args.shape, args.layers, args.fp8)
+    llm = build(folder, max_num_seqs=args.batch, max_model_len=args.ctx + 64, enforce_eager=True)
     engine = llm.engine
     rng = random.Random(0)
     for i in range(args.batch):
-        engine.add_request(str(i), None, greedy(40), prompt_token_ids=random_prompt(rng, args.ctx))
+        prompt = [rng.randrange(vocab) for _ in range(args.ctx)]
+        engine.add_request(str(i), None, greedy(40), prompt_token_ids=prompt)
     for _ in range(4):
         engine.step()
     torch.cuda.synchronize()
@@ -42,11 +66,11 @@ def main() -> None:
     rows = sorted(events, key=lambda e: e.device_time_total, reverse=True)
     total = sum(e.device_time_total for e in events) / 5 / 1e3
     print(
-        f"GPU time per decode step (eager, batch {args.batch}): {total:.3f} ms over "
-        f"{sum(e.count for e in events) // 5} kernels"
+        f"{args.model} {args.shape or ''}: GPU time per decode step (eager, batch {args.batch}): {total:.3f} ms "
+        f"over {sum(e.count for e in events) // 5} kernels"
     )
     print(f"{'kernel':80s} {'ms/step':>8s} {'calls':>6s} {'share':>6s}")
-    for e in rows[:25]:
+    for e in rows[: args.top]:
         ms = e.device_time_total / 5 / 1e3
         print(f"{e.key[:80]:80s} {ms:8.3f} {e.count // 5:6d} {ms / total:6.1%}")
 

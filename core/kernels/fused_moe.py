@@ -13,9 +13,11 @@ expert).
 - ``down``: ``y[p] = w[p] · (act[p] · Wd_eᵀ)`` (``[E, H, I]``), then the ``k`` pairs of each token are
   summed in a fixed order (deterministic, unlike atomics).
 
-Block-FP8 experts (with ``BlockScales``) stay float8 in memory: each weight tile is dequantized as it is
-loaded (W8A16), so a step reads half the bytes of bf16 experts. fp32 accumulation; the torch reference is
-``pegainfer.layers.moe.routed_experts``.
+Block-FP8 experts (with ``BlockScales``) stay float8 in memory (W8A16), so a step reads half the bytes of
+bf16 experts. Where every kernel tile sits inside one quantization tile (the usual case: 64-wide kernel
+tiles in 128 × 128 blocks, shards starting on a 64 boundary) the float8 values enter the dot as they are
+(exact in bf16) and the dot's fp32 result is scaled by the tile's one scale; otherwise each element is
+scaled as it is loaded. fp32 accumulation; the torch reference is ``pegainfer.layers.moe.routed_experts``.
 """
 
 from __future__ import annotations
@@ -60,16 +62,29 @@ def _weight_tile(
     scale_cols,
     mask_s,
     QUANT: tl.constexpr,
+    UNIFORM: tl.constexpr,
     DTYPE: tl.constexpr,
     FIX: tl.constexpr,
 ):
-    """A weight tile in the activations' dtype; float8 ones times their tile scales (gathered per element:
-    a tile of the kernel need not sit inside one quantization tile)."""
+    """A weight tile in the activations' dtype; float8 ones times their tile scales, gathered per element
+    unless ``UNIFORM`` (then the caller scales the dot by :func:`_tile_scale`)."""
     w = tl.load(ptr, mask=mask, other=0.0)
     if QUANT:
-        scale = tl.load(scale_ptr + scale_rows + scale_cols, mask=mask_s, other=0.0)
-        w = cast_to(w.to(tl.float32) * scale, DTYPE, FIX)
+        if UNIFORM:
+            w = cast_to(w.to(tl.float32), DTYPE, FIX)
+        else:
+            scale = tl.load(scale_ptr + scale_rows + scale_cols, mask=mask_s, other=0.0)
+            w = cast_to(w.to(tl.float32) * scale, DTYPE, FIX)
     return w
+
+
+@triton.jit
+def _tile_scale(scale_ptr, scale_row, scale_col, QUANT: tl.constexpr, UNIFORM: tl.constexpr):
+    """The one scale of a kernel tile that sits inside one quantization tile (1 where none applies)."""
+    if QUANT and UNIFORM:
+        return tl.load(scale_ptr + scale_row + scale_col)
+    else:
+        return 1.0
 
 
 @triton.jit
@@ -94,6 +109,7 @@ def _gate_up_kernel(
     stride_scol,
     scale_offset,
     QUANT: tl.constexpr,
+    UNIFORM: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     TOP_K: tl.constexpr,
@@ -114,6 +130,7 @@ def _gate_up_kernel(
         w = w_ptr + expert.to(tl.int64) * stride_we
         scales = scale_ptr + expert.to(tl.int64) * stride_se
         scale_rows = ((offs_n + scale_offset) // BLOCK_ROWS)[None, :] * stride_srow  # I: the weight's rows
+        scale_row = (tl.program_id(1) * BLOCK_N + scale_offset) // BLOCK_ROWS * stride_srow
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
@@ -128,14 +145,17 @@ def _gate_up_kernel(
             scale_cols = (offs_k // BLOCK_COLS)[:, None] * stride_scol
             wg = _weight_tile(
                 w + offs_n[None, :] * stride_wn + offs_k[:, None], wk, scales, scale_rows, scale_cols, wk,
-                QUANT, a.dtype, FIX,
+                QUANT, UNIFORM, a.dtype, FIX,
             )  # fmt: skip
             wu = _weight_tile(
                 w + (inter + offs_n[None, :]) * stride_wn + offs_k[:, None], wk, scales + stride_shalf,
-                scale_rows, scale_cols, wk, QUANT, a.dtype, FIX,
+                scale_rows, scale_cols, wk, QUANT, UNIFORM, a.dtype, FIX,
             )  # fmt: skip
-            acc_g += mma(a, wg, FIX, DOT_PREC)
-            acc_u += mma(a, wu, FIX, DOT_PREC)
+            scale_col = k0 // BLOCK_COLS * stride_scol
+            acc_g += mma(a, wg, FIX, DOT_PREC) * _tile_scale(scales, scale_row, scale_col, QUANT, UNIFORM)
+            acc_u += mma(a, wu, FIX, DOT_PREC) * _tile_scale(
+                scales + stride_shalf, scale_row, scale_col, QUANT, UNIFORM
+            )
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         out = act_ptr + pair.to(tl.int64)[:, None] * stride_act + offs_n[None, :]
         tl.store(out, cast_to(act, act_ptr.dtype.element_ty, FIX), mask=live[:, None] & mask_n[None, :])
@@ -163,6 +183,7 @@ def _down_kernel(
     stride_scol,
     scale_offset,
     QUANT: tl.constexpr,
+    UNIFORM: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -182,6 +203,7 @@ def _down_kernel(
         w = w_ptr + expert.to(tl.int64) * stride_we
         scales = scale_ptr + expert.to(tl.int64) * stride_se
         scale_rows = (offs_n // BLOCK_ROWS)[None, :] * stride_srow  # H: the weight's rows
+        scale_row = tl.program_id(1) * BLOCK_N // BLOCK_ROWS * stride_srow
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -195,9 +217,10 @@ def _down_kernel(
             scale_cols = ((offs_k + scale_offset) // BLOCK_COLS)[:, None] * stride_scol  # I: its columns
             wd = _weight_tile(
                 w + offs_n[None, :] * stride_wn + offs_k[:, None], wk, scales, scale_rows, scale_cols, wk,
-                QUANT, a.dtype, FIX,
+                QUANT, UNIFORM, a.dtype, FIX,
             )  # fmt: skip
-            acc += mma(a, wd, FIX, DOT_PREC)
+            scale_col = (k0 + scale_offset) // BLOCK_COLS * stride_scol
+            acc += mma(a, wd, FIX, DOT_PREC) * _tile_scale(scales, scale_row, scale_col, QUANT, UNIFORM)
         scale = tl.load(weights_ptr + pair64, mask=live, other=0.0).to(tl.float32)
         out = y_ptr + pair64[:, None] * stride_y + offs_n[None, :]
         tl.store(
@@ -246,19 +269,22 @@ def fused_moe_triton(
     d_s = scales.down if quant else x
     block_rows, block_cols = scales.block if quant else (1, 1)
     offset = scales.offset if quant else 0
+    # Every kernel tile inside one quantization tile: gate/up tiles n (offset) by block_n and k by block_k,
+    # down tiles n by block_n and k (offset) by block_k.
+    uniform = block_rows % block_n == 0 and block_cols % block_k == 0 and offset % block_n == offset % block_k == 0
     _gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
         x, gate_up, act, rows, block_expert, gu_s, pairs, num_experts, hidden, inter,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
         gu_s.stride(0) if quant else 0, gu_s.stride(1) if quant else 0, gu_s.stride(2) if quant else 0,
         gu_s.stride(3) if quant else 0, offset,
-        QUANT=quant, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, TOP_K=top_k, BLOCK_M=bm, BLOCK_N=block_n,
+        QUANT=quant, UNIFORM=uniform, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, TOP_K=top_k, BLOCK_M=bm, BLOCK_N=block_n,
         BLOCK_K=block_k, DOT_PREC=prec, FIX=fix, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     _down_kernel[(blocks, triton.cdiv(hidden, block_n))](
         act, down, weights.flatten().contiguous(), y, rows, block_expert, d_s, pairs, num_experts, hidden, inter,
         act.stride(0), down.stride(0), down.stride(1), y.stride(0),
         d_s.stride(0) if quant else 0, d_s.stride(1) if quant else 0, d_s.stride(2) if quant else 0, offset,
-        QUANT=quant, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, BLOCK_M=bm, BLOCK_N=block_n,
+        QUANT=quant, UNIFORM=uniform, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, BLOCK_M=bm, BLOCK_N=block_n,
         BLOCK_K=block_k, DOT_PREC=prec, FIX=fix, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return y.view(tokens, top_k, hidden).sum(dim=1)

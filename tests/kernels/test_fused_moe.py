@@ -82,12 +82,14 @@ def _quantized(gate_up, down, block, offset):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
-    "block, offset", [((16, 16), 0), ((16, 32), 0), ((32, 32), 5)], ids=["aligned", "oblong", "shard-offset"]
+    "block, offset",
+    [((16, 16), 0), ((16, 32), 0), ((32, 32), 16), ((32, 32), 5)],
+    ids=["aligned", "oblong", "shard-offset-on-a-kernel-tile", "shard-offset"],
 )
 def test_fp8_experts_match_the_dequantized_reference(dtype, block, offset):
-    """Float8 experts dequantized tile by tile in the kernels equal the reference loop over the same float8
-    experts (each dequantized whole), with tiles wider than a kernel tile and a shard that starts inside
-    its first tile."""
+    """Float8 experts dequantized in the kernels equal the reference loop over the same float8 experts (each
+    dequantized whole), with tiles wider than a kernel tile and a shard that starts inside its first tile:
+    the first three cases scale each dot by its tile's one scale, the last scales every element."""
     x, weights, ids, gate_up, down = _case(6, 3, 7, 40, 24, dtype, seed=7)
     q_gate_up, q_down, scales = _quantized(gate_up, down, block, offset)
     ours = fused_moe_triton(x, weights, ids, q_gate_up, q_down, scales=scales, block_n=16, block_k=16)
