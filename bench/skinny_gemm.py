@@ -1,6 +1,6 @@
-"""Skinny GEMM (decode projections) at Qwen3-14B shapes: our Triton kernel against cuBLAS (F.linear).
+"""Skinny GEMM (decode projections) at Qwen3-14B or Qwen3.5-9B shapes: our Triton kernel against cuBLAS.
 
-    python bench/skinny_gemm.py [--rows 1,8,16,32,64] [--sweep] [--json PATH] [--out bench/results/skinny_gemm.jsonl]
+    python bench/skinny_gemm.py [--model qwen3_14b|qwen35_9b] [--rows 1,8,16,32,64] [--sweep] [--json PATH] [--out bench/results/skinny_gemm.jsonl]
 
 Each projection is timed as the decode step runs it: inside a CUDA graph, over enough distinct weight
 copies (>= 2 GB) that the weights come from HBM, not L2. Achieved bandwidth = weight bytes / time,
@@ -25,13 +25,25 @@ from common import Results, graph_time_ms, measure_ceilings  # noqa: E402
 
 from pegainfer.kernels.skinny_gemm import SkinnyConfig, default_config, skinny_linear_triton  # noqa: E402
 
-# name -> (N, K) of w, Qwen3-14B: q|k|v, o, gate|up, down, lm_head
+# model -> name -> (N, K) of w
 SHAPES = {
-    "qkv": (7168, 5120),
-    "o_proj": (5120, 5120),
-    "gate_up": (34816, 5120),
-    "down": (5120, 17408),
-    "lm_head": (151936, 5120),
+    # Qwen3-14B: q|k|v, o, gate|up, down, lm_head
+    "qwen3_14b": {
+        "qkv": (7168, 5120),
+        "o_proj": (5120, 5120),
+        "gate_up": (34816, 5120),
+        "down": (5120, 17408),
+        "lm_head": (151936, 5120),
+    },
+    # Qwen3.5 9B-style (hidden 4096): GDN in_proj (q|k|v|z|b|a) and out_proj, gated attention q|gate|k|v
+    # (its o_proj is out_proj's shape), MLP gate|up and down; every 4096-row one makes 64 programs of 64 rows.
+    "qwen35_9b": {
+        "gdn_in_proj": (12352, 4096),
+        "out_proj": (4096, 4096),
+        "attn_qkv": (10240, 4096),
+        "gate_up": (24576, 4096),
+        "down": (4096, 12288),
+    },
 }
 
 
@@ -50,6 +62,7 @@ def sweep_configs() -> list[SkinnyConfig]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3_14b", choices=sorted(SHAPES))
     ap.add_argument("--rows", default="1,8,16,32,64")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--json")
@@ -62,7 +75,7 @@ def main() -> None:
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     results = Results(Path(args.out), "python " + " ".join(sys.argv), args.commit)
     records = []
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in SHAPES[args.model].items():
         nbytes = n * k * 2
         copies = max(2, -(-(2 << 30) // nbytes))
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
@@ -111,10 +124,12 @@ def main() -> None:
                 flush=True,
             )
             results.add(
-                f"qwen3_14b.skinny_gemm.{name}_m{m}.ours_bandwidth_utilization", row["ours_util"], "fraction"
+                f"{args.model}.skinny_gemm.{name}_m{m}.ours_bandwidth_utilization",
+                row["ours_util"],
+                "fraction",
             )
             results.add(
-                f"qwen3_14b.skinny_gemm.{name}_m{m}.cublas_bandwidth_utilization",
+                f"{args.model}.skinny_gemm.{name}_m{m}.cublas_bandwidth_utilization",
                 row["cublas_util"],
                 "fraction",
             )
