@@ -24,19 +24,65 @@ from __future__ import annotations
 
 import torch
 
-from pegainfer.kernels._triton import cast_to, dot_precision, interp_bf16, mma, tl, triton
+from pegainfer.kernels._triton import (
+    cast_to,
+    dot_precision,
+    interp_bf16,
+    mma,
+    next_pow2,
+    tl,
+    triton,
+    use_kernel,
+)
 from pegainfer.layers.moe import BlockScales
+
+#: Most (token, choice) pairs the one-program sort takes; larger routings sort with torch ops.
+KERNEL_SORT_PAIRS = 256
 
 
 def expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(``rows`` ``[max_blocks · block_m]``: the pair index of each padded row, ``P`` for padding;
     ``block_expert`` ``[max_blocks]``: each block's expert, ``num_experts`` past the last used block), with
-    the pairs of ``ids`` ``[T, k]`` (flattened, ``P = T·k``) sorted by expert. Device ops only."""
+    the pairs of ``ids`` ``[T, k]`` (flattened, ``P = T·k``) sorted by expert (stable: a run keeps the
+    pairs' order). Device work only: up to ``KERNEL_SORT_PAIRS`` pairs on CUDA one Triton program (a
+    decode step's routing; the torch form is some twenty small launches), else torch ops."""
+    if use_kernel(ids) and ids.numel() <= KERNEL_SORT_PAIRS:
+        return expert_blocks_triton(ids, num_experts, block_m)
+    return expert_blocks_torch(ids, num_experts, block_m)
+
+
+def _max_blocks(pairs: int, num_experts: int, block_m: int) -> int:
+    return triton.cdiv(pairs + num_experts * (block_m - 1), block_m)
+
+
+def expert_blocks_triton(
+    ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`expert_blocks` as one Triton program (at most ``KERNEL_SORT_PAIRS`` pairs)."""
+    flat = ids.flatten().contiguous()
+    pairs = flat.numel()
+    if pairs > KERNEL_SORT_PAIRS:
+        raise ValueError(f"the one-program sort takes at most {KERNEL_SORT_PAIRS} pairs, got {pairs}")
+    max_blocks = _max_blocks(pairs, num_experts, block_m)
+    rows = torch.empty(max_blocks * block_m, dtype=torch.int64, device=ids.device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int64, device=ids.device)
+    _expert_blocks_kernel[(1,)](
+        flat, rows, block_expert, pairs, num_experts, max_blocks,
+        BLOCK_P=max(16, next_pow2(pairs)), BLOCK_E=max(16, next_pow2(num_experts)), BLOCK_M=block_m,
+        CHUNK=128, num_warps=8,
+    )  # fmt: skip
+    return rows, block_expert
+
+
+def expert_blocks_torch(
+    ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`expert_blocks` in torch ops (any size, any device)."""
     flat = ids.flatten()
     pairs = flat.numel()
-    max_blocks = triton.cdiv(pairs + num_experts * (block_m - 1), block_m)
+    max_blocks = _max_blocks(pairs, num_experts, block_m)
     # Not bincount: on CUDA it reads the largest id back to the host.
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
         0, flat, torch.ones_like(flat)
     )
     padded = (counts + block_m - 1) // block_m * block_m
@@ -44,13 +90,53 @@ def expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
     order = torch.argsort(flat, stable=True)
     expert = flat[order]
     first_sorted = counts.cumsum(0) - counts  # each expert's first position among the sorted pairs
-    rank = torch.arange(pairs, device=ids.device) - first_sorted[expert]
+    rank = torch.arange(pairs, device=flat.device) - first_sorted[expert]
     dest = (padded_end - padded)[expert] + rank
-    rows = torch.full((max_blocks * block_m,), pairs, dtype=torch.int64, device=ids.device)
+    rows = torch.full((max_blocks * block_m,), pairs, dtype=torch.int64, device=flat.device)
     rows.scatter_(0, dest, order)
-    starts = torch.arange(max_blocks, device=ids.device) * block_m
+    starts = torch.arange(max_blocks, device=flat.device) * block_m
     block_expert = torch.searchsorted(padded_end, starts, right=True)  # num_experts past the end
     return rows, block_expert
+
+
+@triton.jit
+def _expert_blocks_kernel(
+    ids_ptr,
+    rows_ptr,
+    block_expert_ptr,
+    num_pairs,
+    num_experts,
+    max_blocks,
+    BLOCK_P: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """:func:`expert_blocks` in one program: counts by comparison (``[E, P]``), each pair's rank among the
+    earlier pairs of its expert (``[P, P]``), then every output row and block written once, chunk by
+    chunk, from where each pair lands (no scatter, so no ordering between stores to care about)."""
+    offs_p = tl.arange(0, BLOCK_P)
+    live = offs_p < num_pairs
+    expert = tl.load(ids_ptr + offs_p, mask=live, other=num_experts)
+    offs_e = tl.arange(0, BLOCK_E)
+    hit = (expert[None, :] == offs_e[:, None]).to(tl.int32)  # [E, P]
+    counts = tl.sum(hit, 1)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)
+    start = tl.sum(hit * (padded_end - padded)[:, None], 0)  # [P]: its expert's first padded row
+    earlier = (expert[:, None] == expert[None, :]) & (offs_p[None, :] < offs_p[:, None])  # [P, P]
+    dest = tl.where(live, start + tl.sum(earlier.to(tl.int32), 1), -1)
+    for r0 in range(0, max_blocks * BLOCK_M, CHUNK):
+        r = r0 + tl.arange(0, CHUNK)
+        lands = dest[None, :] == r[:, None]  # [CHUNK, P]: at most one pair per row
+        row = tl.min(tl.where(lands, offs_p[None, :], num_pairs), 1)
+        tl.store(rows_ptr + r, row.to(tl.int64), mask=r < max_blocks * BLOCK_M)
+    last = tl.where(offs_e < num_experts, padded_end, 2147483647)  # experts past E never end a run
+    for b0 in range(0, max_blocks, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        # searchsorted(padded_end, b · BLOCK_M, right=True): the experts whose runs end at or before it.
+        ended = tl.sum((last[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), 1)
+        tl.store(block_expert_ptr + b, ended.to(tl.int64), mask=b < max_blocks)
 
 
 @triton.jit
@@ -271,7 +357,9 @@ def fused_moe_triton(
     offset = scales.offset if quant else 0
     # Every kernel tile inside one quantization tile: gate/up tiles n (offset) by block_n and k by block_k,
     # down tiles n by block_n and k (offset) by block_k.
-    uniform = block_rows % block_n == 0 and block_cols % block_k == 0 and offset % block_n == offset % block_k == 0
+    uniform = (
+        block_rows % block_n == 0 and block_cols % block_k == 0 and offset % block_n == offset % block_k == 0
+    )
     _gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
         x, gate_up, act, rows, block_expert, gu_s, pairs, num_experts, hidden, inter,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),

@@ -10,6 +10,7 @@ for the experts that received tokens, in the kernels tile by tile).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -49,14 +50,19 @@ class BlockScales:
 
 
 def swiglu(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float | None = None
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    limit: float | None = None,
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
 ) -> torch.Tensor:
     """``down(silu(gate(x)) * up(x))``; with ``limit`` (DeepSeek-V4) gate is capped at it and up clamped
-    to ``[-limit, limit]`` first."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    to ``[-limit, limit]`` first. ``linear`` runs both projections (a model passes ``ops.linear`` for the
+    decode-sized GEMM kernel on CUDA; this module sits below ``ops`` and cannot import it)."""
+    gate, up = linear(x, gate_up).chunk(2, dim=-1)
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return F.linear(F.silu(gate) * up, down)
+    return linear(F.silu(gate) * up, down)
 
 
 def routed_experts(

@@ -13,7 +13,13 @@ import os
 import pytest
 import torch
 
-from pegainfer.kernels.fused_moe import expert_blocks, fused_moe_triton
+from pegainfer.kernels.fused_moe import (
+    KERNEL_SORT_PAIRS,
+    expert_blocks,
+    expert_blocks_torch,
+    expert_blocks_triton,
+    fused_moe_triton,
+)
 from pegainfer.layers.moe import BlockScales, routed_experts
 from pegainfer.ops import fused_moe
 
@@ -44,6 +50,29 @@ def test_expert_blocks_sort_and_pad_the_pairs():
     # Expert 0 gets pairs 1 and 4, expert 2 pairs 0, 2, 5, expert 3 pair 3; each run padded to 4 rows.
     assert rows[:12].tolist() == [1, 4, p, p, 0, 2, 5, p, 3, p, p, p]
     assert block_expert.tolist()[:3] == [0, 2, 3] and set(block_expert.tolist()[3:]) == {5}
+
+
+@pytest.mark.parametrize(
+    "tokens, k, experts, block_m",
+    [(1, 8, 256, 16), (3, 2, 5, 4), (32, 8, 256, 16), (KERNEL_SORT_PAIRS // 6, 6, 64, 16), (7, 4, 20, 64)],
+    ids=["v3-decode", "tiny", "v3-batch32", "largest", "prefill-tile"],
+)
+def test_one_program_expert_blocks_equal_the_torch_form(tokens, k, experts, block_m):
+    """The one-program sort writes exactly the torch form's rows and block experts, with experts chosen by
+    many tokens, by one, and by none (a skewed pool), and the padding past the routing's last block."""
+    gen = torch.Generator().manual_seed(tokens * 31 + experts)
+    pool = max(k, experts // 3)  # a third of the experts take every choice: long runs, many empty experts
+    ids = torch.stack([torch.randperm(pool, generator=gen)[:k] for _ in range(tokens)]).to(DEVICE)
+    rows, block_expert = expert_blocks_triton(ids, experts, block_m)
+    want_rows, want_blocks = expert_blocks_torch(ids, experts, block_m)
+    assert torch.equal(rows, want_rows)
+    assert torch.equal(block_expert, want_blocks)
+
+
+def test_the_one_program_sort_refuses_a_routing_past_its_size():
+    ids = torch.zeros(KERNEL_SORT_PAIRS + 1, 1, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="at most"):
+        expert_blocks_triton(ids, 4, 16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pegainfer.layers.norm import rms_norm
+from pegainfer import ops
 from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding
 from pegainfer.model.model_api import ForwardBatch
 from pegainfer.parallel.distributed import TensorParallel
@@ -52,10 +52,10 @@ class DecoderLayer(nn.Module):
         """``index_cache`` / ``index_rotary``: the V3.2 indexer's key cache and half-split rope."""
         eps = self.dims.rms_norm_eps
         attn = self.self_attn(
-            rms_norm(x, self.input_layernorm, eps), batch, cache, rotary, index_cache, index_rotary
+            ops.rms_norm(x, self.input_layernorm, eps), batch, cache, rotary, index_cache, index_rotary
         )
         x = x + attn
-        return x + self.tp.all_reduce(self.mlp(rms_norm(x, self.post_attention_layernorm, eps)))
+        return x + self.tp.all_reduce(self.mlp(ops.rms_norm(x, self.post_attention_layernorm, eps)))
 
     def load(self, reader: WeightReader, prefix: str) -> None:
         h, dtype = self.dims.hidden_size, self.input_layernorm.dtype

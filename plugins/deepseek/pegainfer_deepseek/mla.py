@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pegainfer import ops
 from pegainfer.layers.attention import AttentionMetadata
-from pegainfer.layers.norm import rms_norm
 from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding
 from pegainfer.model.model_api import ForwardBatch
 from pegainfer.parallel.distributed import TensorParallel
@@ -93,23 +93,23 @@ class MLAttention(nn.Module):
         if dims.q_lora_rank is None:
             q = F.linear(x, self.q_proj)
         else:
-            cq = rms_norm(F.linear(x, self.q_a_proj, self.q_a_bias), self.q_a_layernorm, eps)
-            q = F.linear(cq, self.q_b_proj)
+            cq = ops.rms_norm(F.linear(x, self.q_a_proj, self.q_a_bias), self.q_a_layernorm, eps)
+            q = ops.linear(cq, self.q_b_proj)
             if self.indexer is not None:
                 if index_cache is None or index_rotary is None:
                     raise ValueError("a DeepSeek-V3.2 layer needs its indexer cache and half-split rope")
                 selection = self.indexer(x, cq, batch, index_cache, index_rotary)
         q_nope, q_pe = q.view(t, self.num_heads, dims.qk_head_dim).split([dn, dr], dim=-1)
         c, k_pe = F.linear(x, self.kv_a_proj_with_mqa, self.kv_a_bias).split([rkv, dr], dim=-1)
-        c = rms_norm(c, self.kv_a_layernorm, eps)
+        c = ops.rms_norm(c, self.kv_a_layernorm, eps)
         q_pe, k_pe = rotary(batch.positions, q_pe, k_pe.unsqueeze(1))
         write_latent(cache, torch.cat([c, k_pe.squeeze(1)], dim=-1), batch.attn.slot_mapping)
         out = q.new_empty(t, self.num_heads, dims.v_head_dim)
         self._prefill(q_nope, q_pe, cache, batch.attn, out, selection)
         self._decode(q_nope, q_pe, cache, batch.attn, out, selection)
         if self.tp.size == 1:
-            return F.linear(out.flatten(1), self.o_proj, self.o_bias)
-        attn = self.tp.all_reduce(F.linear(out.flatten(1), self.o_proj))
+            return ops.linear(out.flatten(1), self.o_proj, self.o_bias)
+        attn = self.tp.all_reduce(ops.linear(out.flatten(1), self.o_proj))
         return attn if self.o_bias is None else attn + self.o_bias
 
     def _prefill(

@@ -29,12 +29,11 @@ import logging
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from pegainfer import ops
 from pegainfer.config.schema import ModelConfig
 from pegainfer.errors import ExecutorError
-from pegainfer.layers.norm import rms_norm
 from pegainfer.layers.parallel import gather_logits, vocab_parallel_embed
 from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding, default_inv_freq, yarn_inv_freq
 from pegainfer.memory.buffer_specs import (
@@ -237,11 +236,11 @@ class DeepseekV3ForCausalLM(CausalLM):
         for layer in self.layers:
             index_cache = caches[cache_key(layer.layer_index, INDEXER_CACHE)] if indexed else None
             x = layer(x, batch, caches[layer.layer_index], self.rotary, index_cache, self.index_rotary)
-        return rms_norm(x, self.norm, self.dims.rms_norm_eps)
+        return ops.rms_norm(x, self.norm, self.dims.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return gather_logits(F.linear(hidden, weight), self.tp, self.dims.vocab_size)
+        return gather_logits(ops.linear(hidden, weight), self.tp, self.dims.vocab_size)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Input embeddings ``[T, H]``, the whole rows on every rank (vocab-parallel + all-reduce)."""

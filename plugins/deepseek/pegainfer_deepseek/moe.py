@@ -31,6 +31,7 @@ from pegainfer.parallel.sharding import Shard, split
 from pegainfer_deepseek.config import QUANTIZE_BLOCK, DeepseekV3Dims
 from pegainfer_deepseek.fp8 import WeightReader, quantize_blocks
 from pegainfer_deepseek.params import param
+from pegainfer_deepseek.routing import group_limited_topk
 
 
 class SwiGLU(nn.Module):
@@ -58,7 +59,7 @@ class SwiGLU(nn.Module):
         self.down_proj = param(hidden, local, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu(x, self.gate_up_proj, self.down_proj, self.limit)
+        return swiglu(x, self.gate_up_proj, self.down_proj, self.limit, linear=ops.linear)
 
     def load(self, reader: WeightReader, prefix: str) -> None:
         i, h, dtype = self.intermediate, self.down_proj.shape[0], self.down_proj.dtype
@@ -77,22 +78,14 @@ class GroupLimitedRouter(nn.Module):
         self.e_score_correction_bias = param(dims.n_routed_experts, dtype=torch.float32)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights ``[T, k]`` fp32, expert ids ``[T, k]``) for the tokens ``x`` ``[T, H]``."""
+        """(weights ``[T, k]`` fp32, expert ids ``[T, k]``) for the tokens ``x`` ``[T, H]`` (``routing``: the
+        selection in one Triton launch on CUDA, the torch reference elsewhere)."""
         dims = self.dims
-        scores = F.linear(x.float(), self.weight).sigmoid()
-        choice = scores + self.e_score_correction_bias
-        if dims.n_group > 1:
-            per_group = dims.n_routed_experts // dims.n_group
-            grouped = choice.view(-1, dims.n_group, per_group)
-            group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(dim=-1)
-            kept = group_scores.topk(dims.topk_group, dim=-1).indices
-            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
-            choice = choice.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
-        ids = choice.topk(dims.num_experts_per_tok, dim=-1).indices
-        weights = scores.gather(1, ids)
-        if dims.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * dims.routed_scaling_factor, ids
+        return group_limited_topk(
+            F.linear(x.float(), self.weight), self.e_score_correction_bias, n_group=dims.n_group,
+            topk_group=dims.topk_group, k=dims.num_experts_per_tok, norm=dims.norm_topk_prob,
+            scaling=dims.routed_scaling_factor,
+        )  # fmt: skip
 
     def load(self, reader: WeightReader, prefix: str) -> None:
         with torch.no_grad():
