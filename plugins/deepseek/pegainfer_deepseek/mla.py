@@ -34,6 +34,7 @@ from pegainfer.parallel.sharding import split
 from pegainfer_deepseek.config import DeepseekV3Dims
 from pegainfer_deepseek.fp8 import WeightReader
 from pegainfer_deepseek.indexer import IndexSelection, LightningIndexer
+from pegainfer_deepseek.latent_rope import latent_rope_
 from pegainfer_deepseek.mla_decode import mla_decode_attention
 from pegainfer_deepseek.params import param
 
@@ -88,7 +89,7 @@ class MLAttention(nn.Module):
 
         With an indexer (V3.2), ``index_cache`` is its key cache and ``index_rotary`` its half-split rope."""
         dims, eps, t = self.dims, self.dims.rms_norm_eps, x.shape[0]
-        dn, dr, rkv = dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.kv_lora_rank
+        dn, dr = dims.qk_nope_head_dim, dims.qk_rope_head_dim
         selection = None
         if dims.q_lora_rank is None:
             q = F.linear(x, self.q_proj)
@@ -99,11 +100,16 @@ class MLAttention(nn.Module):
                 if index_cache is None or index_rotary is None:
                     raise ValueError("a DeepSeek-V3.2 layer needs its indexer cache and half-split rope")
                 selection = self.indexer(x, cq, batch, index_cache, index_rotary)
-        q_nope, q_pe = q.view(t, self.num_heads, dims.qk_head_dim).split([dn, dr], dim=-1)
-        c, k_pe = F.linear(x, self.kv_a_proj_with_mqa, self.kv_a_bias).split([rkv, dr], dim=-1)
-        c = ops.rms_norm(c, self.kv_a_layernorm, eps)
-        q_pe, k_pe = rotary(batch.positions, q_pe, k_pe.unsqueeze(1))
-        write_latent(cache, torch.cat([c, k_pe.squeeze(1)], dim=-1), batch.attn.slot_mapping)
+        q = q.view(t, self.num_heads, dims.qk_head_dim)
+        latent = F.linear(x, self.kv_a_proj_with_mqa, self.kv_a_bias)
+        if ops.use_triton(latent):  # one launch for the rotary, the latent's norm and the cache write
+            latent_rope_(
+                q, latent, batch.positions, batch.attn.slot_mapping, cache, self.kv_a_layernorm, eps,
+                rotary.cos, rotary.sin, rotary.interleaved,
+            )  # fmt: skip
+            q_nope, q_pe = q.split([dn, dr], dim=-1)
+        else:
+            q_nope, q_pe = self._prologue_ref(q, latent, batch, cache, rotary)
         out = q.new_empty(t, self.num_heads, dims.v_head_dim)
         self._prefill(q_nope, q_pe, cache, batch.attn, out, selection)
         self._decode(q_nope, q_pe, cache, batch.attn, out, selection)
@@ -111,6 +117,25 @@ class MLAttention(nn.Module):
             return ops.linear(out.flatten(1), self.o_proj, self.o_bias)
         attn = self.tp.all_reduce(ops.linear(out.flatten(1), self.o_proj))
         return attn if self.o_bias is None else attn + self.o_bias
+
+    def _prologue_ref(
+        self,
+        q: torch.Tensor,
+        latent: torch.Tensor,
+        batch: ForwardBatch,
+        cache: torch.Tensor,
+        rotary: PairedRotaryEmbedding,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch form of ``latent_rope_``: (q_nope, roped q_pe); the normed latent and roped k_pe are
+        written to ``cache``."""
+        dims = self.dims
+        dn, dr, rkv = dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.kv_lora_rank
+        q_nope, q_pe = q.split([dn, dr], dim=-1)
+        c, k_pe = latent.split([rkv, dr], dim=-1)
+        c = ops.rms_norm(c, self.kv_a_layernorm, dims.rms_norm_eps)
+        q_pe, k_pe = rotary(batch.positions, q_pe, k_pe.unsqueeze(1))
+        write_latent(cache, torch.cat([c, k_pe.squeeze(1)], dim=-1), batch.attn.slot_mapping)
+        return q_nope, q_pe
 
     def _prefill(
         self,
@@ -167,13 +192,15 @@ class MLAttention(nn.Module):
         rows = slice(meta.num_prefill_tokens, meta.num_prefill_tokens + meta.num_decodes)
         w_kv = self.kv_b_proj.view(nh, dn + dims.v_head_dim, dims.kv_lora_rank)
         w_uk, w_uv = w_kv[:, :dn], w_kv[:, dn:]
-        q_latent = torch.einsum("bhd,hdr->bhr", q_nope[rows], w_uk)
+        # Batched over heads on the strided views as they are (no copies in or out; the attention takes
+        # any row and head strides): q_latent [H, B, rkv] seen as [B, H, rkv].
+        q_latent = torch.bmm(q_nope[rows].transpose(0, 1), w_uk).transpose(0, 1)
         o_latent = mla_decode_attention(
-            q_latent.contiguous(), q_pe[rows].contiguous(), cache, meta.decode_block_tables,
+            q_latent, q_pe[rows], cache, meta.decode_block_tables,
             meta.decode_seq_lens, self.scale, max_seq_len=meta.max_decode_seq_len,
             mask=selection.decode if selection is not None else None,
         )  # fmt: skip
-        out[rows] = torch.einsum("bhr,hvr->bhv", o_latent, w_uv)
+        out[rows] = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def load(self, reader: WeightReader, prefix: str) -> None:
         dims, p = self.dims, prefix + "self_attn."
