@@ -81,15 +81,18 @@ def fused_moe(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     scales: BlockScales | None = None,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The routed experts' output ``[T, H]``, ``Σ_k weights[t, k] · Expert_{ids[t, k]}(x[t])`` over stacked
-    experts (gate|up ``[E, 2I, H]``, down ``[E, H, I]``; block-FP8 with ``scales``): on CUDA two Triton
-    grouped GEMMs with no host sync (graph-safe), elsewhere the reference loop."""
+    experts (gate|up ``[E, 2I, H]``, down ``[E, H, I]``; block-FP8 with ``scales``), plus ``add`` (e.g. the
+    shared experts' output) where given: on CUDA Triton grouped GEMMs with no host sync (graph-safe; the
+    add rides the launch that sums the choices), elsewhere the reference loop."""
     if use_triton(x):
         from pegainfer.kernels.fused_moe import fused_moe_triton
 
-        return fused_moe_triton(x, weights, ids, gate_up, down, scales=scales)
-    return routed_experts(x, weights, ids, gate_up, down, scales=scales)
+        return fused_moe_triton(x, weights, ids, gate_up, down, scales=scales, add=add)
+    out = routed_experts(x, weights, ids, gate_up, down, scales=scales)
+    return out if add is None else out + add
 
 
 def norm_linear(

@@ -11,7 +11,8 @@ expert).
 - ``gate_up``: ``act[p] = silu(x[t] · Wg_eᵀ) ⊙ (x[t] · Wu_eᵀ)`` for pair ``p`` of token ``t`` (stacked
   gate|up ``[E, 2I, H]``), both halves in one program.
 - ``down``: ``y[p] = w[p] · (act[p] · Wd_eᵀ)`` (``[E, H, I]``), then the ``k`` pairs of each token are
-  summed in a fixed order (deterministic, unlike atomics).
+  summed in a fixed order (deterministic, unlike atomics) by one more launch, which also adds ``add`` (the
+  shared experts' output) where given.
 
 Block-FP8 experts (with ``BlockScales``) stay float8 in memory (W8A16), so a step reads half the bytes of
 bf16 experts. Where every kernel tile sits inside one quantization tile (the usual case: 64-wide kernel
@@ -316,6 +317,32 @@ def _down_kernel(
         )
 
 
+@triton.jit
+def _combine_kernel(
+    y_ptr,
+    add_ptr,
+    out_ptr,
+    hidden,
+    TOP_K: tl.constexpr,
+    HAS_ADD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FIX: tl.constexpr,
+):
+    """``out[t] = Σ_j y[t·k + j] (+ add[t])``: the sum in fp32 in choice order, rounded as torch rounds
+    ``y.sum(1)`` and then ``+ add``."""
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < hidden
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (token * TOP_K + j) * hidden + offs, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    if HAS_ADD:
+        acc = cast_to(acc, dtype, FIX).to(tl.float32)
+        acc += tl.load(add_ptr + token * hidden + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * hidden + offs, cast_to(acc, dtype, FIX), mask=mask)
+
+
 def fused_moe_triton(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -324,6 +351,7 @@ def fused_moe_triton(
     down: torch.Tensor,
     *,
     scales: BlockScales | None = None,
+    add: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int = 64,
     block_k: int = 64,
@@ -331,7 +359,8 @@ def fused_moe_triton(
     num_stages: int = 3,
 ) -> torch.Tensor:
     """The Triton path of ``ops.fused_moe``; float8 experts with ``scales`` are dequantized tile by tile
-    (the dots run in the activations' dtype); the keyword knobs are for the benchmark."""
+    (the dots run in the activations' dtype); ``add`` ``[T, H]`` is added to the result; the other keyword
+    knobs are for the benchmark."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     num_experts, two_inter, _ = gate_up.shape
@@ -341,8 +370,12 @@ def fused_moe_triton(
         raise ValueError("x and the expert weights need a contiguous last dimension")
     if (scales is not None) != (gate_up.element_size() == 1 and down.element_size() == 1):
         raise ValueError(f"{gate_up.dtype} experts need block scales exactly when they are float8")
+    if add is not None and (add.shape != x.shape or add.dtype != x.dtype or not add.is_contiguous()):
+        raise ValueError(
+            f"add {tuple(add.shape)} {add.dtype} must be a contiguous {tuple(x.shape)} {x.dtype}"
+        )
     if pairs == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if add is None else add.clone()
     # Decode batches take the smallest tensor-core tile; larger ones fill bigger blocks per expert.
     bm = block_m or (16 if pairs <= 4 * num_experts else 64)
     rows, block_expert = expert_blocks(ids, num_experts, bm)
@@ -375,4 +408,9 @@ def fused_moe_triton(
         QUANT=quant, UNIFORM=uniform, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, BLOCK_M=bm, BLOCK_N=block_n,
         BLOCK_K=block_k, DOT_PREC=prec, FIX=fix, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    return y.view(tokens, top_k, hidden).sum(dim=1)
+    out = torch.empty_like(x)
+    _combine_kernel[(tokens, triton.cdiv(hidden, 1024))](
+        y, add if add is not None else y, out, hidden, TOP_K=top_k, HAS_ADD=add is not None, BLOCK=1024, FIX=fix,
+        num_warps=4,
+    )  # fmt: skip
+    return out

@@ -83,6 +83,11 @@ def test_fused_moe_matches_reference(dtype, tokens, block_m):
     ref = routed_experts(x, weights, ids, gate_up, down)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(ours.float(), ref.float(), **tol)
+    shared = torch.randn_like(x)  # the shared experts' output, added in the launch that sums the choices
+    with_add = fused_moe_triton(
+        x, weights, ids, gate_up, down, block_m=block_m, block_n=16, block_k=16, add=shared
+    )
+    torch.testing.assert_close(with_add.float(), (ref + shared).float(), **tol)
 
 
 def _quantized(gate_up, down, block, offset):

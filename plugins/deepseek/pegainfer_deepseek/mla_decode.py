@@ -249,7 +249,8 @@ def mla_decode_attention_triton(
     if mask is not None and mask.dtype == torch.bool:
         mask = mask.view(torch.uint8)
     fix = interp_bf16(q_latent.dtype)
-    block_r = next_pow2(rkv)
+    # Compiled tensor-core dots need K >= 16: small (test) widths pad their tiles, masked.
+    block_r = max(16, next_pow2(rkv))
     block_v = min(block_v or block_r, block_r)
     v_splits = block_r // block_v
     _mla_decode_partial_kernel[(triton.cdiv(heads, block_h) * v_splits, batch, splits)](
@@ -258,7 +259,7 @@ def mla_decode_attention_triton(
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0),
         cache.stride(1), block_tables.stride(0), mask.stride(0) if mask is not None else 0, out.stride(0),
         out.stride(1),
-        RKV=rkv, DR=dr, BLOCK_R=block_r, BLOCK_P=next_pow2(dr), PAGE=cache.shape[1], BLOCK_H=block_h,
+        RKV=rkv, DR=dr, BLOCK_R=block_r, BLOCK_P=max(16, next_pow2(dr)), PAGE=cache.shape[1], BLOCK_H=block_h,
         BLOCK_V=block_v, V_SPLITS=v_splits, BLOCK_N=block_n, SPLIT=split, HAS_MASK=mask is not None, DOT_PREC=dot_precision(q_latent.dtype),
         FIX=fix, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip

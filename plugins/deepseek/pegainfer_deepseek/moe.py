@@ -139,11 +139,12 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        # The Triton grouped GEMMs on CUDA (no host sync, graph-safe); the reference loop elsewhere.
-        out = ops.fused_moe(x, weights, ids, self.experts_gate_up, self.experts_down, self._scales())
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        # The Triton grouped GEMMs on CUDA (no host sync, graph-safe; the shared output added in the launch
+        # that sums the choices); the reference loop elsewhere.
+        return ops.fused_moe(
+            x, weights, ids, self.experts_gate_up, self.experts_down, self._scales(), add=shared
+        )
 
     def _scales(self) -> BlockScales | None:
         if not self.fp8_block:
