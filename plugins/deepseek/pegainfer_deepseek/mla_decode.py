@@ -234,6 +234,8 @@ def mla_decode_attention_triton(
     dr = q_pe.shape[-1]
     if cache.dim() != 3 or cache.shape[-1] != rkv + dr:
         raise ValueError(f"cache {tuple(cache.shape)} is not [blocks, block_size, {rkv} + {dr}]")
+    if block_n < 16:  # the p · latents dot takes block_n as its K
+        raise ValueError(f"block_n {block_n}: compiled tensor-core dots need at least 16 keys a tile")
     for name, t in (("q_latent", q_latent), ("q_pe", q_pe), ("cache", cache), ("block_tables", block_tables)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dimension")

@@ -54,12 +54,12 @@ def _case(seq_lens, heads, rkv, dr, page, dtype, seed, masked=False):
 def test_decode_matches_reference(dtype, num_splits, masked, block_h, block_v):
     """Heads over two head blocks (20 heads, 16 a block) or one partial one (32), the output features in
     one program or split over two (``block_v`` 16 of 32)."""
-    seq_lens = [5, 37, 0, 16]
+    seq_lens = [5, 77, 0, 33]  # several 16-key tiles, a partial last one
     q, q_pe, cache, tables, lens, mask = _case(seq_lens, 20, 32, 8, 4, dtype, seed=num_splits, masked=masked)
     scale = 0.17
     ours = mla_decode_attention_triton(
         q, q_pe, cache, tables, lens, scale, max_seq_len=max(seq_lens), mask=mask, num_splits=num_splits,
-        block_h=block_h, block_v=block_v, block_n=8,
+        block_h=block_h, block_v=block_v, block_n=16,
     )  # fmt: skip
     ref = mla_decode_attention_ref(q, q_pe, cache, tables, lens, scale, max_seq_len=max(seq_lens), mask=mask)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
@@ -68,16 +68,22 @@ def test_decode_matches_reference(dtype, num_splits, masked, block_h, block_v):
 
 
 def test_rows_with_every_key_masked_get_zeros():
-    q, q_pe, cache, tables, lens, _ = _case([9, 6], 4, 16, 8, 4, torch.float32, seed=5)
-    mask = torch.zeros(2, 12, dtype=torch.bool, device=DEVICE)
+    q, q_pe, cache, tables, lens, _ = _case([41, 20], 4, 16, 8, 4, torch.float32, seed=5)
+    mask = torch.zeros(2, 44, dtype=torch.bool, device=DEVICE)
     mask[1, 2] = True
     for splits in (1, 2):
         ours = mla_decode_attention_triton(
-            q, q_pe, cache, tables, lens, 0.2, max_seq_len=9, mask=mask, num_splits=splits, block_n=4
+            q, q_pe, cache, tables, lens, 0.2, max_seq_len=41, mask=mask, num_splits=splits, block_n=16
         )
         assert not ours[0].any()
-        ref = mla_decode_attention_ref(q, q_pe, cache, tables, lens, 0.2, max_seq_len=9, mask=mask)
+        ref = mla_decode_attention_ref(q, q_pe, cache, tables, lens, 0.2, max_seq_len=41, mask=mask)
         torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_key_tiles_below_the_tensor_core_minimum_are_refused():
+    q, q_pe, cache, tables, lens, _ = _case([9], 4, 16, 8, 4, torch.float32, seed=2)
+    with pytest.raises(ValueError, match="block_n"):
+        mla_decode_attention_triton(q, q_pe, cache, tables, lens, 0.2, max_seq_len=9, block_n=8)
 
 
 @pytest.mark.gpu
