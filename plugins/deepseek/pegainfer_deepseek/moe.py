@@ -31,7 +31,7 @@ from pegainfer.parallel.sharding import Shard, split
 from pegainfer_deepseek.config import QUANTIZE_BLOCK, DeepseekV3Dims
 from pegainfer_deepseek.fp8 import WeightReader, quantize_blocks
 from pegainfer_deepseek.params import param
-from pegainfer_deepseek.routing import group_limited_topk
+from pegainfer_deepseek.routing import TopkRule, group_limited_topk
 
 
 class SwiGLU(nn.Module):
@@ -76,16 +76,18 @@ class GroupLimitedRouter(nn.Module):
         self.dims = dims
         self.weight = param(dims.n_routed_experts, dims.hidden_size, dtype=torch.float32)
         self.e_score_correction_bias = param(dims.n_routed_experts, dtype=torch.float32)
+        self.rule = TopkRule(
+            dims.n_group,
+            dims.topk_group,
+            dims.num_experts_per_tok,
+            dims.norm_topk_prob,
+            dims.routed_scaling_factor,
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights ``[T, k]`` fp32, expert ids ``[T, k]``) for the tokens ``x`` ``[T, H]`` (``routing``: the
         selection in one Triton launch on CUDA, the torch reference elsewhere)."""
-        dims = self.dims
-        return group_limited_topk(
-            F.linear(x.float(), self.weight), self.e_score_correction_bias, n_group=dims.n_group,
-            topk_group=dims.topk_group, k=dims.num_experts_per_tok, norm=dims.norm_topk_prob,
-            scaling=dims.routed_scaling_factor,
-        )  # fmt: skip
+        return group_limited_topk(F.linear(x.float(), self.weight), self.e_score_correction_bias, self.rule)
 
     def load(self, reader: WeightReader, prefix: str) -> None:
         with torch.no_grad():

@@ -14,22 +14,30 @@ graphs. Ties between equal scores go to the lower index (torch's ``topk`` leaves
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pegainfer.kernels._triton import next_pow2, tl, triton
 from pegainfer.ops import use_triton
 
 
+@dataclass(frozen=True)
+class TopkRule:
+    """The selection's sizes: ``n_group`` groups, ``topk_group`` of them kept, ``k`` experts chosen; the
+    weights renormalised when ``norm``, then times ``scaling``."""
+
+    n_group: int
+    topk_group: int
+    k: int
+    norm: bool
+    scaling: float
+
+
 def group_limited_topk_ref(
-    logits: torch.Tensor,
-    bias: torch.Tensor,
-    *,
-    n_group: int,
-    topk_group: int,
-    k: int,
-    norm: bool,
-    scaling: float,
+    logits: torch.Tensor, bias: torch.Tensor, rule: TopkRule
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    n_group, topk_group, k = rule.n_group, rule.topk_group, rule.k
     scores = logits.sigmoid()
     choice = scores + bias
     if n_group > 1:
@@ -41,9 +49,9 @@ def group_limited_topk_ref(
         choice = choice.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
     ids = choice.topk(k, dim=-1).indices
     weights = scores.gather(1, ids)
-    if norm:
+    if rule.norm:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * scaling, ids
+    return weights * rule.scaling, ids
 
 
 @triton.jit
@@ -105,15 +113,9 @@ def _group_limited_topk_kernel(
 
 
 def group_limited_topk_triton(
-    logits: torch.Tensor,
-    bias: torch.Tensor,
-    *,
-    n_group: int,
-    topk_group: int,
-    k: int,
-    norm: bool,
-    scaling: float,
+    logits: torch.Tensor, bias: torch.Tensor, rule: TopkRule
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    n_group, topk_group, k = rule.n_group, rule.topk_group, rule.k
     tokens, experts = logits.shape
     if logits.dtype != torch.float32 or logits.stride(-1) != 1 or experts % n_group:
         raise ValueError(f"logits must be fp32 [T, E] with a contiguous last dim, E a multiple of {n_group}")
@@ -122,25 +124,18 @@ def group_limited_topk_triton(
     if tokens:
         per_group = experts // n_group
         _group_limited_topk_kernel[(tokens,)](
-            logits, bias.contiguous(), weights, ids, logits.stride(0), float(scaling),
+            logits, bias.contiguous(), weights, ids, logits.stride(0), float(rule.scaling),
             NUM_EXPERTS=experts, GROUPS=n_group, PER_GROUP=per_group, BLOCK_G=next_pow2(n_group),
-            BLOCK_PG=next_pow2(per_group), TOPK_GROUP=topk_group, K=k, BLOCK_K=max(2, next_pow2(k)), NORM=norm,
+            BLOCK_PG=next_pow2(per_group), TOPK_GROUP=topk_group, K=k, BLOCK_K=max(2, next_pow2(k)), NORM=rule.norm,
             num_warps=4 if experts > 64 else 1,
         )  # fmt: skip
     return weights, ids
 
 
 def group_limited_topk(
-    logits: torch.Tensor,
-    bias: torch.Tensor,
-    *,
-    n_group: int,
-    topk_group: int,
-    k: int,
-    norm: bool,
-    scaling: float,
+    logits: torch.Tensor, bias: torch.Tensor, rule: TopkRule
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, ids) of the module docstring: the kernel on CUDA (unless ``PEGAINFER_DISABLE_TRITON``), the
     torch reference elsewhere."""
     select = group_limited_topk_triton if use_triton(logits) else group_limited_topk_ref
-    return select(logits, bias, n_group=n_group, topk_group=topk_group, k=k, norm=norm, scaling=scaling)
+    return select(logits, bias, rule)

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from pegainfer_deepseek.routing import group_limited_topk_ref, group_limited_topk_triton
+from pegainfer_deepseek.routing import TopkRule, group_limited_topk_ref, group_limited_topk_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -37,9 +37,9 @@ def test_kernel_selects_and_weighs_as_the_reference(tokens, experts, n_group, to
     gen = torch.Generator().manual_seed(experts + k)
     logits = (torch.randn(tokens, experts, generator=gen) * 2).to(DEVICE)
     bias = (torch.randn(experts, generator=gen) * 0.5).to(DEVICE)  # moves the choice, not the weights
-    opts = dict(n_group=n_group, topk_group=topk_group, k=k, norm=norm, scaling=2.5)
-    weights, ids = group_limited_topk_triton(logits, bias, **opts)
-    ref_weights, ref_ids = group_limited_topk_ref(logits, bias, **opts)
+    rule = TopkRule(n_group, topk_group, k, norm, 2.5)
+    weights, ids = group_limited_topk_triton(logits, bias, rule)
+    ref_weights, ref_ids = group_limited_topk_ref(logits, bias, rule)
     assert torch.equal(ids, ref_ids)  # best first, as topk orders them
     torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
     if n_group > 1:
@@ -50,6 +50,4 @@ def test_kernel_selects_and_weighs_as_the_reference(tokens, experts, n_group, to
 def test_kernel_refuses_logits_it_cannot_read():
     logits = torch.randn(2, 10, dtype=torch.float64, device=DEVICE)
     with pytest.raises(ValueError, match="fp32"):
-        group_limited_topk_triton(
-            logits, torch.zeros(10, device=DEVICE), n_group=2, topk_group=1, k=2, norm=True, scaling=1.0
-        )
+        group_limited_topk_triton(logits, torch.zeros(10, device=DEVICE), TopkRule(2, 1, 2, True, 1.0))
