@@ -4,13 +4,15 @@
 
 Each projection is timed as the decode step runs it: inside a CUDA graph, over enough distinct weight
 copies (>= 2 GB) that the weights come from HBM, not L2. Achieved bandwidth = weight bytes / time,
-against the 1 GiB copy bandwidth measured in the same run. ``--sweep`` tries tile sizes, K splits,
-warps and pipeline depths and reports the best beside the default heuristic.
+against the decode ceiling measured in the same run (the higher of the 1 GiB copy and the streaming-read
+rate; before 2026-12-03 these records were against the copy rate). ``--sweep`` tries tile sizes, warps,
+pipeline depths and the stream-K split and reports the best of each form beside the default heuristic.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -44,6 +46,26 @@ SHAPES = {
         "gate_up": (24576, 4096),
         "down": (4096, 12288),
     },
+    # Qwen3.5 27B-like (hidden 5120; GDN 16 k / 48 v heads x 128, attention 24 q / 4 kv heads x 256)
+    "qwen35_27b": {
+        "gdn_in_proj": (16480, 5120),
+        "out_proj": (5120, 6144),
+        "attn_qkv": (14336, 5120),
+        "gate_up": (34816, 5120),
+        "down": (5120, 17408),
+    },
+    # DeepSeek-V3 (hidden 7168): MLA's q_a, kv_a (latent 512 + rope 64), q_b, o_proj; the dense layer's
+    # MLP, the shared expert's; the router's GEMV runs in fp32 elsewhere.
+    "deepseek_v3": {
+        "q_a": (1536, 7168),
+        "kv_a": (576, 7168),
+        "q_b": (24576, 1536),
+        "o_proj": (7168, 16384),
+        "dense_gate_up": (36864, 7168),
+        "dense_down": (7168, 18432),
+        "shared_gate_up": (4096, 7168),
+        "shared_down": (7168, 2048),
+    },
 }
 
 
@@ -52,12 +74,22 @@ def per_call_ms(fns: list, reps: int = 10) -> float:
     return graph_time_ms(lambda: [fn() for fn in fns], calls=len(fns), reps=reps)
 
 
-def sweep_configs() -> list[SkinnyConfig]:
-    return [
+def sweep_configs(forms: str) -> list[SkinnyConfig]:
+    """``forms`` (comma-separated): ``tile``, one program per tile over tile shapes and warps; ``stream_k``,
+    the stream-K split (one program per SM, or two) over the deep tiles."""
+    per_tile = [
         SkinnyConfig(block_n, block_k, warps, 4)
         for block_n, block_k, warps in itertools.product((32, 64, 128), (64, 128, 256), (4, 8))
         if block_n * block_k <= 64 * 256
     ]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    stream_k = [
+        SkinnyConfig(block_n, block_k, 4, stages, stream_k=True, programs=programs)
+        for block_n, block_k, stages, programs in itertools.product(
+            (32, 64), (128, 256), (3, 4), (sms, 2 * sms)
+        )
+    ]
+    return (per_tile if "tile" in forms.split(",") else []) + (stream_k if "stream_k" in forms else [])
 
 
 def main() -> None:
@@ -65,14 +97,19 @@ def main() -> None:
     ap.add_argument("--model", default="qwen3_14b", choices=sorted(SHAPES))
     ap.add_argument("--rows", default="1,8,16,32,64")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-forms", default="tile,stream_k")
     ap.add_argument("--json")
     ap.add_argument("--out", default="bench/results/skinny_gemm.jsonl")
     ap.add_argument("--commit", default=None)
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     ceilings = measure_ceilings()
-    bw = ceilings["hbm_bytes_per_s"]
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    bw = ceilings["decode_ceiling_bytes_per_s"]
+    print(
+        f"copy {ceilings['hbm_bytes_per_s'] / 1e12:.2f} TB/s, streaming read "
+        f"{ceilings['hbm_read_bytes_per_s'] / 1e12:.2f} TB/s: utilisation against {bw / 1e12:.2f}",
+        flush=True,
+    )
     results = Results(Path(args.out), "python " + " ".join(sys.argv), args.commit)
     records = []
     for name, (n, k) in SHAPES[args.model].items():
@@ -93,7 +130,7 @@ def main() -> None:
             }  # fmt: skip
             if args.sweep:
                 timed = []
-                for cfg in sweep_configs():
+                for cfg in sweep_configs(args.sweep_forms):
                     try:
                         t = per_call_ms([partial(skinny_linear_triton, x, w, config=cfg) for w in ws], 5)
                     except Exception as exc:  # a tile that does not fit (shared memory) is skipped
@@ -104,7 +141,7 @@ def main() -> None:
                 deeper = []
                 for _, cfg in timed[:3]:
                     for stages in (3, 5):
-                        c = SkinnyConfig(cfg.block_n, cfg.block_k, cfg.num_warps, stages)
+                        c = dataclasses.replace(cfg, num_stages=stages)
                         try:
                             t = per_call_ms([partial(skinny_linear_triton, x, w, config=c) for w in ws], 5)
                         except Exception:
@@ -112,11 +149,17 @@ def main() -> None:
                         deeper.append((t, c))
                 timed = sorted(timed + deeper, key=lambda tc: tc[0])
                 row["best"] = [(t, c.__dict__, nbytes / (t / 1e3) / bw) for t, c in timed[:6]]
+                row["best_per_tile"], row["best_stream_k"] = (
+                    next(
+                        ([t, c.__dict__, nbytes / (t / 1e3) / bw] for t, c in timed if c.stream_k == sk), None
+                    )
+                    for sk in (False, True)
+                )
             records.append(row)
-            best = (
-                f" best {row['best'][0][0] * 1e3:.1f} us {row['best'][0][2]:.1%} {row['best'][0][1]}"
-                if args.sweep
-                else ""
+            best = "".join(
+                f" | {label} {b[0] * 1e3:.1f} us {b[2]:.1%} {b[1]}"
+                for label, b in (("tile", row.get("best_per_tile")), ("stream-k", row.get("best_stream_k")))
+                if b
             )
             print(
                 f"{name:8s} M={m:3d} cuBLAS {cublas * 1e3:7.1f} us ({row['cublas_util']:.1%})  "

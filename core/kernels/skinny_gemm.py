@@ -32,6 +32,7 @@ from pegainfer.kernels._triton import (
     dot_precision,
     interp_bf16,
     mma,
+    num_sms,
     pdl_launch,
     pdl_start,
     shared_memory_per_sm,
@@ -51,10 +52,16 @@ DISPATCH_ROWS = 16
 
 @dataclass(frozen=True)
 class SkinnyConfig:
+    """Tiles of one launch. ``stream_k``: the work is split evenly over ``programs`` programs (0: one per
+    multiprocessor) at column-block granularity, tiles shared between programs (``_skinny_gemm_stream_k_
+    kernel``), where one program per output tile leaves multiprocessors idle."""
+
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 4
+    stream_k: bool = False
+    programs: int = 0
 
 
 @triton.jit
@@ -126,10 +133,43 @@ def _skinny_gemm_kernel(
         acc += mma(w, tl.trans(x), FIX, PREC)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    _epilogue(
+        acc, tl.sum(sq, 1), pid_n, bias_ptr, res_ptr, out_ptr, M, N, K, stride_rm, stride_om, eps,
+        BLOCK_M, BLOCK_N, HAS_BIAS, NORM, SILU, RESIDUAL, FIX,
+    )  # fmt: skip
+
+
+@triton.jit
+def _epilogue(
+    acc,
+    sq,
+    tile,
+    bias_ptr,
+    res_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_rm,
+    stride_om,
+    eps,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    NORM: tl.constexpr,
+    SILU: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    FIX: tl.constexpr,
+):
+    """Finish output tile ``tile`` from its fp32 sum ``acc`` ``[BLOCK_N, BLOCK_M]`` and, with NORM, the
+    rows' sums of squares ``sq`` ``[BLOCK_M]``: the norm's scale, bias, then SiLU·mul or the residual add."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = offs_m[:, None] < M
     acc = tl.trans(acc)
     if NORM:
         # rms_norm(x) @ w.T == rstd * (x @ w.T), w carrying the norm's weight (fold_rms_norm_weight).
-        acc = acc * tl.rsqrt(tl.sum(sq, 1) / K + eps)[:, None]
+        acc = acc * tl.rsqrt(sq / K + eps)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     dtype: tl.constexpr = out_ptr.dtype.element_ty
@@ -139,7 +179,7 @@ def _skinny_gemm_kernel(
         y = cast_to(acc, dtype, FIX).to(tl.float32)
         gate, up = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))
         act = cast_to(gate / (1.0 + tl.exp(-gate)), dtype, FIX).to(tl.float32) * up
-        offs_a = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        offs_a = tile * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         a_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_a[None, :]
         tl.store(a_ptrs, cast_to(act, dtype, FIX), mask=row_ok & (offs_a[None, :] < N // 2))
     else:
@@ -150,6 +190,103 @@ def _skinny_gemm_kernel(
             acc = cast_to(acc, dtype, FIX).to(tl.float32) + r.to(tl.float32)
         out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, cast_to(acc, dtype, FIX), mask=out_ok)
+
+
+@triton.jit
+def _skinny_gemm_stream_k_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    res_ptr,
+    out_ptr,
+    part_ptr,
+    part_sq_ptr,
+    count_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_rm,
+    stride_om,
+    eps,
+    K_ITERS,
+    UNITS,
+    SLOTS,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    NORM: tl.constexpr,
+    SILU: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    FIX: tl.constexpr,
+    PREC: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The same GEMM over a flat list of work units, (output tile, BLOCK_K column block) in tile order:
+    program ``p`` takes units ``[p * UNITS, (p + 1) * UNITS)``, so every multiprocessor streams the same
+    number of weight bytes whatever the tile count. A tile whose columns span several programs gathers
+    their fp32 partial sums in its slots of ``part_ptr`` (slot = program - the tile's first program); the
+    program that finishes last (the tile's counter) adds them in slot order, so the result does not
+    depend on which finished first, and resets the counter for the next launch."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    u0 = pid * UNITS
+    u1 = tl.minimum(u0 + UNITS, n_tiles * K_ITERS)
+    pdl_start(PDL)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_t = tl.arange(0, BLOCK_N)
+    row_ok = offs_m[:, None] < M
+    part_offs = offs_t[:, None] * BLOCK_M + offs_m[None, :]
+    for tile in range(u0 // K_ITERS, (u1 - 1) // K_ITERS + 1):
+        kb = tl.maximum(u0 - tile * K_ITERS, 0)
+        ke = tl.minimum(u1 - tile * K_ITERS, K_ITERS)
+        offs_n = tile * BLOCK_N + offs_t
+        col_ok = offs_n[:, None] < N
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (kb * BLOCK_K + offs_k)[None, :]
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (kb * BLOCK_K + offs_k)[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        for i in range(kb, ke):
+            x = _load_block(x_ptrs, i * BLOCK_K, K, offs_k, row_ok, EVEN_K)
+            w = _load_block(w_ptrs, i * BLOCK_K, K, offs_k, col_ok, EVEN_K)
+            if NORM:
+                sq += x.to(tl.float32) * x.to(tl.float32)
+            acc += mma(w, tl.trans(x), FIX, PREC)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        sq_rows = tl.sum(sq, 1)
+        if kb == 0 and ke == K_ITERS:
+            _epilogue(
+                acc, sq_rows, tile, bias_ptr, res_ptr, out_ptr, M, N, K, stride_rm, stride_om, eps,
+                BLOCK_M, BLOCK_N, HAS_BIAS, NORM, SILU, RESIDUAL, FIX,
+            )  # fmt: skip
+        else:
+            first = (tile * K_ITERS) // UNITS
+            parts = ((tile + 1) * K_ITERS - 1) // UNITS - first + 1
+            slot = (tile * SLOTS + pid - first).to(tl.int64)
+            tl.store(part_ptr + slot * (BLOCK_N * BLOCK_M) + part_offs, acc)
+            if NORM:
+                tl.store(part_sq_ptr + slot * BLOCK_M + offs_m, sq_rows)
+            # Every thread's partial is stored before the counter's release (one thread's atomic).
+            tl.debug_barrier()
+            if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == parts - 1:
+                acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                sq_rows = tl.zeros((BLOCK_M,), dtype=tl.float32)
+                for s in range(parts):
+                    at = (tile * SLOTS + s).to(tl.int64)
+                    # .cg: from L2, where the other programs' stores are, never a stale L1 line.
+                    acc += tl.load(part_ptr + at * (BLOCK_N * BLOCK_M) + part_offs, cache_modifier=".cg")
+                    if NORM:
+                        sq_rows += tl.load(part_sq_ptr + at * BLOCK_M + offs_m, cache_modifier=".cg")
+                tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed")
+                _epilogue(
+                    acc, sq_rows, tile, bias_ptr, res_ptr, out_ptr, M, N, K, stride_rm, stride_om, eps,
+                    BLOCK_M, BLOCK_N, HAS_BIAS, NORM, SILU, RESIDUAL, FIX,
+                )  # fmt: skip
 
 
 def default_config(n: int, k: int, m: int = 1, element_size: int = 2) -> SkinnyConfig:
@@ -163,6 +300,26 @@ def default_config(n: int, k: int, m: int = 1, element_size: int = 2) -> SkinnyC
     if n >= 20_000:
         return SkinnyConfig(64, 64, num_stages=3)
     return SkinnyConfig(64, 256)
+
+
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _stream_k_workspace(
+    device: torch.device, n_tiles: int, slots: int, block_n: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The split tiles' fp32 partial sums, their rows' partial sums of squares and the tiles' arrival
+    counters (zero between launches: the last program of a tile resets its counter), one set per launch
+    shape and kept, so a CUDA graph captures fixed addresses. Launches on one stream may share a set: a
+    launch touches it only after the previous kernel finished (``pdl_start``)."""
+    key = (device, n_tiles, slots, block_n, block_m)
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = (
+            torch.empty(n_tiles * slots * block_n * block_m, dtype=torch.float32, device=device),
+            torch.empty(n_tiles * slots * block_m, dtype=torch.float32, device=device),
+            torch.zeros(n_tiles, dtype=torch.int32, device=device),
+        )
+    return _WORKSPACES[key]
 
 
 #: Launch arguments without programmatic dependent launch.
@@ -221,16 +378,28 @@ def skinny_linear_triton(
                 f"residual {tuple(residual.shape)} {residual.dtype} must be x @ w.T's, contiguous"
             )
         out = residual.view(m, n)
-    if m:
-        _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](
-            x2, w, bias if bias is not None else w, out, out, m, n, k, x2.stride(0), w.stride(0),
-            out.stride(0), out.stride(0), 0.0 if norm_eps is None else norm_eps,
-            BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, NORM=norm_eps is not None, SILU=silu,
-            RESIDUAL=residual is not None, FIX=interp_bf16(x.dtype), PREC=dot_precision(x.dtype),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **(pdl_launch(x) if _one_program_per_sm(cfg, block_m, x) else NO_PDL),
-        )  # fmt: skip
+    if not m:
+        return out.reshape(*x.shape[:-1], n_out)
+    args = (x2, w, bias if bias is not None else w, out, out)
+    strides = (m, n, k, x2.stride(0), w.stride(0), out.stride(0), out.stride(0))
+    eps = 0.0 if norm_eps is None else norm_eps
+    flags = dict(
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, NORM=norm_eps is not None, SILU=silu,
+        RESIDUAL=residual is not None, FIX=interp_bf16(x.dtype), PREC=dot_precision(x.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **(pdl_launch(x) if _one_program_per_sm(cfg, block_m, x) else NO_PDL),
+    )  # fmt: skip
+    if cfg.stream_k:
+        n_tiles, k_iters = triton.cdiv(n, cfg.block_n), triton.cdiv(k, cfg.block_k)
+        units = triton.cdiv(n_tiles * k_iters, cfg.programs or num_sms(x.device))
+        slots = (k_iters - 1) // units + 2  # the most programs one tile's columns can span
+        ws = _stream_k_workspace(x.device, n_tiles, slots, cfg.block_n, block_m)
+        _skinny_gemm_stream_k_kernel[(triton.cdiv(n_tiles * k_iters, units),)](
+            *args, *ws, *strides, eps, k_iters, units, slots, **flags
+        )
+    else:
+        _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](*args, *strides, eps, **flags)
     return out.reshape(*x.shape[:-1], n_out)
 
 

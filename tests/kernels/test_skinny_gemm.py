@@ -26,6 +26,12 @@ from pegainfer.layers.norm import fold_rms_norm_weight
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
 
+# Stream-K splits: 3 tiles x 8 column blocks over 5 programs of 5 units (whole tiles, tiles split in two
+# and three, a program on two tiles); ragged N and K over 3 programs; 4 x 4 units, one per program.
+STREAM_K_WHOLE_AND_SPLIT = SkinnyConfig(32, 32, stream_k=True, programs=5)
+STREAM_K_RAGGED = SkinnyConfig(32, 32, stream_k=True, programs=3)
+STREAM_K_ONE_UNIT_EACH = SkinnyConfig(32, 32, stream_k=True, programs=16)
+
 
 def _rand(gen, *shape, dtype):
     return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
@@ -40,8 +46,20 @@ def _rand(gen, *shape, dtype):
         (16, 96, 128, SkinnyConfig(64, 32, num_stages=2)),
         (40, 48, 64, SkinnyConfig(16, 32)),  # a 64-row x tile
         (5, 33, 100, None),  # the default tiles, larger than the problem
+        (1, 96, 256, STREAM_K_WHOLE_AND_SPLIT),
+        (3, 70, 160, STREAM_K_RAGGED),
+        (16, 128, 128, STREAM_K_ONE_UNIT_EACH),
     ],
-    ids=["1x64x256", "3x70x160-ragged", "16x96x128", "40x48x64", "5x33x100-default"],
+    ids=[
+        "1x64x256",
+        "3x70x160-ragged",
+        "16x96x128",
+        "40x48x64",
+        "5x33x100-default",
+        "1x96x256-stream_k",
+        "3x70x160-stream_k-ragged",
+        "16x128x128-stream_k-unit-each",
+    ],  # fmt: skip
 )
 def test_matches_linear(dtype, m, n, k, config):
     gen = torch.Generator().manual_seed(m * n + k)
@@ -51,6 +69,17 @@ def test_matches_linear(dtype, m, n, k, config):
     assert got.shape == (m, n) and got.dtype == dtype
     assert rel_err(got, ref) < TOL[dtype]
     assert rel_err(skinny_linear_triton(x, w, config=config), ref - bias) < TOL[dtype]
+
+
+@pytest.mark.parametrize("config", [STREAM_K_WHOLE_AND_SPLIT, STREAM_K_ONE_UNIT_EACH], ids=["5", "16"])
+def test_stream_k_repeats_bit_for_bit(config):
+    """The last program of a split tile adds the partials in a fixed order and resets the tile's counter:
+    a second launch (a graph replay) on the same workspace gives the same bits."""
+    gen = torch.Generator().manual_seed(11)
+    x, w = _rand(gen, 2, 256, dtype=torch.float32), _rand(gen, 96, 256, dtype=torch.float32)
+    first = skinny_linear_triton(x, w, config=config)
+    assert torch.equal(skinny_linear_triton(x, w, config=config), first)
+    assert rel_err(first, x @ w.T) < 1e-5
 
 
 def test_leading_dims_and_too_many_rows():
@@ -78,8 +107,14 @@ def _ulp_close(got: torch.Tensor, ref: torch.Tensor) -> None:
 
 FUSED_CASES = pytest.mark.parametrize(
     ("m", "n", "k", "config"),
-    [(1, 64, 256, SkinnyConfig(32, 64)), (3, 70, 160, SkinnyConfig(32, 64)), (16, 96, 128, None)],
-    ids=["1x64x256", "3x70x160-ragged", "16x96x128-default"],
+    [
+        (1, 64, 256, SkinnyConfig(32, 64)),
+        (3, 70, 160, SkinnyConfig(32, 64)),
+        (16, 96, 128, None),
+        (1, 96, 256, STREAM_K_WHOLE_AND_SPLIT),
+        (3, 70, 160, STREAM_K_RAGGED),
+    ],
+    ids=["1x64x256", "3x70x160-ragged", "16x96x128-default", "1x96x256-stream_k", "3x70x160-stream_k"],
 )
 
 
@@ -153,3 +188,33 @@ def test_early_launch_only_for_one_program_per_multiprocessor():
     assert _one_program_per_sm(default_config(7168, 5120), 16, x)  # q|k|v, o_proj, down
     assert not _one_program_per_sm(default_config(34816, 5120), 16, x)  # gate|up
     assert not _one_program_per_sm(default_config(151936, 5120), 16, x)  # lm_head
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("n", "k"), [(576, 7168), (4096, 4096), (5120, 17408)], ids=["kv_a", "9b_o", "down"])
+@pytest.mark.parametrize("m", [1, 16])
+def test_stream_k_at_model_shapes_and_in_a_graph(m, n, k):
+    """The split over every multiprocessor at DeepSeek's kv_a and the Qwen 4096/5120-row shapes, bf16:
+    each option against the reference, and a graph replay equal to the eager launch bit for bit."""
+    gen = torch.Generator().manual_seed(n + m)
+    x = (_rand(gen, m, k, dtype=torch.bfloat16) * 0.5).cuda()
+    w = (_rand(gen, n, k, dtype=torch.bfloat16) * 0.02).cuda()
+    cfg = SkinnyConfig(64, 256, stream_k=True)
+    tol = TOL[torch.bfloat16]
+    assert rel_err(skinny_linear_triton(x, w, config=cfg), skinny_linear_ref(x, w)) < tol
+    normed = skinny_linear_triton(x, w, config=cfg, norm_eps=1e-6)
+    assert rel_err(normed, skinny_linear_ref(x, w, norm_eps=1e-6)) < tol
+    act = skinny_linear_triton(x, w, config=cfg, silu=True)
+    assert rel_err(act, skinny_linear_ref(x, w, silu=True)) < 2 * tol
+    residual = _rand(gen, m, n, dtype=torch.bfloat16).cuda()
+    expected = residual + skinny_linear_triton(x, w, config=cfg)
+    skinny_linear_triton(x, w, config=cfg, residual=residual)
+    assert torch.equal(residual, expected)
+    eager = skinny_linear_triton(x, w, config=cfg, norm_eps=1e-6)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = skinny_linear_triton(x, w, config=cfg, norm_eps=1e-6)
+    for _ in range(3):
+        graph.replay()
+        assert torch.equal(captured, eager)
