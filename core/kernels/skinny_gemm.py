@@ -289,16 +289,30 @@ def _skinny_gemm_stream_k_kernel(
                 )  # fmt: skip
 
 
-def default_config(n: int, k: int, m: int = 1, element_size: int = 2) -> SkinnyConfig:
-    """Tiles measured on the H200 at the Qwen3-14B projections (``python bench/skinny_gemm.py --sweep``):
-    64 rows of w per program, 256 columns per load, four loads in flight; 64 columns and three loads for
-    the 35k-row gate|up, 128 columns for the 152k-row lm_head. Splitting K never won (the 5120-row
-    projections already make 80+ programs) and is not offered."""
+def default_config(n: int, k: int, m: int = 1, element_size: int = 2, sms: int = 132) -> SkinnyConfig:
+    """Tiles measured on the H200 (``python bench/skinny_gemm.py --sweep``, 2026-12-02 and earlier): 64
+    rows of w per program, 256 columns per load, four loads in flight; 64 columns and three loads for
+    gate|up-sized projections (20k+ rows), 128 columns for lm_head-sized ones (100k+).
+
+    One program per 64-row tile leaves multiprocessors idle where the tiles fill under 80% of the last
+    wave over the ``sms`` multiprocessors (the 4096/5120-row projections make 64/80 programs for 132):
+    those long enough to split (K >= 4096) take the stream-K split, measured at Qwen3-14B's down 57.6 ->
+    45.0 us, o_proj 18.4 -> 16.5, DeepSeek-V3's kv_a 13.8 -> 6.3; with 32-row tiles and five loads where
+    w is at most 4096 x 8192 (kv_a 6.0, Qwen3.5-9B's out_proj 10.6 -> 10.3). It lost at ~85% filled waves
+    (Qwen3-14B q|k|v 19.2 -> 21.2) and on short K (DeepSeek's shared down, K 2048). Very long rows in
+    nearly full waves (DeepSeek's o_proj and dense down, K >= 16384) measured best with 32-row tiles."""
     # Wider x tiles (or fp32) need shorter loads to keep the stages in shared memory.
     if m > 16 or element_size > 2 or n >= 100_000:
         return SkinnyConfig(64, 128)
     if n >= 20_000:
         return SkinnyConfig(64, 64, num_stages=3)
+    tiles = triton.cdiv(n, 64)
+    if k >= 4096 and tiles < 0.8 * triton.cdiv(tiles, sms) * sms:
+        if n <= 4096 and k <= 8192:
+            return SkinnyConfig(32, 256, num_stages=5, stream_k=True)
+        return SkinnyConfig(64, 256, stream_k=True)
+    if k >= 16384:
+        return SkinnyConfig(32, 256)
     return SkinnyConfig(64, 256)
 
 
@@ -367,7 +381,7 @@ def skinny_linear_triton(
         raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {m}")
     if silu and (residual is not None or n % 2):
         raise ValueError("silu takes an even number of interleaved gate, up rows and no residual")
-    cfg = config or default_config(n, k, m, x.element_size())
+    cfg = config or default_config(n, k, m, x.element_size(), num_sms(x.device))
     block_m = max(16, triton.next_power_of_2(m))
     n_out = n // 2 if silu else n
     if residual is None:

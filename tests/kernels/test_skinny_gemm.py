@@ -218,3 +218,14 @@ def test_stream_k_at_model_shapes_and_in_a_graph(m, n, k):
     for _ in range(3):
         graph.replay()
         assert torch.equal(captured, eager)
+
+
+def test_stream_k_where_one_program_per_tile_leaves_multiprocessors_idle():
+    """The split for under-filled waves of long rows (docs/benchmarks.md, sixth session's sweep), not
+    for nearly full waves, short rows, or the many-tile projections."""
+    assert default_config(5120, 17408).stream_k  # Qwen3-14B down: 80 tiles for 132 SMs
+    assert default_config(576, 7168) == SkinnyConfig(32, 256, num_stages=5, stream_k=True)  # kv_a
+    assert not default_config(7168, 5120).stream_k  # q|k|v: 112 tiles, 85% of a wave
+    assert not default_config(7168, 2048).stream_k  # DeepSeek shared down: K too short
+    assert not default_config(34816, 5120).stream_k
+    assert default_config(7168, 5120, sms=78).stream_k  # the same q|k|v over 78 SMs: 72% of two waves
