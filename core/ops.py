@@ -57,12 +57,24 @@ def add_rms_norm(
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``; on CUDA, decode-sized row counts stream the weight through the skinny kernel."""
+    """``F.linear(x.to(w.dtype), w, bias)`` (a 16-bit ``x`` may meet an fp32 ``w``, as a router's does); on
+    CUDA, decode-sized row counts stream the weight through the skinny kernel, the upcast inside it."""
     if use_triton(x):
         from pegainfer.kernels import skinny_gemm
 
         return skinny_gemm.skinny_linear(x, w, bias)
-    return torch.nn.functional.linear(x, w, bias)
+    return torch.nn.functional.linear(x.to(w.dtype), w, bias)
+
+
+def linear_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``x @ w.T`` for an interleaved gate|up ``w`` (``layers.activation.
+    interleave_gate_up``): on CUDA decode rows, the activation in the skinny GEMM's epilogue."""
+    if use_triton(x):
+        from pegainfer.kernels import skinny_gemm
+
+        if skinny_gemm.takes_kernel(x):
+            return skinny_gemm.skinny_linear_triton(x, w, silu=True)
+    return silu_mul(linear(x, w))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -121,7 +121,7 @@ def _skinny_gemm_kernel(
         x = _load_block(x_ptrs, 0, K, offs_k, row_ok, EVEN_K)
         if NORM:
             sq += x.to(tl.float32) * x.to(tl.float32)
-        acc += mma(w, tl.trans(x), FIX, PREC)
+        acc += mma(w, tl.trans(x).to(w.dtype), FIX, PREC)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         k0 = BLOCK_K
@@ -130,7 +130,7 @@ def _skinny_gemm_kernel(
         w = _load_block(w_ptrs, k, K, offs_k, col_ok, EVEN_K)
         if NORM:
             sq += x.to(tl.float32) * x.to(tl.float32)
-        acc += mma(w, tl.trans(x), FIX, PREC)
+        acc += mma(w, tl.trans(x).to(w.dtype), FIX, PREC)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     _epilogue(
@@ -255,7 +255,7 @@ def _skinny_gemm_stream_k_kernel(
             w = _load_block(w_ptrs, i * BLOCK_K, K, offs_k, col_ok, EVEN_K)
             if NORM:
                 sq += x.to(tl.float32) * x.to(tl.float32)
-            acc += mma(w, tl.trans(x), FIX, PREC)
+            acc += mma(w, tl.trans(x).to(w.dtype), FIX, PREC)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         sq_rows = tl.sum(sq, 1)
@@ -301,13 +301,16 @@ def default_config(n: int, k: int, m: int = 1, element_size: int = 2, sms: int =
     w is at most 4096 x 8192 (kv_a 6.0, Qwen3.5-9B's out_proj 10.6 -> 10.3). It lost at ~85% filled waves
     (Qwen3-14B q|k|v 19.2 -> 21.2) and on short K (DeepSeek's shared down, K 2048). Very long rows in
     nearly full waves (DeepSeek's o_proj and dense down, K >= 16384) measured best with 32-row tiles."""
+    tiles = triton.cdiv(n, 64)
+    underfilled = k >= 4096 and tiles < 0.8 * triton.cdiv(tiles, sms) * sms
     # Wider x tiles (or fp32) need shorter loads to keep the stages in shared memory.
+    if m <= 16 and element_size > 2 and underfilled:
+        return SkinnyConfig(32, 128, stream_k=True)  # an fp32 router's few rows (no sweep yet)
     if m > 16 or element_size > 2 or n >= 100_000:
         return SkinnyConfig(64, 128)
     if n >= 20_000:
         return SkinnyConfig(64, 64, num_stages=3)
-    tiles = triton.cdiv(n, 64)
-    if k >= 4096 and tiles < 0.8 * triton.cdiv(tiles, sms) * sms:
+    if underfilled:
         if n <= 4096 and k <= 8192:
             return SkinnyConfig(32, 256, num_stages=5, stream_k=True)
         return SkinnyConfig(64, 256, stream_k=True)
@@ -367,7 +370,10 @@ def skinny_linear_triton(
       (``layers.norm.fold_rms_norm_weight``), as the kernel scales each output row by x's ``1 / rms``;
     - ``silu``: ``w``'s rows alternate gate, up (``layers.activation.interleave_gate_up``); returns
       ``silu(gate) * up``, ``[..., N / 2]``;
-    - ``residual``: returns ``residual + x @ w.T``, written into ``residual`` in place."""
+    - ``residual``: returns ``residual + x @ w.T``, written into ``residual`` in place.
+
+    A 16-bit ``x`` may meet an fp32 ``w`` (a router's logits): x is upcast in the loop, the result fp32,
+    as ``F.linear(x.float(), w)`` without the cast's launch."""
     n, k = w.shape
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -381,13 +387,15 @@ def skinny_linear_triton(
         raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {m}")
     if silu and (residual is not None or n % 2):
         raise ValueError("silu takes an even number of interleaved gate, up rows and no residual")
-    cfg = config or default_config(n, k, m, x.element_size(), num_sms(x.device))
+    if x.dtype != w.dtype and not (w.dtype == torch.float32 and x.element_size() == 2):
+        raise ValueError(f"x {x.dtype} with w {w.dtype}: only 16-bit x meets an fp32 w (upcast in the loop)")
+    cfg = config or default_config(n, k, m, w.element_size(), num_sms(x.device))
     block_m = max(16, triton.next_power_of_2(m))
     n_out = n // 2 if silu else n
     if residual is None:
-        out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+        out = torch.empty(m, n_out, dtype=w.dtype, device=x.device)
     else:
-        if residual.shape != (*x.shape[:-1], n) or residual.dtype != x.dtype or residual.stride(-1) != 1:
+        if residual.shape != (*x.shape[:-1], n) or residual.dtype != w.dtype or residual.stride(-1) != 1:
             raise ValueError(
                 f"residual {tuple(residual.shape)} {residual.dtype} must be x @ w.T's, contiguous"
             )
@@ -400,7 +408,7 @@ def skinny_linear_triton(
     flags = dict(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, NORM=norm_eps is not None, SILU=silu,
-        RESIDUAL=residual is not None, FIX=interp_bf16(x.dtype), PREC=dot_precision(x.dtype),
+        RESIDUAL=residual is not None, FIX=interp_bf16(w.dtype), PREC=dot_precision(w.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **(pdl_launch(x) if _one_program_per_sm(cfg, block_m, x) else NO_PDL),
     )  # fmt: skip
@@ -427,6 +435,7 @@ def skinny_linear_ref(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The torch reference of :func:`skinny_linear_triton`, options included."""
+    x = x.to(w.dtype)
     if norm_eps is not None:
         x = rms_norm_ref(x, None, norm_eps)
     y = F.linear(x, w, bias)
@@ -437,15 +446,15 @@ def skinny_linear_ref(
 
 def takes_kernel(x: torch.Tensor) -> bool:
     """Whether :func:`skinny_linear` runs the kernel for ``x``: at most ``DISPATCH_ROWS`` 16-bit rows on
-    CUDA (cuBLAS wins above)."""
+    CUDA (cuBLAS wins above). (``w`` may be fp32: see :func:`skinny_linear_triton`.)"""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return use_kernel(x) and rows <= DISPATCH_ROWS and x.dtype in (torch.bfloat16, torch.float16)
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, bias)``: the kernel where :func:`takes_kernel`, the torch reference otherwise.
+    """``F.linear(x.to(w.dtype), w, bias)``: the kernel where :func:`takes_kernel`, the torch reference otherwise.
     (``ops.norm_linear`` and ``ops.residual_linear`` call :func:`skinny_linear_triton` with its options:
     the RMSNorm before a projection, SiLU·mul after gate|up and the residual add inside the GEMM.)"""
-    if takes_kernel(x):
+    if takes_kernel(x) and w.dtype in (x.dtype, torch.float32):
         return skinny_linear_triton(x, w, bias)
     return skinny_linear_ref(x, w, bias)

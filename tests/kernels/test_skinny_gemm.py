@@ -229,3 +229,16 @@ def test_stream_k_where_one_program_per_tile_leaves_multiprocessors_idle():
     assert not default_config(7168, 2048).stream_k  # DeepSeek shared down: K too short
     assert not default_config(34816, 5120).stream_k
     assert default_config(7168, 5120, sms=78).stream_k  # the same q|k|v over 78 SMs: 72% of two waves
+
+
+@pytest.mark.parametrize("config", [SkinnyConfig(32, 64), STREAM_K_WHOLE_AND_SPLIT, None], ids=str)
+def test_fp32_weight_upcasts_16_bit_x(config):
+    """A router's logits: bf16 x against an fp32 w gives ``F.linear(x.float(), w)`` in fp32."""
+    gen = torch.Generator().manual_seed(13)
+    x, w = _rand(gen, 3, 256, dtype=torch.bfloat16), _rand(gen, 96, 256, dtype=torch.float32)
+    got = skinny_linear_triton(x, w, config=config)
+    assert got.dtype == torch.float32
+    assert rel_err(got, x.float() @ w.T) < 1e-5
+    assert torch.equal(skinny_linear_ref(x, w), torch.nn.functional.linear(x.float(), w))
+    with pytest.raises(ValueError, match="fp32 w"):
+        skinny_linear_triton(x.float(), w.to(torch.bfloat16))

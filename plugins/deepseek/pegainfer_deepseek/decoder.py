@@ -54,8 +54,9 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn(
             ops.rms_norm(x, self.input_layernorm, eps), batch, cache, rotary, index_cache, index_rotary
         )
-        x = x + attn
-        return x + self.tp.all_reduce(self.mlp(ops.rms_norm(x, self.post_attention_layernorm, eps)))
+        # attn (this layer's own tensor, unlike x) takes the residual sum in place: one launch with the norm.
+        normed, h = ops.add_rms_norm(x, attn, self.post_attention_layernorm, eps)
+        return h + self.tp.all_reduce(self.mlp(normed))
 
     def load(self, reader: WeightReader, prefix: str) -> None:
         h, dtype = self.dims.hidden_size, self.input_layernorm.dtype

@@ -94,14 +94,14 @@ class MLAttention(nn.Module):
         if dims.q_lora_rank is None:
             q = F.linear(x, self.q_proj)
         else:
-            cq = ops.rms_norm(F.linear(x, self.q_a_proj, self.q_a_bias), self.q_a_layernorm, eps)
+            cq = ops.rms_norm(ops.linear(x, self.q_a_proj, self.q_a_bias), self.q_a_layernorm, eps)
             q = ops.linear(cq, self.q_b_proj)
             if self.indexer is not None:
                 if index_cache is None or index_rotary is None:
                     raise ValueError("a DeepSeek-V3.2 layer needs its indexer cache and half-split rope")
                 selection = self.indexer(x, cq, batch, index_cache, index_rotary)
         q = q.view(t, self.num_heads, dims.qk_head_dim)
-        latent = F.linear(x, self.kv_a_proj_with_mqa, self.kv_a_bias)
+        latent = ops.linear(x, self.kv_a_proj_with_mqa, self.kv_a_bias)
         if ops.use_triton(latent):  # one launch for the rotary, the latent's norm and the cache write
             latent_rope_(
                 q, latent, batch.positions, batch.attn.slot_mapping, cache, self.kv_a_layernorm, eps,

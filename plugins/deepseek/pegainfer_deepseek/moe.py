@@ -25,6 +25,7 @@ from torch import nn
 
 from pegainfer import ops
 from pegainfer.errors import CheckpointError
+from pegainfer.layers.activation import interleave_gate_up
 from pegainfer.layers.moe import BlockScales, swiglu
 from pegainfer.parallel.distributed import TensorParallel
 from pegainfer.parallel.sharding import Shard, split
@@ -35,7 +36,10 @@ from pegainfer_deepseek.routing import TopkRule, group_limited_topk
 
 
 class SwiGLU(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up packed into one weight (gate rows first).
+    """``down(silu(gate(x)) * up(x))`` with gate and up packed into one weight. Without ``limit`` (V3)
+    the packed rows alternate gate, up (``interleave_gate_up``), so on CUDA decode rows the activation
+    runs in the GEMM's epilogue (``ops.linear_silu``); with it (V4, whose gate is capped and up clamped
+    first) gate rows come first.
 
     Under tensor parallelism (``tp``) the rank holds ``intermediate / tp`` features (gate and up split
     along dim 0, down along dim 1) and ``forward`` returns its partial output: the caller all-reduces."""
@@ -58,16 +62,30 @@ class SwiGLU(nn.Module):
         self.gate_up_proj = param(2 * local, hidden, dtype=dtype)
         self.down_proj = param(hidden, local, dtype=dtype)
 
+    @property
+    def interleaved(self) -> bool:
+        return self.limit is None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.interleaved:
+            return ops.linear(ops.linear_silu(x, self.gate_up_proj), self.down_proj)
         return swiglu(x, self.gate_up_proj, self.down_proj, self.limit, linear=ops.linear)
 
     def load(self, reader: WeightReader, prefix: str) -> None:
         i, h, dtype = self.intermediate, self.down_proj.shape[0], self.down_proj.dtype
-        local = self.local
         with torch.no_grad():
-            self.gate_up_proj[:local].copy_(reader.get(prefix + "gate_proj.weight", (i, h), dtype, split(0)))
-            self.gate_up_proj[local:].copy_(reader.get(prefix + "up_proj.weight", (i, h), dtype, split(0)))
+            gate = reader.get(prefix + "gate_proj.weight", (i, h), dtype, split(0))
+            up = reader.get(prefix + "up_proj.weight", (i, h), dtype, split(0))
+            self.load_gate_up(gate, up)
             self.down_proj.copy_(reader.get(prefix + "down_proj.weight", (h, i), dtype, split(1)))
+
+    def load_gate_up(self, gate: torch.Tensor, up: torch.Tensor) -> None:
+        """This rank's ``gate`` and ``up`` rows ``[local, hidden]`` into the packed weight's layout."""
+        with torch.no_grad():
+            if self.interleaved:
+                self.gate_up_proj.copy_(interleave_gate_up(gate, up))
+            else:
+                self.gate_up_proj.copy_(torch.cat([gate, up]))
 
 
 class GroupLimitedRouter(nn.Module):
@@ -86,8 +104,9 @@ class GroupLimitedRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights ``[T, k]`` fp32, expert ids ``[T, k]``) for the tokens ``x`` ``[T, H]`` (``routing``: the
-        selection in one Triton launch on CUDA, the torch reference elsewhere)."""
-        return group_limited_topk(F.linear(x.float(), self.weight), self.e_score_correction_bias, self.rule)
+        selection in one Triton launch on CUDA, the torch reference elsewhere). The logits are fp32: on
+        CUDA decode rows the skinny GEMM upcasts x in its loop."""
+        return group_limited_topk(ops.linear(x, self.weight), self.e_score_correction_bias, self.rule)
 
     def load(self, reader: WeightReader, prefix: str) -> None:
         with torch.no_grad():

@@ -92,6 +92,8 @@ class V4MoE(nn.Module):
         with torch.no_grad():
             self.experts_gate_up.copy_(gate_up)
             self.experts_down.copy_(down)
-            self.shared_experts.gate_up_proj[:i].copy_(weights.get(shared + "w1.weight", (i, h), dtype))
-            self.shared_experts.gate_up_proj[i:].copy_(weights.get(shared + "w3.weight", (i, h), dtype))
+            self.shared_experts.load_gate_up(
+                weights.get(shared + "w1.weight", (i, h), dtype),
+                weights.get(shared + "w3.weight", (i, h), dtype),
+            )
             self.shared_experts.down_proj.copy_(weights.get(shared + "w2.weight", (h, i), dtype))

@@ -62,8 +62,8 @@ def expected_shard(name: str, full: torch.Tensor, rank: int) -> torch.Tensor:
         return _chunk(full, 0, rank)  # by heads
     if leaf in ("o_proj", "down_proj"):
         return _chunk(full, 1, rank)
-    if leaf == "gate_up_proj":
-        return _gate_up(full, 0, rank)
+    if leaf == "gate_up_proj":  # gate, up rows interleaved: a rank's features are contiguous pairs
+        return _chunk(full, 0, rank)
     if leaf == "experts_gate_up":
         return _gate_up(full, 1, rank)
     if leaf == "experts_down":
