@@ -66,6 +66,18 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return torch.nn.functional.linear(x.to(w.dtype), w, bias)
 
 
+def linear_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + x @ w.T``. Where the skinny kernel runs (decode rows on CUDA) the add happens in the
+    GEMM's epilogue, written into ``residual`` in place, so the caller must own ``residual``; elsewhere a
+    new tensor. (``residual_linear`` is the form for a row-parallel projection that all-reduces.)"""
+    if use_triton(x):
+        from pegainfer.kernels import skinny_gemm
+
+        if skinny_gemm.takes_kernel(x) and w.dtype == x.dtype:
+            return skinny_gemm.skinny_linear_triton(x, w, residual=residual)
+    return residual + linear(x, w)
+
+
 def linear_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``x @ w.T`` for an interleaved gate|up ``w`` (``layers.activation.
     interleave_gate_up``): on CUDA decode rows, the activation in the skinny GEMM's epilogue."""

@@ -2,7 +2,7 @@
 
 Under tensor parallelism the residual stream is replicated; MLA all-reduces its output projection and
 the FFN (dense SwiGLU or MoE, each holding its share of the intermediate features) returns a partial
-sum that is all-reduced here, once per layer.
+sum that is all-reduced here, once per layer; rank 0's partial includes the residual ``h``.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ class DecoderLayer(nn.Module):
         )
         # attn (this layer's own tensor, unlike x) takes the residual sum in place: one launch with the norm.
         normed, h = ops.add_rms_norm(x, attn, self.post_attention_layernorm, eps)
-        return h + self.tp.all_reduce(self.mlp(normed))
+        # Rank 0's partial carries h (added in the FFN's last GEMM), so the all-reduce sums to h + FFN.
+        return self.tp.all_reduce(self.mlp(normed, residual=h if self.tp.rank == 0 else None))
 
     def load(self, reader: WeightReader, prefix: str) -> None:
         h, dtype = self.dims.hidden_size, self.input_layernorm.dtype

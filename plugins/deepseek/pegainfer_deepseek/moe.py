@@ -66,10 +66,18 @@ class SwiGLU(nn.Module):
     def interleaved(self) -> bool:
         return self.limit is None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.interleaved:
-            return ops.linear(ops.linear_silu(x, self.gate_up_proj), self.down_proj)
-        return swiglu(x, self.gate_up_proj, self.down_proj, self.limit, linear=ops.linear)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """With ``residual`` (the caller's own tensor, which may be overwritten), ``residual + SwiGLU(x)``:
+        on CUDA decode rows the add runs in the down projection's epilogue."""
+        if not self.interleaved:
+            out = swiglu(x, self.gate_up_proj, self.down_proj, self.limit, linear=ops.linear)
+            return out if residual is None else residual + out
+        act = ops.linear_silu(x, self.gate_up_proj)
+        return (
+            ops.linear(act, self.down_proj)
+            if residual is None
+            else ops.linear_add(act, self.down_proj, residual)
+        )
 
     def load(self, reader: WeightReader, prefix: str) -> None:
         i, h, dtype = self.intermediate, self.down_proj.shape[0], self.down_proj.dtype
@@ -158,9 +166,11 @@ class MoE(nn.Module):
             else None
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's (partial) output for the normed ``x``; with ``residual`` (the caller's own tensor,
+        which may be overwritten) plus ``residual``, added in the shared experts' down projection."""
         weights, ids = self.gate(x)
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        shared = self.shared_experts(x, residual) if self.shared_experts is not None else residual
         # The Triton grouped GEMMs on CUDA (no host sync, graph-safe; the shared output added in the launch
         # that sums the choices); the reference loop elsewhere.
         return ops.fused_moe(
