@@ -27,7 +27,7 @@ from pegainfer.parallel.sharding import Shard, split
 from pegainfer_qwen35.config import Qwen35Config, Qwen35Shard
 from pegainfer_qwen35.norms import rms_norm_zero_centred
 from pegainfer_qwen35.pass_buffers import PassBuffers
-from pegainfer_qwen35.projections import project, project_add
+from pegainfer_qwen35.projections import FoldedNorm, project, project_add
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -61,6 +61,11 @@ class GatedAttention(nn.Module):
             self.layer_index, self.shard.num_kv_heads, self.config.head_dim, self.qkv_proj.dtype
         )
 
+    @property
+    def first_projection(self) -> torch.Tensor:
+        """The projection of the layer's input rows (``qkv_proj``), which carries the input norm folded in."""
+        return self.qkv_proj
+
     def forward(
         self,
         x: torch.Tensor,
@@ -69,12 +74,14 @@ class GatedAttention(nn.Module):
         rotary: RotaryEmbedding,
         bufs: PassBuffers,
         residual: torch.Tensor | None = None,
+        norm: FoldedNorm | None = None,
     ) -> torch.Tensor:
-        """Mixer output of the normed rows ``x`` ``[T, H]`` (into ``bufs.mixer_out`` on the reference
-        path); writes K/V pages. With ``residual`` the output is added to it in place and returned."""
+        """Mixer output of the normed rows ``x`` ``[T, H]`` (with ``norm``: of the un-normed rows, the
+        norm folded into ``qkv_proj``; into ``bufs.mixer_out`` on the reference path); writes K/V pages.
+        With ``residual`` the output is added to it in place and returned."""
         c, t = self.config, x.shape[0]
         nq, nkv, d, eps = self.shard.num_heads, self.shard.num_kv_heads, c.head_dim, c.rms_norm_eps
-        qkv = project(x, self.qkv_proj, bufs.attn_qkv)
+        qkv = project(x, self.qkv_proj, bufs.attn_qkv, norm)
         query_gate, k, v = qkv.split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
         query, gate = query_gate.view(t, nq, 2 * d).split(d, dim=-1)
         q = rms_norm_zero_centred(query, self.q_norm, eps)

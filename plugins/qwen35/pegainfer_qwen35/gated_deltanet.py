@@ -56,7 +56,7 @@ from pegainfer_qwen35.delta_rule import (
 )
 from pegainfer_qwen35.norms import gated_rms_norm
 from pegainfer_qwen35.pass_buffers import PassBuffers
-from pegainfer_qwen35.projections import project, project_add
+from pegainfer_qwen35.projections import FoldedNorm, project, project_add
 
 logger = logging.getLogger(__name__)
 
@@ -317,6 +317,11 @@ class GatedDeltaNet(nn.Module):
             STATE_DTYPE,
         )
 
+    @property
+    def first_projection(self) -> torch.Tensor:
+        """The projection of the layer's input rows (``in_proj``), which carries the input norm folded in."""
+        return self.in_proj
+
     def forward(
         self,
         x: torch.Tensor,
@@ -324,12 +329,14 @@ class GatedDeltaNet(nn.Module):
         state: dict[str, torch.Tensor],
         bufs: PassBuffers,
         residual: torch.Tensor | None = None,
+        norm: FoldedNorm | None = None,
     ) -> torch.Tensor:
-        """Mixer output of the normed rows ``x`` ``[T, H]`` (into ``bufs.mixer_out`` on the reference
-        path); updates the slots. With ``residual`` the output is added to it in place (inside the GEMM
-        where the skinny kernel runs) and ``residual`` is returned."""
+        """Mixer output of the normed rows ``x`` ``[T, H]`` (with ``norm``: of the un-normed rows, the
+        norm folded into ``in_proj``; into ``bufs.mixer_out`` on the reference path); updates the slots.
+        With ``residual`` the output is added to it in place (inside the GEMM where the skinny kernel
+        runs) and ``residual`` is returned."""
         s = self.shard
-        proj = project(x, self.in_proj, bufs.gdn_proj)
+        proj = project(x, self.in_proj, bufs.gdn_proj, norm)
         mixed, z, b, a = proj.split(self.splits, dim=-1)
         gated = bufs.gdn_gated
         if rows.segments:

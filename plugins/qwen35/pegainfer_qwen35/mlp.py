@@ -16,7 +16,7 @@ from pegainfer.model.checkpoint import CheckpointReader
 from pegainfer.parallel.distributed import TensorParallel
 from pegainfer.parallel.sharding import split
 from pegainfer_qwen35.pass_buffers import PassBuffers
-from pegainfer_qwen35.projections import project, project_add, project_silu
+from pegainfer_qwen35.projections import FoldedNorm, project, project_add, project_silu
 
 
 class DenseMLP(nn.Module):
@@ -42,10 +42,12 @@ class DenseMLP(nn.Module):
         *,
         static_shapes: bool = False,
         residual: torch.Tensor | None = None,
+        norm: FoldedNorm | None = None,
     ) -> torch.Tensor:
-        """MLP output of the normed rows ``x`` (its shapes are always static); with ``residual`` it is
-        added to it in place and ``residual`` returned."""
-        act = project_silu(x, self.gate_up_proj, bufs.mlp_gate_up, bufs.mlp_act)
+        """MLP output of the normed rows ``x`` (with ``norm``: of the un-normed rows, the norm folded into
+        ``gate_up_proj``; its shapes are always static); with ``residual`` it is added to it in place and
+        ``residual`` returned."""
+        act = project_silu(x, self.gate_up_proj, bufs.mlp_gate_up, bufs.mlp_act, norm)
         if residual is not None:
             return project_add(act, self.down_proj, residual, bufs.mlp_down, self.tp)
         return self.tp.all_reduce(project(act, self.down_proj, bufs.mlp_down))  # row-parallel partials

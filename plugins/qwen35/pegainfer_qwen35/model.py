@@ -47,6 +47,7 @@ from pegainfer_qwen35.mlp import DenseMLP
 from pegainfer_qwen35.moe import SparseMoE
 from pegainfer_qwen35.norms import rms_norm_zero_centred
 from pegainfer_qwen35.pass_buffers import PassBuffers
+from pegainfer_qwen35.projections import FoldedNorm, fold_norm
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +71,6 @@ class Qwen35DecoderLayer(nn.Module):
         tp = tp or TensorParallel()
         shard = shard or Qwen35Shard.of(config, tp)
         h = config.hidden_size
-        self.input_layernorm = nn.Parameter(torch.empty(h, dtype=dtype), requires_grad=False)
-        self.post_attention_layernorm = nn.Parameter(torch.empty(h, dtype=dtype), requires_grad=False)
         self.mixer: GatedDeltaNet | GatedAttention = (
             GatedDeltaNet(config, layer_index, dtype, shard, tp)
             if self.kind == LINEAR
@@ -81,6 +80,13 @@ class Qwen35DecoderLayer(nn.Module):
             SparseMoE(config, dtype, shard, tp)
             if config.is_moe_layer(layer_index)
             else DenseMLP(h, config.intermediate_size, dtype, tp)
+        )
+        # The input norm lives folded in the mixer's first projection, the dense MLP's norm in gate|up;
+        # the MoE block's several consumers (router, experts, shared expert) take the normed rows.
+        self.post_attention_layernorm = (
+            nn.Parameter(torch.empty(h, dtype=dtype), requires_grad=False)
+            if isinstance(self.mlp, SparseMoE)
+            else None
         )
 
     def buffer_spec(self) -> BufferSpec:
@@ -101,29 +107,34 @@ class Qwen35DecoderLayer(nn.Module):
         """The layer on the residual stream ``x``, in place: the mixer's and the FFN's outputs are added
         to it (inside their output GEMMs where the skinny kernel runs)."""
         eps = self.config.rms_norm_eps
-        normed = rms_norm_zero_centred(x, self.input_layernorm, eps, out=bufs.normed)
+        folded = FoldedNorm(eps, bufs.normed)
         if isinstance(self.mixer, GatedDeltaNet):
-            self.mixer(normed, rows, state, bufs, residual=x)
+            self.mixer(x, rows, state, bufs, residual=x, norm=folded)
         else:
-            self.mixer(normed, batch, cache, rotary, bufs, residual=x)
-        normed = rms_norm_zero_centred(x, self.post_attention_layernorm, eps, out=bufs.normed)
+            self.mixer(x, batch, cache, rotary, bufs, residual=x, norm=folded)
         # Decode-only steps and short prefill steps run inside CUDA graphs: the FFN must not sync there.
         static = not batch.attn.prefills or batch.attn.in_graph
         if isinstance(self.mlp, DenseMLP):
-            self.mlp(normed, bufs, static_shapes=static, residual=x)
+            self.mlp(x, bufs, static_shapes=static, residual=x, norm=folded)
         else:
+            normed = rms_norm_zero_centred(x, self.post_attention_layernorm, eps, out=bufs.normed)
             x.add_(self.mlp(normed, bufs, static_shapes=static))
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
-        h, dtype = self.config.hidden_size, self.input_layernorm.dtype
-        with torch.no_grad():
-            self.input_layernorm.copy_(reader.get(prefix + "input_layernorm.weight", (h,), dtype))
-            self.post_attention_layernorm.copy_(
-                reader.get(prefix + "post_attention_layernorm.weight", (h,), dtype)
-            )
+        h = self.config.hidden_size
         mixer = "linear_attn." if self.kind == LINEAR else "self_attn."
         self.mixer.load(reader, prefix + mixer)
         self.mlp.load(reader, prefix + "mlp.")
+        dtype = self.mixer.first_projection.dtype
+        input_norm = reader.get(prefix + "input_layernorm.weight", (h,), dtype)
+        post_norm = reader.get(prefix + "post_attention_layernorm.weight", (h,), dtype)
+        with torch.no_grad():
+            first = self.mixer.first_projection
+            first.copy_(fold_norm(first, input_norm))
+            if self.post_attention_layernorm is None:
+                self.mlp.gate_up_proj.copy_(fold_norm(self.mlp.gate_up_proj, post_norm))
+            else:
+                self.post_attention_layernorm.copy_(post_norm)
 
 
 class Qwen35ForCausalLM(CausalLM):

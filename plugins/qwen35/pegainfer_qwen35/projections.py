@@ -6,15 +6,47 @@ output to the residual stream inside the GEMM (one rank): a decode layer has no 
 residual-add launches. Any other batch (prefill, the CPU) runs the GEMM into its pass buffer, so a
 forward's memory stays what the plan reserved, and the activation through ``pegainfer.kernels`` where
 CUDA has the kernel (the torch reference elsewhere).
+
+A layer's RMSNorm before its first projection is folded: its ``(1 + w)`` is multiplied into that
+projection's columns at load (``fold_norm``), and the projection takes the un-normed rows with a
+:class:`FoldedNorm`: the skinny kernel scales each output row by the row's ``1 / rms`` (no norm launch);
+elsewhere the plain norm is written into the pass buffer first.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from pegainfer import ops
 from pegainfer.layers.activation import silu_mul
+from pegainfer.layers.norm import fold_rms_norm_weight
+from pegainfer.layers.norm import rms_norm as rms_norm_ref
 from pegainfer.parallel.distributed import TensorParallel
+
+
+@dataclass(frozen=True)
+class FoldedNorm:
+    """The rows given to a projection are un-normed; its weight carries the norm's scale (``fold_norm``).
+    ``normed`` is the pass buffer the plain norm is written into where the GEMM cannot apply it."""
+
+    eps: float
+    normed: torch.Tensor
+
+
+def fold_norm(w: torch.Tensor, zero_centred_weight: torch.Tensor) -> torch.Tensor:
+    """``w`` with a zero-centred norm's ``1 + weight`` multiplied into its columns (fp32, rounded once)."""
+    return fold_rms_norm_weight(w, 1.0 + zero_centred_weight.float())
+
+
+def _normed(x: torch.Tensor, norm: FoldedNorm) -> torch.Tensor:
+    out = norm.normed[: x.shape[0]]
+    if ops.use_triton(x):  # kernels are imported on CUDA only (see pegainfer.ops)
+        from pegainfer.kernels import norms
+
+        return norms.rms_norm_triton(x, None, norm.eps, out=out)
+    return out.copy_(rms_norm_ref(x, None, norm.eps))
 
 
 def _skinny(x: torch.Tensor) -> bool:
@@ -25,22 +57,35 @@ def _skinny(x: torch.Tensor) -> bool:
     return skinny_gemm.takes_kernel(x)
 
 
-def project(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T``: the skinny kernel's new tensor for decode rows on CUDA, else into ``out``."""
+def project(
+    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, norm: FoldedNorm | None = None
+) -> torch.Tensor:
+    """``x @ w.T`` (of ``x``'s plain RMSNorm with ``norm``): the skinny kernel's new tensor for decode rows
+    on CUDA, else into ``out``."""
     if _skinny(x):
         from pegainfer.kernels import skinny_gemm
 
-        return skinny_gemm.skinny_linear_triton(x, w)
+        return skinny_gemm.skinny_linear_triton(x, w, norm_eps=norm.eps if norm else None)
+    if norm is not None:
+        x = _normed(x, norm)
     return torch.matmul(x, w.t(), out=out)
 
 
-def project_silu(x: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+def project_silu(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    gate_up: torch.Tensor,
+    act: torch.Tensor,
+    norm: FoldedNorm | None = None,
+) -> torch.Tensor:
     """``silu(gate) * up`` of ``x @ w.T`` for an interleaved gate|up ``w`` (``interleave_gate_up``); else
-    the GEMM's output in ``gate_up`` and the activation in ``act``."""
+    the GEMM's output in ``gate_up`` and the activation in ``act``. ``norm``: as for :func:`project`."""
     if _skinny(x):
         from pegainfer.kernels import skinny_gemm
 
-        return skinny_gemm.skinny_linear_triton(x, w, silu=True)
+        return skinny_gemm.skinny_linear_triton(x, w, silu=True, norm_eps=norm.eps if norm else None)
+    if norm is not None:
+        x = _normed(x, norm)
     gate_up = torch.matmul(x, w.t(), out=gate_up)
     if ops.use_triton(x):  # kernels are imported on CUDA only (see pegainfer.ops)
         from pegainfer.kernels import activations

@@ -12,6 +12,7 @@ from pegainfer.model.checkpoint import CheckpointReader, read_hf_config
 from pegainfer.parallel.distributed import TensorParallel
 from pegainfer_qwen35.config import Qwen35Config
 from pegainfer_qwen35.model import Qwen35ForCausalLM
+from pegainfer_qwen35.projections import fold_norm
 from pegainfer_qwen35.tiny import qwen3_5_config, qwen3_5_moe_config
 
 
@@ -60,11 +61,13 @@ def test_rank_one_reads_its_heads_of_every_packed_tensor(tiny_checkpoint_factory
     qkv = full[p + "in_proj_qkv.weight"]
     # Rank 1's q heads | its k heads | its v heads, not the second half of the packed rows.
     mine = torch.cat([qkv[hk * dk : kd], qkv[kd + hk * dk : 2 * kd], qkv[2 * kd + hv * dv : 2 * kd + vd]])
+    # The layer's input norm rides folded in its first projection (fold_norm), on every rank's rows.
+    norm = full["model.language_model.layers.0.input_layernorm.weight"]
     q_k_v, z, b, a = gdn.in_proj.split(gdn.splits)
-    torch.testing.assert_close(q_k_v, mine, rtol=0, atol=0)
-    torch.testing.assert_close(z, full[p + "in_proj_z.weight"][hv * dv :], rtol=0, atol=0)
-    torch.testing.assert_close(b, full[p + "in_proj_b.weight"][hv:], rtol=0, atol=0)
-    torch.testing.assert_close(a, full[p + "in_proj_a.weight"][hv:], rtol=0, atol=0)
+    torch.testing.assert_close(q_k_v, fold_norm(mine, norm), rtol=0, atol=0)
+    torch.testing.assert_close(z, fold_norm(full[p + "in_proj_z.weight"][hv * dv :], norm), rtol=0, atol=0)
+    torch.testing.assert_close(b, fold_norm(full[p + "in_proj_b.weight"][hv:], norm), rtol=0, atol=0)
+    torch.testing.assert_close(a, fold_norm(full[p + "in_proj_a.weight"][hv:], norm), rtol=0, atol=0)
     conv = full[p + "conv1d.weight"][:, 0]
     mine_conv = torch.cat(
         [conv[hk * dk : kd], conv[kd + hk * dk : 2 * kd], conv[2 * kd + hv * dv : 2 * kd + vd]]
@@ -81,8 +84,10 @@ def test_rank_one_reads_its_heads_of_every_packed_tensor(tiny_checkpoint_factory
     attn = model.layers[1].mixer  # the full_attention layer: rank 1's heads with their own gates
     p = "model.language_model.layers.1.self_attn."
     nq, d = c.num_heads // 2, c.head_dim
+    norm = full["model.language_model.layers.1.input_layernorm.weight"]
     query_gate = attn.qkv_proj[: 2 * nq * d]
-    torch.testing.assert_close(query_gate, full[p + "q_proj.weight"][2 * nq * d :], rtol=0, atol=0)
+    mine_query_gate = fold_norm(full[p + "q_proj.weight"][2 * nq * d :], norm)
+    torch.testing.assert_close(query_gate, mine_query_gate, rtol=0, atol=0)
     assert attn.cache_spec().num_kv_heads == c.num_kv_heads // 2
 
     # Vocab-parallel lm_head: rows 501..1000 and one zero row of padding.
