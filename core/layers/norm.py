@@ -16,5 +16,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 def fold_rms_norm_weight(w: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
     """``w`` with the preceding RMSNorm's weight multiplied into its columns (in fp32, rounded once): then
     ``rms_norm(x, norm_weight) @ w.T`` is ``rms_norm(x, None) @ fold.T``, and the decode GEMM can apply
-    the norm as one scale per output row."""
-    return (w.float() * norm_weight.float()).to(w.dtype)
+    the norm as one scale per output row. ``norm_weight`` may still be on the host (as the checkpoint
+    reader returns it)."""
+    return (w.float() * norm_weight.to(w.device, torch.float32)).to(w.dtype)
