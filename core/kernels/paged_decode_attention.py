@@ -64,6 +64,8 @@ class DecodeRope:
     positions: torch.Tensor
     slot_mapping: torch.Tensor
     eps: float
+    #: The norms' weights are zero-centred (scale ``1 + w`` in fp32, Qwen3.5) rather than plain.
+    zero_centred: bool = False
 
 
 def decode_num_splits(
@@ -86,6 +88,14 @@ def decode_workspace_bytes(max_num_seqs: int, num_heads: int, head_dim: int, num
 
 
 @triton.jit
+def _gated(o, gate, dtype: tl.constexpr, FIX: tl.constexpr):
+    """``o * sigmoid(gate)`` rounded as torch rounds it in ``dtype``: the output, then the sigmoid, then
+    their product."""
+    sig = cast_to(tl.sigmoid(gate.to(tl.float32)), dtype, FIX).to(tl.float32)
+    return cast_to(o, dtype, FIX).to(tl.float32) * sig
+
+
+@triton.jit
 def _decode_partial_kernel(
     q_ptr,
     k_ptr,
@@ -96,6 +106,7 @@ def _decode_partial_kernel(
     part_acc_ptr,
     part_m_ptr,
     part_l_ptr,
+    gate_ptr,
     k_new_ptr,
     v_new_ptr,
     qw_ptr,
@@ -116,6 +127,8 @@ def _decode_partial_kernel(
     stride_bt,
     stride_ob,
     stride_oh,
+    stride_gb,
+    stride_gh,
     stride_kb,
     stride_kh,
     stride_vb,
@@ -130,6 +143,8 @@ def _decode_partial_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     ROPE: tl.constexpr,
+    ZERO_CENTRED: tl.constexpr,
+    GATE: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     REST: tl.constexpr,
@@ -164,7 +179,7 @@ def _decode_partial_kernel(
             _norm_rope_heads(
                 q_ptr, stride_qb, stride_qh, out_ptr, stride_ob, stride_oh, qw_ptr, cos_ptr, sin_ptr,
                 stride_cos, pos, row64, group_heads, num_heads, eps, k_ptr, 0, stride_chead, -1,
-                HEAD_DIM, HALF, BLOCK_HALF, REST, BLOCK_REST, False, FIX,
+                HEAD_DIM, HALF, BLOCK_HALF, REST, BLOCK_REST, False, FIX, ZERO_CENTRED,
             )  # fmt: skip
             if (seq_len - 1 >= start) & (seq_len - 1 < end):
                 # The new token's k (rotated in place, its raw value is not needed again) and v go into
@@ -176,6 +191,7 @@ def _decode_partial_kernel(
                     k_new_ptr, stride_kb, stride_kh, k_new_ptr, stride_kb, stride_kh, kw_ptr, cos_ptr,
                     sin_ptr, stride_cos, pos, row64, one_head, num_kv_heads, eps, k_ptr, slot_off,
                     stride_chead, slot, HEAD_DIM, HALF, BLOCK_HALF, REST, BLOCK_REST, True, FIX,
+                    ZERO_CENTRED,
                 )  # fmt: skip
                 if slot >= 0:
                     v_new = tl.load(v_new_ptr + row64 * stride_vb + kvh * stride_vh + offs_d, mask=mask_d)
@@ -223,6 +239,9 @@ def _decode_partial_kernel(
             tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask_hd)
         else:
             o = acc / l_i[:, None]
+            if GATE:
+                g_ptrs = gate_ptr + row64 * stride_gb + heads[:, None] * stride_gh + offs_d[None, :]
+                o = _gated(o, tl.load(g_ptrs, mask=mask_hd, other=0.0), out_ptr.dtype.element_ty, FIX)
             o_ptrs = out_ptr + row64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
             tl.store(o_ptrs, cast_to(o, out_ptr.dtype.element_ty, FIX), mask=mask_hd)
     else:
@@ -240,10 +259,13 @@ def decode_merge_kernel(
     part_l_ptr,
     seq_lens_ptr,
     out_ptr,
+    gate_ptr,
     num_splits,
     num_heads,
     stride_ob,
     stride_oh,
+    stride_gb,
+    stride_gh,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -251,12 +273,14 @@ def decode_merge_kernel(
     FIX: tl.constexpr,
     PDL: tl.constexpr,
     ALL_SPLITS: tl.constexpr,
+    GATE: tl.constexpr,
 ):
     """Merge the split-K partials of one (row, head) (grid ``[rows, heads]``): ``part_m``/``part_l``
     ``[(row · num_heads + head) · num_splits + split]`` (running max in base 2, sum) and ``part_acc`` (the
     unnormalised ``HEAD_DIM`` outputs at the same index), written for the splits whose ``BLOCK_N``-tile
     chunks of ``seq_lens[row]`` hold keys (``ALL_SPLITS``: every split wrote one, ``seq_lens`` unread),
-    into ``out``. A row or head without a key (every partial at ``m = -inf``) gets zeros. The MLA decode
+    into ``out`` (times ``sigmoid(gate)`` with ``GATE``: the output gate of Qwen3.5's attention). A row or
+    head without a key (every partial at ``m = -inf``) gets zeros. The MLA decode
     kernel (DeepSeek's plugin) and the split prefill attention write their partials this way too."""
     pdl_start(PDL)
     row = tl.program_id(0)
@@ -283,6 +307,9 @@ def decode_merge_kernel(
         other=0.0,
     )
     o = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    if GATE:
+        g_ptrs = gate_ptr + row.to(tl.int64) * stride_gb + head * stride_gh + offs_d
+        o = _gated(o, tl.load(g_ptrs, mask=mask_d, other=0.0), out_ptr.dtype.element_ty, FIX)
     o_ptrs = out_ptr + row.to(tl.int64) * stride_ob + head * stride_oh + offs_d
     tl.store(o_ptrs, cast_to(o, out_ptr.dtype.element_ty, FIX), mask=mask_d)
 
@@ -317,6 +344,15 @@ def _check_rope(rope: DecodeRope, batch: int, kv_heads: int, head_dim: int, dtyp
         raise ValueError(f"rope.positions and rope.slot_mapping need at least {batch} rows")
 
 
+def _check_gate(gate: torch.Tensor, q: torch.Tensor) -> None:
+    if gate.shape[0] < q.shape[0] or tuple(gate.shape[1:]) != tuple(q.shape[1:]) or gate.stride(-1) != 1:
+        raise ValueError(
+            f"gate must be [>={q.shape[0]}, {q.shape[1]}, {q.shape[2]}] with a contiguous last dim"
+        )
+    if gate.dtype != q.dtype:
+        raise ValueError(f"gate is {gate.dtype}, q {q.dtype}")
+
+
 def paged_decode_attention_triton(
     q: torch.Tensor,
     cache: torch.Tensor,
@@ -331,6 +367,7 @@ def paged_decode_attention_triton(
     num_warps: int = 4,
     num_stages: int = 2,
     rope: DecodeRope | None = None,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton path of :func:`paged_decode_attention` (any device under ``TRITON_INTERPRET=1``).
 
@@ -372,6 +409,9 @@ def paged_decode_attention_triton(
         tensors = (q,) * 8
     if out.stride(-1) != 1:
         raise ValueError("out needs a contiguous last dimension")
+    if gate is not None:
+        _check_gate(gate, q)
+    g = gate if gate is not None else out
     _decode_partial_kernel[(batch, kv_heads, num_splits)](
         q,
         k_cache,
@@ -382,6 +422,7 @@ def paged_decode_attention_triton(
         part_acc,
         part_m,
         part_l,
+        g,
         *tensors,
         scale * math.log2(math.e),
         num_splits,
@@ -395,6 +436,8 @@ def paged_decode_attention_triton(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
+        g.stride(0),
+        g.stride(1),
         k_new.stride(0),
         k_new.stride(1),
         v_new.stride(0),
@@ -409,6 +452,8 @@ def paged_decode_attention_triton(
         BLOCK_N=block_n,
         SPLIT=split,
         ROPE=rope is not None,
+        ZERO_CENTRED=rope is not None and rope.zero_centred,
+        GATE=gate is not None,
         HALF=half,
         BLOCK_HALF=next_pow2(max(half, 1)),
         REST=head_dim - 2 * half if rope is not None else 0,
@@ -426,16 +471,20 @@ def paged_decode_attention_triton(
             part_l,
             seq_lens,
             out,
+            g,
             num_splits,
             num_heads,
             out.stride(0),
             out.stride(1),
+            g.stride(0),
+            g.stride(1),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_S=max(2, next_pow2(num_splits)),
             BLOCK_N=block_n,
             FIX=interp_bf16(q.dtype),
             ALL_SPLITS=False,
+            GATE=gate is not None,
             num_warps=4,
             **pdl_launch(q),
         )
@@ -451,16 +500,19 @@ def paged_decode_attention_ref(
     *,
     out: torch.Tensor | None = None,
     rope: DecodeRope | None = None,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The torch reference: :func:`pegainfer.layers.attention.paged_attention_reference` over decode rows only
     (it syncs on ``max(seq_lens)``); padding rows (``seq_len == 0``) give zeros. With ``rope``, first
-    ``rope_kv.qk_norm_rope_ref`` with its cache write."""
+    ``rope_kv.qk_norm_rope_ref`` with its cache write; with ``gate``, the output times its sigmoid."""
     _check(q, cache, block_tables, seq_lens)
     batch = q.shape[0]
+    if gate is not None:
+        _check_gate(gate, q)
     if rope is not None:
         q, k = qk_norm_rope_ref(
             q, rope.k, rope.q_weight, rope.k_weight, rope.rotary, rope.positions[:batch], rope.eps,
-            kv_cache=cache, v=rope.v, slot_mapping=rope.slot_mapping[:batch],
+            kv_cache=cache, v=rope.v, slot_mapping=rope.slot_mapping[:batch], zero_centred=rope.zero_centred,
         )  # fmt: skip
     seq_lens = seq_lens[:batch]
     meta = AttentionMetadata(
@@ -475,6 +527,8 @@ def paged_decode_attention_ref(
     )
     o = paged_attention_reference(q.contiguous(), cache, meta, scale) if batch else q.new_empty(q.shape)
     o = torch.where((seq_lens > 0)[:, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
+    if gate is not None:
+        o = o * torch.sigmoid(gate[:batch])
     if out is None:
         return o
     out.copy_(o)
@@ -492,6 +546,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     max_seq_len: int | None = None,
     rope: DecodeRope | None = None,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention: q ``[B, heads, D]`` (bf16/fp16/fp32, last dim contiguous) against the paged
     cache ``[2, blocks, block_size, kv_heads, D]`` of the same dtype, row ``b`` reading ``seq_lens[b]``
@@ -501,10 +556,11 @@ def paged_decode_attention(
     ``num_splits``/``max_seq_len`` set the split-K factor from static sizes (default: the block
     table's capacity), so a captured graph stays valid for any lengths. Triton on CUDA, the torch
     reference elsewhere. With ``rope`` (:class:`DecodeRope`) q comes un-normed and the layer's q/k norm,
-    rotary and the new token's cache write happen here."""
+    rotary and the new token's cache write happen here. With ``gate`` (``[>=B, heads, D]``, q's dtype) the
+    output is ``attention * sigmoid(gate)`` (Qwen3.5's gated attention), in the same kernels."""
     if use_kernel(q):
         return paged_decode_attention_triton(
             q, cache, block_tables, seq_lens, scale, out=out, num_splits=num_splits, max_seq_len=max_seq_len,
-            rope=rope,
+            rope=rope, gate=gate,
         )  # fmt: skip
-    return paged_decode_attention_ref(q, cache, block_tables, seq_lens, scale, out=out, rope=rope)
+    return paged_decode_attention_ref(q, cache, block_tables, seq_lens, scale, out=out, rope=rope, gate=gate)

@@ -343,9 +343,9 @@ def paged_prefill_attention_triton(
     )
     if splits > 1:
         decode_merge_kernel[(q.shape[0], num_heads)](
-            part_acc, part_m, part_l, meta.q_len, out, splits, num_heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_S=max(2, next_pow2(splits)), BLOCK_N=bn,
-            FIX=interp_bf16(q.dtype), PDL=False, ALL_SPLITS=True, num_warps=4,
+            part_acc, part_m, part_l, meta.q_len, out, out, splits, num_heads, out.stride(0), out.stride(1),
+            0, 0, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_S=max(2, next_pow2(splits)),
+            BLOCK_N=bn, FIX=interp_bf16(q.dtype), PDL=False, ALL_SPLITS=True, GATE=False, num_warps=4,
         )  # fmt: skip
     return out
 

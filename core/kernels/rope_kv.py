@@ -26,6 +26,7 @@ from pegainfer.kernels._triton import (
 )
 from pegainfer.layers.attention import write_kv as write_kv_ref
 from pegainfer.layers.norm import rms_norm as rms_norm_ref
+from pegainfer.layers.norm import rms_norm_zero_centred as rms_norm_zero_centred_ref
 from pegainfer.layers.rotary import RotaryEmbedding
 
 # ---------------------------------------------------------------------- per-head q/k RMSNorm + rotary
@@ -34,6 +35,14 @@ from pegainfer.layers.rotary import RotaryEmbedding
 @triton.jit
 def _rnd(x, dtype: tl.constexpr, FIX: tl.constexpr):
     return cast_to(x, dtype, FIX).to(tl.float32)
+
+
+@triton.jit
+def _scale(normed, w, dtype: tl.constexpr, FIX: tl.constexpr, ZERO_CENTRED: tl.constexpr):
+    """The norm's scale of the fp32 ``normed`` values, rounded as the torch reference rounds."""
+    if ZERO_CENTRED:
+        return _rnd(normed * (1.0 + w), dtype, FIX)
+    return _rnd(_rnd(normed, dtype, FIX) * w, dtype, FIX)
 
 
 @triton.jit
@@ -64,8 +73,10 @@ def _norm_rope_heads(
     BLOCK_REST: tl.constexpr,
     WRITE: tl.constexpr,
     FIX: tl.constexpr,
+    ZERO_CENTRED: tl.constexpr = False,
 ):
-    """RMSNorm + rotary of ``heads`` of one token, rounding where the torch reference rounds."""
+    """RMSNorm + rotary of ``heads`` of one token, rounding where the torch reference rounds. With
+    ``ZERO_CENTRED`` the norm's scale is ``1 + w``, applied in fp32 before the one cast (Qwen3.5)."""
     c1 = tl.arange(0, BLOCK_HALF)
     m1 = c1 < HALF
     c3 = 2 * HALF + tl.arange(0, BLOCK_REST)
@@ -87,8 +98,8 @@ def _norm_rope_heads(
     # rms_norm: normalise in fp32, round to the dtype, times the weight, round.
     w1 = tl.load(w_ptr + c1, mask=m1, other=0.0).to(tl.float32)[None, :]
     w2 = tl.load(w_ptr + HALF + c1, mask=m1, other=0.0).to(tl.float32)[None, :]
-    y1 = _rnd(_rnd(x1 * rstd, dtype, FIX) * w1, dtype, FIX)
-    y2 = _rnd(_rnd(x2 * rstd, dtype, FIX) * w2, dtype, FIX)
+    y1 = _scale(x1 * rstd, w1, dtype, FIX, ZERO_CENTRED)
+    y2 = _scale(x2 * rstd, w2, dtype, FIX, ZERO_CENTRED)
     # rotary, tables rounded to the dtype: (y1, y2) -> (y1 cos - y2 sin, y2 cos + y1 sin), each op rounded.
     row = pos * stride_cos
     cos1 = _rnd(tl.load(cos_ptr + row + c1, mask=m1, other=0.0), dtype, FIX)[None, :]
@@ -101,7 +112,7 @@ def _norm_rope_heads(
     tl.store(o_base + HALF + c1[None, :], o2, mask=mk1)
     if REST > 0:
         w3 = tl.load(w_ptr + c3, mask=m3, other=0.0).to(tl.float32)[None, :]
-        o3 = cast_to(_rnd(x3 * rstd, dtype, FIX) * w3, dtype, FIX)
+        o3 = cast_to(_scale(x3 * rstd, w3, dtype, FIX, ZERO_CENTRED), dtype, FIX)
         tl.store(o_base + c3[None, :], o3, mask=mk3)
     if WRITE:
         if slot >= 0:
@@ -294,9 +305,12 @@ def qk_norm_rope_ref(
     kv_cache: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
+    zero_centred: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's reference sequence: ``rms_norm`` per head, then ``rotary``, then ``write_kv``."""
-    q_new, k_new = rotary(positions, rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps))
+    """The model's reference sequence: ``rms_norm`` per head (``rms_norm_zero_centred`` with
+    ``zero_centred``), then ``rotary``, then ``write_kv``."""
+    norm = rms_norm_zero_centred_ref if zero_centred else rms_norm_ref
+    q_new, k_new = rotary(positions, norm(q, q_weight, eps), norm(k, k_weight, eps))
     if kv_cache is not None:
         keep = slot_mapping >= 0
         write_kv_ref(kv_cache, k_new[keep], v[keep], slot_mapping[keep])

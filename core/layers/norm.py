@@ -1,4 +1,5 @@
-"""RMSNorm in the plain form (Qwen3, DeepSeek): normalise in fp32, cast back, then scale."""
+"""RMSNorm in the plain form (Qwen3, DeepSeek): normalise in fp32, cast back, then scale; and the
+zero-centred form (Qwen3.5, Gemma): the scale is ``1 + w``, applied in fp32 before the one cast."""
 
 from __future__ import annotations
 
@@ -11,6 +12,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     x32 = x.float()
     y = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return y if weight is None else weight * y
+
+
+def rms_norm_zero_centred(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(x32 / rms(x32) * (1 + w32)).to(x.dtype)``, transformers' order for the zero-centred weight."""
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())
+    return y.to(x.dtype)
 
 
 def fold_rms_norm_weight(w: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:

@@ -149,6 +149,46 @@ def test_decode_with_rope_equals_rope_then_attention(
     assert torch.equal(got[2], torch.zeros_like(got[2])), "a padding row (seq_len 0) must give zeros"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["splits1", "splits3"])
+def test_gated_attention_form_equals_its_reference_sequence(dtype, num_splits):
+    """Qwen3.5's gated attention in the same two kernels: zero-centred q/k norms (scale ``1 + w`` in fp32),
+    a quarter of the head rotated, and the output times ``sigmoid(gate)``, where q and gate are the
+    interleaved halves of each head of the projection (strided views)."""
+    heads, kv_heads, d, lens = 6, 2, 64, [1, 37, 0, 203]
+    q, cache, tables, seq_lens, (k, v, qw, kw, _, positions, slots) = _rope_case(
+        9, heads, kv_heads, d, d // 4, lens, dtype
+    )
+    rotary = RotaryEmbedding(d // 4, 1e7, 4096).to(DEVICE)
+    gen = torch.Generator().manual_seed(19)
+    query_gate = torch.randn(len(lens), heads, 2 * d, generator=gen).to(dtype).to(DEVICE)
+    q, gate = query_gate[..., :d], query_gate[..., d:]
+    ref_cache = cache.nan_to_num(0.0)
+    ref_rope = DecodeRope(k.clone(), v, qw, kw, rotary, positions, slots, 1e-6, zero_centred=True)
+    ref = paged_decode_attention_ref(q, ref_cache, tables, seq_lens, d**-0.5, rope=ref_rope, gate=gate)
+    plain = paged_decode_attention_ref(
+        q,
+        cache.nan_to_num(0.0),
+        tables,
+        seq_lens,
+        d**-0.5,
+        rope=DecodeRope(k.clone(), v, qw, kw, rotary, positions, slots, 1e-6),
+    )
+    assert rel_err(plain * torch.sigmoid(gate), ref) > 0.05, (
+        "the zero-centred scale must differ from the plain one"
+    )
+    rope = DecodeRope(k.clone(), v, qw, kw, rotary, positions, slots, 1e-6, zero_centred=True)
+    got = paged_decode_attention_triton(
+        q, cache, tables, seq_lens, d**-0.5, num_splits=num_splits, rope=rope, gate=gate
+    )
+    ulp = 1e-6 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(cache.nan_to_num(0.0), ref_cache, rtol=ulp, atol=ulp)
+    assert rel_err(got, ref) < (3e-5 if dtype == torch.float32 else 5e-3)
+    assert torch.equal(got[2], torch.zeros_like(got[2])), "a padding row (seq_len 0) must give zeros"
+    with pytest.raises(ValueError, match="gate"):
+        paged_decode_attention_triton(q, cache, tables, seq_lens, d**-0.5, rope=rope, gate=gate[:, :1])
+
+
 def test_decode_with_rope_rejects_mismatched_inputs():
     q, cache, tables, seq_lens, (k, v, *rest) = _rope_case(6, 4, 2, 64, 64, [5, 9], torch.float32)
     with pytest.raises(ValueError, match="rope.k"):

@@ -267,9 +267,9 @@ def mla_decode_attention_triton(
     )  # fmt: skip
     if split:
         decode_merge_kernel[(batch, heads)](
-            part_acc, part_m, part_l, seq_lens, out, splits, heads, out.stride(0), out.stride(1),
+            part_acc, part_m, part_l, seq_lens, out, out, splits, heads, out.stride(0), out.stride(1), 0, 0,
             HEAD_DIM=rkv, BLOCK_D=block_r, BLOCK_S=max(2, next_pow2(splits)), BLOCK_N=block_n, FIX=fix,
-            PDL=False, ALL_SPLITS=False, num_warps=4,
+            PDL=False, ALL_SPLITS=False, GATE=False, num_warps=4,
         )  # fmt: skip
     return out
 

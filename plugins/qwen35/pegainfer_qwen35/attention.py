@@ -5,6 +5,11 @@ not two halves of the whole projection. q and k get zero-centred ``(1 + w)`` RMS
 partial half-split rotary on their first ``rotary_dim`` channels; causal GQA with scale head_dim^-0.5;
 the output is multiplied by ``sigmoid(gate)`` before ``o_proj``.
 
+On CUDA a step of decode rows only runs all of that between the two projections in the decode attention's
+two kernels (``paged_decode_attention`` with a zero-centred ``DecodeRope`` and the ``gate``), where the
+torch sequence took some twenty launches a layer; any other batch norms, rotates and gates around the
+paged attention.
+
 Tensor parallelism splits it by heads: ``q_proj``'s rows are head-major, so an even split gives each rank
 whole heads with their own gates; key/value heads are split too, or replicated over consecutive ranks when
 there are fewer than ranks (each rank's query heads are exactly the ones its kv head serves); the q/k norms
@@ -21,7 +26,7 @@ from pegainfer.layers.rotary import RotaryEmbedding
 from pegainfer.memory.buffer_specs import PagedKVSpec
 from pegainfer.model.checkpoint import CheckpointReader
 from pegainfer.model.model_api import ForwardBatch
-from pegainfer.ops import paged_attention, write_kv
+from pegainfer.ops import paged_attention, use_triton, write_kv
 from pegainfer.parallel.distributed import TensorParallel
 from pegainfer.parallel.sharding import Shard, split
 from pegainfer_qwen35.config import Qwen35Config, Qwen35Shard
@@ -84,6 +89,19 @@ class GatedAttention(nn.Module):
         qkv = project(x, self.qkv_proj, bufs.attn_qkv, norm)
         query_gate, k, v = qkv.split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
         query, gate = query_gate.view(t, nq, 2 * d).split(d, dim=-1)
+        meta = batch.attn
+        if use_triton(x) and meta.num_decodes and not meta.prefills:
+            from pegainfer.kernels import paged_decode_attention as decode
+
+            rope = decode.DecodeRope(
+                k.view(t, nkv, d), v.view(t, nkv, d), self.q_norm, self.k_norm, rotary, batch.positions,
+                meta.slot_mapping, eps, zero_centred=True,
+            )  # fmt: skip
+            gated = decode.paged_decode_attention(
+                query, cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
+                out=bufs.attn_out.view(t, nq, d), max_seq_len=meta.max_decode_seq_len, rope=rope, gate=gate,
+            ).view(t, self.q_size)  # fmt: skip
+            return self._project_out(gated, bufs, residual)
         q = rms_norm_zero_centred(query, self.q_norm, eps)
         k = rms_norm_zero_centred(k.view(t, nkv, d), self.k_norm, eps)
         q, k = rotary(batch.positions, q, k)
@@ -94,6 +112,11 @@ class GatedAttention(nn.Module):
         gated = torch.mul(
             o.view(t, self.q_size), torch.sigmoid(gate).reshape(t, self.q_size), out=bufs.attn_out
         )
+        return self._project_out(gated, bufs, residual)
+
+    def _project_out(
+        self, gated: torch.Tensor, bufs: PassBuffers, residual: torch.Tensor | None
+    ) -> torch.Tensor:
         if residual is not None:
             return project_add(gated, self.o_proj, residual, bufs.mixer_out, self.tp)
         return self.tp.all_reduce(project(gated, self.o_proj, bufs.mixer_out))  # row-parallel partials

@@ -1,6 +1,7 @@
 """The Qwen3.5 reference path on a CUDA GPU in bf16 against HF transformers (``nox -s gpu``, not CI).
 
-Dense and MoE; prefill (one prompt, a batch) and batched decode through the paged cache and state slots.
+Dense and MoE; prefill (one prompt, a batch) and batched decode through the paged cache and state slots;
+CUDA-graph decode against eager decode.
 As in the Qwen3 GPU test (docs/gpu-checks.md): random weights make a chaotic network, so two correct bf16
 implementations disagree by more than on a trained model (here HF bf16 is itself ~0.2 nats from HF fp32
 for the dense model and ~0.5 for the MoE one, whose routing flips under rounding). The gate is therefore
@@ -106,6 +107,22 @@ def test_bf16_decode_logits_match_hf(llm, folder):
     report = Bf16AccuracyReport(folder)
     report.add_greedy_decode(llm.engine, prompts)
     report.assert_as_accurate_as_hf(f"{folder.name} decode batched")
+
+
+def test_graph_decode_equals_eager_decode(folder):
+    """CUDA-graph decode (the fused GDN and gated-attention decode kernels captured) gives the same greedy
+    tokens as eager decode, over batch sizes that hit several buckets as requests of different lengths
+    join and leave."""
+    common = dict(dtype="bfloat16", device="cuda", gpu_memory_utilization=0.15, max_model_len=512)
+    graph_llm = LLM(str(folder), max_num_seqs=8, **common)
+    eager_llm = LLM(str(folder), max_num_seqs=8, enforce_eager=True, **common)
+    assert graph_llm.engine.executor.capabilities.cuda_graphs
+    rng = random.Random(4)
+    prompts = [[rng.randrange(990) for _ in range(rng.randrange(3, 120))] for _ in range(7)]
+    params = [SamplingParams(max_tokens=rng.randrange(5, 40), ignore_eos=True) for _ in prompts]
+    graph = graph_llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    eager = eager_llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in graph] == [o.outputs[0].token_ids for o in eager]
 
 
 def test_prefill_forward_stays_within_its_transient_reserve(llm):
