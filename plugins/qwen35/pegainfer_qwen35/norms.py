@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pegainfer.layers.norm import rms_norm_zero_centred as zero_centred_ref
 from pegainfer.ops import use_triton
 
 
@@ -33,11 +34,9 @@ def rms_norm_zero_centred(
 def rms_norm_zero_centred_ref(
     x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The torch reference of :func:`rms_norm_zero_centred`."""
-    y = _normalise(x.float(), eps) * (1.0 + weight.float())
-    if out is None:
-        return y.to(x.dtype)
-    return out.copy_(y)
+    """The torch reference of :func:`rms_norm_zero_centred` (core's, written into ``out`` when given)."""
+    y = zero_centred_ref(x, weight, eps)
+    return y if out is None else out.copy_(y)
 
 
 def gated_rms_norm(
