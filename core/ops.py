@@ -36,12 +36,16 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and triton_enabled()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The plain RMSNorm (``layers.norm.rms_norm``), written into ``out`` when given."""
     if use_triton(x):
         from pegainfer.kernels import norms
 
-        return norms.rms_norm(x, weight, eps)
-    return rms_norm_ref(x, weight, eps)
+        return norms.rms_norm(x, weight, eps, out=out)
+    y = rms_norm_ref(x, weight, eps)
+    return y if out is None else out.copy_(y)
 
 
 def add_rms_norm(

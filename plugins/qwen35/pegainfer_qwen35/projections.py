@@ -22,7 +22,6 @@ import torch
 from pegainfer import ops
 from pegainfer.layers.activation import silu_mul
 from pegainfer.layers.norm import fold_rms_norm_weight
-from pegainfer.layers.norm import rms_norm as rms_norm_ref
 from pegainfer.parallel.distributed import TensorParallel
 
 
@@ -41,12 +40,7 @@ def fold_norm(w: torch.Tensor, zero_centred_weight: torch.Tensor) -> torch.Tenso
 
 
 def _normed(x: torch.Tensor, norm: FoldedNorm) -> torch.Tensor:
-    out = norm.normed[: x.shape[0]]
-    if ops.use_triton(x):  # kernels are imported on CUDA only (see pegainfer.ops)
-        from pegainfer.kernels import norms
-
-        return norms.rms_norm_triton(x, None, norm.eps, out=out)
-    return out.copy_(rms_norm_ref(x, None, norm.eps))
+    return ops.rms_norm(x, None, norm.eps, out=norm.normed[: x.shape[0]])
 
 
 def _skinny(x: torch.Tensor) -> bool:
