@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pegainfer.memory.decode_buffers import DecodeBuffers
+from pegainfer.memory.decode_buffers import PAD_SLOT, DecodeBuffers
 
 BS = 4
 
@@ -345,8 +345,9 @@ def test_position_past_the_table_is_an_error() -> None:
 @pytest.mark.parametrize("in_upload", [False, True])
 def test_pad_rows_replicate_row_zero(in_upload: bool) -> None:
     """Rows past the batch, up to the graph's bucket, are copies of row 0 in every input (carried token
-    included), whether ``prepare(pad_to=)`` uploaded them so or ``pad_rows`` copies them on the device;
-    a request that later takes such a row gets its own full table."""
+    and state slot included) but their cache slot, which is negative (no page written: a padding row's
+    values may differ from row 0's), whether ``prepare(pad_to=)`` uploaded them so or ``pad_rows``
+    copies them on the device; a request that later takes such a row gets its own full table."""
     buf = make(max_num_seqs=8)
     reqs = [Fake("a", [1, 2], 6), Fake("b", [3], 2), Fake("c", [4, 5, 6], 9)]
     buf.prepare(
@@ -364,7 +365,10 @@ def test_pad_rows_replicate_row_zero(in_upload: bool) -> None:
     buf.pad_rows(3, 6)
     inputs = buf.gather_inputs(6)
     for row in range(3, 6):
-        assert buf._packed[:, row].tolist() == buf._packed[:, 0].tolist()
+        assert buf.slot_mapping[row].item() == PAD_SLOT < 0 <= buf.slot_mapping[0].item()
+        assert buf.state_slots[row].item() == buf.state_slots[0].item() == 5
+        for field in (buf.token_ids, buf.positions, buf.token_index, buf.row_order):
+            assert field[row].item() == field[0].item()
         assert buf.seq_lens[row].item() == buf.seq_lens[0].item() == 7
         assert buf.block_tables[row].tolist() == buf.block_tables[0].tolist()
         assert inputs[row].item() == 90

@@ -3,8 +3,8 @@
 The graphs read the persistent decode buffers (token ids — gathered from the staged ones and the last
 step's samples, then embedded, inside the graph —, positions, sequence lengths, slot mapping, block
 tables, state slots) and write logits into a static output and their argmax into ``decode.sampled``. A
-step writes its rows into the buffers, pads the bucket by replicating row 0 (padding rows then read and
-write valid memory: row 0's own slot, with row 0's own values) and replays. With ``eager`` the same
+step writes its rows into the buffers, pads the bucket with copies of row 0 that write no cache page
+(padding rows read valid pages and state; see ``DecodeBuffers.pad_rows``) and replays. With ``eager`` the same
 padded forward runs without a graph (``enforce_eager``), with identical numerics.
 """
 

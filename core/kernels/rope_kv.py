@@ -312,8 +312,7 @@ def qk_norm_rope_ref(
     norm = rms_norm_zero_centred_ref if zero_centred else rms_norm_ref
     q_new, k_new = rotary(positions, norm(q, q_weight, eps), norm(k, k_weight, eps))
     if kv_cache is not None:
-        keep = slot_mapping >= 0
-        write_kv_ref(kv_cache, k_new[keep], v[keep], slot_mapping[keep])
+        write_kv_ref(kv_cache, k_new, v, slot_mapping)
     if inplace:
         return q.copy_(q_new), k.copy_(k_new)
     return q_new, k_new

@@ -55,14 +55,28 @@ def reference_scratch_bytes(
     return kv + 3 * 4 * num_heads * QUERY_BLOCK * max_model_len
 
 
+def without_padding_slots(
+    slot_mapping: torch.Tensor, *values: torch.Tensor
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """``(slots, values)`` for an ``index_copy_`` that leaves the negative slots (padding rows and tokens)
+    unwritten. On the CPU their rows are dropped; on CUDA, where dropping them would sync with the host
+    (this runs inside decode graphs under ``PEGAINFER_DISABLE_TRITON``), they write the first row's values
+    into the first row's slot, a second identical write. The first row must be a real one."""
+    if not slot_mapping.is_cuda:
+        if bool((slot_mapping < 0).any()):
+            keep = slot_mapping >= 0
+            return slot_mapping[keep], tuple(v[keep] for v in values)
+        return slot_mapping, values
+    pad = slot_mapping < 0
+    slots = torch.where(pad, slot_mapping[:1], slot_mapping)
+    shape = (-1,) + (1,) * (values[0].dim() - 1) if values else (-1,)
+    return slots, tuple(torch.where(pad.view(shape), v[:1], v) for v in values)
+
+
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store k, v ``[T, kv_heads, D]`` into ``cache`` ``[2, blocks, block_size, kv_heads, D]`` at the slots.
-    On the CPU negative slots (padding tokens of a prefill-graph step) are skipped; on CUDA, where this
-    reference runs inside decode graphs under ``PEGAINFER_DISABLE_TRITON`` and a check would sync with the
-    host, every slot must be valid (padded steps take the kernel there: ``ops.write_kv``)."""
-    if not slot_mapping.is_cuda and bool((slot_mapping < 0).any()):
-        keep = slot_mapping >= 0
-        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    """Store k, v ``[T, kv_heads, D]`` into ``cache`` ``[2, blocks, block_size, kv_heads, D]`` at the slots;
+    negative slots (padding) are left unwritten (:func:`without_padding_slots`)."""
+    slot_mapping, (k, v) = without_padding_slots(slot_mapping, k, v)
     flat = cache.flatten(1, 2)
     flat[0].index_copy_(0, slot_mapping, k.to(cache.dtype))
     flat[1].index_copy_(0, slot_mapping, v.to(cache.dtype))

@@ -18,6 +18,9 @@ import torch
 #: rewritten with the same entries) while that span is at most this many bytes; else one copy per row.
 RANGE_COPY_BYTES = 64 << 10
 
+#: The cache slot of a padding row: every cache write skips a negative slot.
+PAD_SLOT = -1
+
 
 class DecodeBuffers:
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
@@ -127,8 +130,8 @@ class DecodeBuffers:
         request whose ``carry_from`` is ``i >= 0`` takes ``sampled[i]`` (the previous step's sampled
         tokens) as its token instead of ``token_ids``' entry, once :meth:`gather_inputs` has run:
         ``carried``, a device tensor of those tokens, is copied into ``sampled`` first; None means the
-        caller fills ``sampled`` itself before the gather (a tensor-parallel rank receives rank 0's). With ``pad_to`` the rows up to it are uploaded as copies of row 0 already (``pad_rows``
-        then has only the block tables left).
+        caller fills ``sampled`` itself before the gather (a tensor-parallel rank receives rank 0's). With ``pad_to`` the rows up to it are uploaded as padding already (``pad_rows`` then
+        has only the block tables left).
 
         ``same_rows``: the caller passes the last call's ``request_ids`` list again, with the same tokens,
         state slots, carry indices and ``pad_to``; only the positions moved on and the block tables may
@@ -191,6 +194,7 @@ class DecodeBuffers:
         size = batch if pad_to is None or not batch else pad_to
         if size > batch:
             staged[:, batch:size] = staged[:, :1]
+            staged[2, batch:size] = PAD_SLOT
             lens[batch:size] = lens[0]
         self._padded = (batch, size)
         self._last_request_ids = request_ids
@@ -217,7 +221,7 @@ class DecodeBuffers:
         lens[at] = pos + 1
         batch, size = self._padded
         if size > batch:
-            staged[1:3, batch:size] = staged[1:3, :1]
+            staged[1, batch:size] = staged[1, 0]
             lens[batch:size] = lens[0]
         self._upload_rows()
         return rows
@@ -296,13 +300,17 @@ class DecodeBuffers:
         return have
 
     def pad_rows(self, batch: int, size: int) -> None:
-        """Make rows ``[batch, size)`` copies of row 0, so a graph captured for ``size`` rows reads valid
-        pages and writes only row 0's own slot (with row 0's own values). Rows past the batch have no
-        owner, so their cached block tables need no bookkeeping (a new owner rewrites its row in full)."""
+        """Make rows ``[batch, size)`` copies of row 0 but for their cache slot, which is :data:`PAD_SLOT`,
+        so a graph captured for ``size`` rows reads valid pages and state and writes no page. (Their state
+        slot is row 0's: the recurrent-state kernels skip a later row with row 0's slot, reading zeros, so
+        such a row computes other values than row 0 and must not write row 0's page.) Rows past the batch
+        have no owner, so their cached block tables need no bookkeeping (a new owner rewrites its row in
+        full)."""
         if size == batch:
             return
         if self._padded[0] != batch or self._padded[1] < size:  # not uploaded padded by prepare(pad_to=)
             self._packed[:, batch:size] = self._packed[:, :1]
+            self.slot_mapping[batch:size] = PAD_SLOT
             self.seq_lens[batch:size] = self.seq_lens[0]
         self.block_tables[batch:size] = self.block_tables[0]
         self._blocks_written[batch:size] = 0

@@ -153,6 +153,17 @@ def test_write_kv(dtype, kv_heads, head_dim):
     before = cache_k.clone()
     rope_kv.write_kv_triton(cache_k, k, v, torch.full_like(slots, -1))
     assert torch.equal(cache_k, before), "negative slots (padding rows) are skipped"
+    # Padding rows after real ones, other values than row 0's: the reference leaves their slots alone
+    # too, on the CPU by dropping them, on CUDA (graph-safe) by writing row 0 again.
+    padded = slots.clone()
+    padded[t // 2 :] = -1
+    cache_k = _rand(gen, 2, 6, 16, kv_heads, head_dim, dtype=dtype)
+    cache_r, before = cache_k.clone(), cache_k.clone()
+    rope_kv.write_kv_triton(cache_k, k, v, padded)
+    rope_kv.write_kv_ref(cache_r, k, v, padded)
+    assert torch.equal(cache_k, cache_r) and not torch.equal(cache_k, before)
+    flat = cache_k.flatten(1, 2)
+    assert torch.equal(flat[:, slots[t // 2 :]], before.flatten(1, 2)[:, slots[t // 2 :]])
 
 
 def test_dispatch_takes_reference_off_cuda():

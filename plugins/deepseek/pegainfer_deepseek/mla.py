@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pegainfer import ops
-from pegainfer.layers.attention import AttentionMetadata
+from pegainfer.layers.attention import AttentionMetadata, without_padding_slots
 from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding
 from pegainfer.model.model_api import ForwardBatch
 from pegainfer.parallel.distributed import TensorParallel
@@ -40,7 +40,9 @@ from pegainfer_deepseek.params import param
 
 
 def write_latent(cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store ``latent`` ``[T, rkv + dr]`` into ``cache`` ``[blocks, block_size, rkv + dr]`` at the slots."""
+    """Store ``latent`` ``[T, rkv + dr]`` into ``cache`` ``[blocks, block_size, rkv + dr]`` at the slots;
+    negative slots (padding rows) are left unwritten."""
+    slot_mapping, (latent,) = without_padding_slots(slot_mapping, latent)
     cache.flatten(0, 1).index_copy_(0, slot_mapping, latent.to(cache.dtype))
 
 

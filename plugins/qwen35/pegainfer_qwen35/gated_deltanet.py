@@ -12,8 +12,8 @@ launches of ``gdn_kernels`` (the conv, then the recurrence token by token with t
 launches of ``gdn_kernels`` (conv update; gating + L2 norm + delta rule + gated norm) update each row's
 slot in place, addressed through the device tensor of slots (CUDA-graph safe); elsewhere
 :func:`decode_reference` gathers and scatters the slots. The padding rows of a CUDA-graph bucket replicate
-row 0 (its slot, its inputs): the reference scatters the same new state into the same slot, and the
-kernels skip a row whose slot repeats row 0's, so the slot is updated once.
+row 0 (its state slot, its inputs; no cache page): the reference scatters the same new state into the same
+slot, and the kernels skip a row whose slot repeats row 0's, so the slot is updated once.
 Value head j reads q/k head ``j // (Hv / Hk)`` (consecutive heads share, as transformers does).
 Qwen3-Next stores the input projections fused and grouped by key head (``in_proj_qkvz``, ``in_proj_ba``);
 they are de-interleaved at load time into the same packed rows (``_defused_projections``).

@@ -17,7 +17,8 @@ Both read every row's state slot from a device tensor (``slots[row]``) and take 
 CUDA graph captures them as they are: no host sync, no data-dependent shape. A row whose slot is
 negative is skipped (no state read or written), and so is a row ``r > 0`` whose slot equals row 0's: the
 padding rows of a CUDA-graph bucket replicate row 0, and an in-place update must happen once. (Their
-outputs are still computed, from whatever state they read, so they stay finite.)
+outputs are still computed, from zeros, so they stay finite; they differ from row 0's, which is why a
+padding row writes no cache page either.)
 
 Short prefill segments (a prompt's tail after a prefix hit) take the same two steps over every segment
 at once: :func:`conv_prefill` (one program per (segment, channel block) walks its segment, so the window
