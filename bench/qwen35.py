@@ -15,6 +15,11 @@ full-attention layers and, per row, each GDN layer's fp32 state (read and writte
 many bytes at the measured HBM copy bandwidth is the ceiling (``floor_ms``); ``bandwidth_utilization`` is
 ``floor_ms / step_ms``. ``--reference-gdn`` also times decode with the GDN decode rows on the torch
 reference (``PEGAINFER_QWEN35_GDN_KERNELS=0``), for the kernels' share.
+
+``35b_a3b`` is transformers' ``Qwen3_5MoeTextConfig`` defaults (hidden 2048, 40 layers, 256 experts of 512,
+top 8, a shared expert of 512): its floor counts of the routed experts only the distinct ones the router
+chose in one measured step (``distinct_experts_per_layer``). Prefill also reports ``mfu``: the step's matmul
+flops (``prefill_flops``) over its time, against the bf16 matmul rate measured in the same run.
 """
 
 from __future__ import annotations
@@ -85,6 +90,22 @@ SHAPES = {
         "linear_num_key_heads": 16,
         "linear_num_value_heads": 48,
     },
+    # transformers' Qwen3_5MoeTextConfig defaults ("Qwen3.5-35B-A3B style"): 256 experts of 512, top 8.
+    "35b_a3b": {
+        **BASE,
+        "architectures": ["Qwen3_5MoeForCausalLM"],
+        "model_type": "qwen3_5_moe_text",
+        "hidden_size": 2048,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+    },
 }
 
 
@@ -99,10 +120,48 @@ def prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-def step_bytes(model, batch: int, ctx: float) -> float:
-    """Bytes one decode step must move: weights, KV of the full-attention layers, GDN slot states."""
+def distinct_experts(llm, step) -> list[int]:
+    """The distinct experts each MoE layer routes to in one step (counted around ``SparseMoE.route``, outside
+    the timed steps). A graph replay runs no Python, so this step takes the graphs' eager form (the same
+    padded shapes and numbers)."""
+    from pegainfer_qwen35.moe import SparseMoE
+
+    seen: list[int] = []
+    route = SparseMoE.route
+
+    def counting(self, *args, **kwargs):
+        routed = route(self, *args, **kwargs)  # (weights, expert ids, shared gate)
+        seen.append(routed[1].unique().numel())
+        return routed
+
+    graphs = llm.engine.executor.runner.graphs
+    eager = graphs.eager if graphs is not None else None
+    SparseMoE.route = counting
+    try:
+        if graphs is not None:
+            graphs.eager = True
+        step()
+    finally:
+        SparseMoE.route = route
+        if graphs is not None:
+            graphs.eager = eager
+    return seen
+
+
+def step_bytes(model, batch: int, ctx: float, experts_per_layer: list[int] | None = None) -> float:
+    """Bytes one decode step must move: weights (of the MoE layers' routed experts only those the step's
+    router chose, ``experts_per_layer``), KV of the full-attention layers, GDN slot states."""
+    from pegainfer_qwen35.moe import SparseMoE
+
     c = model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    if moes:
+        if experts_per_layer is None or len(experts_per_layer) != len(moes):
+            raise RuntimeError(f"expert counts {experts_per_layer} do not cover the {len(moes)} MoE layers")
+        for m, used in zip(moes, experts_per_layer, strict=True):
+            size = sum(t.numel() * t.element_size() for t in (m.experts_gate_up, m.experts_down))
+            weights -= size - used * size // m.experts_gate_up.shape[0]
     embed = model.embed_tokens
     weights -= embed.numel() * embed.element_size() - batch * embed.shape[1] * embed.element_size()
     full, linear = len(c.layers_of("full_attention")), len(c.layers_of("linear_attention"))
@@ -117,6 +176,7 @@ def bench_decode(llm: LLM, vocab: int, batch: int, ctx: int, steps: int, rng: ra
     engine = llm.engine
     prompts = [prompt(rng, vocab, ctx) for _ in range(batch)]
     ids = start_decoding(engine, f"d{batch}-{rng.random()}", prompts, greedy(steps + 64))
+    experts = distinct_experts(llm, engine.step) if llm.engine.executor.runner.model.config.is_moe else None
     waited = engine.wait_time_s
     step_ms = timed_steps_ms(engine, steps)
     check_all_running(engine, batch)
@@ -124,7 +184,13 @@ def bench_decode(llm: LLM, vocab: int, batch: int, ctx: int, steps: int, rng: ra
     graphs = engine.executor.runner.graphs
     gpu_ms = cuda_time_ms(lambda: graphs.run(batch), reps=10) if graphs is not None else float("nan")
     stop_decoding(engine, ids)
-    return {"step_ms": step_ms, "gpu_ms": gpu_ms, "host_ms": host_ms, "ctx": ctx + 3 + steps / 2}
+    return {
+        "step_ms": step_ms,
+        "gpu_ms": gpu_ms,
+        "host_ms": host_ms,
+        "ctx": ctx + 3 + (experts is not None) + steps / 2,
+        "experts": experts,
+    }
 
 
 def bench_prefill(llm: LLM, vocab: int, requests: int, length: int, rng: random.Random) -> float:
@@ -144,6 +210,25 @@ def bench_prefill(llm: LLM, vocab: int, requests: int, length: int, rng: random.
         while engine.has_unfinished_requests():
             engine.step()
     return sorted(times[1:])[1]
+
+
+def prefill_flops(model, requests: int, length: int) -> float:
+    """The matmul flops of one prefill step over ``requests`` prompts of ``length``: every projection on
+    every token (of the routed experts, the k chosen of E), lm_head on each prompt's last token, and the
+    causal attention of the full-attention layers (QK and PV: 2 L^2 d a head); the GDN recurrence's own
+    few flops a token are left out."""
+    from pegainfer_qwen35.moe import SparseMoE
+
+    c = model.config
+    skip = {id(model.embed_tokens)} | ({id(model.lm_head)} if model.lm_head is not None else set())
+    per_token = sum(p.numel() for p in model.parameters() if p.dim() >= 2 and id(p) not in skip)
+    for m in model.modules():
+        if isinstance(m, SparseMoE):
+            routed = m.experts_gate_up.numel() + m.experts_down.numel()
+            per_token -= routed - routed * c.num_experts_per_tok // c.num_experts
+    head = model.embed_tokens if model.lm_head is None else model.lm_head
+    attention = len(c.layers_of("full_attention")) * 2 * length**2 * c.num_heads * c.head_dim
+    return 2 * per_token * requests * length + 2 * head.numel() * requests + attention * requests
 
 
 def fla_available() -> bool:
@@ -187,7 +272,7 @@ def bench_peer(shape: dict, ctx: int, steps: int, device: str = "cuda") -> float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="append the records to this JSONL file")
-    parser.add_argument("--shapes", default="9b", help="comma-separated: 9b, 27b")
+    parser.add_argument("--shapes", default="9b", help="comma-separated: 9b, 27b, 35b_a3b")
     parser.add_argument("--layers", type=int, default=None, help="fewer layers for a quick smoke run")
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--ctx", type=int, default=512)
@@ -230,7 +315,7 @@ def main() -> None:
             tag = f"qwen35_{name}" + ("" if variant == "kernels" else f".{variant}")
             for batch in batches:
                 d = bench_decode(llm, vocab, batch, args.ctx, args.steps, rng)
-                floor_ms = step_bytes(model, batch, d["ctx"]) / bw * 1e3
+                floor_ms = step_bytes(model, batch, d["ctx"], d["experts"]) / bw * 1e3
                 util = floor_ms / d["step_ms"]
                 if variant == "kernels":
                     decode[batch] = d
@@ -239,6 +324,9 @@ def main() -> None:
                 results.add(f"{tag}.decode.bs{batch}.floor_ms", floor_ms, "ms")
                 results.add(f"{tag}.decode.bs{batch}.bandwidth_utilization", util, "fraction")
                 results.add(f"{tag}.decode.bs{batch}.host_ms", d["host_ms"], "ms")
+                if d["experts"]:
+                    mean = sum(d["experts"]) / len(d["experts"])
+                    results.add(f"{tag}.decode.bs{batch}.distinct_experts_per_layer", mean, "experts")
                 table.append(
                     f"{tag:<24} decode bs{batch:<3} {d['step_ms']:7.2f} ms/step (GPU {d['gpu_ms']:6.2f}, "
                     f"host {d['host_ms']:5.2f}; floor {floor_ms:6.2f})  {batch * 1e3 / d['step_ms']:8.1f} "
@@ -255,9 +343,11 @@ def main() -> None:
                         key = f"{tag}.prefill_{rule}.{requests}x{length}"
                         results.add(f"{key}.ms", ms, "ms")
                         results.add(f"{key}.tok_per_s", tokens * 1e3 / ms, "tok/s")
+                        mfu = prefill_flops(model, requests, length) / (ms / 1e3) / ceil["bf16_flops_per_s"]
+                        results.add(f"{key}.mfu", mfu, "fraction")
                         table.append(
                             f"{tag:<24} prefill {requests}x{length:<5} {rule:<5} {ms:8.1f} ms "
-                            f"{tokens * 1e3 / ms:9.0f} tok/s"
+                            f"{tokens * 1e3 / ms:9.0f} tok/s  MFU {mfu:6.1%}"
                         )
                     os.environ.pop("PEGAINFER_QWEN35_FLA", None)
                 if not fla:

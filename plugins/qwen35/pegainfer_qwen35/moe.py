@@ -2,14 +2,17 @@
 
 1. ``p = softmax(x Wg^T)`` over all experts in fp32; the top-k by p, renormalised to sum to 1 (always
    for Qwen3.5, which has no ``norm_topk_prob`` switch; for Qwen3-Next only under ``norm_topk_prob``),
-   cast to the model dtype.
+   cast to the model dtype (``routing.softmax_topk``: one launch on CUDA).
 2. Each chosen expert runs on its tokens; its output is scaled by the token's weight and summed per token.
 3. ``sigmoid(shared_expert_gate(x)) * SharedExpert(x)`` is added (one scalar gate per token).
 
 The checkpoint stores experts one by one; they are stacked at load time (``[E, 2Ie, H]``, gate rows first,
-and ``[E, H, Ie]``). On CUDA every step's routed experts go through ``ops.fused_moe`` (Triton grouped GEMMs
-over the chosen experts only, no host sync, so the decode graphs capture it and eager and graph decode
-compute the same). Elsewhere the reference forward has two schedules with the same sums (in ascending
+and ``[E, H, Ie]``). The router and the shared expert's one-row gate are one GEMM (``router``: ``[E + 1,
+H]``, the gate last), and the shared expert's gate|up rows alternate (``interleave_gate_up``), so decode
+rows on CUDA apply its SiLU·mul in the skinny GEMM's epilogue (``projections``). On CUDA every step's
+routed experts go through ``ops.fused_moe`` (Triton grouped GEMMs over the chosen experts only, no host
+sync, so the decode graphs capture it and eager and graph decode compute the same), the gated shared
+output added in its combining launch. Elsewhere the reference forward has two schedules with the same sums (in ascending
 expert order, as transformers adds them):
 - grouped (steps with prefill tokens): the (token, expert) pairs are sorted by expert and each expert
   runs one GEMM over its rows; the row counts are read on the host.
@@ -34,11 +37,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pegainfer import ops
+from pegainfer.layers.activation import interleave_gate_up
 from pegainfer.model.checkpoint import CheckpointReader
 from pegainfer.parallel.distributed import TensorParallel
 from pegainfer.parallel.sharding import Shard, split, stitch
 from pegainfer_qwen35.config import Qwen35Config, Qwen35Shard
 from pegainfer_qwen35.pass_buffers import PassBuffers
+from pegainfer_qwen35.projections import project, project_silu
+from pegainfer_qwen35.routing import softmax_topk
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -59,40 +65,42 @@ class SparseMoE(nn.Module):
         self.shard = s = shard or Qwen35Shard.of(config, self.tp)
         h, e = config.hidden_size, config.num_experts
         ie, is_ = s.moe_intermediate_size, s.shared_expert_intermediate_size  # this rank's features
-        self.router = _param(e, h, dtype=dtype)
+        #: Rows ``[0, E)``: the router; row E: the shared expert's gate (one GEMM for both).
+        self.router = _param(e + 1, h, dtype=dtype)
         self.experts_gate_up = _param(e, 2 * ie, h, dtype=dtype)
         self.experts_down = _param(e, h, ie, dtype=dtype)
-        self.shared_gate_up = _param(2 * is_, h, dtype=dtype)
+        self.shared_gate_up = _param(2 * is_, h, dtype=dtype)  # gate and up rows interleaved
         self.shared_down = _param(h, is_, dtype=dtype)
-        self.shared_gate = _param(1, h, dtype=dtype)
 
-    def route(self, x: torch.Tensor, bufs: PassBuffers) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights ``[T, k]`` in the model dtype, expert ids ``[T, k]``) for the normed rows ``x``."""
+    def route(self, x: torch.Tensor, bufs: PassBuffers) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weights ``[T, k]`` in the model dtype, expert ids ``[T, k]``, the shared expert's gate logit
+        ``[T, 1]``) for the normed rows ``x``."""
+        c = self.config
         logits = torch.matmul(x, self.router.t(), out=bufs.moe_router)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, experts = probs.topk(self.config.num_experts_per_tok, dim=-1)
-        if self.config.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
-        return weights.to(x.dtype), experts
+        weights, experts = softmax_topk(
+            logits[:, : c.num_experts], c.num_experts_per_tok, c.norm_topk_prob, x.dtype
+        )
+        return weights, experts, logits[:, c.num_experts :]
 
     def forward(self, x: torch.Tensor, bufs: PassBuffers, *, static_shapes: bool = False) -> torch.Tensor:
-        """Block output of the normed rows ``x`` ``[T, H]`` into ``bufs.mlp_down``.
+        """Block output of the normed rows ``x`` ``[T, H]`` (into ``bufs.mlp_down`` off CUDA).
 
         ``static_shapes``: no host sync and no data-dependent shapes (the schedule for CUDA graphs).
         """
-        weights, experts = self.route(x, bufs)
-        y = bufs.mlp_down
-        if ops.use_triton(x):
-            y.copy_(ops.fused_moe(x, weights, experts, self.experts_gate_up, self.experts_down))
-        elif static_shapes:
-            self._experts_static(x, weights, experts, bufs, y.zero_())
+        weights, experts, shared_gate = self.route(x, bufs)
+        act = project_silu(x, self.shared_gate_up, bufs.shared_gate_up, bufs.shared_act)
+        shared = project(act, self.shared_down, bufs.shared_out)
+        shared.mul_(torch.sigmoid(shared_gate))
+        if ops.use_triton(x):  # the shared output added in the launch that sums the choices
+            y = ops.fused_moe(x, weights, experts, self.experts_gate_up, self.experts_down, add=shared)
         else:
-            self._experts_grouped(x, weights, experts, bufs, y)  # writes every row of y
-        gate, up = torch.matmul(x, self.shared_gate_up.t(), out=bufs.shared_gate_up).chunk(2, -1)
-        shared_act = torch.mul(F.silu(gate), up, out=bufs.shared_act)
-        shared = torch.matmul(shared_act, self.shared_down.t(), out=bufs.shared_out)
-        shared.mul_(torch.sigmoid(torch.matmul(x, self.shared_gate.t(), out=bufs.shared_gate)))
-        return self.tp.all_reduce(y.add_(shared))  # the ranks' partial sums, once
+            y = bufs.mlp_down
+            if static_shapes:
+                self._experts_static(x, weights, experts, bufs, y.zero_())
+            else:
+                self._experts_grouped(x, weights, experts, bufs, y)  # writes every row of y
+            y.add_(shared)
+        return self.tp.all_reduce(y)  # the ranks' partial sums, once
 
     def _expert(
         self, expert: int, rows: torch.Tensor, gate_up: torch.Tensor, act: torch.Tensor, out: torch.Tensor
@@ -164,7 +172,9 @@ class SparseMoE(nn.Module):
             return reader.get(prefix + name, shape, dtype, shard)
 
         with torch.no_grad():
-            self.router.copy_(get("gate.weight", (e, h)))
+            self.router.copy_(
+                torch.cat([get("gate.weight", (e, h)), get("shared_expert_gate.weight", (1, h))])
+            )
             if prefix + "experts.gate_up_proj" in reader:  # stacked already (transformers' in-memory layout)
                 # [E, gate | up, H]: the gate and the up rows each split on their own.
                 self.experts_gate_up.copy_(get("experts.gate_up_proj", (e, 2 * ie, h), stitch(1, ie, ie)))
@@ -182,12 +192,9 @@ class SparseMoE(nn.Module):
                     )
                     self.experts_down[i].copy_(get(p + "down_proj.weight", (h, ie), columns))
             self.shared_gate_up.copy_(
-                torch.cat(
-                    [
-                        get("shared_expert.gate_proj.weight", (is_, h), rows),
-                        get("shared_expert.up_proj.weight", (is_, h), rows),
-                    ]
+                interleave_gate_up(
+                    get("shared_expert.gate_proj.weight", (is_, h), rows),
+                    get("shared_expert.up_proj.weight", (is_, h), rows),
                 )
             )
             self.shared_down.copy_(get("shared_expert.down_proj.weight", (h, is_), columns))
-            self.shared_gate.copy_(get("shared_expert_gate.weight", (1, h)))

@@ -70,7 +70,7 @@ def pass_buffer_roles(
     if config.is_moe:
         k, ie, is_ = config.num_experts_per_tok, s.moe_intermediate_size, s.shared_expert_intermediate_size
         roles += [
-            Role("moe_router", config.num_experts, dtype),
+            Role("moe_router", config.num_experts + 1, dtype),  # the router's logits, the shared gate's
             Role("moe_rows", k * h, dtype),  # each token's row once per chosen expert, grouped by expert
             Role("moe_gate_up", k * 2 * ie, dtype),
             Role("moe_act", k * ie, dtype),
@@ -78,7 +78,6 @@ def pass_buffer_roles(
             Role("shared_gate_up", 2 * is_, dtype),
             Role("shared_act", is_, dtype),
             Role("shared_out", h, dtype),
-            Role("shared_gate", 1, dtype),
         ]
     if config.has_dense_ffn:
         i = s.intermediate_size

@@ -9,31 +9,16 @@ shapes; with one, the same cases run compiled, and the ``gpu``-marked ones at Qw
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
 
+from pegainfer.testing.triton_kernels import KERNEL_DEVICE, requires_kernels
 from pegainfer_qwen35 import gdn_kernels
 from pegainfer_qwen35.gated_deltanet import decode_reference
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _interpreting() -> bool:
-    if DEVICE == "cuda":
-        return True
-    try:
-        import triton.language as tl
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:
-        return False
-    return os.environ.get("TRITON_INTERPRET") == "1" and isinstance(tl.standard.sum, InterpretedFunction)
-
-
-pytestmark = pytest.mark.skipif(
-    not _interpreting(), reason="needs a GPU or Triton's interpreter (TRITON_INTERPRET=1 before Triton)"
-)
+DEVICE = KERNEL_DEVICE
+pytestmark = requires_kernels
 
 
 class Case:

@@ -38,13 +38,13 @@ def blocks():
     )  # fmt: skip
     ref = Qwen3_5MoeSparseMoeBlock(hf_config).eval()
     with torch.no_grad():
-        ref.gate.weight.copy_(ours.router)
+        ref.gate.weight.copy_(ours.router[:E])
         ref.experts.gate_up_proj.copy_(ours.experts_gate_up)
         ref.experts.down_proj.copy_(ours.experts_down)
-        ref.shared_expert.gate_proj.weight.copy_(ours.shared_gate_up[:IS])
-        ref.shared_expert.up_proj.weight.copy_(ours.shared_gate_up[IS:])
+        ref.shared_expert.gate_proj.weight.copy_(ours.shared_gate_up[0::2])  # interleaved rows
+        ref.shared_expert.up_proj.weight.copy_(ours.shared_gate_up[1::2])
         ref.shared_expert.down_proj.weight.copy_(ours.shared_down)
-        ref.shared_expert_gate.weight.copy_(ours.shared_gate)
+        ref.shared_expert_gate.weight.copy_(ours.router[E:])
     return ours, ref
 
 

@@ -1,0 +1,88 @@
+"""Qwen3.5-MoE's expert selection from the router's logits: a Triton kernel and its torch reference.
+
+From logits ``[T, E]`` (a strided view of the router GEMM's output is fine): ``p = softmax(logits)`` in
+fp32, the ``k`` largest ``p`` (ids best first), renormalised to sum to 1 when ``norm``, cast to ``dtype``.
+The kernel is one program per token for all of it, where the torch form is five launches (softmax, top-k,
+sum, divide, cast) a layer, paid in latency by a batch-1 decode step; it has no host sync, so it runs
+inside CUDA graphs. Ties between equal probabilities go to the lower index (torch's ``topk`` leaves their
+order open).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pegainfer.kernels._triton import next_pow2, pdl_launch, pdl_start, tl, triton
+from pegainfer.ops import use_triton
+
+
+def softmax_topk_ref(
+    logits: torch.Tensor, k: int, norm: bool, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = probs.topk(k, dim=-1)
+    if norm:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights.to(dtype), ids
+
+
+@triton.jit
+def _softmax_topk_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    stride_l,
+    NUM_EXPERTS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NORM: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_start(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    expert = tl.arange(0, BLOCK_E)
+    valid = expert < NUM_EXPERTS
+    logit = tl.load(logits_ptr + token * stride_l + expert, mask=valid, other=float("-inf")).to(tl.float32)
+    e = tl.exp(logit - tl.max(logit, 0))
+    probs = e / tl.sum(e, 0)
+    choice = tl.where(valid, probs, -1.0)  # below every probability: padding is never picked
+    slot = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for i in tl.static_range(K):
+        top = tl.max(choice, 0)
+        pick = tl.min(tl.where(choice == top, expert, BLOCK_E), 0)
+        ids = tl.where(slot == i, pick, ids)
+        weights = tl.where(slot == i, top, weights)
+        choice = tl.where(expert == pick, -2.0, choice)
+    if NORM:
+        weights = weights / tl.sum(weights, 0)
+    out = weights_ptr + token * K + slot
+    tl.store(out, weights.to(weights_ptr.dtype.element_ty), mask=slot < K)
+    tl.store(ids_ptr + token * K + slot, ids.to(tl.int64), mask=slot < K)
+
+
+def softmax_topk_triton(
+    logits: torch.Tensor, k: int, norm: bool, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, experts = logits.shape
+    if logits.stride(-1) != 1 or not 0 < k <= experts:
+        raise ValueError(f"softmax_topk: logits {tuple(logits.shape)} need a contiguous last dim and k <= E")
+    weights = torch.empty(tokens, k, dtype=dtype, device=logits.device)
+    ids = torch.empty(tokens, k, dtype=torch.int64, device=logits.device)
+    if tokens:
+        _softmax_topk_kernel[(tokens,)](
+            logits, weights, ids, logits.stride(0), NUM_EXPERTS=experts, BLOCK_E=next_pow2(experts), K=k,
+            BLOCK_K=max(2, next_pow2(k)), NORM=norm, num_warps=4 if experts > 64 else 1, **pdl_launch(logits),
+        )  # fmt: skip
+    return weights, ids
+
+
+def softmax_topk(
+    logits: torch.Tensor, k: int, norm: bool, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights ``[T, k]`` in ``dtype``, ids ``[T, k]`` int64) of the module docstring: the kernel on CUDA
+    (unless ``PEGAINFER_DISABLE_TRITON``), the torch reference elsewhere."""
+    select = softmax_topk_triton if use_triton(logits) else softmax_topk_ref
+    return select(logits, k, norm, dtype)
