@@ -2,7 +2,8 @@
 
 The (token, choice) pairs are sorted by expert on the device and each expert's run is padded to whole
 blocks of ``BLOCK_M`` rows (:func:`expert_blocks`); the grid covers the most blocks any routing can need
-(``P + E·(BLOCK_M - 1)`` rows for ``P`` pairs over ``E`` experts), and a block past the routing's own
+(``P + min(P, E)·(BLOCK_M - 1)`` rows for ``P`` pairs over ``E`` experts: at batch 1 one block per
+chosen expert, not one per expert), and a block past the routing's own
 exits at once, so nothing depends on the host knowing the counts (graph-safe). One program owns one
 block and one tile of output features: it gathers its rows' inputs and multiplies them by its expert's
 weight tile, so an expert's weights are read once per block of its tokens (at batch 1, once per chosen
@@ -53,7 +54,8 @@ def expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
 
 
 def _max_blocks(pairs: int, num_experts: int, block_m: int) -> int:
-    return triton.cdiv(pairs + num_experts * (block_m - 1), block_m)
+    # Each expert in use pads its run by at most block_m - 1 rows, and at most min(P, E) are in use.
+    return triton.cdiv(pairs + min(pairs, num_experts) * (block_m - 1), block_m)
 
 
 def expert_blocks_triton(

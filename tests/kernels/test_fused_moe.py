@@ -52,6 +52,17 @@ def test_expert_blocks_sort_and_pad_the_pairs():
     assert block_expert.tolist()[:3] == [0, 2, 3] and set(block_expert.tolist()[3:]) == {5}
 
 
+def test_the_grid_covers_the_chosen_experts_not_all_of_them():
+    """A batch-1 routing of 8 of 256 experts: 8 blocks (one per chosen expert, all used), not one per
+    expert; a routing of many tokens into few experts is still covered."""
+    ids = torch.tensor([[200, 3, 17, 255, 0, 64, 65, 128]], device=DEVICE)
+    rows, block_expert = expert_blocks(ids, 256, 16)
+    assert block_expert.numel() == 8 and sorted(block_expert.tolist()) == sorted(ids[0].tolist())
+    many = torch.tensor([[0, 1]] * 40, device=DEVICE)  # 80 pairs, 2 experts: 3 blocks each, none spare
+    rows, block_expert = expert_blocks(many, 256, 16)
+    assert block_expert.tolist()[:6] == [0, 0, 0, 1, 1, 1] and set(block_expert.tolist()[6:]) <= {256}
+
+
 @pytest.mark.parametrize(
     "tokens, k, experts, block_m",
     [(1, 8, 256, 16), (3, 2, 5, 4), (32, 8, 256, 16), (KERNEL_SORT_PAIRS // 6, 6, 64, 16), (7, 4, 20, 64)],
