@@ -5,7 +5,8 @@ upload, sampling bookkeeping, detokenizing and outputs, with the model's forward
     python bench/host_overhead.py --profile 64    # plus a cProfile table of the bs64 async steps
     python bench/host_overhead.py --count-ops     # plus the aten ops per step, by issuing line
 
-A tiny random Qwen3 (the qwen3_14b plugin, float32) runs ``batch`` greedy ``ignore_eos`` requests with
+A tiny random Qwen3 (the qwen3_14b plugin, float32; ``--model qwen35``: a tiny Qwen3.5, whose rows also
+carry state slots) runs ``batch`` greedy ``ignore_eos`` requests with
 FINAL_ONLY outputs, as ``bench/qwen3_14b.py``'s ``bench_decode`` does on the GPU; every timed step is one
 decode step of all of them. By default the executor takes the GPU's decode path: persistent decode rows
 and bucket padding through ``capture_cuda_graphs(eager=True)`` (what ``enforce_eager`` runs), so
@@ -26,7 +27,8 @@ host does not suffer; ``--no-forward`` has the timed steps' decode forward retur
 instead (figures ``qwen3_14b.host_cpu_noforward...``), the host's work with warm caches.
 
 Figures are appended to ``bench/results/host_overhead.jsonl``: ``qwen3_14b.host_cpu.bs{B}.host_ms`` (async
-scheduling on) and ``qwen3_14b.host_cpu_sync.bs{B}.host_ms`` (off), with ``step_ms`` and ``forward_ms``.
+scheduling on) and ``qwen3_14b.host_cpu_sync.bs{B}.host_ms`` (off), with ``step_ms`` and ``forward_ms``
+(``qwen35.`` the same with ``--model qwen35``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from pegainfer.engine.llm import LLM
 from pegainfer.sampling.sampling_params import RequestOutputKind, SamplingParams
 from pegainfer.testing.checkpoints import write_tiny_checkpoint
+
+#: ``--model``: the figure prefix and the tiny checkpoint's architecture (the qwen3_14b or qwen35 plugin).
+MODELS = {"qwen3_14b": "qwen3", "qwen35": "qwen3_5"}
 
 
 class OpCounter(TorchDispatchMode):
@@ -239,6 +244,12 @@ def main() -> None:
         action="store_true",
         help="count the aten ops each step dispatches outside the forward, by issuing line (slows the steps)",
     )
+    parser.add_argument(
+        "--model",
+        default="qwen3_14b",
+        choices=sorted(MODELS),
+        help="the tiny model (qwen35: state slots too)",
+    )
     parser.add_argument("--commit", default=None)
     parser.add_argument("--no-write", action="store_true", help="print the figures, append nothing")
     args = parser.parse_args()
@@ -247,7 +258,9 @@ def main() -> None:
     sync = [int(b) for b in args.sync.split(",") if b]
     results = Results(args.out, "python " + " ".join(sys.argv), args.commit, device=cpu_name())
     folder = write_tiny_checkpoint(
-        tempfile.mkdtemp(prefix="host-overhead-"), "qwen3", max_position_embeddings=args.ctx + args.steps + 64
+        tempfile.mkdtemp(prefix="host-overhead-"),
+        MODELS[args.model],
+        max_position_embeddings=args.ctx + args.steps + 64,
     )
     if args.no_forward and not args.graph_path:
         parser.error("--no-forward replaces the decode graphs' forward: it needs the graph path")
@@ -265,7 +278,7 @@ def main() -> None:
             llm, timer, batch, args.ctx, args.steps, rng, on, profile, args.no_forward, args.count_ops
         )
         mode = "host_cpu_noforward" if args.no_forward else "host_cpu"
-        name = f"qwen3_14b.{mode}{'' if on else '_sync'}.bs{batch}"
+        name = f"{args.model}.{mode}{'' if on else '_sync'}.bs{batch}"
         if "aten_ops" in d:  # the counting slows every op: only the count is a figure of this run
             results.add(f"{name}.aten_ops_per_step", d["aten_ops"], "count")
         else:
