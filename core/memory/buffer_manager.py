@@ -538,7 +538,8 @@ class PagedBufferManager(BufferManager):
         for item in scheduled:
             request, start = item.request, item.start
             end = start + item.num_new_tokens
-            if item.num_new_tokens <= self._inside_tokens:
+            # A boundary strictly inside needs two tokens or more (a decode row has none).
+            if 1 < item.num_new_tokens <= self._inside_tokens:
                 inside = self._unsnapshotted_boundary(request, start, end)
                 if inside < end and not self._snapshot(request, inside, start):
                     return
