@@ -12,8 +12,9 @@ launches of ``gdn_kernels`` (the conv, then the recurrence token by token with t
 launches of ``gdn_kernels`` (conv update; gating + L2 norm + delta rule + gated norm) update each row's
 slot in place, addressed through the device tensor of slots (CUDA-graph safe); elsewhere
 :func:`decode_reference` gathers and scatters the slots. The padding rows of a CUDA-graph bucket replicate
-row 0 (its state slot, its inputs; no cache page): the reference scatters the same new state into the same
-slot, and the kernels skip a row whose slot repeats row 0's, so the slot is updated once.
+row 0 (its state slot, its inputs; no cache page): the kernels and the reference alike skip a row whose slot
+repeats row 0's (it reads zeros and writes nothing), so the slot is updated once, and a padding row's
+values differ from row 0's as they do on the GPU.
 Value head j reads q/k head ``j // (Hv / Hk)`` (consecutive heads share, as transformers does).
 Qwen3-Next stores the input projections fused and grouped by key head (``in_proj_qkvz``, ``in_proj_ba``);
 they are de-interleaved at load time into the same packed rows (``_defused_projections``).
@@ -181,15 +182,36 @@ def decode_reference(
     rows = mixed.shape[0]
     _, hv, dk, dv = ssm.shape
     widths = _Widths(num_key_heads, hv, dk, dv)
-    y, window = causal_conv_step(mixed, conv_weight, windows.index_select(0, slots))
+    owns = _row_owners(slots)
+    y, window = causal_conv_step(mixed, conv_weight, _gather_owned(windows, slots, owns))
     conv = conv_out.copy_(F.silu(y))
-    windows.index_copy_(0, slots, window.to(windows.dtype))
+    _scatter_owned(windows, slots, owns, window.to(windows.dtype))
     q, k, v, g, beta = gate_and_normalise(conv, b, a, a_log, dt_bias, widths)
-    o, final = delta_rule_step(q, k, v, g, beta, ssm.index_select(0, slots))
-    ssm.index_copy_(0, slots, final)
+    o, final = delta_rule_step(q, k, v, g, beta, _gather_owned(ssm, slots, owns))
+    _scatter_owned(ssm, slots, owns, final)
     core = o.to(mixed.dtype)
     gated_rms_norm(core, z.reshape(rows, hv, dv), norm_weight, eps, out=out.view(rows, hv, dv))
     return out
+
+
+def _row_owners(slots: torch.Tensor) -> torch.Tensor:
+    """Which decode rows own their slot, as the kernels decide (``gdn_kernels``' module docstring): a
+    valid slot, and not a later row repeating row 0's (a CUDA-graph bucket's padding)."""
+    row = torch.arange(slots.shape[0], device=slots.device)
+    return (slots >= 0) & ((row == 0) | (slots != slots[:1]))
+
+
+def _gather_owned(pool: torch.Tensor, slots: torch.Tensor, owns: torch.Tensor) -> torch.Tensor:
+    """``pool[slots]``, zeros for the rows that do not own their slot (what the kernels read for them)."""
+    got = pool.index_select(0, slots.clamp(min=0))
+    return torch.where(owns.view(-1, *(1,) * (got.dim() - 1)), got, 0.0)
+
+
+def _scatter_owned(pool: torch.Tensor, slots: torch.Tensor, owns: torch.Tensor, new: torch.Tensor) -> None:
+    """``pool[slots] = new`` for the owning rows only; the others write row 0's value into row 0's slot
+    again (no host sync to drop them, and no second value for that slot)."""
+    mask = owns.view(-1, *(1,) * (new.dim() - 1))
+    pool.index_copy_(0, torch.where(owns, slots, slots[:1]), torch.where(mask, new, new[:1]))
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,9 @@ def test_model_embeds_on_the_device(tiny_qwen35):
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_padded_decode_path_equals_plain_path_and_transformers(tiny_qwen35, async_scheduling):
     """Five requests of different lengths and budgets: the batch shrinks through the 8, 4, 2 and 1
-    buckets, so padding rows (copies of row 0, same slot) run beside real ones every step."""
+    buckets, so padding rows (copies of row 0, same state slot) run beside real ones every step. As in
+    the GPU kernels, a padding row reads zeros for state and so computes other values than row 0: had it
+    written its KV into row 0's page (padding once did), row 0's tokens would drift from the plain path."""
     options = dict(
         dtype="float32", device="cpu", cpu_kv_cache_bytes=8 << 20, max_num_seqs=8,
         async_scheduling=async_scheduling,
