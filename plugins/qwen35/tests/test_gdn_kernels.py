@@ -108,7 +108,8 @@ def test_consecutive_steps_carry_the_state():
 
 def test_padding_rows_update_row_zeros_slot_once():
     """A CUDA-graph bucket pads by replicating row 0: its slot must be updated once, as without padding;
-    a negative slot is skipped altogether."""
+    a negative slot is skipped altogether. The reference over the padded rows follows the same rule (the
+    padding rows read zeros), output for output."""
     case = Case(rows=5, hk=2, hv=4, dk=16, dv=16, dtype=torch.float32, slots=[2, 4, 2, 2, -1], seed=3)
     case.proj[2:4].copy_(case.proj[0:1].expand(2, -1))  # the padding rows carry row 0's inputs
     conv, out, windows, ssm = case.kernels()
@@ -118,6 +119,11 @@ def test_padding_rows_update_row_zeros_slot_once():
     _close(out[:2], ref_out, torch.float32)
     _close(conv[:2], ref_conv, torch.float32)
     assert torch.isfinite(out).all()
+    padded_conv, padded_out, padded_windows, padded_ssm = case.reference()
+    _close(out, padded_out, torch.float32)
+    _close(conv, padded_conv, torch.float32)
+    torch.testing.assert_close(padded_ssm, ref_ssm, rtol=0, atol=0)
+    torch.testing.assert_close(padded_windows, ref_windows, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
