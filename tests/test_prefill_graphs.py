@@ -40,7 +40,9 @@ def test_shape_is_bounded_by_the_model_the_cap_and_the_budget():
 def test_inputs_hold_the_step_and_pad_the_rest():
     inp = PrefillGraphInputs(max_tokens=16, max_segments=4, max_blocks_per_seq=5, device=torch.device("cpu"))
     # Block size 4: a 3-token chunk at positions 5..7 (pages 9, 2), a 2-token one at 0..1 (page 6).
-    written = inp.prepare([([11, 12, 13], 5, [9, 2, 7]), ([21, 22], 0, [6])], [3, 1], [(-1, -1), (1, 4)], 4)
+    written = inp.prepare(
+        [([11, 12, 13], 5, [9, 2, 7]), ([21, 22], 0, [6])], [3, 1], [(-1, -1, 0), (1, 4, 2)], 4
+    )
     assert written == 5
     assert inp.input_ids.tolist() == [11, 12, 13, 21, 22] + [0] * 11
     assert inp.positions.tolist()[:5] == [5, 6, 7, 0, 1]
@@ -54,7 +56,7 @@ def test_inputs_hold_the_step_and_pad_the_rest():
     assert inp.block_tables[0, :2].tolist() == [9, 2] and inp.block_tables[1, 0].item() == 6
     assert inp.state_slots.tolist() == [3, 1, -1, -1]
     assert inp.checkpoint_tokens.tolist() == [-1, 1, -1, -1]
-    assert inp.checkpoint_slots.tolist()[1] == 4
+    assert inp.checkpoint_slots.tolist()[1] == 4 and inp.checkpoint_counts.tolist() == [0, 2, 0, 0]
     assert inp.logit_rows.tolist() == [2, 4, 0, 0]
     # The next step starts from a clean slate: nothing of the last one is left as a live segment.
     inp.prepare([([5] * 4, 0, [1])], None, None, 4)

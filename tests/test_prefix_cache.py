@@ -283,7 +283,7 @@ def test_a_short_chunk_keeps_a_boundary_inside_and_the_forward_snapshots_it() ->
     out = sched.schedule()
     assert [(i.start, i.num_new_tokens) for i in out.scheduled] == [(0, 10)], "one chunk, not 8 + 2"
     _, saves, checkpoints = buffers.take_state_copies()
-    assert saves == [] and checkpoints == [(buffers.state_slot("a"), checkpoints[0][1], 8)]
+    assert saves == [] and checkpoints == [(buffers.state_slot("a"), checkpoints[0][1], 8, 1)]
     sched.update_after_step(out)
     out.scheduled[0].request.append_output_token(7)
     sched.finish_request(out.scheduled[0].request, RequestStatus.FINISHED_LENGTH)
@@ -461,10 +461,13 @@ def save_checkpoints(
     snaps: dict[int, tuple[int, ...]], checkpoints: list, slot: int, ids: list[int], item, rid: str
 ) -> None:
     """A fake device's forward saving ``slot``'s checkpoints inside ``item``'s chunk: the tokens up to each."""
-    for state, snap, tokens in checkpoints:
+    for state, snap, tokens, count in checkpoints:
         if state == slot:
-            assert 0 < tokens < item.num_new_tokens, f"{rid}: a checkpoint outside its chunk"
-            snaps[snap] = tuple(ids[: item.start + tokens])
+            assert 0 < tokens and tokens + count - 1 < item.num_new_tokens, (
+                f"{rid}: a checkpoint outside its chunk"
+            )
+            for j in range(count):
+                snaps[snap + j] = tuple(ids[: item.start + tokens + j])
 
 
 class FakeDevice:

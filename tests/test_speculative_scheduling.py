@@ -430,9 +430,10 @@ def test_random_drafts_keep_invariants_and_the_output(scenario: dict) -> None:
 
 
 class _Model:
-    def __init__(self, num_mtp_layers: int, recurrent: bool = False) -> None:
+    def __init__(self, num_mtp_layers: int, recurrent: bool = False, snapshots: int = 0) -> None:
         self.num_mtp_layers = num_mtp_layers
         self.recurrent = recurrent
+        self.snapshot_inside_chunk_tokens = snapshots
 
     def buffer_specs(self) -> list:
         state = RecurrentStateSpec(0, (("s", (2,)),), torch.float32)
@@ -444,12 +445,14 @@ class _Model:
         ]
 
 
-def test_draft_buffer_specs_need_a_drafting_model_without_recurrent_state() -> None:
+def test_draft_buffer_specs_need_a_drafting_model_that_can_roll_its_state_back() -> None:
     assert draft_buffer_specs(_Model(0), 0) == []
     assert [s.layer_index for s in draft_buffer_specs(_Model(2), 3)] == [9]  # only the module that runs
     with pytest.raises(
         ConfigError, match=r"speculative\.num_tokens=3 needs a model with draft \(MTP\) layers"
     ):
         draft_buffer_specs(_Model(0), 3)
-    with pytest.raises(ConfigError, match="recurrent state"):
+    with pytest.raises(ConfigError, match="recurrent state but its forward saves no state inside a chunk"):
         draft_buffer_specs(_Model(1, recurrent=True), 1)
+    # A model that saves its state inside a chunk drafts: rejected drafts roll back from those saves.
+    assert [s.layer_index for s in draft_buffer_specs(_Model(1, recurrent=True, snapshots=128), 2)] == [9]

@@ -78,9 +78,11 @@ class ModelBatch:
     #: it (chunks that end at a snapshot boundary). Set for every step, the moved-on batch's included.
     state_restores: list[tuple[int, int]] = field(default_factory=list)
     state_saves: list[tuple[int, int]] = field(default_factory=list)
-    #: (state slot, snapshot slot, tokens): the state of the chunk owning that slot after its first
-    #: ``tokens`` tokens, saved by the forward itself (``CausalLM.snapshot_inside_chunk_tokens``).
-    state_checkpoints: list[tuple[int, int, int]] = field(default_factory=list)
+    #: (state slot, snapshot slot, tokens, count): the state of the chunk owning that slot after its first
+    #: ``tokens + j`` tokens goes into snapshot ``snapshot slot + j`` for ``j < count``, saved by the
+    #: forward itself (``CausalLM.snapshot_inside_chunk_tokens``): prefix caching's page boundary inside a
+    #: chunk (count 1), speculative decoding's roll-back points inside a verification chunk.
+    state_checkpoints: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 @dataclass

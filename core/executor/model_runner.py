@@ -40,7 +40,7 @@ from pegainfer.memory.prefill_graph_inputs import (
     prefill_graph_buckets,
     prefill_graph_shape,
 )
-from pegainfer.memory.rank_plan import plan_rank_memory
+from pegainfer.memory.rank_plan import plan_rank_memory, prefix_caching_refusal
 from pegainfer.model.model_api import ForwardBatch, StateCheckpoints
 from pegainfer.model.model_loader import load_model
 from pegainfer.parallel.distributed import TensorParallel
@@ -91,7 +91,7 @@ class ModelRunner:
             loaded.max_model_len,
             self.device,
             loaded.dtype,
-            model.prefix_caching_refusal,
+            prefix_caching_refusal(model, config),
             model.snapshot_inside_chunk_tokens,
         )
         self.capabilities = ExecutorCapabilities(
@@ -303,27 +303,29 @@ class ModelRunner:
 
     @staticmethod
     def _checkpoint_pairs(
-        planned: list[tuple[int, int, int]], prefills: list[SequenceChunk]
-    ) -> list[tuple[int, int]] | None:
-        """``ModelBatch.state_checkpoints`` (by state slot) as (tokens, snapshot slot) per prefill segment."""
+        planned: list[tuple[int, int, int, int]], prefills: list[SequenceChunk]
+    ) -> list[tuple[int, int, int]] | None:
+        """``ModelBatch.state_checkpoints`` (by state slot) as (tokens, snapshot slot, count) per prefill
+        segment."""
         if not planned:
             return None
-        by_slot = {state: (tokens, snapshot) for state, snapshot, tokens in planned}
-        host = [by_slot.get(c.state_slot, (-1, -1)) for c in prefills]
-        if sum(tokens >= 0 for tokens, _ in host) != len(planned):
+        by_slot = {state: (tokens, snapshot, count) for state, snapshot, tokens, count in planned}
+        host = [by_slot.get(c.state_slot, (-1, -1, 0)) for c in prefills]
+        if sum(tokens >= 0 for tokens, _, _ in host) != len(planned):
             raise ExecutorError(f"state checkpoints {planned} do not each name a prefill chunk of the step")
         return host
 
     def _checkpoints(
-        self, planned: list[tuple[int, int, int]], prefills: list[SequenceChunk]
+        self, planned: list[tuple[int, int, int, int]], prefills: list[SequenceChunk]
     ) -> StateCheckpoints | None:
         """The forward's checkpoints (see ``_checkpoint_pairs``), on the device."""
         host = self._checkpoint_pairs(planned, prefills)
         if host is None:
             return None
-        n = len(host)  # one copy to the device: the tokens, then the slots (each contiguous)
-        both = torch.tensor([t for t, _ in host] + [s for _, s in host], dtype=torch.int64).to(self.device)
-        return StateCheckpoints(both[:n], both[n:], host, self.buffers.snapshots)
+        # One copy to the device: the tokens, the slots, the counts (each contiguous).
+        flat = [t for t, _, _ in host] + [s for _, s, _ in host] + [c for _, _, c in host]
+        tokens, slots, counts = torch.tensor(flat, dtype=torch.int64).to(self.device).split(len(host))
+        return StateCheckpoints(tokens, slots, counts, host, self.buffers.snapshots)
 
     def _execute_eager(
         self, batch: ModelBatch, prefills: list[SequenceChunk], decodes: list[SequenceChunk]

@@ -81,7 +81,7 @@ class PrefillGraphs:
         self,
         size: int,
         segments: list[PrefillSegment] | None,
-        checkpoints: Sequence[tuple[int, int]] | None,
+        checkpoints: Sequence[tuple[int, int, int]] | None,
     ) -> ForwardBatch:
         """The bucket's batch: with ``segments`` (eager) the real ones and the step's ``checkpoints`` on
         the host, else the graph's placeholders (always with the checkpoint tensors, which say -1 where a
@@ -109,11 +109,15 @@ class PrefillGraphs:
         if in_graph:
             meta.derived["cu_seqlens"] = inp.cu_seqlens
             # The host pairs are read by the reference paths only, which a graph never runs.
-            checkpoints = [(-1, -1)] * len(segments)
+            checkpoints = [(-1, -1, 0)] * len(segments)
         ckpt = None
         if checkpoints is not None and self.snapshots:
             ckpt = StateCheckpoints(
-                inp.checkpoint_tokens, inp.checkpoint_slots, list(checkpoints), self.snapshots
+                inp.checkpoint_tokens,
+                inp.checkpoint_slots,
+                inp.checkpoint_counts,
+                list(checkpoints),
+                self.snapshots,
             )
         return ForwardBatch(
             inp.input_ids[:size],
@@ -144,10 +148,10 @@ class PrefillGraphs:
         self,
         chunks: Sequence[SequenceChunk],
         state_slots: Sequence[int] | None,
-        checkpoints: Sequence[tuple[int, int]] | None,
+        checkpoints: Sequence[tuple[int, int, int]] | None,
     ) -> torch.Tensor:
         """The step of ``chunks`` (``takes`` them), with their state slots and in-chunk checkpoints
-        ``(tokens, snapshot slot)``: the logits of each chunk's last row, ``[len(chunks), V]``."""
+        ``(tokens, snapshot slot, count)``: the logits of each chunk's last row, ``[len(chunks), V]``."""
         inp = self.inputs
         tokens = inp.prepare(
             [(c.token_ids, c.start, c.block_table) for c in chunks], state_slots, checkpoints, self.block_size

@@ -227,11 +227,20 @@ class BufferManager(ABC):
         """Snapshot the state of planned chunks at the snapshot boundaries where they end or that they
         keep inside (``cuts_chunks`` only)."""
 
+    def plan_draft_checkpoints(self, scheduled: list) -> None:  # noqa: B027 - optional hook
+        """Speculative decoding of a model with state: the forward keeps each planned verification chunk's
+        state after its known tokens and after each draft but the last (``roll_back_state``'s points)."""
+
+    def roll_back_state(self, request: Request, accepted: int) -> None:  # noqa: B027 - optional hook
+        """After a verification of ``request`` that accepted ``accepted`` of its drafts but not all: its
+        state slot is restored, before the next forward, to the state after those drafts (nothing to do
+        for a model without state)."""
+
     def take_state_copies(
         self,
-    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int, int]]]:
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int, int, int]]]:
         """The step's (state slot, snapshot slot) restores and saves, and its (state slot, snapshot slot,
-        tokens) checkpoints inside chunks (``ModelBatch.state_checkpoints``), handed over once."""
+        tokens, count) checkpoints inside chunks (``ModelBatch.state_checkpoints``), handed over once."""
         return [], [], []
 
     @property
@@ -295,7 +304,7 @@ class PagedBufferManager(BufferManager):
         self._divergence: dict[str, int] = {}
         self._restores: list[tuple[int, int]] = []
         self._saves: list[tuple[int, int]] = []
-        self._checkpoints: list[tuple[int, int, int]] = []
+        self._checkpoints: list[tuple[int, int, int, int]] = []
         # Keys of the full pages the chunks scheduled this step complete (-> request id): cached next step.
         self._in_flight: dict[bytes, str] = {}
         self._queries = 0
@@ -559,13 +568,35 @@ class PagedBufferManager(BufferManager):
         if chunk_start is None:
             self._saves.append((state, slot))
         else:
-            self._checkpoints.append((state, slot, boundary - chunk_start))
+            self._checkpoints.append((state, slot, boundary - chunk_start, 1))
         self.snapshots.pend(slot, request, boundary // self.block_size, self._step)
         return True
 
+    # ------------------------------------------------------------------------- speculative roll-back
+
+    def plan_draft_checkpoints(self, scheduled: list) -> None:
+        per_slot = self.plan.draft_snapshots_per_slot
+        if not per_slot:
+            return
+        for item in scheduled:
+            drafts = len(item.spec_token_ids)
+            if drafts:
+                # The state after j accepted drafts goes into the slot's j-th roll-back snapshot.
+                state = self._slots[item.request.request_id]
+                self._checkpoints.append((state, state * per_slot, item.num_new_tokens - drafts, drafts))
+
+    def roll_back_state(self, request: Request, accepted: int) -> None:
+        per_slot = self.plan.draft_snapshots_per_slot
+        state = self._slots.get(request.request_id)
+        if not per_slot or state is None or request.is_finished:
+            return
+        if not 0 <= accepted < per_slot:
+            raise ValueError(f"a roll-back to {accepted} accepted drafts, with {per_slot} snapshots a slot")
+        self._restores.append((state, state * per_slot + accepted))
+
     def take_state_copies(
         self,
-    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int, int]]]:
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int, int, int]]]:
         copies = self._restores, self._saves, self._checkpoints
         if any(copies):
             self._restores, self._saves, self._checkpoints = [], [], []
@@ -592,6 +623,8 @@ class PagedBufferManager(BufferManager):
         self._divergence.pop(rid, None)
         slot = self._slots.pop(rid, None)
         if slot is not None:
+            # A roll-back still pending for this slot must not reach its next owner.
+            self._restores = [r for r in self._restores if r[0] != slot]
             self._free_slots.append(slot)
 
     def block_table(self, request_id: str) -> list[int]:

@@ -156,3 +156,8 @@ class TransientSpec:
             + self.bytes_per_token * max_num_batched_tokens
             + self.bytes_per_seq * max_num_seqs
         )
+
+
+def has_recurrent_state(specs: list[BufferSpec]) -> bool:
+    """Whether a model with these buffer specs keeps recurrent state in per-request slots."""
+    return any(isinstance(spec, RecurrentStateSpec) for spec in specs)

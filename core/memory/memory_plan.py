@@ -1,5 +1,5 @@
 """The memory plan: reserve every transient first, then size state slots, state snapshots (prefix caching of
-hybrid models) and the page pool from the rest."""
+hybrid models, or speculative decoding's roll-back points) and the page pool from the rest."""
 
 from __future__ import annotations
 
@@ -27,9 +27,12 @@ class MemoryPlan:
     block_size: int = 16
     num_blocks: int = 0
     page_bytes: int = 0
-    #: Prefix caching of a model with recurrent state: copies of a state slot kept at page boundaries
-    #: (each ``state_bytes_per_slot``), a pool apart from the requests' slots.
+    #: Copies of a state slot (each ``state_bytes_per_slot``), a pool apart from the requests' slots: prefix
+    #: caching keeps them at page boundaries; speculative decoding owns the first
+    #: ``num_state_slots * draft_snapshots_per_slot``, slot ``s``'s roll-back points at
+    #: ``s * draft_snapshots_per_slot + j`` (the state after j accepted drafts).
     num_snapshot_slots: int = 0
+    draft_snapshots_per_slot: int = 0
 
     @property
     def transient_bytes(self) -> int:
@@ -76,6 +79,7 @@ def plan_memory(
     num_blocks_override: int | None = None,
     prefix_caching: bool = False,
     num_state_snapshots: int | None = None,
+    draft_snapshots_per_seq: int = 0,
     cap_pages: bool = True,
 ) -> MemoryPlan:
     """Split ``budget`` (everything this replica may hold, weights included) into its parts.
@@ -83,7 +87,9 @@ def plan_memory(
     Transients are reserved at their worst case before anything else; every admitted request needs one
     state slot, so there are ``max_num_seqs`` slots; with ``prefix_caching`` a model with state also gets
     ``num_state_snapshots`` snapshots (None: ``max_num_seqs``, at most a tenth of what the slots leave, at
-    least one unless that leaves too little for one request's pages);
+    least one unless that leaves too little for one request's pages); with ``draft_snapshots_per_seq``
+    (speculative decoding of ``k`` drafts: k) a model with state gets that many per slot instead, where a
+    verification's state is kept after each draft it may roll back to (never with prefix caching);
     pages get what is left, at most what ``max_num_seqs`` full-length requests use when ``cap_pages``
     (more pages then only cost allocation time). Raises ConfigError when not even one request of
     ``max_model_len`` tokens fits.
@@ -95,7 +101,13 @@ def plan_memory(
     bytes_per_page = sum(page_bytes(s, block_size) for s in paged)
     free = budget - weight_bytes - sum(reserved.values()) - num_slots * state_per_slot
     num_snapshots = 0
-    if prefix_caching and state_per_slot and paged:
+    per_slot = draft_snapshots_per_seq if state_per_slot else 0
+    if per_slot and prefix_caching:
+        raise ValueError("state snapshots serve prefix caching or speculative decoding, not both at once")
+    if per_slot:
+        num_snapshots = num_slots * per_slot
+        free -= num_snapshots * state_per_slot
+    elif prefix_caching and state_per_slot and paged:
         if num_state_snapshots is None:
             num_snapshots = max(1, min(max_num_seqs, max(free, 0) // 10 // state_per_slot))
             if num_blocks_override is None:
@@ -118,8 +130,8 @@ def plan_memory(
         raise ConfigError(
             f"weights ({weight_bytes} B), transients ({sum(reserved.values())} B), state slots "
             f"({num_slots * state_per_slot} B) and state snapshots ({num_snapshots * state_per_slot} B) exceed "
-            f"the memory budget ({budget} B); lower scheduler.max_num_batched_tokens, scheduler.max_num_seqs "
-            "or cache.num_state_snapshots, or raise the budget"
+            f"the memory budget ({budget} B); lower scheduler.max_num_batched_tokens, scheduler.max_num_seqs, "
+            "cache.num_state_snapshots or speculative.num_tokens, or raise the budget"
         )
     blocks_for_one = -(-max_model_len // block_size)
     if paged and num_blocks < blocks_for_one:
@@ -138,4 +150,5 @@ def plan_memory(
         num_blocks=num_blocks,
         page_bytes=bytes_per_page,
         num_snapshot_slots=num_snapshots,
+        draft_snapshots_per_slot=per_slot,
     )

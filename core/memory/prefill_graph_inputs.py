@@ -57,8 +57,9 @@ class PrefillGraphInputs:
         pinned = device.type == "cuda"
         t, s = max_tokens, max_segments
         # int64: ids, positions, slots [t] each; cu_seqlens [s + 1]; state slots, checkpoint tokens,
-        # checkpoint slots, logit rows [s] each. int32: q_start, q_len, ctx_len [s] each, then the tables.
-        self._sizes64 = [t, t, t, s + 1, s, s, s, s]
+        # checkpoint slots, checkpoint counts, logit rows [s] each. int32: q_start, q_len, ctx_len [s]
+        # each, then the tables.
+        self._sizes64 = [t, t, t, s + 1, s, s, s, s, s]
         n64, n32 = sum(self._sizes64), 3 * s + s * max_blocks_per_seq
         self._staging64 = torch.zeros(n64, dtype=torch.int64, pin_memory=pinned)
         self._staging32 = torch.zeros(n32, dtype=torch.int32, pin_memory=pinned)
@@ -72,6 +73,7 @@ class PrefillGraphInputs:
             self.state_slots,
             self.checkpoint_tokens,
             self.checkpoint_slots,
+            self.checkpoint_counts,
             self.logit_rows,
         ) = self._device64.split(self._sizes64)
         self.q_start, self.q_len, self.ctx_len = self._device32[: 3 * s].view(3, s).unbind(0)
@@ -84,6 +86,7 @@ class PrefillGraphInputs:
             self._state,
             self._ckpt_tokens,
             self._ckpt_slots,
+            self._ckpt_counts,
             self._rows,
         ) = (part.numpy() for part in self._staging64.split(self._sizes64))
         self._q_start, self._q_len, self._ctx = self._staging32[: 3 * s].view(3, s).numpy()
@@ -115,11 +118,11 @@ class PrefillGraphInputs:
         self,
         chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]],
         state_slots: Sequence[int] | None,
-        checkpoints: Sequence[tuple[int, int]] | None,
+        checkpoints: Sequence[tuple[int, int, int]] | None,
         block_size: int,
     ) -> int:
         """Write the step's segments, each ``(token ids, first position, block table)``, with their state
-        slots and checkpoints ``(tokens, snapshot slot)`` (tokens -1: none); pad the rest and upload.
+        slots and checkpoints ``(tokens, snapshot slot, count)`` (tokens -1: none); pad the rest and upload.
         Returns the number of tokens written."""
         total = sum(len(tokens) for tokens, _, _ in chunks)
         if total > self.max_tokens or len(chunks) > self.max_segments:
@@ -149,9 +152,9 @@ class PrefillGraphInputs:
         self._rows[count:] = 0
         self._state[:count] = 0 if state_slots is None else state_slots
         self._state[count:] = -1
-        self._ckpt_tokens[:], self._ckpt_slots[:] = -1, 0
-        for s, (tokens, snapshot) in enumerate(checkpoints or ()):
-            self._ckpt_tokens[s], self._ckpt_slots[s] = tokens, max(snapshot, 0)
+        self._ckpt_tokens[:], self._ckpt_slots[:], self._ckpt_counts[:] = -1, 0, 0
+        for s, (tokens, snapshot, num) in enumerate(checkpoints or ()):
+            self._ckpt_tokens[s], self._ckpt_slots[s], self._ckpt_counts[s] = tokens, max(snapshot, 0), num
         self._device64.copy_(self._staging64, non_blocking=self._non_blocking)
         used32 = 3 * self.max_segments + count * self.max_blocks  # the tables of this step's segments
         self._device32[:used32].copy_(self._staging32[:used32], non_blocking=self._non_blocking)

@@ -21,14 +21,17 @@ from pegainfer.model.checkpoint import CheckpointReader
 
 @dataclass
 class StateCheckpoints:
-    """Recurrent-state snapshots a forward takes inside its prefill segments (prefix caching; only for a
-    model with ``snapshot_inside_chunk_tokens``): segment ``i``'s state after its first ``tokens[i]``
-    tokens (-1: none) is copied into snapshot slot ``slots[i]`` of ``pools``, the snapshot tensors of each
-    state layer (the same names and shapes per slot as ``states``)."""
+    """Recurrent-state snapshots a forward takes inside its prefill segments (only for a model with
+    ``snapshot_inside_chunk_tokens``): for ``j < counts[i]``, segment ``i``'s state after its first
+    ``tokens[i] + j`` tokens (``tokens[i] = -1``: none) is copied into snapshot slot ``slots[i] + j`` of
+    ``pools``, the snapshot tensors of each state layer (the same names and shapes per slot as
+    ``states``). Prefix caching takes one (count 1) at a page boundary; speculative decoding takes one
+    after each token a rejection may roll the state back to (``docs/speculative.md``)."""
 
     tokens: torch.Tensor  # [num_segments] int64, on the device
     slots: torch.Tensor  # [num_segments] int64, on the device
-    host: list[tuple[int, int]]  # the same (tokens, slot) pairs on the host, for reference paths
+    counts: torch.Tensor  # [num_segments] int64, on the device
+    host: list[tuple[int, int, int]]  # the same (tokens, slot, count) per segment on the host
     pools: dict[int, dict[str, torch.Tensor]]
 
 

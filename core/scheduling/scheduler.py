@@ -194,6 +194,7 @@ class ContinuousBatchingScheduler(Scheduler):
         output = self._schedule()
         if self._cuts_chunks and output.scheduled:
             self.buffers.plan_snapshots(output.scheduled)
+        self.buffers.plan_draft_checkpoints(output.scheduled)
         return output
 
     def _schedule(self) -> SchedulerOutput:

@@ -36,7 +36,7 @@ from pegainfer.engine.request import Request, RequestStatus
 from pegainfer.errors import ConfigError
 from pegainfer.executor.model_batch import DraftInput
 from pegainfer.memory.buffer_manager import BufferManager
-from pegainfer.memory.buffer_specs import BufferSpec, RecurrentStateSpec
+from pegainfer.memory.buffer_specs import BufferSpec, has_recurrent_state
 from pegainfer.sampling.sampler import Sampler
 from pegainfer.scheduling.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
@@ -61,10 +61,11 @@ def draft_buffer_specs(model: CausalLM, num_tokens: int) -> list[BufferSpec]:
             f"{type(model).__name__} has none loaded (a checkpoint without them); set "
             "speculative.num_tokens=0"
         )
-    if any(isinstance(spec, RecurrentStateSpec) for spec in model.buffer_specs()):
+    if has_recurrent_state(model.buffer_specs()) and not model.snapshot_inside_chunk_tokens:
         raise ConfigError(
-            f"speculative.num_tokens={num_tokens}: {type(model).__name__} keeps recurrent state, which "
-            "cannot roll rejected drafts back; set speculative.num_tokens=0"
+            f"speculative.num_tokens={num_tokens}: {type(model).__name__} keeps recurrent state but its "
+            "forward saves no state inside a chunk (snapshot_inside_chunk_tokens), so rejected drafts "
+            "cannot be rolled back; set speculative.num_tokens=0"
         )
     return list(model.mtp_buffer_specs()[:1])
 
@@ -148,6 +149,8 @@ class SpeculativeDecoder:
                 stats["spec_draft_tokens"] += len(item.spec_token_ids)
                 stats["spec_accepted_tokens"] += n
                 self.scheduler.accept_spec_tokens(item, n)
+                if n < len(item.spec_token_ids):
+                    self.buffers.roll_back_state(request, n)  # recurrent state: back to the accepted tokens
         inputs: list[DraftInput] = []
         targets: list[Request] = []
         for item in plan.scheduled:

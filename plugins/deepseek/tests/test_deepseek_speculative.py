@@ -23,6 +23,7 @@ from pegainfer.errors import ConfigError
 from pegainfer.layers.attention import AttentionMetadata, PrefillSegment
 from pegainfer.model.model_api import ForwardBatch
 from pegainfer.testing.conformance import SamplingParams, random_prompts
+from pegainfer.testing.speculative import force_drafts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -158,62 +159,35 @@ def test_aligned_mtp_drafts_are_accepted(aligned_deepseek: Path, k: int) -> None
     assert accepted == stats["spec_accepted_tokens"]
 
 
-def _patch_drafter(
-    llm: LLM, monkeypatch: pytest.MonkeyPatch, truth: dict[tuple[int, ...], list[int]], mode: str
-):
-    """Keep the real ``propose`` (it fills the MTP cache) but replace its drafts: the target's own next
-    tokens ("right"), wrong ones ("wrong"), or the first right and the rest wrong ("first")."""
-    engine = llm.engine
-    real = engine.executor.propose
-    vocab = engine.executor.runner.model.vocab_size
-
-    def propose(inputs):
-        drafts = real(inputs)
-        out = []
-        for inp, made in zip(inputs, drafts, strict=True):
-            req = engine.scheduler.get_request(inp.request_id)
-            seq = truth[tuple(req.prompt_token_ids)]
-            right = seq[req.num_tokens : req.num_tokens + len(made)]
-            assert len(right) == len(made)  # drafts never run past max_tokens
-            if mode == "wrong":
-                right = [(t + 1) % vocab for t in right]
-            elif mode == "first":
-                right = right[:1] + [(t + 1) % vocab for t in right[1:]]
-            out.append(right)
-        return out
-
-    monkeypatch.setattr(engine.executor, "propose", propose)
-
-
 @pytest.mark.parametrize(
-    ("mode", "k", "rate", "steps"),
+    ("right", "k", "rate", "steps"),
     [
-        ("right", 1, 1.0, 1 + 23 // 2 + 1),  # 1 prefill step + ceil(23 / 2)
-        ("right", 3, 1.0, 1 + 23 // 4 + 1),  # 1 + ceil(23 / 4)
-        ("wrong", 3, 0.0, 24),
-        ("first", 3, None, 1 + 23 // 2 + 1),  # one accepted + the bonus each step
+        (None, 1, 1.0, 1 + 23 // 2 + 1),  # all right: 1 prefill step + ceil(23 / 2)
+        (None, 3, 1.0, 1 + 23 // 4 + 1),  # 1 + ceil(23 / 4)
+        (0, 3, 0.0, 24),  # all wrong
+        (1, 3, None, 1 + 23 // 2 + 1),  # one accepted + the bonus each step
     ],
 )
-def test_forced_drafts_set_the_steps(
-    tiny_deepseek: Path, base: LLM, monkeypatch: pytest.MonkeyPatch, mode: str, k: int, rate, steps: int
-) -> None:
+def test_forced_drafts_set_the_steps(tiny_deepseek: Path, base: LLM, right, k: int, rate, steps: int) -> None:
     prompts = random_prompts(6, [9])
     ref = _run(base, prompts)
     truth = {tuple(prompts[0]): prompts[0] + ref[0].outputs[0].token_ids}
     llm = _llm(tiny_deepseek, k)
-    _patch_drafter(llm, monkeypatch, truth, mode)
+    force_drafts(llm, truth, right)
     outs, stats = _steps(llm, prompts)
     assert _tokens(outs) == _tokens(ref)
     assert stats["steps"] == steps
     measured = outs[0].metrics.spec_acceptance_rate
-    print(f"forced {mode} drafts, k={k}: acceptance {measured:.2f}, {stats['steps']} steps for 24 tokens")
+    print(
+        f"forced drafts ({right} right), k={k}: acceptance {measured:.2f}, {stats['steps']} steps for 24 tokens"
+    )
     if rate is not None:
         assert measured == rate
     else:
         assert stats["spec_accepted_tokens"] == stats["steps"] - 2  # one per verifying step
 
 
-def test_stop_token_in_the_middle_of_accepted_drafts(tiny_deepseek: Path, base: LLM, monkeypatch) -> None:
+def test_stop_token_in_the_middle_of_accepted_drafts(tiny_deepseek: Path, base: LLM) -> None:
     prompts = random_prompts(7, [6])
     ref = _tokens(_run(base, prompts))[0]
     truth = {tuple(prompts[0]): prompts[0] + ref}
@@ -221,7 +195,7 @@ def test_stop_token_in_the_middle_of_accepted_drafts(tiny_deepseek: Path, base: 
     cut = next(i for i in range(6, len(ref)) if ref[i] not in ref[:i])
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[ref[cut]])
     llm = _llm(tiny_deepseek, 4)
-    _patch_drafter(llm, monkeypatch, truth, "right")
+    force_drafts(llm, truth, None)
     outs = _run(llm, prompts, params)
     assert _tokens(outs) == _tokens(_run(base, prompts, params)) == [ref[: cut + 1]]
     assert outs[0].outputs[0].finish_reason == "stop"

@@ -88,6 +88,9 @@ class Qwen35Config(_LinearAttentionWidths):
     norm_topk_prob: bool = True
     # Qwen3-Next's fused, head-grouped GDN projections (``in_proj_qkvz``, ``in_proj_ba``).
     fused_gdn_projections: bool = False
+    # Decoder layers of the MTP draft module the config announces (``mtp_num_hidden_layers``; Qwen3-Next's
+    # files name it ``num_nextn_predict_layers``); the checkpoint may still lack them.
+    num_mtp_layers: int = 0
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and (self.moe_layers is None or layer in self.moe_layers)
@@ -155,6 +158,7 @@ class Qwen35Config(_LinearAttentionWidths):
             # Qwen3.5's router always renormalises; Qwen3-Next's as transformers does (default true).
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)) if next_ else True,
             fused_gdn_projections=next_,
+            num_mtp_layers=int(cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers", 0)) or 0),
         )
         config._check()
         return config

@@ -427,7 +427,9 @@ class GatedDeltaNet(nn.Module):
             from pegainfer_qwen35 import gdn_kernels
 
             def at(pool: str) -> gdn_kernels.Checkpoints | None:
-                return None if ckpt is None else gdn_kernels.Checkpoints(ckpt.tokens, ckpt.slots, snaps[pool])
+                if ckpt is None:
+                    return None
+                return gdn_kernels.Checkpoints(ckpt.tokens, ckpt.slots, ckpt.counts, snaps[pool])
 
             gdn_kernels.conv_prefill(
                 mixed[:p], self.conv_weight, windows, rows.segment_slots, rows.cu_seqlens, conv, at("conv")
@@ -438,11 +440,17 @@ class GatedDeltaNet(nn.Module):
                 checkpoints=at("ssm"),
             )  # fmt: skip
             return
-        saves = ckpt.host if ckpt is not None else [(-1, -1)] * len(rows.segments)
-        for ((start, n), slot), (tokens, snap) in zip(rows.prefills(), saves, strict=True):
+        saves = ckpt.host if ckpt is not None else [(-1, -1, 0)] * len(rows.segments)
+        # Per segment: its first snapshot slot and the token counts after which the state goes into it and
+        # the slots after it (none past the segment's end).
+        cuts = [
+            (snap, [tokens + j for j in range(count) if tokens >= 0 and tokens + j <= n])
+            for (_, n), (tokens, snap, count) in zip(rows.segments, saves, strict=True)
+        ]
+        for ((start, n), slot), (snap, after) in zip(rows.prefills(), cuts, strict=True):
             window = windows.index_select(0, slot)[0]
-            if tokens >= 0:  # the window after the first ``tokens`` inputs
-                snaps["conv"][snap] = conv_window_after(mixed[start : start + tokens], window)
+            for j, tokens in enumerate(after):  # the window after the first ``tokens`` inputs
+                snaps["conv"][snap + j] = conv_window_after(mixed[start : start + tokens], window)
             y, window = causal_conv_prefill(mixed[start : start + n], self.conv_weight, window)
             conv[start : start + n] = F.silu(y)
             windows.index_copy_(0, slot, window.unsqueeze(0).to(windows.dtype))
@@ -451,21 +459,19 @@ class GatedDeltaNet(nn.Module):
             conv, b[:p], a[:p], self.A_log, self.dt_bias, rows, ssm, s, core
         ):
             q, k, v, g, beta = gate_and_normalise(conv, b[:p], a[:p], self.A_log, self.dt_bias, s)
-            for ((start, n), slot), (tokens, snap) in zip(rows.prefills(), saves, strict=True):
-                # A checkpoint splits the segment: the state after its first part is saved, then carried on.
-                pieces = (
-                    [(start, start + tokens), (start + tokens, start + n)]
-                    if tokens >= 0
-                    else [(start, start + n)]
-                )
+            for ((start, n), slot), (snap, after) in zip(rows.prefills(), cuts, strict=True):
+                # The checkpoints split the segment: the state after each piece is saved, then carried on.
                 carried = ssm.index_select(0, slot)[0]
-                for i, (lo, hi) in enumerate(pieces):
-                    o, carried = chunked_delta_rule(
-                        q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], carried
-                    )
-                    core[lo:hi] = o
-                    if i == 0 and tokens >= 0:
-                        snaps["ssm"][snap] = carried
+                lo = start
+                for j, hi in enumerate([start + tokens for tokens in after] + [start + n]):
+                    if hi > lo:  # no empty piece (a save before the segment, or at its end)
+                        o, carried = chunked_delta_rule(
+                            q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], carried
+                        )
+                        core[lo:hi] = o
+                    if j < len(after):
+                        snaps["ssm"][snap + j] = carried
+                    lo = hi
                 ssm.index_copy_(0, slot, carried.unsqueeze(0))
         out = bufs.gdn_gated[:p].view(p, hv, dv)
         z = z[:p].reshape(p, hv, dv)

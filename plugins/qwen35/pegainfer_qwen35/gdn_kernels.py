@@ -53,35 +53,35 @@ def _check_rows(x: torch.Tensor, name: str) -> None:
 
 @dataclass(frozen=True)
 class Checkpoints:
-    """States the prefill kernels also save inside their segments: after segment ``s``'s first
-    ``tokens[s]`` tokens (-1: none), into slot ``slots[s]`` of ``pool`` (a snapshot pool laid out as the
-    state pool it copies). Device tensors, so a launch needs no host sync."""
+    """States the prefill kernels also save inside their segments: for ``j < counts[s]``, the state after
+    segment ``s``'s first ``tokens[s] + j`` tokens into slot ``slots[s] + j`` of ``pool`` (a snapshot pool
+    laid out as the state pool it copies). ``tokens[s] = -1``: no saves; ``tokens[s] + j`` may be 0 (the
+    state before the segment) or the segment's length (its final state); saves past its end are skipped.
+    Device tensors, so a launch needs no host sync."""
 
     tokens: torch.Tensor  # [segments] int64
     slots: torch.Tensor  # [segments] int64
+    counts: torch.Tensor  # [segments] int64
     pool: torch.Tensor
 
 
 def _checkpoint_args(
     checkpoints: Checkpoints | None, state: torch.Tensor, segments: int, fallback: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernels' (tokens, slots, pool) arguments; without checkpoints, unread stand-ins."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels' (tokens, slots, counts, pool) arguments; without checkpoints, unread stand-ins."""
     if checkpoints is None:
-        return fallback, fallback, state
+        return fallback, fallback, fallback, state
     pool = checkpoints.pool
     if pool.shape[1:] != state.shape[1:] or pool.stride() != state.stride() or pool.dtype != state.dtype:
         raise ValueError(
             f"checkpoints: a pool {tuple(pool.shape)} not laid out as the state {tuple(state.shape)}"
         )
-    tokens, slots = checkpoints.tokens, checkpoints.slots
-    if (
-        tokens.shape[0] < segments
-        or slots.shape[0] < segments
-        or tokens.stride(0) != 1
-        or slots.stride(0) != 1
-    ):
-        raise ValueError(f"checkpoints: tokens and slots need {segments} contiguous entries, one per segment")
-    return tokens, slots, pool
+    per_segment = (checkpoints.tokens, checkpoints.slots, checkpoints.counts)
+    if any(t.shape[0] < segments or t.stride(0) != 1 or t.dtype != torch.int64 for t in per_segment):
+        raise ValueError(
+            f"checkpoints: tokens, slots and counts need {segments} contiguous int64 entries, one per segment"
+        )
+    return (*per_segment, pool)
 
 
 # ------------------------------------------------------------------------------------------------ conv
@@ -215,6 +215,7 @@ def _conv_prefill_kernel(
     slot_ptr,
     ckpt_tokens_ptr,
     ckpt_slot_ptr,
+    ckpt_count_ptr,
     snap_ptr,
     out_ptr,
     stride_o,
@@ -248,14 +249,17 @@ def _conv_prefill_kernel(
         y = cast_to(acc, dtype, FIX).to(tl.float32)
         y = y / (1.0 + tl.exp(-y))
         tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], cast_to(y, dtype, FIX), mask=mask)
-    if HAS_CKPT:  # the window after the segment's first ``tokens`` inputs, into a snapshot slot
+    if HAS_CKPT:  # the windows after the segment's first tokens + j inputs, into snapshot slots + j
         tokens = tl.load(ckpt_tokens_ptr + seg)
         if tokens >= 0:
             snap = snap_ptr + tl.load(ckpt_slot_ptr + seg).to(tl.int64) * stride_win_slot
-            saved, mask = _window_before(
-                x_ptr, stride_x, cols, mask_c, win, start, start + tokens, has_slot, K, BLOCK_W
-            )
-            tl.store(snap + cols[None, :] * stride_win_c + tl.arange(0, BLOCK_W)[:, None], saved, mask=mask)
+            saves = tl.minimum(tl.load(ckpt_count_ptr + seg), end - start - tokens + 1)  # none past the end
+            for j in range(0, saves):
+                saved, mask = _window_before(
+                    x_ptr, stride_x, cols, mask_c, win, start, start + tokens + j, has_slot, K, BLOCK_W
+                )
+                at = snap + j * stride_win_slot + cols[None, :] * stride_win_c
+                tl.store(at + tl.arange(0, BLOCK_W)[:, None], saved, mask=mask)
     # The new window: the last K-1 inputs, read (old entries included, for a chunk shorter than K-1)
     # before any is overwritten.
     new, mask = _window_before(x_ptr, stride_x, cols, mask_c, win, start, end, has_slot, K, BLOCK_W)
@@ -278,8 +282,9 @@ def conv_prefill(
     is fine) continuing from window ``windows[slots[s]]`` (``[C, K-1]`` fp32), which is replaced by the
     segment's last K-1 inputs; a negative slot reads a zero window and writes none. One program per
     (segment, channel block) walks its segment a tile of tokens at a time, so the window is read and
-    written by the same program. ``checkpoints`` (its pool: snapshot windows shaped as ``windows``): the
-    window after a segment's first ``tokens[s]`` inputs is also written to snapshot ``slots[s]``."""
+    written by the same program. ``checkpoints`` (its pool: snapshot windows shaped as ``windows``): for
+    ``j < counts[s]``, the window after a segment's first ``tokens[s] + j`` inputs is also written to
+    snapshot ``slots[s] + j`` (see :class:`Checkpoints`)."""
     _check_rows(x, "x")
     _check_rows(out, "out")
     c = x.shape[1]
@@ -499,8 +504,8 @@ def gdn_prefill(
     segment ``s`` is rows ``[cu_seqlens[s], cu_seqlens[s + 1])`` and carries ``state[slots[s]]`` from its
     first token to its last (a negative slot starts from zeros and writes nothing back). Each token is
     the decode kernel's step, so a prompt gives what decoding it token by token would. ``checkpoints``
-    (its pool: snapshot states shaped as ``state``): the state after a segment's first ``tokens[s]``
-    tokens is also written to snapshot ``slots[s]``."""
+    (its pool: snapshot states shaped as ``state``): for ``j < counts[s]``, the state after a segment's
+    first ``tokens[s] + j`` tokens is also written to snapshot ``slots[s] + j`` (see :class:`Checkpoints`)."""
     segments = cu_seqlens.shape[0] - 1
     if slots.shape[0] < segments:
         raise ValueError(f"gdn_prefill: {slots.shape[0]} slots for {segments} segments")
@@ -590,6 +595,7 @@ def _gdn_prefill_kernel(
     slot_ptr,
     ckpt_tokens_ptr,
     ckpt_slot_ptr,
+    ckpt_count_ptr,
     snap_ptr,
     norm_w_ptr,
     out_ptr,
@@ -622,12 +628,15 @@ def _gdn_prefill_kernel(
     in_tile = (kcols[:, None] < DK) & (vcols[None, :] < DV)
     owns = _and(in_tile, slot >= 0)
     s = tl.load(s_ptrs, mask=owns, other=0.0)  # [DK, BV] fp32, carried through the segment's tokens
-    saved_at = -1  # the row after which the state goes into a snapshot too
     if HAS_CKPT:
         tokens = tl.load(ckpt_tokens_ptr + seg)
-        saved_at = tl.where(tokens >= 0, start + tokens - 1, -1)
+        # For j < count the state after row ``saved_at + j`` goes into snapshot ``snap + j``.
+        saved_at = start + tokens - 1
+        count = tl.where(tokens >= 0, tl.load(ckpt_count_ptr + seg), 0)
         snap = tl.maximum(tl.load(ckpt_slot_ptr + seg).to(tl.int64), 0)
-        snap_ptrs = _state_tile(snap_ptr, snap, hv, kcols, vcols, stride_s_slot, stride_s_head, stride_s_k)
+        if (tokens == 0) & (count > 0):  # j = 0 is the state before the segment
+            at = _state_tile(snap_ptr, snap, hv, kcols, vcols, stride_s_slot, stride_s_head, stride_s_k)
+            tl.store(at, s, mask=in_tile)
     # Each token's inputs are loaded one step ahead, so their latency hides behind the step before (the
     # steps are a dependent chain; the loads are not). An empty segment loads row 0, which always exists.
     t = tl.maximum(tl.minimum(start, end - 1), 0)
@@ -644,8 +653,12 @@ def _gdn_prefill_kernel(
         s, o = _delta_step(s, q, k, v, beta, decay)
         q, k, v, beta, decay = q_next, k_next, v_next, beta_next, decay_next
         if HAS_CKPT:
-            if t == saved_at:
-                tl.store(snap_ptrs, s, mask=in_tile)
+            j = t - saved_at
+            if (j >= 0) & (j < count):  # the tile's pointers built only for a save
+                at = _state_tile(
+                    snap_ptr, snap + j, hv, kcols, vcols, stride_s_slot, stride_s_head, stride_s_k
+                )
+                tl.store(at, s, mask=in_tile)
         _store_out(
             o, out_ptr + t * stride_o + hv * DV + vcols, z_ptr + t * stride_z + hv * DV, norm_w_ptr, vcols,
             eps, b_ptr.dtype.element_ty, DV, FUSE_NORM, FIX, FIX_OUT,

@@ -7,8 +7,9 @@ FFN a SwiGLU MLP or the sparse MoE block (per layer under Qwen3-Next: ``Qwen35Co
 
 Memory: full-attention layers use the paged KV cache; each GDN layer keeps its conv window and delta-rule
 state in the request's state slot (``RecurrentStateSpec``). A forward allocates its pass buffers once
-(``pass_buffers.py``) and every layer reuses them. Only the language model is loaded: the vision tower and
-the MTP head of the published checkpoints are skipped with a log line.
+(``pass_buffers.py``) and every layer reuses them. The language model and its MTP draft module (``mtp.py``,
+when the checkpoint holds it whole) are loaded; the vision tower of the published checkpoints is skipped
+with a log line.
 
 Tensor parallelism (``tp``): every rank holds its heads of each mixer and its share of each FFN's features
 (``Qwen35Shard``, checked before any weight is read; see each module for its split), the rows of the
@@ -45,14 +46,16 @@ from pegainfer_qwen35.gated_deltanet import (
 )
 from pegainfer_qwen35.mlp import DenseMLP
 from pegainfer_qwen35.moe import SparseMoE
+from pegainfer_qwen35.mtp import MultiTokenPredictor
 from pegainfer_qwen35.norms import rms_norm_zero_centred
 from pegainfer_qwen35.pass_buffers import PassBuffers
 from pegainfer_qwen35.projections import FoldedNorm, fold_norm
 
 logger = logging.getLogger(__name__)
 
-#: Checkpoint parts a text engine does not run: (name prefix, what it is).
-SKIPPED_PARTS = (("model.visual.", "vision-tower"), ("mtp.", "MTP-head"))
+#: Checkpoint parts a text engine does not run: (name prefix, what it is). The MTP module is one of them
+#: when it is not loaded (stripped to its head, or a checkpoint of several MTP layers: only the first runs).
+SKIPPED_PARTS = (("model.visual.", "vision-tower"), ("mtp.", "MTP"))
 
 
 class Qwen35DecoderLayer(nn.Module):
@@ -63,11 +66,16 @@ class Qwen35DecoderLayer(nn.Module):
         dtype: torch.dtype,
         shard: Qwen35Shard | None = None,
         tp: TensorParallel | None = None,
+        *,
+        draft: bool = False,
     ) -> None:
+        """``draft``: the MTP module's layer (index ``num_layers`` and on): full attention, and the MoE block
+        whenever the model has experts."""
         super().__init__()
         self.config = config
         self.layer_index = layer_index
-        self.kind = config.layer_types[layer_index]
+        self.kind = FULL if draft else config.layer_types[layer_index]
+        moe = config.num_experts > 0 if draft else config.is_moe_layer(layer_index)
         tp = tp or TensorParallel()
         shard = shard or Qwen35Shard.of(config, tp)
         h = config.hidden_size
@@ -77,9 +85,7 @@ class Qwen35DecoderLayer(nn.Module):
             else GatedAttention(config, layer_index, dtype, shard, tp)
         )
         self.mlp: SparseMoE | DenseMLP = (
-            SparseMoE(config, dtype, shard, tp)
-            if config.is_moe_layer(layer_index)
-            else DenseMLP(h, config.intermediate_size, dtype, tp)
+            SparseMoE(config, dtype, shard, tp) if moe else DenseMLP(h, config.intermediate_size, dtype, tp)
         )
         # The input norm lives folded in the mixer's first projection, the dense MLP's norm in gate|up;
         # the MoE block's several consumers (router, experts, shared expert) take the normed rows.
@@ -173,9 +179,16 @@ class Qwen35ForCausalLM(CausalLM):
             if config.tie_word_embeddings
             else nn.Parameter(torch.empty(rows, h, dtype=dtype), requires_grad=False)
         )
+        # The draft module's decoder layer comes after the main ones (its cache is layer num_layers).
+        self.mtp = nn.ModuleList(
+            MultiTokenPredictor(
+                config, Qwen35DecoderLayer(config, config.num_layers, dtype, shard, tp, draft=True), dtype, tp
+            )
+            for _ in range(min(config.num_mtp_layers, 1))
+        )
         self.rotary = (
             RotaryEmbedding(config.rotary_dim, config.rope_theta, max_model_len)
-            if config.layers_of(FULL)
+            if config.layers_of(FULL) or self.mtp
             else None
         )
         self.pass_buffer_roles = pass_buffers.pass_buffer_roles(config, dtype, shard)
@@ -216,13 +229,18 @@ class Qwen35ForCausalLM(CausalLM):
             self.norm.copy_(reader.get(prefix + "norm.weight", (c.hidden_size,), self.dtype))
             if self.lm_head is not None:
                 self.lm_head.copy_(reader.get("lm_head.weight", table, self.dtype, vocab_split()))
+        if self.mtp and not MultiTokenPredictor.present_in(reader):
+            logger.info("the checkpoint has no whole MTP module (mtp.fc, mtp.layers.0.*): drafting is off")
+            self.mtp = nn.ModuleList()
+        for module in self.mtp:
+            module.load(reader)
         self._skip_unused_parts(reader)
 
     def _skip_unused_parts(self, reader: CheckpointReader) -> None:
         """Mark the vision tower and MTP head as handled (deliberately not loaded), saying so once each."""
         names = reader.names()
         for part, what in SKIPPED_PARTS:
-            skipped = sorted(n for n in names if n.startswith(part))
+            skipped = sorted(n for n in names if n.startswith(part) and n not in reader.consumed)
             if skipped:
                 logger.info(
                     "skipping %d %s tensors (%s*): pegainfer runs the language model only",
@@ -239,6 +257,15 @@ class Qwen35ForCausalLM(CausalLM):
 
     def buffer_specs(self) -> list[BufferSpec]:
         return [layer.buffer_spec() for layer in self.layers]
+
+    @property
+    def num_mtp_layers(self) -> int:
+        """MTP modules loaded (0 when the config announces none or the checkpoint lacks it)."""
+        return len(self.mtp)
+
+    def mtp_buffer_specs(self) -> list[BufferSpec]:
+        """The MTP layer's paged KV cache (layer ``num_hidden_layers``), for speculative decoding only."""
+        return [module.layer.buffer_spec() for module in self.mtp]
 
     def transient_specs(self) -> list[TransientSpec]:
         return pass_buffers.transient_specs(self.config, self.dtype, self.shard)
@@ -266,6 +293,33 @@ class Qwen35ForCausalLM(CausalLM):
             i = layer.layer_index
             layer(x, batch, rows, caches.get(i), states.get(i), self.rotary, bufs)
         return rms_norm_zero_centred(x, self.norm, self.config.rms_norm_eps, out=bufs.normed)
+
+    def mtp_forward(
+        self,
+        hidden_states: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        batch: ForwardBatch,
+        caches: dict[CacheKey, torch.Tensor],
+        *,
+        depth: int = 0,
+        return_hidden: bool = False,
+        logit_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Draft logits (float32) of the MTP module for the token after next (``CausalLM.mtp_forward``):
+        row r pairs the final hidden state at ``batch.positions[r]`` with ``next_token_ids[r]`` and writes
+        the module's KV there."""
+        if not 0 <= depth < len(self.mtp):
+            raise ValueError(
+                f"this checkpoint has {len(self.mtp)} MTP module(s); depth {depth} does not exist"
+            )
+        module = self.mtp[depth]
+        bufs = self.allocate_pass_buffers(next_token_ids.shape[0])
+        x = module.combine(self.embed(next_token_ids), hidden_states, out=bufs.hidden)
+        module.layer(x, batch, None, caches.get(module.layer_index), None, self.rotary, bufs)
+        out = rms_norm_zero_centred(x, module.norm, self.config.rms_norm_eps)
+        rows = out if logit_rows is None else out.index_select(0, logit_rows)
+        logits = self.compute_logits(rows).float()
+        return (logits, out) if return_hidden else logits
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens if self.lm_head is None else self.lm_head

@@ -2,7 +2,7 @@
 
 The default is the published VLM layout: ``architectures: ["Qwen3_5ForConditionalGeneration"]``, the
 language model's keys nested under ``text_config``, its weights under ``model.language_model.``, plus a
-small vision tower (``model.visual.*``) and an MTP head (``mtp.*``) that a text engine must skip.
+small vision tower (``model.visual.*``) that a text engine must skip and a one-layer MTP module (``mtp.*``).
 ``text_only=True`` writes the flat ``Qwen3_5ForCausalLM`` layout (weights under ``model.``).
 
 The text config is written with legacy rope keys (``rope_theta``, ``rope_scaling``,
@@ -261,14 +261,26 @@ def _vision_tensors(init: _Init, vc: dict[str, Any]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _mtp_tensors(init: _Init, h: int) -> dict[str, torch.Tensor]:
-    """The head of the published one-layer MTP module (its decoder layer is left out to stay small)."""
-    return {
+def _mtp_tensors(init: _Init, cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The published one-layer MTP module: its head and a full-attention decoder layer whose FFN is the
+    MoE block when the model has experts. Written after every other tensor, so the main weights are the
+    same with or without it."""
+    h = cfg["hidden_size"]
+    p = "mtp.layers.0."
+    tensors = {
         "mtp.fc.weight": init.lin(h, 2 * h),
         "mtp.pre_fc_norm_embedding.weight": init.norm_zero_centred(h),
         "mtp.pre_fc_norm_hidden.weight": init.norm_zero_centred(h),
         "mtp.norm.weight": init.norm_zero_centred(h),
+        p + "input_layernorm.weight": init.norm_zero_centred(h),
+        p + "post_attention_layernorm.weight": init.norm_zero_centred(h),
     }
+    tensors.update(_full_attention(init, p + "self_attn.", cfg))
+    if cfg.get("num_experts"):
+        tensors.update(_moe(init, p + "mlp.", cfg))
+    else:
+        tensors.update(_mlp(init, p + "mlp.", h, cfg["intermediate_size"]))
+    return tensors
 
 
 def _tensors(config: dict[str, Any], gen: torch.Generator, moe: bool) -> dict[str, torch.Tensor]:
@@ -297,7 +309,7 @@ def _tensors(config: dict[str, Any], gen: torch.Generator, moe: bool) -> dict[st
     if "vision_config" in config:
         tensors.update(_vision_tensors(init, config["vision_config"]))
     if cfg.get("mtp_num_hidden_layers"):
-        tensors.update(_mtp_tensors(init, h))
+        tensors.update(_mtp_tensors(init, cfg))
     return tensors
 
 
@@ -361,7 +373,7 @@ def qwen3_next_tensors(config: dict[str, Any], gen: torch.Generator) -> dict[str
     if not config["tie_word_embeddings"]:
         tensors["lm_head.weight"] = init.randn(v, h) * 0.5
     if config.get("mtp_num_hidden_layers"):
-        tensors.update(_mtp_tensors(init, h))
+        tensors.update(_mtp_tensors(init, config))
     return tensors
 
 

@@ -12,12 +12,14 @@ interpreter, which must be chosen before Triton is first imported: ``TRITON_INTE
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
@@ -36,3 +38,21 @@ def architecture(request: pytest.FixtureRequest) -> str:
 def tiny_qwen35(tiny_checkpoint_factory: Callable[..., Path], architecture: str) -> Path:
     """A tiny random Qwen3.5 checkpoint (dense or MoE) in the published VLM layout, float32."""
     return tiny_checkpoint_factory(architecture)
+
+
+@pytest.fixture(scope="session")
+def aligned_qwen35(tiny_qwen35: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint (its embeddings unit-scale already) made nearly a bigram model, every mixer's and
+    FFN's output projection scaled by 0.1 so the next token depends mostly on the current one, whose MTP
+    module is that bigram: ``fc`` reads only the normed embedding and ``mtp.norm`` is the final norm."""
+    folder = Path(shutil.copytree(tiny_qwen35, tmp_path_factory.mktemp("aligned") / "ckpt"))
+    tensors = load_file(str(folder / "model.safetensors"))
+    for name in list(tensors):
+        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+            tensors[name] = tensors[name] * 0.1
+    h = tensors["mtp.norm.weight"].shape[0]
+    tensors["mtp.fc.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+    tensors["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(h)  # zero-centred: a plain RMSNorm
+    tensors["mtp.norm.weight"] = tensors["model.language_model.norm.weight"].clone()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder

@@ -8,8 +8,6 @@ shapes; with one, the same cases run compiled, and the ``gpu``-marked ones at Qw
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -139,9 +137,10 @@ def test_gated_norm_kernel_matches_reference(dtype):
     _close(out.view(5, 3, 32), gated_rms_norm(x, z, w, 1e-6), dtype)
 
 
-def _prefill(case, lengths, slots, block_v=None, checkpoints=None):
+def _prefill(case, lengths, slots, block_v=None, checkpoints=None, snapshots=None):
     """conv_prefill + gdn_prefill over segments of ``lengths`` rows of ``case``, from copies of its pools.
-    ``checkpoints``: (tokens, snapshot slot) per segment; then also returns the snapshot pools."""
+    ``checkpoints``: (tokens, first snapshot slot, count) per segment; then also returns the snapshot pools
+    (``snapshots`` slots, as many as the state pools by default; filled with -7 before)."""
     windows, ssm = case.windows.clone(), case.ssm.clone()
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64, device=DEVICE)
     slots = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
@@ -149,9 +148,12 @@ def _prefill(case, lengths, slots, block_v=None, checkpoints=None):
     out = torch.empty(case.mixed.shape[0], case.hv * case.dv, dtype=case.dtype, device=DEVICE)
     conv_ckpt = ssm_ckpt = None
     if checkpoints is not None:
-        tokens, snaps = torch.tensor(checkpoints, dtype=torch.int64, device=DEVICE).t().contiguous()
-        conv_ckpt = gdn_kernels.Checkpoints(tokens, snaps, torch.full_like(windows, -7.0))
-        ssm_ckpt = gdn_kernels.Checkpoints(tokens, snaps, torch.full_like(ssm, -7.0))
+        tokens, snaps, counts = torch.tensor(checkpoints, dtype=torch.int64, device=DEVICE).t().contiguous()
+        n = snapshots or windows.shape[0]
+        conv_pool = torch.full((n, *windows.shape[1:]), -7.0, device=DEVICE)
+        ssm_pool = torch.full((n, *ssm.shape[1:]), -7.0, device=DEVICE)
+        conv_ckpt = gdn_kernels.Checkpoints(tokens, snaps, counts, conv_pool)
+        ssm_ckpt = gdn_kernels.Checkpoints(tokens, snaps, counts, ssm_pool)
     gdn_kernels.conv_prefill(case.mixed, case.conv_weight, windows, slots, cu, conv, checkpoints=conv_ckpt)
     gdn_kernels.gdn_prefill(
         conv, case.b, case.a, case.z, case.a_log, case.dt_bias, case.norm, ssm, slots, cu, out,
@@ -162,8 +164,9 @@ def _prefill(case, lengths, slots, block_v=None, checkpoints=None):
     return conv, out, windows, ssm
 
 
-def _token_by_token(case, lengths, slots):
-    """The oracle of the prefill kernels: each segment decoded one token at a time by the reference."""
+def _token_by_token(case, lengths, slots, states=None):
+    """The oracle of the prefill kernels: each segment decoded one token at a time by the reference.
+    ``states`` (a list): gets per segment its (window, state) after 0, 1, ..., all of its tokens."""
     windows, ssm = case.windows.clone(), case.ssm.clone()
     conv = torch.empty_like(case.mixed)
     out = torch.empty(case.mixed.shape[0], case.hv * case.dv, dtype=case.dtype, device=DEVICE)
@@ -171,12 +174,16 @@ def _token_by_token(case, lengths, slots):
     for n, slot in zip(lengths, slots, strict=True):
         index = torch.tensor([max(slot, 0)], dtype=torch.int64, device=DEVICE)
         w, s = (windows, ssm) if slot >= 0 else (torch.zeros_like(windows), torch.zeros_like(ssm))
+        after = [(w[index[0]].clone(), s[index[0]].clone())]
         for t in range(row, row + n):
             decode_reference(
                 case.mixed[t : t + 1], case.z[t : t + 1], case.b[t : t + 1], case.a[t : t + 1], case.conv_weight,
                 case.a_log, case.dt_bias, case.norm, w, s, index, conv[t : t + 1], out[t : t + 1],
                 num_key_heads=case.hk, eps=1e-6,
             )  # fmt: skip
+            after.append((w[index[0]].clone(), s[index[0]].clone()))
+        if states is not None:
+            states.append(after)
         row += n
     return conv, out, windows, ssm
 
@@ -200,29 +207,47 @@ def test_prefill_kernels_equal_decoding_token_by_token(dtype, block_v):
 
 
 @pytest.mark.parametrize("block_v", [None, 8], ids=["fused-norm", "split-v"])
-def test_prefill_kernels_save_checkpoints_inside_segments(block_v):
-    """A segment's window and state after its first ``tokens`` tokens go into its snapshot slot: what
-    decoding just those tokens leaves in its slot. The rest of the forward is as without checkpoints."""
-    lengths, slots = [5, 40, 2, 9], [3, 0, 5, 1]
-    checkpoints = [(3, 2), (-1, -1), (1, 0), (8, 3)]
+def test_prefill_kernels_save_runs_of_checkpoints_inside_segments(block_v):
+    """For j < count, a segment's window and state after its first tokens + j tokens go into snapshot
+    slot + j: what decoding just those tokens leaves in its slot. Runs of 1, 2 and 3 saves, one from
+    before the segment (tokens 0, the window then still its old inputs), one ending at the segment's end,
+    one clipped there, one across a conv tile (32 tokens), one in a segment without a state slot (from
+    zeros), and none for a segment with tokens -1 (whatever its count). The rest of the forward is as without checkpoints, and no other
+    snapshot slot is written."""
+    lengths = [5, 6, 2, 9, 3, 35, 4]
+    slots = [3, 0, 5, 1, 6, 2, -1]
+    checkpoints = [(2, 0, 3), (-1, 14, 3), (1, 3, 2), (8, 5, 3), (0, 8, 2), (31, 10, 3), (3, 13, 1)]
+    saved = {0: (0, 2), 1: (0, 3), 2: (0, 4), 3: (2, 1), 4: (2, 2), 5: (3, 8), 6: (3, 9), 8: (4, 0)}
+    saved |= {9: (4, 1), 10: (5, 31), 11: (5, 32), 12: (5, 33), 13: (6, 3)}  # snapshot: (segment, tokens)
     case = Case(
         rows=sum(lengths), hk=2, hv=4, dk=16, dv=32, dtype=torch.float32, slots=slots, seed=6, num_slots=7
     )
-    conv, out, windows, ssm, snap_windows, snap_ssm = _prefill(case, lengths, slots, block_v, checkpoints)
+    conv, out, windows, ssm, snap_windows, snap_ssm = _prefill(
+        case, lengths, slots, block_v, checkpoints, snapshots=17
+    )
     plain = _prefill(case, lengths, slots, block_v)
     for got, want in zip((conv, out, windows, ssm), plain, strict=True):
         assert torch.equal(got, want)
-    starts = torch.tensor([0, *lengths]).cumsum(0).tolist()
-    for (tokens, snap), slot, start in zip(checkpoints, slots, starts, strict=False):
-        if tokens < 0:
-            continue
-        rows = slice(start, start + tokens)
-        head = copy.copy(case)  # the same weights and pools, only this segment's first rows
-        head.mixed, head.z, head.b, head.a = (x[rows] for x in (case.mixed, case.z, case.b, case.a))
-        _, _, ref_windows, ref_ssm = _token_by_token(head, [tokens], [slot])
-        torch.testing.assert_close(snap_windows[snap], ref_windows[slot], rtol=0, atol=0)
-        torch.testing.assert_close(snap_ssm[snap], ref_ssm[slot], rtol=1e-5, atol=1e-5)
-    assert (snap_ssm[[1, 4, 5, 6]] == -7.0).all(), "only the checkpoints' snapshot slots are written"
+    states: list = []
+    _token_by_token(case, lengths, slots, states)
+    for snap, (segment, tokens) in saved.items():
+        ref_window, ref_state = states[segment][tokens]
+        torch.testing.assert_close(snap_windows[snap], ref_window, rtol=0, atol=0)
+        torch.testing.assert_close(snap_ssm[snap], ref_state, rtol=1e-5, atol=1e-5)
+    unwritten = [snap for snap in range(17) if snap not in saved]  # 7: the save past segment 3's end
+    assert (snap_windows[unwritten] == -7.0).all() and (snap_ssm[unwritten] == -7.0).all()
+
+
+def test_checkpoints_need_a_count_per_segment():
+    case = Case(rows=4, hk=1, hv=2, dk=16, dv=16, dtype=torch.float32, slots=[0, 1], kernel=3, seed=7)
+    tokens = torch.tensor([1, 2], device=DEVICE)
+    short = gdn_kernels.Checkpoints(tokens, tokens, tokens[:1], case.windows.clone())
+    cu = torch.tensor([0, 2, 4], device=DEVICE)
+    with pytest.raises(ValueError, match="counts"):
+        gdn_kernels.conv_prefill(
+            case.mixed, case.conv_weight, case.windows.clone(), case.slots, cu, torch.empty_like(case.mixed),
+            checkpoints=short,
+        )  # fmt: skip
 
 
 def test_prefill_segment_without_a_slot_starts_from_zeros_and_writes_nothing():

@@ -1,7 +1,7 @@
 """The Qwen3.5 reference path on a CUDA GPU in bf16 against HF transformers (``nox -s gpu``, not CI).
 
 Dense and MoE; prefill (one prompt, a batch) and batched decode through the paged cache and state slots;
-CUDA-graph decode against eager decode.
+CUDA-graph decode against eager decode; MTP drafting's roll-backs through the prefill graphs.
 As in the Qwen3 GPU test (docs/gpu-checks.md): random weights make a chaotic network, so two correct bf16
 implementations disagree by more than on a trained model (here HF bf16 is itself ~0.2 nats from HF fp32
 for the dense model and ~0.5 for the MoE one, whose routing flips under rounding). The gate is therefore
@@ -25,6 +25,7 @@ from pegainfer.engine.request import Request
 from pegainfer.executor.executor import ModelBatch, SequenceChunk
 from pegainfer.sampling.sampling_params import SamplingParams
 from pegainfer.testing.conformance import Bf16AccuracyReport
+from pegainfer.testing.speculative import force_drafts
 
 pytestmark = [
     pytest.mark.gpu,
@@ -123,6 +124,28 @@ def test_graph_decode_equals_eager_decode(folder):
     graph = graph_llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     eager = eager_llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in graph] == [o.outputs[0].token_ids for o in eager]
+
+
+@pytest.mark.parametrize(("k", "right"), [(1, 0), (3, 1), (3, 2), (2, None)])
+def test_drafting_keeps_the_greedy_tokens(folder, k, right):
+    """Float32 on the GPU paths (decode graphs without drafting; with it, verification chunks through the
+    prefill graphs, the GDN kernels saving the roll-back states): drafts forced to accept ``right`` of
+    ``k`` (None: all) give the greedy tokens of decoding without drafts."""
+    common = dict(dtype="float32", device="cuda", gpu_memory_utilization=0.15, max_model_len=512)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(990) for _ in range(n)] for n in (7, 40, 90)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    outputs = []
+    for drafts in (0, k):
+        llm = LLM(str(folder), speculative_num_tokens=drafts, **common)
+        if drafts:
+            force_drafts(llm, {tuple(p): p + o for p, o in zip(prompts, outputs[0], strict=True)}, right)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        outputs.append([o.outputs[0].token_ids for o in outs])
+        llm.engine.shutdown()
+        del llm
+        torch.cuda.empty_cache()
+    assert outputs[1] == outputs[0]
 
 
 def test_prefill_forward_stays_within_its_transient_reserve(llm):

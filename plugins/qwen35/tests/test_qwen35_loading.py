@@ -1,5 +1,5 @@
 """Loading Qwen3.5 checkpoints: config layouts (VLM / text-only, new / legacy rope), layer_types, tied
-embeddings, dtypes and shards, the skipped vision tower and MTP head, and clear errors."""
+embeddings, dtypes and shards, the skipped vision tower, the MTP module, and clear errors."""
 
 from __future__ import annotations
 
@@ -88,12 +88,30 @@ def test_bad_configs_are_named(tiny_qwen35, change, message):
         Qwen35Config.from_hf_config(bad)
 
 
-def test_vision_tower_and_mtp_head_are_skipped_with_a_log_line(tiny_qwen35, caplog):
+def test_vision_tower_is_skipped_with_a_log_line_and_the_mtp_module_loaded(tiny_qwen35, caplog):
     with caplog.at_level(logging.INFO, logger="pegainfer_qwen35"):
         assert unused_checkpoint_tensors(tiny_qwen35) == []
     messages = [r.getMessage() for r in caplog.records]
     assert any("vision-tower tensors (model.visual.*)" in m for m in messages)
-    assert any("MTP-head tensors (mtp.*)" in m for m in messages)
+    assert not any("(mtp.*)" in m for m in messages)
+    model = LLM(str(tiny_qwen35), device="cpu").engine.executor.runner.model
+    assert model.num_mtp_layers == 1 and [s.layer_index for s in model.mtp_buffer_specs()] == [4]
+
+
+def test_an_mtp_module_stripped_to_its_head_is_skipped(tmp_path, caplog):
+    from safetensors.torch import load_file, save_file
+
+    folder = write_tiny_checkpoint(tmp_path / "ckpt", "qwen3_5")
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file(
+        {k: v for k, v in tensors.items() if not k.startswith("mtp.layers.")},
+        str(folder / "model.safetensors"),
+    )
+    with caplog.at_level(logging.INFO, logger="pegainfer_qwen35"):
+        assert unused_checkpoint_tensors(folder) == []
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("no whole MTP module" in m for m in messages)
+    assert any("4 MTP tensors (mtp.*)" in m for m in messages)
 
 
 def test_missing_tensor_is_named(tmp_path):

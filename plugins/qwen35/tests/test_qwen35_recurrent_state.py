@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from pegainfer import LLM, SamplingParams
 from pegainfer.engine.request import Request
 from pegainfer.executor.executor import ModelBatch, SequenceChunk
+from pegainfer.testing.triton_kernels import KERNEL_DEVICE, requires_kernels
 from pegainfer_qwen35 import gated_deltanet
 from pegainfer_qwen35.delta_rule import (
     causal_conv_prefill,
@@ -222,3 +223,95 @@ def test_prefill_with_fla_passes_segments_and_slots_as_fla_expects():
         torch.testing.assert_close(core[start : start + n], o, atol=1e-5, rtol=1e-5)
         ref_ssm[slot] = final
     torch.testing.assert_close(ours_ssm, ref_ssm, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------- checkpoints in a prefill
+
+
+def _gdn_layer(seed: int):
+    """A GDN layer of the tiny config (value heads of 16: the kernels need power-of-two widths), random."""
+    from pegainfer_qwen35.config import LINEAR, Qwen35Config
+    from pegainfer_qwen35.tiny import qwen3_5_config
+
+    config = Qwen35Config.from_hf_config(qwen3_5_config(64, linear_value_head_dim=16, text_only=True))
+    layer = gated_deltanet.GatedDeltaNet(config, config.layers_of(LINEAR)[0], torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+        layer.norm.add_(1.0)
+    return layer
+
+
+def _gdn_prefill(layer, proj, lengths, slots, pools, checkpoints=None, snapshots=0):
+    """``GatedDeltaNet._prefill`` of the rows ``proj`` in segments of ``lengths`` from copies of ``pools``
+    (the state slots), on the layer's device; ``checkpoints``: (tokens, snapshot slot, count) per segment,
+    into ``snapshots`` fresh snapshot slots (-7 before). Returns the gated output, the state pools and the
+    snapshot pools, on the host."""
+    from pegainfer.model.model_api import StateCheckpoints
+    from pegainfer_qwen35.pass_buffers import PassBuffers, pass_buffer_roles
+
+    p, dev = proj.shape[0], layer.in_proj.device
+    state = {name: pool.to(dev, copy=True) for name, pool in pools.items()}
+    snaps = {name: torch.full((snapshots, *pool.shape[1:]), -7.0, device=dev) for name, pool in pools.items()}
+    ckpt = None
+    if checkpoints is not None:
+        tokens, snap_slots, counts = torch.tensor(checkpoints, dtype=torch.int64, device=dev).t().contiguous()
+        ckpt = StateCheckpoints(tokens, snap_slots, counts, list(checkpoints), {layer.layer_index: snaps})
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    rows = gated_deltanet.RecurrentRows(
+        list(zip(starts, lengths, strict=True)), torch.tensor(slots, device=dev), p, 0,
+        torch.zeros(0, dtype=torch.int64, device=dev), checkpoints=ckpt,
+    )  # fmt: skip
+    bufs = PassBuffers(pass_buffer_roles(layer.config, torch.float32), p, dev)
+    mixed, z, b, a = proj.to(dev).split(layer.splits, dim=-1)
+    layer._prefill(mixed, z, b, a, rows, state, bufs)
+    host = {
+        name: {k: t.cpu() for k, t in pools.items()} for name, pools in (("state", state), ("snaps", snaps))
+    }
+    return bufs.gdn_gated.cpu(), host["state"], host["snaps"]
+
+
+@pytest.mark.parametrize(
+    "path", ["torch", pytest.param("kernels", marks=requires_kernels)], ids=["torch", "kernels"]
+)
+def test_prefill_saves_runs_of_checkpoints(path, monkeypatch):
+    """For j < count the snapshots after a segment's first tokens + j tokens equal the state that
+    prefilling just those tokens leaves (tokens + j = 0: the state before the segment), on the torch
+    path (the segment cut into pieces at the saves, one across a chunk of the chunked form) and through
+    the kernels (the counts passed on); no save past a segment's end, none for tokens -1, and the rest
+    of the forward is as without checkpoints."""
+    layer = _gdn_layer(11)  # the references' layer: the torch path, on the host
+    lengths, slots = [5, 70, 4, 3, 6], [2, 0, 3, 1, 4]
+    checkpoints = [(1, 0, 3), (63, 8, 3), (3, 3, 3), (0, 6, 2), (-1, 11, 2)]
+    saved = {0: (0, 1), 1: (0, 2), 2: (0, 3), 8: (1, 63), 9: (1, 64), 10: (1, 65), 3: (2, 3), 4: (2, 4)}
+    saved |= {6: (3, 0), 7: (3, 1)}  # snapshot slot: (segment, tokens); slot 5: the save past segment 2's end
+    gen = torch.Generator().manual_seed(12)
+    proj = torch.randn(sum(lengths), sum(layer.splits), generator=gen)
+    spec = dict(layer.state_spec().shapes)
+    pools = {name: torch.randn(6, *shape, generator=gen) * 0.3 for name, shape in spec.items()}
+    with monkeypatch.context() as patch:
+        tested = layer
+        if path == "kernels":  # on the host through Triton's interpreter where there is no GPU
+            patch.setattr(gated_deltanet, "decode_kernels_on", lambda x: True)
+            tested = _gdn_layer(11).to(KERNEL_DEVICE)
+        out, state, snaps = _gdn_prefill(tested, proj, lengths, slots, pools, checkpoints, snapshots=13)
+    plain_out, plain_state, _ = _gdn_prefill(layer, proj, lengths, slots, pools)
+    torch.testing.assert_close(out, plain_out, atol=1e-4, rtol=1e-4)
+    for name in spec:
+        torch.testing.assert_close(state[name], plain_state[name], atol=1e-5, rtol=1e-5)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    for snap, (segment, tokens) in saved.items():
+        slot = slots[segment]
+        if tokens == 0:
+            want = {name: pool[slot] for name, pool in pools.items()}
+        else:
+            rows = proj[starts[segment] : starts[segment] + tokens]
+            want = {
+                name: pool[slot]
+                for name, pool in _gdn_prefill(layer, rows, [tokens], [slot], pools)[1].items()
+            }
+        torch.testing.assert_close(snaps["conv"][snap], want["conv"], atol=0, rtol=0)
+        torch.testing.assert_close(snaps["ssm"][snap], want["ssm"], atol=1e-5, rtol=1e-5)
+    for name in spec:
+        assert (snaps[name][[5, 11, 12]] == -7.0).all(), "only the saves' snapshot slots are written"

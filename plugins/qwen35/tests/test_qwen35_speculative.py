@@ -1,0 +1,149 @@
+"""MTP speculative decoding of Qwen3.5 end to end (float32, CPU; dense and MoE).
+
+Qwen3.5 keeps recurrent state (each GDN layer's conv window and delta-rule state), which a verification
+advances over every draft. A rejection rolls it back: the verification chunk's forward saves the state
+after the known token and after each draft but the last into the slot's roll-back snapshots, and the
+next step restores the one of the accepted count (``docs/speculative.md``). The invariant: greedy output
+with ``speculative.num_tokens=k`` is token for token the output without it. Random MTP weights reject
+nearly every draft; forced drafts (all, some or none right) reach each roll-back point, and an aligned
+checkpoint (the main model nearly a bigram model, the MTP module its copy) shows the real MTP path
+drafting the target.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pegainfer import LLM
+from pegainfer.testing.conformance import SamplingParams, random_prompts
+from pegainfer.testing.speculative import force_drafts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def _llm(folder: Path, k: int = 0, **kw: object) -> LLM:
+    kw.setdefault("cpu_kv_cache_bytes", 32 << 20)
+    return LLM(str(folder), dtype="float32", device="cpu", speculative_num_tokens=k, **kw)
+
+
+def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY):
+    return llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _steps(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY):
+    before = dict(llm.engine.stats)
+    outs = _run(llm, prompts, params)
+    return outs, {key: llm.engine.stats[key] - before[key] for key in before}
+
+
+@pytest.fixture(scope="module")
+def base(tiny_qwen35: Path) -> LLM:
+    return _llm(tiny_qwen35)
+
+
+# ------------------------------------------------------------------------------------------ the plan
+
+
+def test_drafting_reserves_a_roll_back_snapshot_per_draft_and_the_mtp_cache(tiny_qwen35: Path) -> None:
+    engine = _llm(tiny_qwen35, 3, max_num_seqs=5).engine
+    plan = engine.executor.plan
+    assert engine.executor.capabilities.max_speculative_tokens == 3
+    assert plan.draft_snapshots_per_slot == 3 and plan.num_snapshot_slots == 5 * 3
+    assert 4 in engine.executor.runner.buffers.caches, "the MTP layer's KV cache (layer num_hidden_layers)"
+    assert not engine.buffers.caching, "prefix caching's snapshots are not shared with drafting"
+
+
+# --------------------------------------------------------------------------------- output invariance
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_batch_of_mixed_lengths_output_unchanged(tiny_qwen35: Path, base: LLM, k: int) -> None:
+    llm = _llm(tiny_qwen35, k)
+    prompts = random_prompts(1, [1, 5, 17, 33, 2, 64])
+    outs, stats = _steps(llm, prompts)
+    assert _tokens(outs) == _tokens(_run(base, prompts))
+    assert stats["spec_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_chunked_prefill_output_unchanged(tiny_qwen35: Path, base: LLM, k: int) -> None:
+    # Chunks of at most 5 tokens, 8 tokens a step: drafts are cut or dropped when the budget is short.
+    llm = _llm(tiny_qwen35, k, long_prefill_token_threshold=5, max_num_batched_tokens=8)
+    prompts = random_prompts(2, [45, 30, 9])
+    assert _tokens(_run(llm, prompts)) == _tokens(_run(base, prompts))
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_preempted_output_unchanged(tiny_qwen35: Path, base: LLM, k: int) -> None:
+    llm = _llm(tiny_qwen35, k, block_size=4, num_gpu_blocks_override=24, max_model_len=64)
+    prompts = random_prompts(3, [16, 12, 15, 14])
+    outs = _run(llm, prompts)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    assert _tokens(outs) == _tokens(_run(base, prompts))
+    llm.engine.buffers.check_invariants()
+
+
+def test_logprobs_and_sampled_requests_unchanged(tiny_qwen35: Path, base: LLM) -> None:
+    prompts = random_prompts(4, [7, 13])
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    sampled = SamplingParams(temperature=0.9, top_k=50, seed=7, max_tokens=12, ignore_eos=True)
+    ours = _llm(tiny_qwen35, 2).generate(
+        prompt_token_ids=prompts, sampling_params=[greedy, sampled], use_tqdm=False
+    )
+    ref = base.generate(prompt_token_ids=prompts, sampling_params=[greedy, sampled], use_tqdm=False)
+    assert _tokens(ours) == _tokens(ref)
+    assert ours[0].metrics.spec_draft_tokens > 0 and ours[1].metrics.spec_draft_tokens == 0
+    for a, b in zip(ours[0].outputs[0].logprobs, ref[0].outputs[0].logprobs, strict=True):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 and a[t].rank == b[t].rank for t in a)
+
+
+# ------------------------------------------------------------------- every roll-back point, forced
+
+
+@pytest.mark.parametrize(
+    ("right", "k"),
+    [(None, 1), (None, 3), (0, 1), (0, 3), (1, 3), (2, 3)],
+    ids=["all-of-1", "all-of-3", "none-of-1", "none-of-3", "one-of-3", "two-of-3"],
+)
+def test_forced_drafts_roll_the_state_back_to_what_was_accepted(
+    tiny_qwen35: Path, base: LLM, right, k: int
+) -> None:
+    """Each verifying step accepts ``right`` drafts (all with None) and appends one more token: the state
+    restored from the snapshot of that many drafts must continue as if they alone had been decoded."""
+    prompts = random_prompts(6, [9, 21])
+    ref = _run(base, prompts)
+    truth = {tuple(p): p + o.outputs[0].token_ids for p, o in zip(prompts, ref, strict=True)}
+    llm = _llm(tiny_qwen35, k)
+    force_drafts(llm, truth, right)
+    outs, stats = _steps(llm, prompts)
+    assert _tokens(outs) == _tokens(ref)
+    per_step = k + 1 if right is None else right + 1
+    assert stats["steps"] == 1 + -(-23 // per_step), "one prefill step, then per_step tokens a step"
+    accepted, verifying = stats["spec_accepted_tokens"], len(prompts) * (stats["steps"] - 1)
+    if right is None:
+        assert accepted == stats["spec_draft_tokens"]
+    else:  # the last verification may hold fewer drafts than right (never past max_tokens)
+        assert right * (verifying - len(prompts)) <= accepted <= right * verifying
+
+
+# ---------------------------------------------------------------------------- the real MTP path drafts
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_aligned_mtp_drafts_are_accepted(aligned_qwen35: Path, k: int) -> None:
+    prompts = random_prompts(5, [5, 17, 3, 30])
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    ref, ref_stats = _steps(_llm(aligned_qwen35), prompts, params)
+    outs, stats = _steps(_llm(aligned_qwen35, k), prompts, params)
+    assert _tokens(outs) == _tokens(ref)
+    rate = stats["spec_accepted_tokens"] / stats["spec_draft_tokens"]
+    print(f"aligned MTP, k={k}: acceptance {rate:.2f}, steps {stats['steps']} (without {ref_stats['steps']})")
+    assert rate > 0.25
+    assert stats["steps"] < ref_stats["steps"] - 3
