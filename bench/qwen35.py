@@ -20,6 +20,11 @@ reference (``PEGAINFER_QWEN35_GDN_KERNELS=0``), for the kernels' share.
 top 8, a shared expert of 512): its floor counts of the routed experts only the distinct ones the router
 chose in one measured step (``distinct_experts_per_layer``). Prefill also reports ``mfu``: the step's matmul
 flops (``prefill_flops``) over its time, against the bf16 matmul rate measured in the same run.
+
+``--mtp 1,2,3`` adds the shape's one-layer MTP module and decodes one request greedily with drafting off and
+with each k (``bench_mtp``): whether the tokens are identical, the acceptance, tokens/s; and again with the
+drafts forced right (the target's own continuation), which times what drafting gives at acceptance 1.0 on
+these random weights, where the real module's drafts are right about as often as chance.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from common import (
 )  # fmt: skip
 
 from pegainfer.engine.llm import LLM
+from pegainfer.testing.speculative import force_drafts
 from pegainfer.text.tiny_tokenizer import write_tiny_tokenizer
 
 BASE = {
@@ -243,6 +249,48 @@ def _peer_step(model, result, cache_kw: str):
     return model(token, use_cache=True, **{cache_kw: cache})
 
 
+def bench_mtp(shape: dict, ctx: int, tokens: int, ks: list[int]) -> list[dict]:
+    """Batch-1 greedy decode of ``tokens`` tokens after a ``ctx``-token prompt, with the shape's MTP module
+    added: drafting off, then each k with the module's own drafts and with drafts forced right. Decode
+    tokens/s leaves the prompt's prefill out (a ``max_tokens=1`` run of the same engine, subtracted)."""
+    folder = checkpoint_folder({**shape, "mtp_num_hidden_layers": 1})
+    prompt = [random.Random(1).randrange(shape["vocab_size"]) for _ in range(ctx)]
+
+    def timed(llm: LLM, n: int) -> tuple[list[int], float, object]:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = llm.generate(prompt_token_ids=[prompt], sampling_params=greedy(n), use_tqdm=False)[0]
+        torch.cuda.synchronize()
+        return out.outputs[0].token_ids, time.perf_counter() - t0, out.metrics
+
+    rows, truth, reference = [], {}, []
+    for k, forced in [(0, False)] + [(k, f) for k in ks for f in (False, True)]:
+        llm = build(folder, max_num_seqs=1, max_model_len=ctx + tokens + 64, speculative_tokens=k)
+        if forced:
+            force_drafts(llm, truth, None)
+        timed(llm, 8)  # warm-up: compiles and captures
+        _, prefill_s, _ = timed(llm, 1)
+        ids, total_s, metrics = timed(llm, tokens)
+        if k == 0:
+            truth = {tuple(prompt): prompt + ids}
+            reference = ids
+        rate = getattr(metrics, "spec_acceptance_rate", None) if k else None
+        rows.append(
+            {
+                "k": k,
+                "forced": forced,
+                "identical": ids == reference,
+                "acceptance": float("nan") if rate is None else rate,
+                "tok_per_s": (tokens - 1) / (total_s - prefill_s),
+            }
+        )
+        llm.engine.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
 def bench_peer(shape: dict, ctx: int, steps: int, device: str = "cuda") -> float:
     """HF transformers eager, bf16, same shape, batch 1: ms per decode step after a ``ctx`` prefill."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
@@ -281,6 +329,8 @@ def main() -> None:
     parser.add_argument("--reference-gdn", action="store_true", help="also decode with the GDN reference")
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--peer-shapes", default="9b", help="shapes that get the HF peer at batch 1")
+    parser.add_argument("--mtp", default="", help="k values for MTP drafting at batch 1, e.g. 1,2,3")
+    parser.add_argument("--mtp-tokens", type=int, default=128)
     parser.add_argument("--commit", default=None)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",") if b]
@@ -357,6 +407,21 @@ def main() -> None:
             gc.collect()
             torch.cuda.empty_cache()
         os.environ.pop("PEGAINFER_QWEN35_GDN_KERNELS", None)
+        ks = [int(k) for k in args.mtp.split(",") if k]
+        if ks:
+            rows = bench_mtp(shape, args.ctx, args.mtp_tokens, ks)
+            plain = rows[0]["tok_per_s"]
+            results.add(f"qwen35_{name}.mtp_off.bs1.tok_per_s", plain, "tok/s")
+            for row in rows[1:]:
+                key = f"qwen35_{name}.mtp_k{row['k']}" + ("_forced_right" if row["forced"] else "") + ".bs1"
+                results.add(f"{key}.identical_greedy", float(row["identical"]), "bool", 1.0)
+                results.add(f"{key}.acceptance", row["acceptance"], "fraction")
+                results.add(f"{key}.tok_per_s", row["tok_per_s"], "tok/s")
+                results.add(f"{key}.speedup", row["tok_per_s"] / plain, "x")
+                table.append(
+                    f"{key:<36} {row['tok_per_s']:7.1f} tok/s ({row['tok_per_s'] / plain:4.2f}x of "
+                    f"{plain:.1f})  acceptance {row['acceptance']:.2f}  identical {row['identical']}"
+                )
         if not args.skip_peer and name in args.peer_shapes.split(","):
             ms = bench_peer(shape, args.ctx, 16)
             results.add(f"qwen35_{name}.peer_hf.bs1.step_ms", ms, "ms")
