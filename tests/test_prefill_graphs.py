@@ -66,6 +66,19 @@ def test_inputs_hold_the_step_and_pad_the_rest():
     assert inp.q_len.tolist() == [0] * 4 and inp.slot_mapping.tolist() == [-1] * 16
 
 
+def test_segments_sample_up_to_rows_per_segment_listed_from_the_front():
+    """A verification chunk samples its known token and its drafts, a mid-prompt chunk nothing, a prompt's
+    last chunk its last row: the rows in segment order, then padding."""
+    inp = PrefillGraphInputs(16, 4, 5, torch.device("cpu"), rows_per_segment=3)
+    chunks = [([1, 2, 3], 9, [0, 1, 2]), ([4, 5], 0, [3]), ([6, 7, 8, 9], 0, [4])]
+    assert inp.prepare(chunks, None, None, 4, [3, 0, 1]) == 9
+    assert inp.logit_rows.tolist() == [0, 1, 2, 8] + [0] * 8
+    with pytest.raises(ValueError, match="samples at most 3"):
+        inp.prepare([([1] * 5, 0, [0, 1])], None, None, 4, [4])
+    with pytest.raises(ValueError, match="samples at most 3"):
+        inp.prepare([([1], 0, [0])], None, None, 4, [2])  # more rows than the chunk has
+
+
 def test_inputs_refuse_a_step_too_large():
     inp = PrefillGraphInputs(max_tokens=8, max_segments=2, max_blocks_per_seq=4, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="at most 8 tokens in 2 segments"):

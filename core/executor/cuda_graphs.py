@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -23,6 +24,8 @@ from pegainfer.parallel.distributed import TensorParallel
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then multiples of 16 up to ``max_num_seqs`` (which is always a bucket)."""
@@ -32,8 +35,8 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 
 
 def capture_buckets(
-    sizes: list[int], forward: Callable[[int], torch.Tensor], pool
-) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
+    sizes: list[int], forward: Callable[[int], T], pool
+) -> dict[int, tuple[torch.cuda.CUDAGraph, T]]:
     """``size -> (graph, its output)`` of ``forward(size)`` for every size, on a side stream into ``pool``:
     largest first, so smaller graphs reuse what the largest reserved, each after one eager run (lazy
     initialisation and autotuning stay out of the graph)."""

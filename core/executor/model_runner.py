@@ -111,8 +111,8 @@ class ModelRunner:
             sched.max_num_batched_tokens,
             sched.max_num_seqs,
         )
-        self.prefill_inputs = (
-            PrefillGraphInputs(tokens, segments, max_blocks, self.device) if tokens else None
+        self.prefill_inputs = (  # a verification chunk samples its known token and each draft
+            PrefillGraphInputs(tokens, segments, max_blocks, self.device, 1 + num_spec) if tokens else None
         )
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
@@ -218,12 +218,14 @@ class ModelRunner:
 
     def _execute_prefill_graph(self, batch: ModelBatch, prefills: list[SequenceChunk]) -> ExecutorOutput:
         slots = [c.state_slot or 0 for c in prefills] if self.plan.num_state_slots else None
-        logits = self.prefill_graphs.run(
+        logits, hidden = self.prefill_graphs.run(
             prefills, slots, self._checkpoint_pairs(batch.state_checkpoints, prefills)
         )
-        sampled = [i for i, c in enumerate(prefills) if c.num_logits]
-        if len(sampled) < len(prefills):  # a chunk that is not its prompt's last samples nothing
-            logits = logits.index_select(0, torch.tensor(sampled, dtype=torch.int64, device=self.device))
+        row = 0
+        for c in prefills:
+            if c.keep_hidden:  # a copy: the graph's output is rewritten by its next replay
+                self._kept_hidden[c.request_id] = (c.start, hidden[row : row + len(c.token_ids)].clone())
+            row += len(c.token_ids)
         return ExecutorOutput(logits=logits)
 
     def _prepare_decode_rows(

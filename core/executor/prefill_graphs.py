@@ -3,8 +3,11 @@
 A short prefill step (a prompt's tail after a prefix hit, a short prompt) is bound by the host's launches
 when it runs eagerly (docs/benchmarks.md, "Prefix caching"): its kernels take a fraction of the time the
 host takes to issue them. Such a step writes its tokens and segments into ``PrefillGraphInputs``, which
-pads the rest, and replays the graph of the smallest bucket holding its tokens. Each segment's last row
-gets its logits, in a static ``[max_segments, V]`` output valid until the next step.
+pads the rest, and replays the graph of the smallest bucket holding its tokens. The rows each segment
+samples get their logits (a prompt's last row; a verification chunk's known token and its drafts, up to
+``PrefillGraphInputs.rows_per_segment``) in a static ``[max_segments * rows_per_segment, V]`` output,
+and every token its final hidden state (kept for a drafting request's MTP pass), both valid until the
+next step.
 
 Only a model whose forward reads the segments from their device form runs in a graph
 (``CausalLM.prefill_graph_tokens``). Its batch says ``in_graph``, its ``prefills`` are ``max_segments``
@@ -54,7 +57,7 @@ class PrefillGraphs:
         self.block_size, self.max_model_len = block_size, max_model_len
         self.buckets = sorted(buckets)
         self.eager = eager
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         #: Seconds in graph launches (one launched while the last replay still runs may block on it).
         self.launch_s = 0.0
 
@@ -63,12 +66,13 @@ class PrefillGraphs:
         return self.buckets[-1]
 
     def takes(self, chunks: Sequence[SequenceChunk]) -> bool:
-        """Whether a prefill-only step of ``chunks`` runs here: few enough tokens and segments, and at most
-        each chunk's last row sampled (prompt logprobs and kept hidden states take the eager path)."""
+        """Whether a prefill-only step of ``chunks`` runs here: few enough tokens and segments, and few
+        enough sampled rows a chunk (prompt logprobs take the eager path)."""
+        rows = self.inputs.rows_per_segment
         return (
             len(chunks) <= self.inputs.max_segments
             and sum(len(c.token_ids) for c in chunks) <= self.max_tokens
-            and all(c.num_logits <= 1 and not c.all_logits and not c.keep_hidden for c in chunks)
+            and all(c.num_logits <= rows and not c.all_logits for c in chunks)
         )
 
     def bucket_for(self, tokens: int) -> int:
@@ -127,9 +131,9 @@ class PrefillGraphs:
             checkpoints=ckpt,
         )
 
-    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def _forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.model(batch, self.caches, self.states)
-        return self.model.compute_logits(hidden.index_select(0, self.inputs.logit_rows))
+        return self.model.compute_logits(hidden.index_select(0, self.inputs.logit_rows)), hidden
 
     @torch.inference_mode()
     def capture(self, pool) -> None:
@@ -149,19 +153,26 @@ class PrefillGraphs:
         chunks: Sequence[SequenceChunk],
         state_slots: Sequence[int] | None,
         checkpoints: Sequence[tuple[int, int, int]] | None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step of ``chunks`` (``takes`` them), with their state slots and in-chunk checkpoints
-        ``(tokens, snapshot slot, count)``: the logits of each chunk's last row, ``[len(chunks), V]``."""
+        ``(tokens, snapshot slot, count)``: the logits of the last ``num_logits`` rows of each chunk in
+        chunk order ``[sum of num_logits, V]``, and the final hidden states of the chunks' tokens."""
         inp = self.inputs
         tokens = inp.prepare(
-            [(c.token_ids, c.start, c.block_table) for c in chunks], state_slots, checkpoints, self.block_size
+            [(c.token_ids, c.start, c.block_table) for c in chunks],
+            state_slots,
+            checkpoints,
+            self.block_size,
+            [c.num_logits for c in chunks],
         )
+        rows = sum(c.num_logits for c in chunks)
         size = self.bucket_for(tokens)
         if self.eager:
             segments = inp.segments(len(chunks), self.block_size)
-            return self._forward(self._batch(size, segments, checkpoints))[: len(chunks)]
-        graph, logits = self._graphs[size]
-        t0 = time.perf_counter()
-        graph.replay()
-        self.launch_s += time.perf_counter() - t0
-        return logits[: len(chunks)]
+            logits, hidden = self._forward(self._batch(size, segments, checkpoints))
+        else:
+            graph, (logits, hidden) = self._graphs[size]
+            t0 = time.perf_counter()
+            graph.replay()
+            self.launch_s += time.perf_counter() - t0
+        return logits[:rows], hidden[:tokens]

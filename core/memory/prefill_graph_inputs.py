@@ -3,8 +3,9 @@
 A prefill graph is captured for a bucket of tokens over ``max_segments`` segments and reads these exact
 tensors: the tokens' ids, positions and cache slots, and the segments' device form (query start, query
 length and context length, int32; block tables ``[segments, max_blocks]`` int32; their varlen bounds
-``cu_seqlens`` ``[segments + 1]`` int64; state slots; in-chunk checkpoints; the row whose logits each
-segment samples). A step fills its tokens and segments from the front; the rest is padding that reads
+``cu_seqlens`` ``[segments + 1]`` int64; state slots; in-chunk checkpoints; the rows whose logits the
+segments sample, up to ``rows_per_segment`` each: a prompt's last row, or a verification chunk's known
+token and drafts, listed from the front in segment order). A step fills its tokens and segments from the front; the rest is padding that reads
 and writes nothing: padding tokens have slot -1 (their K/V are not stored) and lie in no segment, padding
 segments have no queries, state slot -1 and no checkpoint.
 
@@ -50,16 +51,22 @@ def prefill_graph_shape(
 
 class PrefillGraphInputs:
     def __init__(
-        self, max_tokens: int, max_segments: int, max_blocks_per_seq: int, device: torch.device
+        self,
+        max_tokens: int,
+        max_segments: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+        rows_per_segment: int = 1,
     ) -> None:
         self.max_tokens, self.max_segments, self.max_blocks = max_tokens, max_segments, max_blocks_per_seq
+        self.rows_per_segment = rows_per_segment
         device = torch.device(device)
         pinned = device.type == "cuda"
         t, s = max_tokens, max_segments
         # int64: ids, positions, slots [t] each; cu_seqlens [s + 1]; state slots, checkpoint tokens,
-        # checkpoint slots, checkpoint counts, logit rows [s] each. int32: q_start, q_len, ctx_len [s]
-        # each, then the tables.
-        self._sizes64 = [t, t, t, s + 1, s, s, s, s, s]
+        # checkpoint slots, checkpoint counts [s] each; logit rows [s * rows_per_segment]. int32: q_start,
+        # q_len, ctx_len [s] each, then the tables.
+        self._sizes64 = [t, t, t, s + 1, s, s, s, s, s * rows_per_segment]
         n64, n32 = sum(self._sizes64), 3 * s + s * max_blocks_per_seq
         self._staging64 = torch.zeros(n64, dtype=torch.int64, pin_memory=pinned)
         self._staging32 = torch.zeros(n32, dtype=torch.int32, pin_memory=pinned)
@@ -112,7 +119,7 @@ class PrefillGraphInputs:
 
     def clear(self) -> None:
         """Every token and segment padding (what the graphs are captured over)."""
-        self.prepare([], None, None, 1)
+        self.prepare([], None, None, 1, [])
 
     def prepare(
         self,
@@ -120,22 +127,32 @@ class PrefillGraphInputs:
         state_slots: Sequence[int] | None,
         checkpoints: Sequence[tuple[int, int, int]] | None,
         block_size: int,
+        sampled: Sequence[int] | None = None,
     ) -> int:
         """Write the step's segments, each ``(token ids, first position, block table)``, with their state
-        slots and checkpoints ``(tokens, snapshot slot, count)`` (tokens -1: none); pad the rest and upload.
-        Returns the number of tokens written."""
+        slots, checkpoints ``(tokens, snapshot slot, count)`` (tokens -1: none) and the number of last rows
+        each samples (``sampled``; None: one each); pad the rest and upload. Returns the number of tokens
+        written."""
         total = sum(len(tokens) for tokens, _, _ in chunks)
         if total > self.max_tokens or len(chunks) > self.max_segments:
             raise ValueError(
                 f"a graph prefill step holds at most {self.max_tokens} tokens in {self.max_segments} "
                 f"segments, not {total} in {len(chunks)}"
             )
+        sampled = [1] * len(chunks) if sampled is None else sampled
+        if any(
+            not 0 <= r <= min(self.rows_per_segment, len(t))
+            for r, (t, _, _) in zip(sampled, chunks, strict=True)
+        ):
+            raise ValueError(
+                f"a graph prefill segment samples at most {self.rows_per_segment} of its rows, not {sampled}"
+            )
         if self._upload_done is not None:
             t0 = time.perf_counter()
             self._upload_done.synchronize()  # the last step's upload has left the staging
             self.wait_time_s += time.perf_counter() - t0
-        count, n, bs = len(chunks), 0, block_size
-        for s, (tokens, start, table) in enumerate(chunks):
+        count, n, r, bs = len(chunks), 0, 0, block_size
+        for s, ((tokens, start, table), rows) in enumerate(zip(chunks, sampled, strict=True)):
             k, ctx = len(tokens), start + len(tokens)
             pages = np.asarray(table[: -(-ctx // bs)], dtype=np.int64)
             pos = np.arange(start, ctx, dtype=np.int64)
@@ -144,12 +161,13 @@ class PrefillGraphInputs:
             self._slots[n : n + k] = pages[pos // bs] * bs + pos % bs
             self._tables[s, : len(pages)] = pages
             self._q_start[s], self._q_len[s], self._ctx[s] = n, k, ctx
-            self._cu[s], self._rows[s] = n, n + k - 1
-            n += k
+            self._cu[s] = n
+            self._rows[r : r + rows] = np.arange(n + k - rows, n + k)
+            n, r = n + k, r + rows
         self._ids[n:], self._pos[n:], self._slots[n:] = 0, 0, -1
         self._cu[count:] = n
         self._q_start[count:], self._q_len[count:], self._ctx[count:] = n, 0, 0
-        self._rows[count:] = 0
+        self._rows[r:] = 0
         self._state[:count] = 0 if state_slots is None else state_slots
         self._state[count:] = -1
         self._ckpt_tokens[:], self._ckpt_slots[:], self._ckpt_counts[:] = -1, 0, 0

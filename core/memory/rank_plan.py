@@ -77,9 +77,13 @@ def step_transients(loaded: LoadedModel, config: EngineConfig, *, graphs: bool) 
             sched.max_num_seqs,
         )
         if tokens:
-            # The same pool: the largest bucket's activations, and every bucket's static logits.
-            logits = len(prefill_graph_buckets(tokens)) * segments * 4 * vocab
-            inputs = 8 * (3 * tokens + 5 * segments + 1) + 4 * segments * (3 + max_blocks)  # on the device
+            # The same pool: the largest bucket's activations, and every bucket's static logits (of
+            # 1 + num_spec rows a segment: a verification samples its known token and each draft).
+            rows = segments * (1 + num_spec)
+            logits = len(prefill_graph_buckets(tokens)) * rows * 4 * vocab
+            inputs = 8 * (3 * tokens + 4 * segments + rows + 1) + 4 * segments * (
+                3 + max_blocks
+            )  # on the device
             specs.append(TransientSpec("prefill_graphs", bytes_fixed=tokens * per_row + logits + inputs))
     return specs
 

@@ -133,6 +133,30 @@ def test_forced_drafts_roll_the_state_back_to_what_was_accepted(
         assert right * (verifying - len(prompts)) <= accepted <= right * verifying
 
 
+def test_verification_on_the_prefill_graph_path(tiny_qwen35: Path, base: LLM) -> None:
+    """The GPU's path, run eagerly on the CPU: each verification chunk (its known token and drafts sampled,
+    its hidden states kept for the MTP pass, its roll-back states saved) is a bucket-padded prefill-graph
+    step; drafts forced to accept one of three give the plain path's tokens."""
+    prompts = random_prompts(7, [9, 21, 4])
+    ref = _run(base, prompts)
+    llm = _llm(tiny_qwen35, 3)
+    llm.engine.executor.capture_cuda_graphs(eager=True)
+    graphs = llm.engine.executor.runner.prefill_graphs
+    assert graphs.inputs.rows_per_segment == 4
+    sampled: list[list[int]] = []
+    run = graphs.run
+
+    def recording_run(chunks, state_slots, checkpoints):
+        sampled.append([c.num_logits for c in chunks])
+        return run(chunks, state_slots, checkpoints)
+
+    graphs.run = recording_run
+    force_drafts(llm, {tuple(p): p + o.outputs[0].token_ids for p, o in zip(prompts, ref, strict=True)}, 1)
+    assert _tokens(_run(llm, prompts)) == _tokens(ref)
+    assert sum(4 in s for s in sampled) >= 8, "verification steps did not take the prefill graphs"
+    llm.engine.buffers.check_invariants()
+
+
 # ---------------------------------------------------------------------------- the real MTP path drafts
 
 
