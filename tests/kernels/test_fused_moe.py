@@ -101,6 +101,16 @@ def test_fused_moe_matches_reference(dtype, tokens, block_m):
     torch.testing.assert_close(with_add.float(), (ref + shared).float(), **tol)
 
 
+@pytest.mark.parametrize("tokens", [1, 40], ids=["decode-tiles", "prefill-tiles"])
+def test_fused_moe_default_tiles_mask_ragged_widths(tokens):
+    """The tiles ``fused_moe_triton`` picks itself (128-column loads for decode blocks, 64 otherwise) over
+    a hidden size and an expert width that no tile divides."""
+    x, weights, ids, gate_up, down = _case(tokens, 4, 6, 200, 72, torch.bfloat16, seed=tokens + 1)
+    ours = fused_moe_triton(x, weights, ids, gate_up, down)
+    ref = routed_experts(x, weights, ids, gate_up, down)
+    torch.testing.assert_close(ours.float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
 def _quantized(gate_up, down, block, offset):
     """Float8 experts with per-tile scales, as a tensor-parallel rank holds them: its features start
     ``offset`` into their first tile (the tiles before are cut off), so tiles and kernel tiles do not align."""
