@@ -23,8 +23,8 @@ flops (``prefill_flops``) over its time, against the bf16 matmul rate measured i
 
 ``--mtp 1,2,3`` adds the shape's one-layer MTP module and decodes one request greedily with drafting off and
 with each k (``bench_mtp``): whether the tokens are identical, the acceptance, tokens/s; and again with the
-drafts forced right (the target's own continuation), which times what drafting gives at acceptance 1.0 on
-these random weights, where the real module's drafts are right about as often as chance.
+drafts forced to that run's own output (``_forced_right``), which times drafting at an acceptance near 1.0
+on these random weights, where the real module's drafts are right about as often as chance.
 """
 
 from __future__ import annotations
@@ -251,39 +251,54 @@ def _peer_step(model, result, cache_kw: str):
 
 def bench_mtp(shape: dict, ctx: int, tokens: int, ks: list[int]) -> list[dict]:
     """Batch-1 greedy decode of ``tokens`` tokens after a ``ctx``-token prompt, with the shape's MTP module
-    added: drafting off, then each k with the module's own drafts and with drafts forced right. Decode
-    tokens/s leaves the prompt's prefill out (a ``max_tokens=1`` run of the same engine, subtracted)."""
+    added: drafting off, then each k with the module's own drafts and, on the same engine, with drafts
+    forced to that run's own output (right wherever the verification repeats itself). Decode tokens/s
+    leaves the prompt's prefill out (a ``max_tokens=1`` run of the same engine, subtracted)."""
     folder = checkpoint_folder({**shape, "mtp_num_hidden_layers": 1})
     prompt = [random.Random(1).randrange(shape["vocab_size"]) for _ in range(ctx)]
 
-    def timed(llm: LLM, n: int) -> tuple[list[int], float, object]:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = llm.generate(prompt_token_ids=[prompt], sampling_params=greedy(n), use_tqdm=False)[0]
-        torch.cuda.synchronize()
-        return out.outputs[0].token_ids, time.perf_counter() - t0, out.metrics
+    def timed(llm: LLM) -> tuple[list[int], float, float]:
+        llm.generate(prompt_token_ids=[prompt], sampling_params=greedy(8), use_tqdm=False)  # warm-up
+        times, out = [], None
+        for n in (1, tokens):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = llm.generate(prompt_token_ids=[prompt], sampling_params=greedy(n), use_tqdm=False)[0]
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        rate = getattr(out.metrics, "spec_acceptance_rate", None)
+        return (
+            out.outputs[0].token_ids,
+            (tokens - 1) / (times[1] - times[0]),
+            float("nan") if rate is None else rate,
+        )
 
-    rows, truth, reference = [], {}, []
-    for k, forced in [(0, False)] + [(k, f) for k in ks for f in (False, True)]:
+    rows, reference = [], []
+    for k in [0, *ks]:
         llm = build(folder, max_num_seqs=1, max_model_len=ctx + tokens + 64, speculative_tokens=k)
-        if forced:
-            force_drafts(llm, truth, None)
-        timed(llm, 8)  # warm-up: compiles and captures
-        _, prefill_s, _ = timed(llm, 1)
-        ids, total_s, metrics = timed(llm, tokens)
-        if k == 0:
-            truth = {tuple(prompt): prompt + ids}
-            reference = ids
-        rate = getattr(metrics, "spec_acceptance_rate", None) if k else None
+        ids, tok_per_s, rate = timed(llm)
+        reference = reference or ids
         rows.append(
             {
                 "k": k,
-                "forced": forced,
+                "forced": False,
                 "identical": ids == reference,
-                "acceptance": float("nan") if rate is None else rate,
-                "tok_per_s": (tokens - 1) / (total_s - prefill_s),
+                "acceptance": rate,
+                "tok_per_s": tok_per_s,
             }
         )
+        if k:
+            force_drafts(llm, {tuple(prompt): prompt + ids}, None)
+            forced, tok_per_s, rate = timed(llm)
+            rows.append(
+                {
+                    "k": k,
+                    "forced": True,
+                    "identical": forced == reference,
+                    "acceptance": rate,
+                    "tok_per_s": tok_per_s,
+                }
+            )
         llm.engine.shutdown()
         del llm
         gc.collect()
