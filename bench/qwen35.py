@@ -23,8 +23,10 @@ flops (``prefill_flops``) over its time, against the bf16 matmul rate measured i
 
 ``--mtp 1,2,3`` adds the shape's one-layer MTP module and decodes one request greedily with drafting off and
 with each k (``bench_mtp``): whether the tokens are identical, the acceptance, tokens/s; and again with the
-drafts forced to that run's own output (``_forced_right``), which times drafting at an acceptance near 1.0
-on these random weights, where the real module's drafts are right about as often as chance.
+drafts forced to that run's own output (``_forced_right``). In bf16 with random weights neither is what it
+would be on a trained model: the top logits are near ties, so the verification path and the decode graph
+part within a few tokens, and a token verified as a chunk's second row is not bit-identical to the same
+token as the next chunk's first row, so even forced drafts are rarely accepted (docs/benchmarks.md).
 """
 
 from __future__ import annotations

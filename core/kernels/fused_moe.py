@@ -365,7 +365,7 @@ def fused_moe_triton(
     knobs are for the benchmark.
 
     Tiles: bf16/fp16 decode batches (16-row blocks) load 128 columns of weights, four loads in flight; the rest
-    64 columns, three. Swept on the H200 (2026-12-03, 16 calls a graph, each to fresh experts; 64x64x3
+    64 columns, three. Swept on the H200 (``bench/fused_moe_tiles.py``, 2026-12-03, 16 calls a graph, each to fresh experts; 64x64x3
     -> 64x128x4): Qwen3.5-35B-A3B's experts at batch 1 34.9 -> 27.3 us, batch 16 227.8 -> 219.1;
     Moonlight's 43.1 -> 35.8 and 253.4 -> 239.5; DeepSeek-V3's 182.0 -> 177.3 and 2224 -> 2083. Each within
     2% of the best of 18 tilings. FP8 experts and 64-row blocks were not swept."""
