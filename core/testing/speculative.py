@@ -11,6 +11,30 @@ from __future__ import annotations
 
 from typing import Any
 
+from pegainfer.sampling.sampling_params import SamplingParams
+
+#: Greedy decoding of 24 tokens past any stop token: what drafting must leave unchanged.
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def generate(llm: Any, prompts: list[list[int]], params: SamplingParams | list = GREEDY) -> list:
+    """``llm.generate`` of token-id ``prompts``, without a progress bar."""
+    return llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+
+
+def token_ids(outs: list) -> list[list[int]]:
+    """The generated token ids of each request's first completion."""
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def generate_counting(
+    llm: Any, prompts: list[list[int]], params: SamplingParams = GREEDY
+) -> tuple[list, dict[str, int]]:
+    """``generate``, and how much each engine counter (steps, drafted and accepted tokens) grew meanwhile."""
+    before = dict(llm.engine.stats)
+    outs = generate(llm, prompts, params)
+    return outs, {key: llm.engine.stats[key] - before[key] for key in before}
+
 
 def force_drafts(llm: Any, truth: dict[tuple[int, ...], list[int]], right: int | None) -> None:
     """Make the drafts of ``llm`` (an ``LLM``, changed for good) for a prompt the continuation

@@ -23,28 +23,12 @@ from pegainfer.errors import ConfigError
 from pegainfer.layers.attention import AttentionMetadata, PrefillSegment
 from pegainfer.model.model_api import ForwardBatch
 from pegainfer.testing.conformance import SamplingParams, random_prompts
-from pegainfer.testing.speculative import force_drafts
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+from pegainfer.testing.speculative import force_drafts, generate, generate_counting, token_ids
 
 
 def _llm(folder: Path, k: int = 0, **kw: object) -> LLM:
     kw.setdefault("cpu_kv_cache_bytes", 8 << 20)
     return LLM(str(folder), dtype="float32", device="cpu", speculative_num_tokens=k, **kw)
-
-
-def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY):
-    return llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-
-
-def _tokens(outs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def _steps(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY):
-    before = dict(llm.engine.stats)
-    outs = _run(llm, prompts, params)
-    return outs, {key: llm.engine.stats[key] - before[key] for key in before}
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +74,8 @@ def spec(request: pytest.FixtureRequest, tiny_deepseek: Path) -> LLM:
 
 def test_single_prompt_output_unchanged(base: LLM, spec: LLM) -> None:
     prompts = random_prompts(0, [11])
-    outs, stats = _steps(spec, prompts)
-    assert _tokens(outs) == _tokens(_run(base, prompts))
+    outs, stats = generate_counting(spec, prompts)
+    assert token_ids(outs) == token_ids(generate(base, prompts))
     k = spec.engine.config.speculative.num_tokens
     assert stats["spec_draft_tokens"] == outs[0].metrics.spec_draft_tokens > 0
     assert outs[0].metrics.spec_acceptance_rate is not None
@@ -102,7 +86,7 @@ def test_single_prompt_output_unchanged(base: LLM, spec: LLM) -> None:
 
 def test_batch_of_mixed_lengths_output_unchanged(base: LLM, spec: LLM) -> None:
     prompts = random_prompts(1, [1, 5, 17, 33, 2, 64])
-    assert _tokens(_run(spec, prompts)) == _tokens(_run(base, prompts))
+    assert token_ids(generate(spec, prompts)) == token_ids(generate(base, prompts))
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -110,16 +94,16 @@ def test_chunked_prefill_output_unchanged(tiny_deepseek: Path, base: LLM, k: int
     # Chunks of at most 5 tokens, 8 tokens a step: drafts are cut or dropped when the budget is short.
     llm = _llm(tiny_deepseek, k, long_prefill_token_threshold=5, max_num_batched_tokens=8)
     prompts = random_prompts(2, [45, 30, 9])
-    assert _tokens(_run(llm, prompts)) == _tokens(_run(base, prompts))
+    assert token_ids(generate(llm, prompts)) == token_ids(generate(base, prompts))
 
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_preempted_output_unchanged(tiny_deepseek: Path, base: LLM, k: int) -> None:
     llm = _llm(tiny_deepseek, k, block_size=4, num_gpu_blocks_override=24, max_model_len=64)
     prompts = random_prompts(3, [16, 12, 15, 14])
-    outs = _run(llm, prompts)
+    outs = generate(llm, prompts)
     assert sum(o.metrics.num_preemptions for o in outs) > 0
-    assert _tokens(outs) == _tokens(_run(base, prompts))
+    assert token_ids(outs) == token_ids(generate(base, prompts))
     llm.engine.buffers.check_invariants()
     assert llm.engine.buffers.pool.num_free == 24
 
@@ -132,7 +116,7 @@ def test_logprobs_and_sampled_requests_unchanged(base: LLM, spec: LLM) -> None:
     sampled = SamplingParams(temperature=0.9, top_k=50, seed=7, max_tokens=12, ignore_eos=True)
     ours = spec.generate(prompt_token_ids=prompts, sampling_params=[greedy, sampled], use_tqdm=False)
     ref = base.generate(prompt_token_ids=prompts, sampling_params=[greedy, sampled], use_tqdm=False)
-    assert _tokens(ours) == _tokens(ref)
+    assert token_ids(ours) == token_ids(ref)
     assert ours[0].metrics.spec_draft_tokens > 0 and ours[1].metrics.spec_draft_tokens == 0
     for a, b in zip(ours[0].outputs[0].logprobs, ref[0].outputs[0].logprobs, strict=True):
         assert a.keys() == b.keys()
@@ -146,9 +130,9 @@ def test_logprobs_and_sampled_requests_unchanged(base: LLM, spec: LLM) -> None:
 def test_aligned_mtp_drafts_are_accepted(aligned_deepseek: Path, k: int) -> None:
     prompts = random_prompts(5, [5, 17, 3, 30])
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    ref, ref_stats = _steps(_llm(aligned_deepseek), prompts, params)
-    outs, stats = _steps(_llm(aligned_deepseek, k), prompts, params)
-    assert _tokens(outs) == _tokens(ref)
+    ref, ref_stats = generate_counting(_llm(aligned_deepseek), prompts, params)
+    outs, stats = generate_counting(_llm(aligned_deepseek, k), prompts, params)
+    assert token_ids(outs) == token_ids(ref)
     rate = stats["spec_accepted_tokens"] / stats["spec_draft_tokens"]
     print(
         f"aligned MTP, k={k}: acceptance {rate:.2f}, steps {stats['steps']} (without drafts {ref_stats['steps']})"
@@ -170,12 +154,12 @@ def test_aligned_mtp_drafts_are_accepted(aligned_deepseek: Path, k: int) -> None
 )
 def test_forced_drafts_set_the_steps(tiny_deepseek: Path, base: LLM, right, k: int, rate, steps: int) -> None:
     prompts = random_prompts(6, [9])
-    ref = _run(base, prompts)
+    ref = generate(base, prompts)
     truth = {tuple(prompts[0]): prompts[0] + ref[0].outputs[0].token_ids}
     llm = _llm(tiny_deepseek, k)
     force_drafts(llm, truth, right)
-    outs, stats = _steps(llm, prompts)
-    assert _tokens(outs) == _tokens(ref)
+    outs, stats = generate_counting(llm, prompts)
+    assert token_ids(outs) == token_ids(ref)
     assert stats["steps"] == steps
     measured = outs[0].metrics.spec_acceptance_rate
     print(
@@ -189,15 +173,15 @@ def test_forced_drafts_set_the_steps(tiny_deepseek: Path, base: LLM, right, k: i
 
 def test_stop_token_in_the_middle_of_accepted_drafts(tiny_deepseek: Path, base: LLM) -> None:
     prompts = random_prompts(7, [6])
-    ref = _tokens(_run(base, prompts))[0]
+    ref = token_ids(generate(base, prompts))[0]
     truth = {tuple(prompts[0]): prompts[0] + ref}
     # The first token that has not occurred before position 6 of the output stops the request there.
     cut = next(i for i in range(6, len(ref)) if ref[i] not in ref[:i])
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[ref[cut]])
     llm = _llm(tiny_deepseek, 4)
     force_drafts(llm, truth, None)
-    outs = _run(llm, prompts, params)
-    assert _tokens(outs) == _tokens(_run(base, prompts, params)) == [ref[: cut + 1]]
+    outs = generate(llm, prompts, params)
+    assert token_ids(outs) == token_ids(generate(base, prompts, params)) == [ref[: cut + 1]]
     assert outs[0].outputs[0].finish_reason == "stop"
     llm.engine.buffers.check_invariants()
     assert llm.engine.buffers.pool.num_free == llm.engine.buffers.pool.num_blocks
@@ -260,7 +244,7 @@ def test_proposed_drafts_match_the_mtp_run_from_scratch(checkpoint: str, request
         return drafts
 
     monkeypatch.setattr(engine.executor, "propose", propose)
-    outs = _run(
+    outs = generate(
         llm, random_prompts(8, [19, 4, 11]), SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     )
     assert sum(o.metrics.spec_draft_tokens for o in outs) > 0

@@ -18,28 +18,12 @@ import pytest
 
 from pegainfer import LLM
 from pegainfer.testing.conformance import SamplingParams, random_prompts
-from pegainfer.testing.speculative import force_drafts
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+from pegainfer.testing.speculative import force_drafts, generate, generate_counting, token_ids
 
 
 def _llm(folder: Path, k: int = 0, **kw: object) -> LLM:
     kw.setdefault("cpu_kv_cache_bytes", 32 << 20)
     return LLM(str(folder), dtype="float32", device="cpu", speculative_num_tokens=k, **kw)
-
-
-def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY):
-    return llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-
-
-def _tokens(outs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def _steps(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY):
-    before = dict(llm.engine.stats)
-    outs = _run(llm, prompts, params)
-    return outs, {key: llm.engine.stats[key] - before[key] for key in before}
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +50,8 @@ def test_drafting_reserves_a_roll_back_snapshot_per_draft_and_the_mtp_cache(tiny
 def test_batch_of_mixed_lengths_output_unchanged(tiny_qwen35: Path, base: LLM, k: int) -> None:
     llm = _llm(tiny_qwen35, k)
     prompts = random_prompts(1, [1, 5, 17, 33, 2, 64])
-    outs, stats = _steps(llm, prompts)
-    assert _tokens(outs) == _tokens(_run(base, prompts))
+    outs, stats = generate_counting(llm, prompts)
+    assert token_ids(outs) == token_ids(generate(base, prompts))
     assert stats["spec_draft_tokens"] > 0
 
 
@@ -76,16 +60,16 @@ def test_chunked_prefill_output_unchanged(tiny_qwen35: Path, base: LLM, k: int) 
     # Chunks of at most 5 tokens, 8 tokens a step: drafts are cut or dropped when the budget is short.
     llm = _llm(tiny_qwen35, k, long_prefill_token_threshold=5, max_num_batched_tokens=8)
     prompts = random_prompts(2, [45, 30, 9])
-    assert _tokens(_run(llm, prompts)) == _tokens(_run(base, prompts))
+    assert token_ids(generate(llm, prompts)) == token_ids(generate(base, prompts))
 
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_preempted_output_unchanged(tiny_qwen35: Path, base: LLM, k: int) -> None:
     llm = _llm(tiny_qwen35, k, block_size=4, num_gpu_blocks_override=24, max_model_len=64)
     prompts = random_prompts(3, [16, 12, 15, 14])
-    outs = _run(llm, prompts)
+    outs = generate(llm, prompts)
     assert sum(o.metrics.num_preemptions for o in outs) > 0
-    assert _tokens(outs) == _tokens(_run(base, prompts))
+    assert token_ids(outs) == token_ids(generate(base, prompts))
     llm.engine.buffers.check_invariants()
 
 
@@ -97,7 +81,7 @@ def test_logprobs_and_sampled_requests_unchanged(tiny_qwen35: Path, base: LLM) -
         prompt_token_ids=prompts, sampling_params=[greedy, sampled], use_tqdm=False
     )
     ref = base.generate(prompt_token_ids=prompts, sampling_params=[greedy, sampled], use_tqdm=False)
-    assert _tokens(ours) == _tokens(ref)
+    assert token_ids(ours) == token_ids(ref)
     assert ours[0].metrics.spec_draft_tokens > 0 and ours[1].metrics.spec_draft_tokens == 0
     for a, b in zip(ours[0].outputs[0].logprobs, ref[0].outputs[0].logprobs, strict=True):
         assert a.keys() == b.keys()
@@ -118,12 +102,12 @@ def test_forced_drafts_roll_the_state_back_to_what_was_accepted(
     """Each verifying step accepts ``right`` drafts (all with None) and appends one more token: the state
     restored from the snapshot of that many drafts must continue as if they alone had been decoded."""
     prompts = random_prompts(6, [9, 21])
-    ref = _run(base, prompts)
+    ref = generate(base, prompts)
     truth = {tuple(p): p + o.outputs[0].token_ids for p, o in zip(prompts, ref, strict=True)}
     llm = _llm(tiny_qwen35, k)
     force_drafts(llm, truth, right)
-    outs, stats = _steps(llm, prompts)
-    assert _tokens(outs) == _tokens(ref)
+    outs, stats = generate_counting(llm, prompts)
+    assert token_ids(outs) == token_ids(ref)
     per_step = k + 1 if right is None else right + 1
     assert stats["steps"] == 1 + -(-23 // per_step), "one prefill step, then per_step tokens a step"
     accepted, verifying = stats["spec_accepted_tokens"], len(prompts) * (stats["steps"] - 1)
@@ -138,7 +122,7 @@ def test_verification_on_the_prefill_graph_path(tiny_qwen35: Path, base: LLM) ->
     its hidden states kept for the MTP pass, its roll-back states saved) is a bucket-padded prefill-graph
     step; drafts forced to accept one of three give the plain path's tokens."""
     prompts = random_prompts(7, [9, 21, 4])
-    ref = _run(base, prompts)
+    ref = generate(base, prompts)
     llm = _llm(tiny_qwen35, 3)
     llm.engine.executor.capture_cuda_graphs(eager=True)
     graphs = llm.engine.executor.runner.prefill_graphs
@@ -152,7 +136,7 @@ def test_verification_on_the_prefill_graph_path(tiny_qwen35: Path, base: LLM) ->
 
     graphs.run = recording_run
     force_drafts(llm, {tuple(p): p + o.outputs[0].token_ids for p, o in zip(prompts, ref, strict=True)}, 1)
-    assert _tokens(_run(llm, prompts)) == _tokens(ref)
+    assert token_ids(generate(llm, prompts)) == token_ids(ref)
     assert sum(4 in s for s in sampled) >= 8, "verification steps did not take the prefill graphs"
     llm.engine.buffers.check_invariants()
 
@@ -164,9 +148,9 @@ def test_verification_on_the_prefill_graph_path(tiny_qwen35: Path, base: LLM) ->
 def test_aligned_mtp_drafts_are_accepted(aligned_qwen35: Path, k: int) -> None:
     prompts = random_prompts(5, [5, 17, 3, 30])
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    ref, ref_stats = _steps(_llm(aligned_qwen35), prompts, params)
-    outs, stats = _steps(_llm(aligned_qwen35, k), prompts, params)
-    assert _tokens(outs) == _tokens(ref)
+    ref, ref_stats = generate_counting(_llm(aligned_qwen35), prompts, params)
+    outs, stats = generate_counting(_llm(aligned_qwen35, k), prompts, params)
+    assert token_ids(outs) == token_ids(ref)
     rate = stats["spec_accepted_tokens"] / stats["spec_draft_tokens"]
     print(f"aligned MTP, k={k}: acceptance {rate:.2f}, steps {stats['steps']} (without {ref_stats['steps']})")
     assert rate > 0.25
