@@ -130,3 +130,27 @@ def test_mutation_fails_the_logits_check(tiny_qwen3_next: Path, tmp_path: Path, 
 def test_ignoring_a_layer_kind_key_is_refused(tiny_qwen3_next: Path, tmp_path: Path, key: str) -> None:
     with pytest.raises(CheckpointError, match="shape|missing|lacks"):
         mutated_engine(MODEL, tiny_qwen3_next, Mutation(f"{key}-ignored", config=forget(key)), tmp_path)
+
+
+def test_mtp_drafting_keeps_the_greedy_tokens(tiny_qwen3_next: Path) -> None:
+    """Qwen3-Next's MTP module (the same layout as Qwen3.5's, a sparse decoder layer) drafts, and every
+    rejection rolls the GDN state back: greedy tokens equal those without drafting."""
+    from pegainfer import LLM
+    from pegainfer.testing.conformance import random_prompts
+    from pegainfer.testing.speculative import generate_counting, token_ids
+
+    prompts = random_prompts(9, [6, 19, 2])
+    runs = []
+    for k in (0, 2):
+        llm = LLM(
+            str(tiny_qwen3_next),
+            dtype="float32",
+            device="cpu",
+            cpu_kv_cache_bytes=32 << 20,
+            speculative_num_tokens=k,
+        )
+        assert llm.engine.executor.runner.model.num_mtp_layers == 1
+        runs.append(generate_counting(llm, prompts))
+    (plain, _), (drafted, stats) = runs
+    assert token_ids(drafted) == token_ids(plain)
+    assert stats["spec_draft_tokens"] > 0
