@@ -120,6 +120,20 @@ def test_state_slots_counted_per_max_num_seqs() -> None:
     assert plan(specs=[*KV_LAYERS, STATE], max_num_seqs=3).num_state_slots == 3
 
 
+def test_drafting_reserves_roll_back_snapshots_before_prefix_cachings() -> None:
+    """Speculative decoding of k drafts keeps k snapshots a state slot, first in the pool; prefix caching's
+    snapshots follow, sized as without drafting; a model without state gets none of either kind."""
+    specs = [*KV_LAYERS, STATE]
+    cached = plan(specs=specs, prefix_caching=True, num_state_snapshots=5)
+    both = plan(specs=specs, prefix_caching=True, num_state_snapshots=5, draft_snapshots_per_seq=3)
+    assert both.draft_snapshots_per_slot == 3 and both.num_cache_snapshots == cached.num_cache_snapshots == 5
+    assert both.num_snapshot_slots == 8 * 3 + 5
+    assert both.num_blocks == (1_000_000 - 100_000 - 15_560 - 8 * 80 - 29 * 80) // 2048
+    drafting = plan(specs=specs, draft_snapshots_per_seq=2)
+    assert drafting.num_snapshot_slots == 16 and drafting.num_cache_snapshots == 0
+    assert plan(draft_snapshots_per_seq=2).num_snapshot_slots == 0
+
+
 def test_state_only_model_has_no_pages() -> None:
     """Without a paged layer there are no pages, and max_model_len does not constrain the plan."""
     p = plan(specs=[STATE], max_model_len=1 << 20)

@@ -124,7 +124,7 @@ class LLMEngine:
                 logger.warning("%s runs without prefix caching: %s", self.executor.info.name, refusal)
             return False
         plan = self.executor.plan
-        if plan.num_state_slots and not plan.num_snapshot_slots:
+        if plan.num_state_slots and not plan.num_cache_snapshots:
             logger.warning(
                 "prefix caching is off: the model keeps recurrent state and the memory plan holds no state snapshot "
                 "(cache.num_state_snapshots)"

@@ -40,7 +40,7 @@ from pegainfer.memory.prefill_graph_inputs import (
     prefill_graph_buckets,
     prefill_graph_shape,
 )
-from pegainfer.memory.rank_plan import plan_rank_memory, prefix_caching_refusal
+from pegainfer.memory.rank_plan import plan_rank_memory
 from pegainfer.model.model_api import ForwardBatch, StateCheckpoints
 from pegainfer.model.model_loader import load_model
 from pegainfer.parallel.distributed import TensorParallel
@@ -91,7 +91,7 @@ class ModelRunner:
             loaded.max_model_len,
             self.device,
             loaded.dtype,
-            prefix_caching_refusal(model, config),
+            model.prefix_caching_refusal,
             model.snapshot_inside_chunk_tokens,
         )
         self.capabilities = ExecutorCapabilities(

@@ -287,10 +287,12 @@ class PagedBufferManager(BufferManager):
         self._has_state = plan.num_state_slots > 0
         self._paged = plan.page_bytes > 0
         self.caching = prefix_caching and self._paged and plan.num_blocks > 0
-        if self.caching and self._has_state and not plan.num_snapshot_slots:
+        if self.caching and self._has_state and not plan.num_cache_snapshots:
             self.caching = False  # the state at a hit boundary could not be restored
         self.cuts_chunks = self.caching and self._has_state
-        self.snapshots = SnapshotPool(plan.num_snapshot_slots if self.cuts_chunks else 0)
+        # The pool's first snapshots are speculative decoding's roll-back points (``roll_back_state``).
+        roll_backs = plan.num_snapshot_slots - plan.num_cache_snapshots
+        self.snapshots = SnapshotPool(plan.num_cache_snapshots if self.cuts_chunks else 0, roll_backs)
         self.pool.on_evict = self.snapshots.drop if self.cuts_chunks else None
         self._interval = snapshot_interval_pages * self.block_size
         self._inside_tokens = snapshot_inside_chunk_tokens
@@ -541,10 +543,17 @@ class PagedBufferManager(BufferManager):
         """For each planned chunk ending at a snapshot boundary that has no snapshot yet: copy the request's
         slot into a snapshot after the step's forward; for a short chunk keeping such a boundary inside
         (``chunk_limit``), a checkpoint the forward saves there. A snapshot is published (found by lookups)
-        once that step has run and the boundary's tokens are known."""
+        once that step has run and the boundary's tokens are known.
+
+        A verification chunk (speculative decoding) is skipped: which of its tokens stay is known only after
+        the forward, whose in-chunk saves are the roll-back points. So a boundary its drafts cross (one
+        every ``snapshot_interval_pages`` of generated text) gets no snapshot, and a later hit resumes from
+        the boundary before it."""
         if not self.cuts_chunks:
             return
         for item in scheduled:
+            if item.spec_token_ids:
+                continue
             request, start = item.request, item.start
             end = start + item.num_new_tokens
             # A boundary strictly inside needs two tokens or more (a decode row has none).

@@ -35,6 +35,11 @@ class MemoryPlan:
     draft_snapshots_per_slot: int = 0
 
     @property
+    def num_cache_snapshots(self) -> int:
+        """The snapshots prefix caching keeps: those after speculative decoding's roll-back points."""
+        return self.num_snapshot_slots - self.num_state_slots * self.draft_snapshots_per_slot
+
+    @property
     def transient_bytes(self) -> int:
         return sum(self.transients.values())
 
@@ -88,8 +93,8 @@ def plan_memory(
     state slot, so there are ``max_num_seqs`` slots; with ``prefix_caching`` a model with state also gets
     ``num_state_snapshots`` snapshots (None: ``max_num_seqs``, at most a tenth of what the slots leave, at
     least one unless that leaves too little for one request's pages); with ``draft_snapshots_per_seq``
-    (speculative decoding of ``k`` drafts: k) a model with state gets that many per slot instead, where a
-    verification's state is kept after each draft it may roll back to (never with prefix caching);
+    (speculative decoding of ``k`` drafts: k) a model with state also gets that many per slot, before
+    those, where a verification's state is kept after each draft it may roll back to;
     pages get what is left, at most what ``max_num_seqs`` full-length requests use when ``cap_pages``
     (more pages then only cost allocation time). Raises ConfigError when not even one request of
     ``max_model_len`` tokens fits.
@@ -102,12 +107,8 @@ def plan_memory(
     free = budget - weight_bytes - sum(reserved.values()) - num_slots * state_per_slot
     num_snapshots = 0
     per_slot = draft_snapshots_per_seq if state_per_slot else 0
-    if per_slot and prefix_caching:
-        raise ValueError("state snapshots serve prefix caching or speculative decoding, not both at once")
-    if per_slot:
-        num_snapshots = num_slots * per_slot
-        free -= num_snapshots * state_per_slot
-    elif prefix_caching and state_per_slot and paged:
+    free -= num_slots * per_slot * state_per_slot
+    if prefix_caching and state_per_slot and paged:
         if num_state_snapshots is None:
             num_snapshots = max(1, min(max_num_seqs, max(free, 0) // 10 // state_per_slot))
             if num_blocks_override is None:
@@ -117,6 +118,7 @@ def plan_memory(
         else:
             num_snapshots = num_state_snapshots
         free -= num_snapshots * state_per_slot
+    num_snapshots += num_slots * per_slot  # the roll-back points come first in the pool
     if num_blocks_override is not None:
         num_blocks = num_blocks_override
     elif bytes_per_page == 0:

@@ -55,9 +55,11 @@ class SnapshotPool:
     #: Steps a written snapshot may wait for its boundary's tokens to be known before it is given up.
     MAX_PENDING_STEPS = 8
 
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+    def __init__(self, num_slots: int, first: int = 0) -> None:
+        """Slots ``first .. first + num_slots - 1`` of the snapshot tensors (those before belong to
+        speculative decoding's roll-back points)."""
+        self.num_slots, self.first = num_slots, first
+        self._free: list[int] = list(range(first + num_slots - 1, first - 1, -1))
         self._published: OrderedDict[bytes, int] = OrderedDict()
         # (snapshot slot, request, boundary in pages, step that writes it)
         self._pending: list[tuple[int, Request, int, int]] = []
@@ -118,5 +120,7 @@ class SnapshotPool:
     def check(self) -> None:
         slots = [*self._free, *self._published.values(), *(p[0] for p in self._pending)]
         assert len(slots) == len(set(slots)), "a snapshot slot is used twice"
-        assert all(0 <= s < self.num_slots for s in slots), "a snapshot slot is out of range"
+        assert all(self.first <= s < self.first + self.num_slots for s in slots), (
+            "a snapshot slot is out of range"
+        )
         assert len(slots) == self.num_slots, "snapshot slots were lost"

@@ -12,10 +12,9 @@ from dataclasses import replace
 import torch
 
 from pegainfer.config.schema import EngineConfig
-from pegainfer.memory.buffer_specs import BufferSpec, TransientSpec, dtype_size, has_recurrent_state
+from pegainfer.memory.buffer_specs import BufferSpec, TransientSpec, dtype_size
 from pegainfer.memory.memory_plan import MemoryPlan, plan_memory
 from pegainfer.memory.prefill_graph_inputs import prefill_graph_buckets, prefill_graph_shape
-from pegainfer.model.model_api import CausalLM
 from pegainfer.model.model_loader import LoadedModel
 from pegainfer.parallel.distributed import TensorParallel
 from pegainfer.scheduling.scheduler import PROMPT_LOGPROBS_CHUNK
@@ -32,21 +31,9 @@ def memory_budget(loaded: LoadedModel, config: EngineConfig, transient_bytes: in
     return loaded.weight_bytes + transient_bytes + config.cache.cpu_kv_cache_bytes
 
 
-def prefix_caching_refusal(model: CausalLM, config: EngineConfig) -> str | None:
-    """Why this model runs without the prefix caching it may be asked for (None: it can cache)."""
-    if model.prefix_caching_refusal is not None:
-        return model.prefix_caching_refusal
-    if config.speculative.num_tokens and has_recurrent_state(model.buffer_specs()):
-        return (
-            "speculative decoding rolls its recurrent state back through state snapshots, which prefix "
-            "caching's snapshots cannot share yet (set speculative.num_tokens=0 to cache prefixes)"
-        )
-    return None
-
-
 def prefix_caching_enabled(loaded: LoadedModel, config: EngineConfig) -> bool:
-    """Whether this model runs with prefix caching: asked for, and not refused."""
-    return config.cache.enable_prefix_caching and prefix_caching_refusal(loaded.model, config) is None
+    """Whether this model runs with prefix caching: asked for, and not refused by the model."""
+    return config.cache.enable_prefix_caching and loaded.model.prefix_caching_refusal is None
 
 
 def step_transients(loaded: LoadedModel, config: EngineConfig, *, graphs: bool) -> list[TransientSpec]:

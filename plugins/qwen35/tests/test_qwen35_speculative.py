@@ -38,9 +38,51 @@ def test_drafting_reserves_a_roll_back_snapshot_per_draft_and_the_mtp_cache(tiny
     engine = _llm(tiny_qwen35, 3, max_num_seqs=5).engine
     plan = engine.executor.plan
     assert engine.executor.capabilities.max_speculative_tokens == 3
-    assert plan.draft_snapshots_per_slot == 3 and plan.num_snapshot_slots == 5 * 3
+    assert plan.draft_snapshots_per_slot == 3 and plan.num_cache_snapshots > 0
+    assert plan.num_snapshot_slots == 5 * 3 + plan.num_cache_snapshots
     assert 4 in engine.executor.runner.buffers.caches, "the MTP layer's KV cache (layer num_hidden_layers)"
-    assert not engine.buffers.caching, "prefix caching's snapshots are not shared with drafting"
+    buffers = engine.buffers
+    assert buffers.caching and buffers.snapshots.first == 15, "prefix caching keeps the snapshots after them"
+
+
+def test_prefix_caching_beside_drafting_gives_the_uncached_tokens(tiny_qwen35: Path) -> None:
+    """Prefix caching (snapshots every 8 tokens) and drafting (forced to accept one of two drafts, so every
+    verification rolls back) share the snapshot pool: a repeated prompt, prompts sharing part of it, and a
+    second turn whose prompt holds the first turn's answer hit cached pages and restore cached states, and
+    every request's tokens are those of a run with neither."""
+    from pegainfer.config.compose import build_engine_config, compose
+
+    def llm(*overrides: str) -> LLM:
+        small = [
+            f"model.path={tiny_qwen35}", "model.dtype=float32", "model.max_model_len=128", "device=cpu",
+            "cache.block_size=4", "cache.snapshot_interval_pages=2", f"cache.cpu_kv_cache_bytes={32 << 20}",
+        ]  # fmt: skip
+        return LLM.from_config(build_engine_config(compose("generate", [*small, *overrides])))
+
+    base = random_prompts(11, [30])[0]
+    plain = llm("cache.enable_prefix_caching=false")
+    first = token_ids(generate(plain, [base]))[0]
+    rounds = [[base], [base[:n] + random_prompts(n, [5])[0] for n in (9, 17, 26)], [base + first + [7, 8, 9]]]
+    expected = [token_ids(generate(plain, r)) for r in rounds]
+    truth = {
+        tuple(p): p + out
+        for r, outs in zip(rounds, expected, strict=True)
+        for p, out in zip(r, outs, strict=True)
+    }
+    both = llm("speculative.num_tokens=2")
+    assert both.engine.buffers.caching and both.engine.executor.plan.draft_snapshots_per_slot == 2
+    force_drafts(both, truth, 1)
+    cached = []
+    for r, want in zip(rounds, expected, strict=True):
+        outs = generate(both, r)
+        assert token_ids(outs) == want
+        cached.append([o.num_cached_tokens for o in outs])
+        both.engine.buffers.check_invariants()
+    assert all(c > 0 for c in cached[1]), f"no hits where expected: {cached}"
+    # The second turn resumes at the first turn's prompt's last full page: the boundaries inside its drafted
+    # answer got no snapshot (verification chunks take none, see PagedBufferManager.plan_snapshots).
+    assert cached[2] == [(len(base) - 1) // 4 * 4]
+    assert both.engine.stats["spec_accepted_tokens"] > 0
 
 
 # --------------------------------------------------------------------------------- output invariance
