@@ -13,6 +13,7 @@ runner in the engine's process plus one runner per further rank in worker proces
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -116,6 +117,9 @@ class ModelRunner:
         )
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        # The drafter's passes in the prefill graphs' shape, and the hidden states they read.
+        self.draft_graphs: PrefillGraphs | None = None
+        self._draft_hidden: torch.Tensor | None = None
         # The last batch run on the decode-graph path and its rows' inputs (kept while it is moved on).
         self._graph_rows: DecodeRows | None = None
         self._launch_s = 0.0
@@ -167,7 +171,39 @@ class ModelRunner:
             )
             prefill.capture(pool)
             self.prefill_graphs = prefill
+            if self.capabilities.max_speculative_tokens:
+                self.draft_graphs = self._capture_draft_graphs(pool, eager)
         self.capabilities = replace(self.capabilities, cuda_graphs=not eager)
+
+    def _capture_draft_graphs(self, pool, eager: bool) -> PrefillGraphs:
+        """The MTP module's passes (``propose``) as prefill graphs of the same shape, each segment
+        sampling its last row; a pass's input hidden states are copied into ``_draft_hidden`` first."""
+        shape = self.prefill_inputs
+        inputs = PrefillGraphInputs(shape.max_tokens, shape.max_segments, shape.max_blocks, self.device)
+        probe = self.model.embed(torch.zeros(1, dtype=torch.int64, device=self.device))  # width and dtype
+        hidden = self._draft_hidden = probe.new_zeros(shape.max_tokens, probe.shape[-1])
+        caches = self.buffers.caches
+
+        def draft_forward(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+            rows = hidden[: batch.token_ids.shape[0]]
+            return self.model.mtp_forward(
+                rows, batch.token_ids, batch, caches, return_hidden=True, logit_rows=inputs.logit_rows
+            )
+
+        graphs = PrefillGraphs(
+            self.model,
+            inputs,
+            caches,
+            {},
+            {},
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            buckets=prefill_graph_buckets(shape.max_tokens),
+            eager=eager,
+            forward=draft_forward,
+        )
+        graphs.capture(pool)
+        return graphs
 
     @property
     def wait_time_s(self) -> float:
@@ -431,6 +467,35 @@ class ModelRunner:
         )
         return fwd, [first_row[id(c)] for c in chunks]
 
+    def _draft_pass(
+        self, chunks: list[SequenceChunk], hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass of the MTP module (depth 0) over ``chunks``, fed ``hidden`` (their rows' input hidden
+        states in chunk order): the draft logits and output hidden states of the last row of each chunk
+        with ``num_logits`` 1, in chunk order. Through the draft graphs where they take the pass."""
+        sampled = [i for i, c in enumerate(chunks) if c.num_logits]
+        graphs = self.draft_graphs
+        if graphs is not None and graphs.takes(chunks):
+            self._draft_hidden[: hidden.shape[0]].copy_(hidden)
+            logits, out = graphs.run(chunks, None, None)
+            ends = list(itertools.accumulate(len(c.token_ids) for c in chunks))
+            last = torch.tensor([ends[i] - 1 for i in sampled], dtype=torch.int64, device=self.device)
+            return logits, out.index_select(0, last)  # a copy: the next replay rewrites ``out``
+        fwd, rows = self._eager_batch(chunks)
+        order = torch.tensor(
+            [r + j for r, c in zip(rows, chunks, strict=True) for j in range(len(c.token_ids))],
+            device=self.device,
+        )
+        h = torch.empty_like(hidden)
+        h[order] = hidden
+        last = torch.tensor(
+            [rows[i] + len(chunks[i].token_ids) - 1 for i in sampled], dtype=torch.int64, device=self.device
+        )
+        logits, out = self.model.mtp_forward(
+            h, fwd.token_ids, fwd, self.buffers.caches, return_hidden=True, logit_rows=last
+        )
+        return logits, out[last]
+
     @torch.inference_mode()
     def propose(self, inputs: list[DraftInput]) -> list[list[int]]:
         """Run the draft module (depth 0, chained for further drafts) over the last step's kept hidden
@@ -463,24 +528,13 @@ class ModelRunner:
                     inp.block_table,
                     epoch=inp.epoch,
                     serial=inp.serial,
+                    num_logits=int(inp.num_drafts > 0),  # a prompt chunk that drafts nothing fills the cache
                 )
             )
             hidden.append(kept[:n])
         self._kept_hidden.clear()
-        fwd, rows = self._eager_batch(chunks)
-        order = torch.tensor(
-            [r + j for r, c in zip(rows, chunks, strict=True) for j in range(len(c.token_ids))],
-            device=self.device,
-        )
-        h = torch.empty(len(order), hidden[0].shape[1], dtype=hidden[0].dtype, device=self.device)
-        h[order] = torch.cat(hidden)
         live = [i for i, inp in enumerate(inputs) if inp.num_drafts > 0]
-        last = torch.tensor(
-            [rows[i] + len(chunks[i].token_ids) - 1 for i in live], dtype=torch.int64, device=self.device
-        )
-        caches = self.buffers.caches
-        logits, h = self.model.mtp_forward(h, fwd.token_ids, fwd, caches, return_hidden=True, logit_rows=last)
-        h = h[last]
+        logits, h = self._draft_pass(chunks, torch.cat(hidden))
         step = 0
         while live:
             tokens = logits.argmax(dim=-1).tolist()
@@ -500,9 +554,9 @@ class ModelRunner:
                     inputs[i].block_table,
                     epoch=inputs[i].epoch,
                     serial=inputs[i].serial,
+                    num_logits=1,
                 )
                 for i in live
             ]
-            fwd, _ = self._eager_batch(chunks)
-            logits, h = self.model.mtp_forward(h, fwd.token_ids, fwd, caches, return_hidden=True)
+            logits, h = self._draft_pass(chunks, h)
         return drafts

@@ -15,13 +15,17 @@ placeholders bounded by the bucket, and the real values are in ``derived``: the 
 tensors ("prefill_tensors", with the bucket as the longest query) and the varlen bounds ("cu_seqlens").
 With ``eager`` the same padded forward runs without a graph and with the real segments on the host
 (``enforce_eager``; the reference paths on the CPU run it too).
+
+The drafter's passes take the same machinery with their own inputs (``forward``: the MTP module over
+hidden states written into a static input, see ``ModelRunner.propose``): a pass over a step's kept
+positions is a prefill of short segments, a chained draft one of one-token segments.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -48,8 +52,12 @@ class PrefillGraphs:
         max_model_len: int,
         buckets: list[int],
         eager: bool = False,
+        forward: Callable[[ForwardBatch], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
+        """``forward(batch) -> (logits of inputs.logit_rows, hidden states of every token)``: by default the
+        model's forward and its logits."""
         self.model = model
+        self.forward = forward or self._model_forward
         self.inputs = inputs
         self.caches, self.states = caches, states
         # Snapshot pools for in-chunk checkpoints, when the model takes them and caching keeps any.
@@ -131,7 +139,7 @@ class PrefillGraphs:
             checkpoints=ckpt,
         )
 
-    def _forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _model_forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.model(batch, self.caches, self.states)
         return self.model.compute_logits(hidden.index_select(0, self.inputs.logit_rows)), hidden
 
@@ -144,7 +152,7 @@ class PrefillGraphs:
         self.inputs.clear()
         torch.cuda.synchronize()
         self._graphs = capture_buckets(
-            self.buckets, lambda size: self._forward(self._batch(size, None, None)), pool
+            self.buckets, lambda size: self.forward(self._batch(size, None, None)), pool
         )
         logger.info("captured prefill CUDA graphs for %s tokens", self.buckets)
 
@@ -169,7 +177,7 @@ class PrefillGraphs:
         size = self.bucket_for(tokens)
         if self.eager:
             segments = inp.segments(len(chunks), self.block_size)
-            logits, hidden = self._forward(self._batch(size, segments, checkpoints))
+            logits, hidden = self.forward(self._batch(size, segments, checkpoints))
         else:
             graph, (logits, hidden) = self._graphs[size]
             t0 = time.perf_counter()

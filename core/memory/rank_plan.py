@@ -72,6 +72,12 @@ def step_transients(loaded: LoadedModel, config: EngineConfig, *, graphs: bool) 
                 3 + max_blocks
             )  # on the device
             specs.append(TransientSpec("prefill_graphs", bytes_fixed=tokens * per_row + logits + inputs))
+            if num_spec:
+                # The drafter's graphs of the same shape: every bucket's static logits (a row a segment)
+                # and output hidden states, and their hidden-state input.
+                buckets = len(prefill_graph_buckets(tokens))
+                static = buckets * (segments * 4 * vocab + tokens * per_row) + tokens * per_row + inputs
+                specs.append(TransientSpec("draft_graphs", bytes_fixed=static))
     return specs
 
 

@@ -183,6 +183,46 @@ def test_verification_on_the_prefill_graph_path(tiny_qwen35: Path, base: LLM) ->
     llm.engine.buffers.check_invariants()
 
 
+def test_draft_passes_on_the_graph_path(tiny_qwen35: Path) -> None:
+    """The GPU's draft path, run eagerly on the CPU: the MTP pass over a step's kept positions and each
+    chained draft replay the draft graphs (short segments, then one-token segments) and propose exactly
+    the drafts the plain path proposes, step by step (the random module's hidden-state half included)."""
+    prompts = random_prompts(5, [5, 17, 3, 30])
+
+    def proposals(llm: LLM) -> list:
+        made, propose = [], llm.engine.executor.propose
+
+        def recording(inputs):
+            drafts = propose(inputs)
+            made.append(drafts)
+            return drafts
+
+        llm.engine.executor.propose = recording
+        return made
+
+    plain = _llm(tiny_qwen35, 3)
+    plain_drafts = proposals(plain)
+    plain_tokens = token_ids(generate(plain, prompts))
+    llm = _llm(tiny_qwen35, 3)
+    llm.engine.executor.capture_cuda_graphs(eager=True)
+    graphs = llm.engine.executor.runner.draft_graphs
+    passes: list[list[int]] = []
+    run = graphs.run
+
+    def recording_run(chunks, state_slots, checkpoints):
+        passes.append([len(c.token_ids) for c in chunks])
+        return run(chunks, state_slots, checkpoints)
+
+    graphs.run = recording_run
+    graph_drafts = proposals(llm)
+    assert token_ids(generate(llm, prompts)) == plain_tokens
+    assert graph_drafts == plain_drafts
+    assert any(max(p) > 1 for p in passes), "no pass over a step's kept positions took the graphs"
+    assert any(len(p) > 1 and max(p) == 1 for p in passes), (
+        "no chained drafts of several rows took the graphs"
+    )
+
+
 # ---------------------------------------------------------------------------- the real MTP path drafts
 
 
