@@ -73,9 +73,10 @@ class ModelBatch:
     #: This is the last executed batch (the same object) moved on to the next step: only its chunks'
     #: ``start`` and ``carried_tokens`` changed, so the executor may keep what it drew from the rest.
     moved_on: bool = False
-    #: Prefix caching of recurrent state, (state slot, snapshot slot) pairs: snapshots copied into the slots
-    #: of requests resuming from a cached prefix before the forward, and slots copied into snapshots after
-    #: it (chunks that end at a snapshot boundary). Set for every step, the moved-on batch's included.
+    #: Recurrent-state snapshots, (state slot, snapshot slot) pairs: snapshots copied into the slots before
+    #: the forward (a request resuming from a cached prefix, or rolling rejected drafts back), and slots
+    #: copied into snapshots after it (chunks that end at a caching boundary). Set for every step, the
+    #: moved-on batch's included.
     state_restores: list[tuple[int, int]] = field(default_factory=list)
     state_saves: list[tuple[int, int]] = field(default_factory=list)
     #: (state slot, snapshot slot, tokens, count): the state of the chunk owning that slot after its first

@@ -60,7 +60,8 @@ class PrefillGraphs:
         self.forward = forward or self._model_forward
         self.inputs = inputs
         self.caches, self.states = caches, states
-        # Snapshot pools for in-chunk checkpoints, when the model takes them and caching keeps any.
+        # Snapshot pools for in-chunk checkpoints (roll-back points, caching snapshots), for a model that
+        # takes them.
         self.snapshots = snapshots if model.snapshot_inside_chunk_tokens else {}
         self.block_size, self.max_model_len = block_size, max_model_len
         self.buckets = sorted(buckets)

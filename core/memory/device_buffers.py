@@ -16,8 +16,8 @@ from pegainfer.memory.memory_plan import MemoryPlan
 class DeviceBuffers:
     """``caches[spec.key]``: a layer's page pool (``buffer_specs.cache_key``); ``states[layer][name]``:
     ``[num_state_slots, *shape]``; ``snapshots[layer][name]``: ``[num_snapshot_slots, *shape]``, copies of
-    state slots kept at page boundaries for prefix caching (a model sees them only when it saves states inside
-    a chunk: ``ForwardBatch.checkpoints``)."""
+    state slots: speculative decoding's roll-back points first, then prefix caching's snapshots at page
+    boundaries (a model sees them only when it saves states inside a chunk: ``ForwardBatch.checkpoints``)."""
 
     def __init__(self, specs: list[BufferSpec], plan: MemoryPlan, device: torch.device) -> None:
         self.plan = plan
@@ -64,7 +64,7 @@ class DeviceBuffers:
     def copy_snapshots(self, copies: list[tuple[int, int]], *, save: bool) -> None:
         """Copy whole states between the request slots and the snapshot pool: ``copies`` are (state slot,
         snapshot slot) pairs, state into snapshot when ``save``, else snapshot into state (a prefix hit
-        resuming at the snapshot's page boundary). Every rank runs the same copies on its own shard."""
+        resuming at the snapshot's page boundary, or a roll-back to the last accepted draft). Every rank runs the same copies on its own shard."""
         if not copies or not self._snapshot_stacks:
             return
         pinned = self.device.type == "cuda"  # staged through pinned memory: the copy does not wait

@@ -79,7 +79,10 @@ class CausalLM(torch.nn.Module, ABC):
 
         ``model_config`` is an instance of the plugin's ``config_schema`` (``ModelConfig`` without one).
         A model that shards declares a keyword-only ``tp: TensorParallel`` too (this rank's place in its
-        group); one whose signature has no ``tp`` is refused at tensor-parallel size > 1."""
+        group); one whose signature has no ``tp`` is refused at tensor-parallel size > 1. A model with draft
+        (MTP) modules declares a keyword-only ``drafting: bool`` too: whether the engine speculates
+        (``speculative.num_tokens > 0``); without drafting it builds none, so a run that does not draft
+        holds no memory for them, and its loader skips the checkpoint's draft tensors."""
 
     @staticmethod
     @abstractmethod

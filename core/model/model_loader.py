@@ -127,8 +127,11 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
             f"model.max_model_len={max_model_len} exceeds the checkpoint's max_position_embeddings ({limit})"
         )
     kwargs: dict[str, Any] = {"dtype": dtype, "max_model_len": max_model_len}
-    if "tp" in inspect.signature(model_cls.from_hf_config).parameters:
+    parameters = inspect.signature(model_cls.from_hf_config).parameters
+    if "tp" in parameters:
         kwargs["tp"] = tp
+    if "drafting" in parameters:
+        kwargs["drafting"] = config.speculative.num_tokens > 0
     if device.index is not None and device.type == "cuda":
         torch.cuda.set_device(device)  # a rank's collectives and graphs run on its own GPU
     with torch.device(device):

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pegainfer.config.schema import EngineConfig, ModelConfig
+from pegainfer.config.schema import EngineConfig, ModelConfig, SpeculativeConfig
 from pegainfer.model.checkpoint import CheckpointReader
 from pegainfer.sampling.sampling_params import SamplingParams
 
@@ -198,10 +198,16 @@ class Bf16AccuracyReport:
 
 
 def unused_checkpoint_tensors(folder: str | Path, name: str = "auto") -> list[str]:
-    """Tensors of the checkpoint that the plugin's loader never read (an empty list is full coverage)."""
+    """Tensors of the checkpoint that the plugin's loader never read (an empty list is full coverage), with
+    drafting on, so a model's draft modules are built and read too."""
     from pegainfer.model.model_loader import load_model
 
-    loaded = load_model(EngineConfig(model=ModelConfig(name=name, path=str(folder)), device="cpu"))
+    config = EngineConfig(
+        model=ModelConfig(name=name, path=str(folder)),
+        device="cpu",
+        speculative=SpeculativeConfig(num_tokens=1),
+    )
+    loaded = load_model(config)
     reader = CheckpointReader(folder)
     loaded.model.load_weights(reader)
     return reader.unused()

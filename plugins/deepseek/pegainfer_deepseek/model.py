@@ -104,6 +104,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         dtype: torch.dtype,
         max_model_len: int,
         tp: TensorParallel | None = None,
+        drafting: bool = True,
     ) -> None:
         super().__init__()
         self.dims = dims
@@ -115,8 +116,9 @@ class DeepseekV3ForCausalLM(CausalLM):
         self.layers = nn.ModuleList(DecoderLayer(dims, i, dtype, tp) for i in range(dims.num_layers))
         self.norm = param(h, dtype=dtype)
         self.lm_head = None if dims.tie_word_embeddings else param(rows, h, dtype=dtype)
-        # V3.2's MTP layer would need its own indexer cache among the draft caches: not served.
-        num_mtp = 0 if dims.indexer is not None else dims.num_mtp_layers
+        # Draft modules only for a run that drafts. V3.2's MTP layer would need its own indexer cache among
+        # the draft caches: not served.
+        num_mtp = 0 if dims.indexer is not None or not drafting else dims.num_mtp_layers
         if dims.indexer is not None and dims.num_mtp_layers:
             logger.info("DeepSeek-V3.2: the MTP layer is not served (no drafting with the DSA indexer yet)")
         self.mtp = nn.ModuleList(
@@ -136,11 +138,12 @@ class DeepseekV3ForCausalLM(CausalLM):
         dtype: torch.dtype,
         max_model_len: int,
         tp: TensorParallel | None = None,
+        drafting: bool = True,
     ) -> DeepseekV3ForCausalLM:
         dims = DeepseekV3Dims.from_hf_config(hf_config)
         if getattr(model_config, "quantization", None) == "fp8" and dims.fp8 is None:
             dims = dataclasses.replace(dims, quantize_experts=True)
-        return cls(dims, dtype=dtype, max_model_len=max_model_len, tp=tp)
+        return cls(dims, dtype=dtype, max_model_len=max_model_len, tp=tp, drafting=drafting)
 
     @staticmethod
     def max_context_length(hf_config: dict[str, Any]) -> int:
@@ -177,6 +180,26 @@ class DeepseekV3ForCausalLM(CausalLM):
             self.mtp = nn.ModuleList()
         for module in self.mtp:
             module.load(weights, f"model.layers.{module.layer_index}.")
+        self._skip_unbuilt_mtp_layers(reader)
+
+    def _skip_unbuilt_mtp_layers(self, reader: CheckpointReader) -> None:
+        """Mark the checkpoint's MTP layers (``model.layers.{num_hidden_layers + k}.*``) that no module was
+        built for (not drafting, or V3.2) as deliberately not loaded, saying so once."""
+        main = {f"model.layers.{i}." for i in range(self.dims.num_layers)}
+        skipped = sorted(
+            n
+            for n in reader.names()
+            if n.startswith("model.layers.")
+            and n not in reader.consumed
+            and n[: n.index(".", 13) + 1] not in main
+        )
+        if skipped:
+            logger.info(
+                "skipping %d MTP tensors (model.layers.%d.* on): no draft module was built",
+                len(skipped),
+                self.dims.num_layers,
+            )
+            reader.consumed.update(skipped)
 
     def _latent_spec(self, layer_index: int) -> PagedLatentSpec:
         return PagedLatentSpec(layer_index, self.dims.kv_lora_rank, self.dims.qk_rope_head_dim, self.dtype)

@@ -35,7 +35,10 @@ def folders(tiny_checkpoint_factory, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fp8_llm(folders):
-    return LLM(str(folders[0]), dtype="float32", device="cpu", cpu_kv_cache_bytes=4 << 20)
+    # Drafting on, so the MTP layer is built and loaded (its dequantized weights are checked too).
+    return LLM(
+        str(folders[0]), dtype="float32", device="cpu", cpu_kv_cache_bytes=4 << 20, speculative_num_tokens=1
+    )
 
 
 def _hand_dequantize(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:

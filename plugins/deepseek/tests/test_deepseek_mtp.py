@@ -101,11 +101,25 @@ def _table_batch(
 
 
 @pytest.fixture(scope="module")
-def mtp_case(llm, tiny_deepseek):
+def draft_llm(tiny_deepseek):
+    """The tiny model with drafting on: its MTP module is built only then."""
+    from pegainfer import LLM
+
+    return LLM(
+        str(tiny_deepseek),
+        dtype="float32",
+        device="cpu",
+        cpu_kv_cache_bytes=8 << 20,
+        speculative_num_tokens=1,
+    )
+
+
+@pytest.fixture(scope="module")
+def mtp_case(draft_llm, tiny_deepseek):
     rng = random.Random(11)
     tokens = [rng.randrange(990) for _ in range(23)]
     hidden, ref = _reference_mtp(tiny_deepseek, tokens)
-    return llm.engine.executor.runner.model, tokens, hidden, ref
+    return draft_llm.engine.executor.runner.model, tokens, hidden, ref
 
 
 def _mtp_cache(model, blocks: int = 8, block_size: int = 4) -> dict[int, torch.Tensor]:
@@ -113,8 +127,8 @@ def _mtp_cache(model, blocks: int = 8, block_size: int = 4) -> dict[int, torch.T
     return {spec.layer_index: torch.zeros(spec.page_shape(blocks, block_size))}
 
 
-def test_mtp_layer_has_its_own_latent_cache(llm):
-    model = llm.engine.executor.runner.model
+def test_mtp_layer_has_its_own_latent_cache(draft_llm):
+    model = draft_llm.engine.executor.runner.model
     (spec,) = model.mtp_buffer_specs()
     assert spec.layer_index == model.dims.num_layers
     assert spec.latent_dim + spec.rope_dim == model.dims.kv_lora_rank + model.dims.qk_rope_head_dim
@@ -206,3 +220,18 @@ def test_config_without_mtp_builds_no_module(tiny_checkpoint_factory):
         str(folder), dtype="float32", device="cpu", cpu_kv_cache_bytes=4 << 20
     ).engine.executor.runner.model
     assert len(model.mtp) == 0
+
+
+def test_no_draft_module_without_drafting(tiny_deepseek):
+    """A run that does not draft builds no MTP module (no memory for it), and its checkpoint tensors are
+    skipped on purpose, not reported unused."""
+    from pegainfer.config.schema import EngineConfig, ModelConfig
+    from pegainfer.model.checkpoint import CheckpointReader
+    from pegainfer.model.model_loader import load_model
+
+    model = load_model(EngineConfig(model=ModelConfig(path=str(tiny_deepseek)), device="cpu")).model
+    assert len(model.mtp) == 0 and model.mtp_buffer_specs() == []
+    reader = CheckpointReader(tiny_deepseek)
+    model.load_weights(reader)
+    assert any(n.startswith(f"model.layers.{model.dims.num_layers}.") for n in reader.names())
+    assert reader.unused() == []

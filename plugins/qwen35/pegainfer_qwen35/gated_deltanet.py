@@ -7,8 +7,10 @@ the delta rule, whose state also lives in the slot; a gated RMSNorm with z; the 
 
 Prefill segments run one request at a time (chunked delta rule from the slot's state, written back at the
 end of the chunk); on CUDA with fla-core installed (the plugin's ``gpu`` extra) all segments go through
-fla's varlen chunked kernels in one call instead, and a step whose segments are all short takes two
-launches of ``gdn_kernels`` (the conv, then the recurrence token by token with the gated norm). All decode rows of a step run as one batch: on CUDA two
+fla's varlen chunked kernels in one call instead, and a step whose segments are all short, or that saves
+state checkpoints inside them, takes two launches of ``gdn_kernels`` (the conv, then the recurrence token
+by token with the gated norm); a long segment without checkpoints beside such segments runs apart from
+them (``RecurrentRows.prefill_parts``). All decode rows of a step run as one batch: on CUDA two
 launches of ``gdn_kernels`` (conv update; gating + L2 norm + delta rule + gated norm) update each row's
 slot in place, addressed through the device tensor of slots (CUDA-graph safe); elsewhere
 :func:`decode_reference` gathers and scatters the slots. The padding rows of a CUDA-graph bucket replicate
@@ -93,6 +95,7 @@ class RecurrentRows:
     num_decodes: int
     decode_slots: torch.Tensor  # [num_decodes] int64
     checkpoints: StateCheckpoints | None = None  # snapshots to take inside the segments
+    in_graph: bool = False  # the segments are placeholders (a CUDA-graph step): never split
 
     @functools.cached_property
     def cu_seqlens_cpu(self) -> torch.Tensor:
@@ -109,6 +112,49 @@ class RecurrentRows:
     @property
     def longest_segment(self) -> int:
         return max((n for _, n in self.segments), default=0)
+
+    @functools.cached_property
+    def prefill_parts(self) -> list[tuple[int, int, RecurrentRows]]:
+        """The prefill segments as (first row, end row, rows of the part) runs that each take one form.
+
+        Checkpoints are saved only by the recurrent form (token by token), so where a step holds both
+        checkpointed segments (verification chunks, a chunk crossing a caching boundary) and a long segment
+        without any, the two kinds run apart: each maximal run of consecutive segments of one kind is a
+        part, its rows re-based to 0. Otherwise the whole step is one part. Built once per forward."""
+        ckpt = self.checkpoints
+        if ckpt is None or self.in_graph:
+            return [(0, self.decode_start, self)]
+        saving = [tokens >= 0 and count > 0 for tokens, _, count in ckpt.host]
+        lengths = [n for _, n in self.segments]
+        if not any(saving) or all(
+            s or n <= RECURRENT_PREFILL_MAX_TOKENS for s, n in zip(saving, lengths, strict=True)
+        ):
+            return [(0, self.decode_start, self)]
+        parts, first = [], 0
+        for i in range(1, len(self.segments) + 1):
+            if i == len(self.segments) or saving[i] != saving[first]:
+                parts.append(self._part(first, i, saving[first]))
+                first = i
+        return parts
+
+    def _part(self, i: int, j: int, saving: bool) -> tuple[int, int, RecurrentRows]:
+        """Segments ``[i, j)`` as rows of their own (re-based to their first row)."""
+        lo = self.segments[i][0]
+        hi = self.segments[j - 1][0] + self.segments[j - 1][1]
+        ckpt = self.checkpoints
+        part = RecurrentRows(
+            segments=[(start - lo, n) for start, n in self.segments[i:j]],
+            segment_slots=self.segment_slots[i:j],
+            decode_start=hi - lo,
+            num_decodes=0,
+            decode_slots=self.decode_slots[:0],
+            checkpoints=None
+            if not saving
+            else StateCheckpoints(
+                ckpt.tokens[i:j], ckpt.slots[i:j], ckpt.counts[i:j], ckpt.host[i:j], ckpt.pools
+            ),
+        )
+        return lo, hi, part
 
     def prefills(self) -> list[tuple[tuple[int, int], torch.Tensor]]:
         """((first row, length), slot as a 1-element index tensor) per prefill segment."""
@@ -127,6 +173,7 @@ class RecurrentRows:
             num_decodes=meta.num_decodes,
             decode_slots=batch.state_slots[num_segments : num_segments + meta.num_decodes],
             checkpoints=batch.checkpoints,
+            in_graph=meta.in_graph,
         )
         if meta.in_graph:  # placeholder segments: the real bounds are the graph's device tensor
             rows.cu_seqlens = meta.derived["cu_seqlens"]
@@ -362,7 +409,7 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = proj.split(self.splits, dim=-1)
         gated = bufs.gdn_gated
         if rows.segments:
-            self._prefill(mixed, z, b, a, rows, state, bufs)
+            self._prefill_segments(mixed, z, b, a, rows, state, bufs)
         if rows.num_decodes:
             d = slice(rows.decode_start, rows.decode_start + rows.num_decodes)
             self._decode(mixed[d], z[d], b[d], a[d], rows.decode_slots, state, bufs.gdn_conv[d], gated[d])
@@ -400,7 +447,7 @@ class GatedDeltaNet(nn.Module):
             state["conv"], state["ssm"], slots, conv_out, out, num_key_heads=hk, eps=eps,
         )  # fmt: skip
 
-    def _prefill(
+    def _prefill_segments(
         self,
         mixed: torch.Tensor,
         z: torch.Tensor,
@@ -410,19 +457,40 @@ class GatedDeltaNet(nn.Module):
         state: dict[str, torch.Tensor],
         bufs: PassBuffers,
     ) -> None:
-        """The prefill segments (rows ``[0, P)``): conv from each slot's window, the chunked delta rule
-        from its state (fla's kernels on CUDA when installed), the gated norm into ``bufs.gdn_gated``; the
-        checkpoints of ``rows`` (snapshots inside segments) saved on the way."""
+        """The prefill rows ``[0, P)``, part by part (:attr:`RecurrentRows.prefill_parts`), into the
+        pass buffers' ``gdn_conv``, ``gdn_core`` and ``gdn_gated`` rows."""
+        for lo, hi, part in rows.prefill_parts:
+            self._prefill(
+                mixed[lo:hi], z[lo:hi], b[lo:hi], a[lo:hi], part, state, bufs.gdn_conv[lo:hi],
+                bufs.gdn_core[lo:hi], bufs.gdn_gated[lo:hi],
+            )  # fmt: skip
+
+    def _prefill(
+        self,
+        mixed: torch.Tensor,
+        z: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        rows: RecurrentRows,
+        state: dict[str, torch.Tensor],
+        conv: torch.Tensor,
+        core: torch.Tensor,
+        gated: torch.Tensor,
+    ) -> None:
+        """The prefill segments of ``rows`` (the inputs' rows ``[0, P)``, one part of
+        :attr:`RecurrentRows.prefill_parts`): conv from each slot's window into ``conv``, the chunked delta
+        rule from its state into ``core`` (fla's kernels on CUDA when installed), the gated norm into
+        ``gated``; the checkpoints of ``rows`` (snapshots inside segments) saved on the way."""
         s, eps = self.shard, self.config.rms_norm_eps
         hv, dv = s.linear_num_value_heads, s.linear_value_head_dim
         windows, ssm = state["conv"], state["ssm"]
-        p = rows.decode_start  # the prefill tokens come first
-        conv = bufs.gdn_conv[:p]
+        p = rows.decode_start
+        conv = conv[:p]
         ckpt = rows.checkpoints
         snaps = ckpt.pools[self.layer_index] if ckpt is not None else None
         # Short chunks (a prompt's tail after a prefix hit, chunked-prefill remainders): two launches. So
-        # are steps with checkpoints, which only the recurrent form saves (the scheduler keeps them to
-        # short chunks; a long chunk of another request in the same step pays the token-by-token cost).
+        # are parts with checkpoints, which only the recurrent form saves (a long chunk without any runs
+        # as a part of its own, see ``prefill_parts``).
         if decode_kernels_on(mixed) and (rows.longest_segment <= RECURRENT_PREFILL_MAX_TOKENS or ckpt):
             from pegainfer_qwen35 import gdn_kernels
 
@@ -436,7 +504,7 @@ class GatedDeltaNet(nn.Module):
             )
             gdn_kernels.gdn_prefill(
                 conv, b[:p], a[:p], z[:p], self.A_log, self.dt_bias, self.norm, ssm, rows.segment_slots,
-                rows.cu_seqlens, bufs.gdn_gated[:p], num_key_heads=s.linear_num_key_heads, eps=eps,
+                rows.cu_seqlens, gated[:p], num_key_heads=s.linear_num_key_heads, eps=eps,
                 checkpoints=at("ssm"),
             )  # fmt: skip
             return
@@ -454,7 +522,7 @@ class GatedDeltaNet(nn.Module):
             y, window = causal_conv_prefill(mixed[start : start + n], self.conv_weight, window)
             conv[start : start + n] = F.silu(y)
             windows.index_copy_(0, slot, window.unsqueeze(0).to(windows.dtype))
-        core = bufs.gdn_core[:p].view(p, hv, dv)
+        core = core[:p].view(p, hv, dv)
         if ckpt is not None or not prefill_with_fla(
             conv, b[:p], a[:p], self.A_log, self.dt_bias, rows, ssm, s, core
         ):
@@ -473,7 +541,7 @@ class GatedDeltaNet(nn.Module):
                         snaps["ssm"][snap + j] = carried
                     lo = hi
                 ssm.index_copy_(0, slot, carried.unsqueeze(0))
-        out = bufs.gdn_gated[:p].view(p, hv, dv)
+        out = gated[:p].view(p, hv, dv)
         z = z[:p].reshape(p, hv, dv)
         if use_triton(core):
             from pegainfer_qwen35 import gdn_kernels

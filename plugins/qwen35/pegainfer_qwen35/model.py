@@ -53,9 +53,13 @@ from pegainfer_qwen35.projections import FoldedNorm, fold_norm
 
 logger = logging.getLogger(__name__)
 
-#: Checkpoint parts a text engine does not run: (name prefix, what it is). The MTP module is one of them
-#: when it is not loaded (stripped to its head, or a checkpoint of several MTP layers: only the first runs).
-SKIPPED_PARTS = (("model.visual.", "vision-tower"), ("mtp.", "MTP"))
+#: Checkpoint parts a text engine does not run: (name prefix, what it is, why). The MTP module is one of them
+#: when it is not loaded (not drafting, stripped to its head, or a checkpoint of several MTP layers: only
+#: the first runs).
+SKIPPED_PARTS = (
+    ("model.visual.", "vision-tower", "pegainfer runs the language model only"),
+    ("mtp.", "MTP", "drafting is off or cannot use them"),
+)
 
 
 class Qwen35DecoderLayer(nn.Module):
@@ -161,6 +165,7 @@ class Qwen35ForCausalLM(CausalLM):
         dtype: torch.dtype,
         max_model_len: int,
         tp: TensorParallel | None = None,
+        drafting: bool = True,
     ) -> None:
         super().__init__()
         self.config = config
@@ -179,12 +184,13 @@ class Qwen35ForCausalLM(CausalLM):
             if config.tie_word_embeddings
             else nn.Parameter(torch.empty(rows, h, dtype=dtype), requires_grad=False)
         )
-        # The draft module's decoder layer comes after the main ones (its cache is layer num_layers).
+        # The draft module's decoder layer comes after the main ones (its cache is layer num_layers). Built
+        # only for a run that drafts: at 35B-A3B it holds ~1.6 GB.
         self.mtp = nn.ModuleList(
             MultiTokenPredictor(
                 config, Qwen35DecoderLayer(config, config.num_layers, dtype, shard, tp, draft=True), dtype, tp
             )
-            for _ in range(min(config.num_mtp_layers, 1))
+            for _ in range(min(config.num_mtp_layers, 1) if drafting else 0)
         )
         self.rotary = (
             RotaryEmbedding(config.rotary_dim, config.rope_theta, max_model_len)
@@ -202,8 +208,10 @@ class Qwen35ForCausalLM(CausalLM):
         dtype: torch.dtype,
         max_model_len: int,
         tp: TensorParallel | None = None,
+        drafting: bool = True,
     ) -> Qwen35ForCausalLM:
-        return cls(Qwen35Config.from_hf_config(hf_config), dtype=dtype, max_model_len=max_model_len, tp=tp)
+        config = Qwen35Config.from_hf_config(hf_config)
+        return cls(config, dtype=dtype, max_model_len=max_model_len, tp=tp, drafting=drafting)
 
     @staticmethod
     def max_context_length(hf_config: dict[str, Any]) -> int:
@@ -237,17 +245,13 @@ class Qwen35ForCausalLM(CausalLM):
         self._skip_unused_parts(reader)
 
     def _skip_unused_parts(self, reader: CheckpointReader) -> None:
-        """Mark the vision tower and MTP head as handled (deliberately not loaded), saying so once each."""
+        """Mark the vision tower and an MTP module not built or not whole as handled (deliberately not
+        loaded), saying so once each."""
         names = reader.names()
-        for part, what in SKIPPED_PARTS:
+        for part, what, why in SKIPPED_PARTS:
             skipped = sorted(n for n in names if n.startswith(part) and n not in reader.consumed)
             if skipped:
-                logger.info(
-                    "skipping %d %s tensors (%s*): pegainfer runs the language model only",
-                    len(skipped),
-                    what,
-                    part,
-                )
+                logger.info("skipping %d %s tensors (%s*): %s", len(skipped), what, part, why)
                 reader.consumed.update(skipped)
         if self.lm_head is None and "lm_head.weight" in names:
             logger.info("tie_word_embeddings is set: the checkpoint's lm_head.weight is not used")

@@ -94,8 +94,24 @@ def test_vision_tower_is_skipped_with_a_log_line_and_the_mtp_module_loaded(tiny_
     messages = [r.getMessage() for r in caplog.records]
     assert any("vision-tower tensors (model.visual.*)" in m for m in messages)
     assert not any("(mtp.*)" in m for m in messages)
-    model = LLM(str(tiny_qwen35), device="cpu").engine.executor.runner.model
+    model = LLM(str(tiny_qwen35), device="cpu", speculative_num_tokens=1).engine.executor.runner.model
     assert model.num_mtp_layers == 1 and [s.layer_index for s in model.mtp_buffer_specs()] == [4]
+
+
+def test_without_drafting_the_mtp_module_is_not_built(tiny_qwen35, caplog):
+    """No memory for a draft module a run does not use: none is built, and its tensors are skipped with a
+    log line instead of being reported unused."""
+    from pegainfer.config.schema import EngineConfig, ModelConfig
+    from pegainfer.model.checkpoint import CheckpointReader
+    from pegainfer.model.model_loader import load_model
+
+    model = load_model(EngineConfig(model=ModelConfig(path=str(tiny_qwen35)), device="cpu")).model
+    assert model.num_mtp_layers == 0 and model.mtp_buffer_specs() == []
+    reader = CheckpointReader(tiny_qwen35)
+    with caplog.at_level(logging.INFO, logger="pegainfer_qwen35"):
+        model.load_weights(reader)
+    assert reader.unused() == []
+    assert any("MTP tensors (mtp.*): drafting is off" in r.getMessage() for r in caplog.records)
 
 
 def test_an_mtp_module_stripped_to_its_head_is_skipped(tmp_path, caplog):

@@ -244,7 +244,7 @@ def _gdn_layer(seed: int):
 
 
 def _gdn_prefill(layer, proj, lengths, slots, pools, checkpoints=None, snapshots=0):
-    """``GatedDeltaNet._prefill`` of the rows ``proj`` in segments of ``lengths`` from copies of ``pools``
+    """``GatedDeltaNet._prefill_segments`` of the rows ``proj`` in segments of ``lengths`` from copies of ``pools``
     (the state slots), on the layer's device; ``checkpoints``: (tokens, snapshot slot, count) per segment,
     into ``snapshots`` fresh snapshot slots (-7 before). Returns the gated output, the state pools and the
     snapshot pools, on the host."""
@@ -265,7 +265,7 @@ def _gdn_prefill(layer, proj, lengths, slots, pools, checkpoints=None, snapshots
     )  # fmt: skip
     bufs = PassBuffers(pass_buffer_roles(layer.config, torch.float32), p, dev)
     mixed, z, b, a = proj.to(dev).split(layer.splits, dim=-1)
-    layer._prefill(mixed, z, b, a, rows, state, bufs)
+    layer._prefill_segments(mixed, z, b, a, rows, state, bufs)
     host = {
         name: {k: t.cpu() for k, t in pools.items()} for name, pools in (("state", state), ("snaps", snaps))
     }
@@ -315,3 +315,101 @@ def test_prefill_saves_runs_of_checkpoints(path, monkeypatch):
         torch.testing.assert_close(snaps["ssm"][snap], want["ssm"], atol=1e-5, rtol=1e-5)
     for name in spec:
         assert (snaps[name][[5, 11, 12]] == -7.0).all(), "only the saves' snapshot slots are written"
+
+
+def test_prefill_parts_keep_long_unsaved_segments_apart_from_checkpointed_ones():
+    """Runs of consecutive segments with and without saves become parts (rows re-based, checkpoints
+    sliced) only where a long segment without saves would otherwise run token by token; a step without
+    a long unsaved segment, or inside a CUDA graph, stays one part."""
+    from pegainfer.model.model_api import StateCheckpoints
+
+    long = gated_deltanet.RECURRENT_PREFILL_MAX_TOKENS + 1
+
+    def rows(lengths, saves, in_graph=False):
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        host = [(t, 10 * i, 2 if t >= 0 else 0) for i, t in enumerate(saves)]
+        tokens, slots, counts = torch.tensor(host, dtype=torch.int64).t().contiguous()
+        ckpt = StateCheckpoints(tokens, slots, counts, host, {})
+        return gated_deltanet.RecurrentRows(
+            list(zip(starts, lengths, strict=True)), torch.arange(len(lengths)), sum(lengths), 0,
+            torch.zeros(0, dtype=torch.int64), checkpoints=ckpt, in_graph=in_graph,
+        )  # fmt: skip
+
+    whole = rows([4, long, 3, 2, long], [1, -1, 0, 2, -1])
+    parts = whole.prefill_parts
+    assert [(lo, hi) for lo, hi, _ in parts] == [
+        (0, 4),
+        (4, 4 + long),
+        (4 + long, 9 + long),
+        (9 + long, 9 + 2 * long),
+    ]
+    assert [p.segments for _, _, p in parts] == [[(0, 4)], [(0, long)], [(0, 3), (3, 2)], [(0, long)]]
+    assert [p.segment_slots.tolist() for _, _, p in parts] == [[0], [1], [2, 3], [4]]
+    assert [p.checkpoints and p.checkpoints.host for _, _, p in parts] == [
+        [(1, 0, 2)],
+        None,
+        [(0, 20, 2), (2, 30, 2)],
+        None,
+    ]
+    assert parts[2][2].checkpoints.tokens.tolist() == [0, 2] and parts[2][2].cu_seqlens_cpu.tolist() == [
+        0,
+        3,
+        5,
+    ]
+    for one in (
+        rows([4, long - 1, 3], [1, -1, 0]),
+        rows([4, long], [1, 5]),
+        rows([4, long], [1, -1], in_graph=True),
+    ):
+        assert [(lo, hi, p) for lo, hi, p in one.prefill_parts] == [(0, one.decode_start, one)]
+
+
+@pytest.mark.parametrize(
+    "path", ["torch", pytest.param("kernels", marks=requires_kernels)], ids=["torch", "kernels"]
+)
+def test_a_long_chunk_beside_checkpoints_takes_the_chunked_form(path, monkeypatch):
+    """A verification-like step (short segments saving checkpoints) beside a long prompt chunk without
+    any: the long chunk goes through the chunked form (never the token-by-token kernel), the short ones
+    through the kernels, and outputs, states and snapshots are those of running each segment alone."""
+    from pegainfer_qwen35 import gdn_kernels
+
+    long = gated_deltanet.RECURRENT_PREFILL_MAX_TOKENS + 2
+    layer = _gdn_layer(13)
+    lengths, slots = [3, long, 4], [1, 0, 3]
+    checkpoints = [(0, 0, 3), (-1, 5, 1), (1, 3, 2)]
+    gen = torch.Generator().manual_seed(14)
+    proj = torch.randn(sum(lengths), sum(layer.splits), generator=gen)
+    spec = dict(layer.state_spec().shapes)
+    pools = {name: torch.randn(5, *shape, generator=gen) * 0.3 for name, shape in spec.items()}
+    recurrent = []
+    with monkeypatch.context() as patch:
+        tested = layer
+        if path == "kernels":
+            real = gdn_kernels.gdn_prefill
+            patch.setattr(gated_deltanet, "decode_kernels_on", lambda x: True)
+            patch.setattr(
+                gdn_kernels,
+                "gdn_prefill",
+                lambda qkv, *a, **k: recurrent.append(qkv.shape[0]) or real(qkv, *a, **k),
+            )
+            tested = _gdn_layer(13).to(KERNEL_DEVICE)
+        out, state, snaps = _gdn_prefill(tested, proj, lengths, slots, pools, checkpoints, snapshots=6)
+    assert recurrent == ([3, 4] if path == "kernels" else [])
+    starts = [0, 3, 3 + long]
+    for i, (start, n) in enumerate(zip(starts, lengths, strict=True)):
+        alone_out, alone_state, alone_snaps = _gdn_prefill(
+            layer, proj[start : start + n], [n], [slots[i]], pools, [checkpoints[i]], snapshots=6
+        )
+        torch.testing.assert_close(out[start : start + n], alone_out, atol=1e-4, rtol=1e-4)
+        for name in spec:
+            torch.testing.assert_close(
+                state[name][slots[i]], alone_state[name][slots[i]], atol=1e-5, rtol=1e-5
+            )
+    for snap, (segment, tokens) in {0: (0, 0), 1: (0, 1), 2: (0, 2), 3: (2, 1), 4: (2, 2)}.items():
+        start, slot = starts[segment], slots[segment]
+        want = (
+            _gdn_prefill(layer, proj[start : start + tokens], [tokens], [slot], pools)[1] if tokens else pools
+        )
+        torch.testing.assert_close(snaps["ssm"][snap], want["ssm"][slot], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(snaps["conv"][snap], want["conv"][slot], atol=0, rtol=0)
+    assert (snaps["ssm"][5] == -7.0).all()
