@@ -54,6 +54,18 @@ SHAPES = {
         "gate_up": (34816, 5120),
         "down": (5120, 17408),
     },
+    # Qwen3.5 35B-A3B-style (hidden 2048; GDN 16 k / 32 v heads x 128, attention 16 q / 2 kv heads x 256):
+    # GDN in_proj and out_proj (o_proj's shape too), attention q|gate|k|v, the shared expert's gate|up and
+    # down, the router with the shared expert's gate row, lm_head. K = 2048: short rows, many small calls.
+    "qwen35_35b_a3b": {
+        "gdn_in_proj": (12352, 2048),
+        "out_proj": (2048, 4096),
+        "attn_qkv": (9216, 2048),
+        "shared_gate_up": (1024, 2048),
+        "shared_down": (2048, 512),
+        "router": (257, 2048),
+        "lm_head": (248320, 2048),
+    },
     # DeepSeek-V3 (hidden 7168): MLA's q_a, kv_a (latent 512 + rope 64), q_b, o_proj; the dense layer's
     # MLP, the shared expert's; the router's GEMV runs in fp32 elsewhere.
     "deepseek_v3": {

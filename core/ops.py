@@ -19,7 +19,7 @@ from pegainfer.layers.attention import (
     reference_scratch_bytes,
 )
 from pegainfer.layers.attention import write_kv as write_kv_ref
-from pegainfer.layers.moe import BlockScales, routed_experts
+from pegainfer.layers.moe import BlockScales, combine_routed, routed_experts
 from pegainfer.layers.norm import rms_norm as rms_norm_ref
 from pegainfer.layers.rotary import RotaryEmbedding
 from pegainfer.memory.buffer_specs import TransientSpec
@@ -110,17 +110,23 @@ def fused_moe(
     down: torch.Tensor,
     scales: BlockScales | None = None,
     add: torch.Tensor | None = None,
+    add_gate: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The routed experts' output ``[T, H]``, ``Σ_k weights[t, k] · Expert_{ids[t, k]}(x[t])`` over stacked
     experts (gate|up ``[E, 2I, H]``, down ``[E, H, I]``; block-FP8 with ``scales``), plus ``add`` (e.g. the
-    shared experts' output) where given: on CUDA Triton grouped GEMMs with no host sync (graph-safe; the
-    add rides the launch that sums the choices), elsewhere the reference loop."""
+    shared experts' output) where given, scaled by ``sigmoid(add_gate)`` (``[T, 1]``) where given, and added
+    into ``residual`` in place (and returned) where given: on CUDA Triton grouped GEMMs with no host sync
+    (graph-safe; the add, gate and residual ride the launch that sums the choices), elsewhere the
+    reference loop and ``combine_routed``."""
     if use_triton(x):
         from pegainfer.kernels.fused_moe import fused_moe_triton
 
-        return fused_moe_triton(x, weights, ids, gate_up, down, scales=scales, add=add)
+        return fused_moe_triton(
+            x, weights, ids, gate_up, down, scales=scales, add=add, add_gate=add_gate, residual=residual
+        )
     out = routed_experts(x, weights, ids, gate_up, down, scales=scales)
-    return out if add is None else out + add
+    return combine_routed(out, add, add_gate, residual)
 
 
 def norm_linear(

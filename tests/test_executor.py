@@ -1,11 +1,15 @@
 """Executor capabilities: a model that does not embed on the device gets its input embeddings from its
-model runner (``batch.hidden_states``), with the same output as embedding inside the forward."""
+model runner (``batch.hidden_states``), with the same output as embedding inside the forward; shutdown
+releases the runner."""
 
 from __future__ import annotations
+
+import weakref
 
 import pytest
 
 from pegainfer import LLM, SamplingParams
+from pegainfer.errors import ExecutorError
 from pegainfer_qwen3_14b.model import Qwen3ForCausalLM
 
 
@@ -47,3 +51,18 @@ def device_embedded_tokens(tiny_qwen3):
 def test_runner_passes_hidden_states_and_output_is_unchanged(device_embedded_tokens, host_llm):
     host = host_llm.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in host] == device_embedded_tokens
+
+
+def test_shutdown_releases_the_runner_even_when_held_in_a_cycle(tiny_qwen3):
+    """A local executor's shutdown drops its runner (weights, caches, graphs), so the next engine in this
+    process gets the memory back; a patched method closing over the engine must not keep it alive."""
+    llm = LLM(str(tiny_qwen3), device="cpu", cpu_kv_cache_bytes=4 << 20)
+    executor = llm.engine.executor
+    engine = llm.engine
+    executor.propose = lambda inputs: engine.executor.runner.propose(inputs)  # engine -> executor -> engine
+    model = weakref.ref(executor.runner.model)
+    llm.engine.shutdown()
+    assert model() is None
+    with pytest.raises(ExecutorError, match="shut down"):
+        executor.execute(None)
+    llm.engine.shutdown()  # idempotent

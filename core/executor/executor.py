@@ -13,7 +13,10 @@ failed (a rank died, a collective timed out) raises ``ExecutorError`` from every
 
 from __future__ import annotations
 
+import gc
 from abc import ABC, abstractmethod
+
+import torch
 
 from pegainfer.config.schema import EngineConfig
 from pegainfer.errors import ExecutorError, PluginError
@@ -66,7 +69,7 @@ class Executor(ABC):
         """Seconds the host spent blocked on the GPU inside the executor since start (0 if not tracked)."""
         return 0.0
 
-    def shutdown(self) -> None:  # noqa: B027 - optional hook: a local executor has nothing to release
+    def shutdown(self) -> None:  # noqa: B027 - optional hook: an executor may hold nothing to release
         """Release workers and device memory. Idempotent."""
 
 
@@ -74,9 +77,15 @@ class LocalExecutor(Executor):
     """Single-process executor: one ``ModelRunner`` on one device, in the engine's process."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.runner = ModelRunner(config)
-        self.info = self.runner.info
-        self.plan = self.runner.plan
+        self._runner: ModelRunner | None = ModelRunner(config)
+        self.info = self._runner.info
+        self.plan = self._runner.plan
+
+    @property
+    def runner(self) -> ModelRunner:
+        if self._runner is None:
+            raise ExecutorError("the executor was shut down")
+        return self._runner
 
     @property
     def capabilities(self) -> ExecutorCapabilities:
@@ -94,6 +103,17 @@ class LocalExecutor(Executor):
     @property
     def wait_time_s(self) -> float:
         return self.runner.wait_time_s
+
+    def shutdown(self) -> None:
+        """Drop the runner (weights, caches, graphs) and hand its device memory back, so another engine
+        can start in this process."""
+        if self._runner is None:
+            return
+        device = self._runner.device
+        self._runner = None
+        gc.collect()  # graphs and patched methods can hold the runner in reference cycles
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def build_executor(config: EngineConfig) -> Executor:

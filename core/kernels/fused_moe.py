@@ -36,7 +36,7 @@ from pegainfer.kernels._triton import (
     triton,
     use_kernel,
 )
-from pegainfer.layers.moe import BlockScales
+from pegainfer.layers.moe import BlockScales, combine_routed
 
 #: Most (token, choice) pairs the one-program sort takes; larger routings sort with torch ops.
 KERNEL_SORT_PAIRS = 256
@@ -323,15 +323,20 @@ def _down_kernel(
 def _combine_kernel(
     y_ptr,
     add_ptr,
+    gate_ptr,
+    stride_gate,
     out_ptr,
     hidden,
     TOP_K: tl.constexpr,
     HAS_ADD: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     FIX: tl.constexpr,
 ):
-    """``out[t] = Σ_j y[t·k + j] (+ add[t])``: the sum in fp32 in choice order, rounded as torch rounds
-    ``y.sum(1)`` and then ``+ add``."""
+    """``out[t] (+)= Σ_j y[t·k + j] + sigmoid(gate[t]) · add[t]`` (the add and its gate where given; with
+    ``RESIDUAL`` added to what ``out`` holds): the sum in fp32 in choice order, each step rounded as the
+    torch sequence rounds it (``y.sum(1)``, ``sigmoid``, ``add * gate``, ``+ add``, ``residual +``)."""
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -341,7 +346,15 @@ def _combine_kernel(
     dtype = out_ptr.dtype.element_ty
     if HAS_ADD:
         acc = cast_to(acc, dtype, FIX).to(tl.float32)
-        acc += tl.load(add_ptr + token * hidden + offs, mask=mask, other=0.0).to(tl.float32)
+        add = tl.load(add_ptr + token * hidden + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_GATE:
+            g = tl.load(gate_ptr + token * stride_gate).to(tl.float32)
+            g = cast_to(1.0 / (1.0 + tl.exp(-g)), dtype, FIX).to(tl.float32)
+            add = cast_to(add * g, dtype, FIX).to(tl.float32)
+        acc += add
+    if RESIDUAL:
+        acc = cast_to(acc, dtype, FIX).to(tl.float32)
+        acc += tl.load(out_ptr + token * hidden + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + token * hidden + offs, cast_to(acc, dtype, FIX), mask=mask)
 
 
@@ -354,6 +367,8 @@ def fused_moe_triton(
     *,
     scales: BlockScales | None = None,
     add: torch.Tensor | None = None,
+    add_gate: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int = 64,
     block_k: int | None = None,
@@ -361,7 +376,9 @@ def fused_moe_triton(
     num_stages: int | None = None,
 ) -> torch.Tensor:
     """The Triton path of ``ops.fused_moe``; float8 experts with ``scales`` are dequantized tile by tile
-    (the dots run in the activations' dtype); ``add`` ``[T, H]`` is added to the result; the other keyword
+    (the dots run in the activations' dtype); ``add`` ``[T, H]`` is added to the result, scaled by
+    ``sigmoid(add_gate)`` (``[T, 1]`` logits) where given; with ``residual`` ``[T, H]`` the result is added
+    to it in place and ``residual`` returned (all in the launch that sums the choices); the other keyword
     knobs are for the benchmark.
 
     Tiles: bf16/fp16 decode batches (16-row blocks) load 128 columns of weights, four loads in flight; the rest
@@ -382,8 +399,18 @@ def fused_moe_triton(
         raise ValueError(
             f"add {tuple(add.shape)} {add.dtype} must be a contiguous {tuple(x.shape)} {x.dtype}"
         )
+    if add_gate is not None and (add is None or add_gate.shape != (tokens, 1) or add_gate.dtype != x.dtype):
+        raise ValueError(
+            f"add_gate {tuple(add_gate.shape)} {add_gate.dtype} needs an add and [{tokens}, 1] {x.dtype}"
+        )
+    if residual is not None and (
+        residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()
+    ):
+        raise ValueError(
+            f"residual {tuple(residual.shape)} {residual.dtype} must be a contiguous {tuple(x.shape)} {x.dtype}"
+        )
     if pairs == 0:
-        return torch.zeros_like(x) if add is None else add.clone()
+        return combine_routed(torch.zeros_like(x), add, add_gate, residual)
     # Decode batches take the smallest tensor-core tile; larger ones fill bigger blocks per expert.
     bm = block_m or (16 if pairs <= 4 * num_experts else 64)
     decode_tiles = bm == 16 and scales is None and x.element_size() == 2  # fp32 stages would not fit
@@ -419,9 +446,10 @@ def fused_moe_triton(
         QUANT=quant, UNIFORM=uniform, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, BLOCK_M=bm, BLOCK_N=block_n,
         BLOCK_K=block_k, DOT_PREC=prec, FIX=fix, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    out = torch.empty_like(x)
+    out = residual if residual is not None else torch.empty_like(x)
     _combine_kernel[(tokens, triton.cdiv(hidden, 1024))](
-        y, add if add is not None else y, out, hidden, TOP_K=top_k, HAS_ADD=add is not None, BLOCK=1024, FIX=fix,
-        num_warps=4,
+        y, add if add is not None else y, add_gate if add_gate is not None else y,
+        add_gate.stride(0) if add_gate is not None else 0, out, hidden, TOP_K=top_k, HAS_ADD=add is not None,
+        HAS_GATE=add_gate is not None, RESIDUAL=residual is not None, BLOCK=1024, FIX=fix, num_warps=4,
     )  # fmt: skip
     return out

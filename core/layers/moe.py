@@ -90,3 +90,16 @@ def routed_experts(
         y = swiglu(x[tokens], w_gate_up, w_down, limit)
         out.index_add_(0, tokens, (y * flat_weights[picks, None]).to(out.dtype))
     return out
+
+
+def combine_routed(
+    routed: torch.Tensor,
+    add: torch.Tensor | None = None,
+    add_gate: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``routed + sigmoid(add_gate) · add`` (the shared experts' output, gated where Qwen gates it), added
+    into ``residual`` in place and returned where given: the torch sequence of the kernels' last launch."""
+    if add is not None:
+        routed = routed + (add if add_gate is None else add * torch.sigmoid(add_gate))
+    return routed if residual is None else residual.add_(routed)

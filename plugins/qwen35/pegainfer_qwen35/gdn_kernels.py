@@ -457,6 +457,7 @@ def gdn_decode(
     num_key_heads: int,
     eps: float,
     block_v: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """One delta-rule step of B decode rows, the gated norm included; writes ``out`` ``[B, Hv * dv]``.
 
@@ -466,13 +467,13 @@ def gdn_decode(
 
     ``block_v`` (default :data:`DECODE_BLOCK_V`, then dv): value columns per program. Below dv the
     programs write the un-normed ``o`` and :func:`gated_rms_norm` runs after (two launches, more programs
-    for small batches)."""
+    for small batches). ``num_warps`` (default: 8 for a 128 x 128 tile, else 4) is for the benchmark."""
     rows = qkv.shape[0]
     if slots.shape[0] < rows:
         raise ValueError(f"gdn_decode: {slots.shape[0]} slots for {rows} rows")
     return _delta_rule(
         _gdn_decode_kernel, rows, (slots,), qkv, b, a, z, a_log, dt_bias, norm_weight, state, out,
-        num_key_heads, eps, block_v or DECODE_BLOCK_V,
+        num_key_heads, eps, block_v or DECODE_BLOCK_V, num_warps,
     )  # fmt: skip
 
 
@@ -512,12 +513,28 @@ def gdn_prefill(
     index = (cu_seqlens, slots, *_checkpoint_args(checkpoints, state, segments, cu_seqlens))
     return _delta_rule(
         _gdn_prefill_kernel, max(segments, 0), index, qkv, b, a, z, a_log, dt_bias, norm_weight, state, out,
-        num_key_heads, eps, block_v or PREFILL_BLOCK_V, HAS_CKPT=checkpoints is not None,
+        num_key_heads, eps, block_v or PREFILL_BLOCK_V, None, HAS_CKPT=checkpoints is not None,
     )  # fmt: skip
 
 
 def _delta_rule(
-    kernel, programs, index, qkv, b, a, z, a_log, dt_bias, norm_weight, state, out, hk, eps, block_v, **flags
+    kernel,
+    programs,
+    index,
+    qkv,
+    b,
+    a,
+    z,
+    a_log,
+    dt_bias,
+    norm_weight,
+    state,
+    out,
+    hk,
+    eps,
+    block_v,
+    warps,
+    **flags,
 ) -> torch.Tensor:
     """Checks and launches a delta-rule kernel over ``programs`` rows or segments (``index``: the device
     tensors that say which); below a whole head of value columns the gated norm runs after it."""
@@ -567,7 +584,7 @@ def _delta_rule(
         FUSE_NORM=fuse,
         FIX=interp_bf16(qkv.dtype),
         FIX_OUT=interp_bf16(target.dtype),
-        num_warps=8 if dk * bv >= 128 * 128 else 4,
+        num_warps=warps or (8 if dk * bv >= 128 * 128 else 4),
         **flags,
         **pdl_launch(qkv),
     )

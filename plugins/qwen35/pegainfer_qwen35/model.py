@@ -128,7 +128,7 @@ class Qwen35DecoderLayer(nn.Module):
             self.mlp(x, bufs, static_shapes=static, residual=x, norm=folded)
         else:
             normed = rms_norm_zero_centred(x, self.post_attention_layernorm, eps, out=bufs.normed)
-            x.add_(self.mlp(normed, bufs, static_shapes=static))
+            self.mlp(normed, bufs, static_shapes=static, residual=x)
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         h = self.config.hidden_size

@@ -11,9 +11,9 @@ and ``[E, H, Ie]``). The router and the shared expert's one-row gate are one GEM
 H]``, the gate last), and the shared expert's gate|up rows alternate (``interleave_gate_up``), so decode
 rows on CUDA apply its SiLU·mul in the skinny GEMM's epilogue (``projections``). On CUDA every step's
 routed experts go through ``ops.fused_moe`` (Triton grouped GEMMs over the chosen experts only, no host
-sync, so the decode graphs capture it and eager and graph decode compute the same), the gated shared
-output added in its combining launch. Elsewhere the reference forward has two schedules with the same sums (in ascending
-expert order, as transformers adds them):
+sync, so the decode graphs capture it and eager and graph decode compute the same), the shared output,
+its gate and (at tp=1) the residual add applied in its combining launch. Elsewhere the reference forward
+has two schedules with the same sums (in ascending expert order, as transformers adds them):
 - grouped (steps with prefill tokens): the (token, expert) pairs are sorted by expert and each expert
   runs one GEMM over its rows; the row counts are read on the host.
 - static (decode-only steps, which the engine captures in CUDA graphs): no host sync and shapes fixed by
@@ -82,25 +82,41 @@ class SparseMoE(nn.Module):
         )
         return weights, experts, logits[:, c.num_experts :]
 
-    def forward(self, x: torch.Tensor, bufs: PassBuffers, *, static_shapes: bool = False) -> torch.Tensor:
-        """Block output of the normed rows ``x`` ``[T, H]`` (into ``bufs.mlp_down`` off CUDA).
+    def forward(
+        self,
+        x: torch.Tensor,
+        bufs: PassBuffers,
+        *,
+        static_shapes: bool = False,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Block output of the normed rows ``x`` ``[T, H]`` (into ``bufs.mlp_down`` off CUDA); with
+        ``residual`` it is added to it in place and ``residual`` returned.
 
         ``static_shapes``: no host sync and no data-dependent shapes (the schedule for CUDA graphs).
         """
         weights, experts, shared_gate = self.route(x, bufs)
         act = project_silu(x, self.shared_gate_up, bufs.shared_gate_up, bufs.shared_act)
         shared = project(act, self.shared_down, bufs.shared_out)
-        shared.mul_(torch.sigmoid(shared_gate))
-        if ops.use_triton(x):  # the shared output added in the launch that sums the choices
-            y = ops.fused_moe(x, weights, experts, self.experts_gate_up, self.experts_down, add=shared)
+        if ops.use_triton(x):
+            # The shared expert's gate, its output and (at tp=1, where no all-reduce comes between) the
+            # residual add ride the launch that sums the choices: three launches a layer fewer.
+            into = residual if residual is not None and self.tp.size == 1 else None
+            y = ops.fused_moe(
+                x, weights, experts, self.experts_gate_up, self.experts_down,
+                add=shared, add_gate=shared_gate, residual=into,
+            )  # fmt: skip
+            if into is not None:
+                return into
         else:
             y = bufs.mlp_down
             if static_shapes:
                 self._experts_static(x, weights, experts, bufs, y.zero_())
             else:
                 self._experts_grouped(x, weights, experts, bufs, y)  # writes every row of y
-            y.add_(shared)
-        return self.tp.all_reduce(y)  # the ranks' partial sums, once
+            y.add_(shared.mul_(torch.sigmoid(shared_gate)))
+        y = self.tp.all_reduce(y)  # the ranks' partial sums, once
+        return y if residual is None else residual.add_(y)
 
     def _expert(
         self, expert: int, rows: torch.Tensor, gate_up: torch.Tensor, act: torch.Tensor, out: torch.Tensor
