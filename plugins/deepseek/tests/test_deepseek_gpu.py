@@ -70,9 +70,11 @@ def gpu_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(gpu_checkpoint):
-    return LLM(
+    llm = LLM(
         str(gpu_checkpoint), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, max_model_len=1024
     )
+    yield llm
+    llm.engine.shutdown()  # later modules' engines need the memory back
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["batch1", "batched"])

@@ -62,7 +62,9 @@ def folder(request, tiny_checkpoint_factory):
 
 @pytest.fixture(scope="module")
 def llm(folder):
-    return LLM(str(folder), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, max_model_len=1024)
+    llm = LLM(str(folder), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, max_model_len=1024)
+    yield llm
+    llm.engine.shutdown()  # the other variant's engines need the memory back
 
 
 def _prefill(llm: LLM, prompts: list[list[int]]) -> dict[str, torch.Tensor]:
@@ -123,6 +125,8 @@ def test_graph_decode_equals_eager_decode(folder):
     params = [SamplingParams(max_tokens=rng.randrange(5, 40), ignore_eos=True) for _ in prompts]
     graph = graph_llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     eager = eager_llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    graph_llm.engine.shutdown()
+    eager_llm.engine.shutdown()
     assert [o.outputs[0].token_ids for o in graph] == [o.outputs[0].token_ids for o in eager]
 
 
@@ -143,8 +147,6 @@ def test_drafting_keeps_the_greedy_tokens(folder, k, right):
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         outputs.append([o.outputs[0].token_ids for o in outs])
         llm.engine.shutdown()
-        del llm
-        torch.cuda.empty_cache()
     assert outputs[1] == outputs[0]
 
 

@@ -46,7 +46,9 @@ def folder(tiny_checkpoint_factory):
 
 @pytest.fixture(scope="module")
 def llm(folder):
-    return LLM(str(folder), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, max_model_len=1024)
+    llm = LLM(str(folder), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, max_model_len=1024)
+    yield llm
+    llm.engine.shutdown()  # later modules' engines need the memory back
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["batch1", "batched"])
