@@ -300,7 +300,10 @@ def default_config(n: int, k: int, m: int = 1, element_size: int = 2, sms: int =
     45.0 us, o_proj 18.4 -> 16.5, DeepSeek-V3's kv_a 13.8 -> 6.3; with 32-row tiles and five loads where
     w is at most 4096 x 8192 (kv_a 6.0, Qwen3.5-9B's out_proj 10.6 -> 10.3). It lost at ~85% filled waves
     (Qwen3-14B q|k|v 19.2 -> 21.2) and on short K (DeepSeek's shared down, K 2048). Very long rows in
-    nearly full waves (DeepSeek's o_proj and dense down, K >= 16384) measured best with 32-row tiles."""
+    nearly full waves (DeepSeek's o_proj and dense down, K >= 16384) measured best with 32-row tiles.
+    Short rows (K <= 2048) past one wave of tiles take 128 columns a load, so several programs share a
+    multiprocessor (``--model qwen35_35b_a3b --rows 1 --sweep``, 2026-12-04): the 35B-A3B shape's GDN
+    in_proj 16.1 -> 14.4 us, its attention q|gate|k|v 14.7 -> 11.6 (cuBLAS 11.7)."""
     tiles = triton.cdiv(n, 64)
     underfilled = k >= 4096 and tiles < 0.8 * triton.cdiv(tiles, sms) * sms
     # Wider x tiles (or fp32) need shorter loads to keep the stages in shared memory.
@@ -310,6 +313,8 @@ def default_config(n: int, k: int, m: int = 1, element_size: int = 2, sms: int =
         return SkinnyConfig(64, 128)
     if n >= 20_000:
         return SkinnyConfig(64, 64, num_stages=3)
+    if k <= 2048 and tiles > sms:
+        return SkinnyConfig(64, 128)
     if underfilled:
         if n <= 4096 and k <= 8192:
             return SkinnyConfig(32, 256, num_stages=5, stream_k=True)

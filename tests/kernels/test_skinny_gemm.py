@@ -231,6 +231,15 @@ def test_stream_k_where_one_program_per_tile_leaves_multiprocessors_idle():
     assert default_config(7168, 5120, sms=78).stream_k  # the same q|k|v over 78 SMs: 72% of two waves
 
 
+def test_short_rows_past_one_wave_take_narrower_loads():
+    """K <= 2048 with more tiles than multiprocessors: 128-column loads, so programs share one (the 35B-A3B
+    shape's sweep); one wave of short rows, and longer rows, keep 256."""
+    assert default_config(12352, 2048) == SkinnyConfig(64, 128)  # 35B-A3B GDN in_proj: 193 tiles
+    assert default_config(9216, 2048) == SkinnyConfig(64, 128)  # its attention q|gate|k|v: 144
+    assert default_config(7168, 2048) == SkinnyConfig(64, 256)  # DeepSeek shared down: 112
+    assert default_config(12352, 4096) == SkinnyConfig(64, 256, stream_k=True)  # 9B GDN in_proj (K 4096)
+
+
 @pytest.mark.parametrize("config", [SkinnyConfig(32, 64), STREAM_K_WHOLE_AND_SPLIT, None], ids=str)
 def test_fp32_weight_upcasts_16_bit_x(config):
     """A router's logits: bf16 x against an fp32 w gives ``F.linear(x.float(), w)`` in fp32."""

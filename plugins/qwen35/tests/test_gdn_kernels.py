@@ -62,7 +62,7 @@ class Case:
         gdn_kernels.conv_update(self.mixed, self.conv_weight, windows, self.slots, conv)
         gdn_kernels.gdn_decode(
             conv, self.b, self.a, self.z, self.a_log, self.dt_bias, self.norm, ssm, self.slots, out,
-            num_key_heads=self.hk, eps=1e-6, block_v=block_v,
+            num_key_heads=self.hk, eps=1e-6, block_v=self.dv if block_v == "head" else block_v,
         )  # fmt: skip
         return conv, out, windows, ssm
 
@@ -74,7 +74,7 @@ def _close(got, ref, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("block_v", [None, 8], ids=["fused-norm", "split-v"])
+@pytest.mark.parametrize("block_v", [None, "head", 8], ids=["default-tiles", "fused-norm", "split-v"])
 def test_decode_step_matches_reference(dtype, block_v):
     case = Case(rows=3, hk=2, hv=4, dk=16, dv=32, dtype=dtype, slots=[3, 0, 5], seed=1)
     conv, out, windows, ssm = case.kernels(block_v)
@@ -86,6 +86,14 @@ def test_decode_step_matches_reference(dtype, block_v):
     untouched = [s for s in range(case.ssm.shape[0]) if s not in (3, 0, 5)]
     assert torch.equal(ssm[untouched], case.ssm[untouched]), "only the rows' slots may change"
     assert torch.equal(windows[untouched], case.windows[untouched])
+
+
+def test_decode_tiles_split_the_heads_only_below_one_wave():
+    """A batch whose (row, head) programs fill under one wave of multiprocessors takes narrow programs (the
+    norm after); a full one keeps whole heads with the gated norm fused in."""
+    assert gdn_kernels.decode_tiles(1, 32, 128, sms=132) == (16, 1)
+    assert gdn_kernels.decode_tiles(64, 32, 128, sms=132) == (128, 4)
+    assert gdn_kernels.decode_tiles(1, 4, 8, sms=132) == (8, 1)
 
 
 def test_consecutive_steps_carry_the_state():
@@ -269,7 +277,7 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("rows", [1, 16, 64])
-@pytest.mark.parametrize("block_v", [None, 32], ids=["fused-norm", "split-v"])
+@pytest.mark.parametrize("block_v", [None, "head", 32], ids=["default-tiles", "fused-norm", "split-v"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_qwen35_9b_shape_on_gpu(rows, block_v, dtype):
     slots = torch.randperm(2 * rows + 3, generator=torch.Generator().manual_seed(rows))[:rows].tolist()
