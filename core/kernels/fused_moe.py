@@ -395,19 +395,14 @@ def fused_moe_triton(
         raise ValueError("x and the expert weights need a contiguous last dimension")
     if (scales is not None) != (gate_up.element_size() == 1 and down.element_size() == 1):
         raise ValueError(f"{gate_up.dtype} experts need block scales exactly when they are float8")
-    if add is not None and (add.shape != x.shape or add.dtype != x.dtype or not add.is_contiguous()):
-        raise ValueError(
-            f"add {tuple(add.shape)} {add.dtype} must be a contiguous {tuple(x.shape)} {x.dtype}"
-        )
+    for name, t in (("add", add), ("residual", residual)):
+        if t is not None and (t.shape != x.shape or t.dtype != x.dtype or not t.is_contiguous()):
+            raise ValueError(
+                f"{name} {tuple(t.shape)} {t.dtype} must be a contiguous {tuple(x.shape)} {x.dtype}"
+            )
     if add_gate is not None and (add is None or add_gate.shape != (tokens, 1) or add_gate.dtype != x.dtype):
         raise ValueError(
             f"add_gate {tuple(add_gate.shape)} {add_gate.dtype} needs an add and [{tokens}, 1] {x.dtype}"
-        )
-    if residual is not None and (
-        residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()
-    ):
-        raise ValueError(
-            f"residual {tuple(residual.shape)} {residual.dtype} must be a contiguous {tuple(x.shape)} {x.dtype}"
         )
     if pairs == 0:
         return combine_routed(torch.zeros_like(x), add, add_gate, residual)
