@@ -28,8 +28,10 @@ def _params(**changes: object) -> SamplingParams:
     return SamplingParams(**{**values, **changes})
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture()
 def llm_engine(tiny_qwen3: Path) -> LLMEngine:
+    """One engine a test: ``AsyncLLMEngine.shutdown`` shuts the engine it drives down (its executor's
+    device memory released), so no later test can run on it."""
     overrides = [
         f"model.path={tiny_qwen3}",
         "device=cpu",
@@ -49,7 +51,7 @@ def _run(llm_engine: LLMEngine, body, **options: object) -> None:
             await engine.shutdown()
 
     asyncio.run(main())
-    # The engine is shared by the tests of this module: each must leave it empty.
+    # Shut down or not, the engine's scheduler and pages must be left empty by every test.
     assert not llm_engine.has_unfinished_requests() and llm_engine.buffers.usage() == 0.0
     llm_engine.buffers.check_invariants()
 
