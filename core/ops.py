@@ -60,6 +60,16 @@ def add_rms_norm(
     return rms_norm_ref(residual, weight, eps), residual
 
 
+def argmax(logits: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``logits.argmax(-1)`` of ``[rows, V]`` logits (int64, into ``out`` when given): on CUDA two launches
+    that spread a row over the GPU (``kernels.argmax``), where torch's one reduction is slow on a vocabulary."""
+    if use_triton(logits) and logits.dim() == 2 and logits.stride(-1) == 1:
+        from pegainfer.kernels import argmax as argmax_kernels
+
+        return argmax_kernels.argmax(logits, out=out)
+    return torch.argmax(logits, dim=-1, out=out)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x.to(w.dtype), w, bias)`` (a 16-bit ``x`` may meet an fp32 ``w``, as a router's does); on
     CUDA, decode-sized row counts stream the weight through the skinny kernel, the upcast inside it."""

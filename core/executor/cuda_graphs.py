@@ -16,6 +16,7 @@ from typing import TypeVar
 
 import torch
 
+from pegainfer import ops
 from pegainfer.layers.attention import AttentionMetadata
 from pegainfer.memory.buffer_specs import CacheKey
 from pegainfer.memory.decode_buffers import DecodeBuffers
@@ -107,7 +108,7 @@ class DecodeGraphs:
         self.decode.gather_inputs(size)
         hidden = self.model(self._batch(size), self.caches, self.states)
         logits = self.model.compute_logits(hidden)
-        torch.argmax(logits, dim=-1, out=self.decode.sampled[:size])
+        ops.argmax(logits, out=self.decode.sampled[:size])
         return logits
 
     @torch.inference_mode()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pegainfer import ops
 from pegainfer.engine.outputs import Logprob, PositionLogprobs
 from pegainfer.engine.request import Request
 from pegainfer.sampling.sampling_params import SamplingParams
@@ -148,12 +149,12 @@ class Sampler:
         if penalized is not None:  # penalties change the argmax
             greedy = None
         if not random_rows:
-            chosen = work.argmax(dim=-1) if greedy is None else greedy
+            chosen = ops.argmax(work) if greedy is None else greedy
         elif len(random_rows) == len(requests):
             chosen = self._sample(work, requests)
         else:
             # A copy of the given greedy tokens: they belong to the executor (an inference tensor there).
-            chosen = work.argmax(dim=-1) if greedy is None else greedy.clone()
+            chosen = ops.argmax(work) if greedy is None else greedy.clone()
             index = _index(random_rows, work.device)
             chosen[index] = self._sample(work[index], [requests[i] for i in random_rows])
 

@@ -60,7 +60,10 @@ def _latent_rope_kernel(
     INTERLEAVED: tl.constexpr,
     FIX: tl.constexpr,
 ):
+    # Program 0 of a token writes its latent row; the others each rotate one block of its query heads,
+    # so no program walks every head in turn (a batch-1 step has one token).
     token = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
     position = tl.load(positions_ptr + token).to(tl.int64)
     half = tl.arange(0, DR // 2)
     cos = tl.load(cos_ptr + position * stride_table + half)
@@ -69,23 +72,24 @@ def _latent_rope_kernel(
         ia, ib = 2 * half, 2 * half + 1
     else:
         ia, ib = half, half + DR // 2
-    for h0 in range(0, num_heads, BLOCK_H):
-        heads = h0 + tl.arange(0, BLOCK_H)
+    if part > 0:
+        heads = (part - 1) * BLOCK_H + tl.arange(0, BLOCK_H)
         rope = q_ptr + token * stride_qt + heads[:, None] * stride_qh + DN
         mask = (heads < num_heads)[:, None] & (half < DR // 2)[None, :]
         _rotate_pairs(rope, ia[None, :], ib[None, :], mask, cos[None, :], sin[None, :], rope, FIX)
-    slot = tl.load(slots_ptr + token).to(tl.int64)
-    if slot >= 0:
-        row = cache_ptr + slot // PAGE * stride_cblk + slot % PAGE * stride_ctok
-        offs = tl.arange(0, BLOCK_R)
-        mask_r = offs < RKV
-        c = tl.load(latent_ptr + token * stride_lt + offs, mask=mask_r, other=0.0).to(tl.float32)
-        normed = cast_to(c * tl.rsqrt(tl.sum(c * c, 0) / RKV + eps), latent_ptr.dtype.element_ty, FIX)
-        weight = tl.load(weight_ptr + offs, mask=mask_r, other=0.0).to(tl.float32)
-        dtype = cache_ptr.dtype.element_ty
-        tl.store(row + offs, cast_to(normed.to(tl.float32) * weight, dtype, FIX), mask=mask_r)
-        every = half < DR // 2
-        _rotate_pairs(latent_ptr + token * stride_lt + RKV, ia, ib, every, cos, sin, row + RKV, FIX)
+    else:
+        slot = tl.load(slots_ptr + token).to(tl.int64)
+        if slot >= 0:
+            row = cache_ptr + slot // PAGE * stride_cblk + slot % PAGE * stride_ctok
+            offs = tl.arange(0, BLOCK_R)
+            mask_r = offs < RKV
+            c = tl.load(latent_ptr + token * stride_lt + offs, mask=mask_r, other=0.0).to(tl.float32)
+            normed = cast_to(c * tl.rsqrt(tl.sum(c * c, 0) / RKV + eps), latent_ptr.dtype.element_ty, FIX)
+            weight = tl.load(weight_ptr + offs, mask=mask_r, other=0.0).to(tl.float32)
+            dtype = cache_ptr.dtype.element_ty
+            tl.store(row + offs, cast_to(normed.to(tl.float32) * weight, dtype, FIX), mask=mask_r)
+            every = half < DR // 2
+            _rotate_pairs(latent_ptr + token * stride_lt + RKV, ia, ib, every, cos, sin, row + RKV, FIX)
 
 
 def latent_rope_(
@@ -110,9 +114,10 @@ def latent_rope_(
         raise ValueError(f"cache {tuple(cache.shape)}, norm {norm_weight.numel()} and rope {dr} do not fit")
     if tokens == 0:
         return
-    _latent_rope_kernel[(tokens,)](
+    block_h = min(16, next_pow2(heads))
+    _latent_rope_kernel[(tokens, 1 + triton.cdiv(heads, block_h))](
         q, latent, positions, slots, cache, norm_weight, cos, sin, eps, heads, q.stride(0), q.stride(1),
         latent.stride(0), cache.stride(0), cache.stride(1), cos.stride(0),
         DN=q_dim - dr, RKV=rkv, DR=dr, PAGE=cache.shape[1], BLOCK_R=next_pow2(rkv),
-        BLOCK_H=min(32, next_pow2(heads)), INTERLEAVED=interleaved, FIX=interp_bf16(q.dtype), num_warps=4,
+        BLOCK_H=block_h, INTERLEAVED=interleaved, FIX=interp_bf16(q.dtype), num_warps=4,
     )  # fmt: skip

@@ -61,19 +61,20 @@ class MLAttention(nn.Module):
         h = dims.hidden_size
         rq, rkv, dr = dims.q_lora_rank, dims.kv_lora_rank, dims.qk_rope_head_dim
         q_out = nh * dims.qk_head_dim
-        if rq is None:
-            self.q_proj = param(q_out, h, dtype=dtype)
-        else:
-            self.q_a_proj = param(rq, h, dtype=dtype)
+        #: Rows of ``in_proj`` before the latent's: ``q_a_proj``'s, or ``q_proj``'s without a query LoRA.
+        self.q_rows = q_out if rq is None else rq
+        # q_a_proj (or q_proj) and kv_a_proj_with_mqa both read x: stacked, they are one GEMM, and the
+        # thin kv_a (576 rows) no longer runs alone far below the read rate.
+        self.in_proj = param(self.q_rows + rkv + dr, h, dtype=dtype)
+        if rq is not None:
             self.q_a_layernorm = param(rq, dtype=dtype)
             self.q_b_proj = param(q_out, rq, dtype=dtype)
-        self.kv_a_proj_with_mqa = param(rkv + dr, h, dtype=dtype)
         self.kv_a_layernorm = param(rkv, dtype=dtype)
         self.kv_b_proj = param(nh * (dims.qk_nope_head_dim + dims.v_head_dim), rkv, dtype=dtype)
         self.o_proj = param(h, nh * dims.v_head_dim, dtype=dtype)
         biased = dims.attention_bias
-        self.q_a_bias = param(rq, dtype=dtype) if biased and rq is not None else None
-        self.kv_a_bias = param(rkv + dr, dtype=dtype) if biased else None
+        # q_a_proj and kv_a_proj_with_mqa carry the bias; q_proj has none (its rows' share stays zero).
+        self.in_bias = param(self.q_rows + rkv + dr, dtype=dtype) if biased else None
         self.o_bias = param(h, dtype=dtype) if biased else None
         self.scale = dims.softmax_scale
         self.indexer = LightningIndexer(dims, dtype) if dims.indexer is not None else None
@@ -93,17 +94,17 @@ class MLAttention(nn.Module):
         dims, eps, t = self.dims, self.dims.rms_norm_eps, x.shape[0]
         dn, dr = dims.qk_nope_head_dim, dims.qk_rope_head_dim
         selection = None
-        if dims.q_lora_rank is None:
-            q = F.linear(x, self.q_proj)
-        else:
-            cq = ops.rms_norm(ops.linear(x, self.q_a_proj, self.q_a_bias), self.q_a_layernorm, eps)
+        q, latent = ops.linear(x, self.in_proj, self.in_bias).split(
+            [self.q_rows, self.in_proj.shape[0] - self.q_rows], -1
+        )
+        if dims.q_lora_rank is not None:
+            cq = ops.rms_norm(q, self.q_a_layernorm, eps)
             q = ops.linear(cq, self.q_b_proj)
             if self.indexer is not None:
                 if index_cache is None or index_rotary is None:
                     raise ValueError("a DeepSeek-V3.2 layer needs its indexer cache and half-split rope")
                 selection = self.indexer(x, cq, batch, index_cache, index_rotary)
         q = q.view(t, self.num_heads, dims.qk_head_dim)
-        latent = ops.linear(x, self.kv_a_proj_with_mqa, self.kv_a_bias)
         if ops.use_triton(latent):  # one launch for the rotary, the latent's norm and the cache write
             latent_rope_(
                 q, latent, batch.positions, batch.attn.slot_mapping, cache, self.kv_a_layernorm, eps,
@@ -210,20 +211,30 @@ class MLAttention(nn.Module):
         q_out, kv_out = nh * dims.qk_head_dim, nh * (dims.qk_nope_head_dim + dims.v_head_dim)
         heads, columns = split(0), split(1)  # by heads: each head's rows (columns of o_proj) contiguous
         # (name, parameter, full shape, shard rule); None shape: replicated, the parameter's own.
+        lora = dims.q_lora_rank is not None
+        q_rows, latent_rows = slice(0, self.q_rows), slice(self.q_rows, self.in_proj.shape[0])
+        bias = self.in_bias
+
+        def rows_of(t: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+            return None if t is None else t[rows]
+
         named = [
-            ("q_proj.weight", getattr(self, "q_proj", None), (q_out, h), heads),
-            ("q_a_proj.weight", getattr(self, "q_a_proj", None), None, None),
-            ("q_a_proj.bias", self.q_a_bias, None, None),
+            ("q_a_proj.weight", self.in_proj[q_rows], None, None)
+            if lora
+            else ("q_proj.weight", self.in_proj[q_rows], (q_out, h), heads),
+            ("q_a_proj.bias", rows_of(bias, q_rows) if lora else None, None, None),
             ("q_a_layernorm.weight", getattr(self, "q_a_layernorm", None), None, None),
             ("q_b_proj.weight", getattr(self, "q_b_proj", None), (q_out, dims.q_lora_rank), heads),
-            ("kv_a_proj_with_mqa.weight", self.kv_a_proj_with_mqa, None, None),
-            ("kv_a_proj_with_mqa.bias", self.kv_a_bias, None, None),
+            ("kv_a_proj_with_mqa.weight", self.in_proj[latent_rows], None, None),
+            ("kv_a_proj_with_mqa.bias", rows_of(bias, latent_rows), None, None),
             ("kv_a_layernorm.weight", self.kv_a_layernorm, None, None),
             ("kv_b_proj.weight", self.kv_b_proj, (kv_out, dims.kv_lora_rank), heads),
             ("o_proj.weight", self.o_proj, (h, nh * dims.v_head_dim), columns),
             ("o_proj.bias", self.o_bias, None, None),
         ]
         with torch.no_grad():
+            if bias is not None and not lora:
+                bias[q_rows].zero_()  # q_proj has no bias
             for name, target, shape, shard in named:
                 if target is not None:
                     full = tuple(target.shape) if shape is None else shape

@@ -29,7 +29,15 @@ pytestmark = pytest.mark.skipif(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_prologue_equals_the_torch_form(interleaved, dtype):
     gen = torch.Generator().manual_seed(3 + interleaved)
-    tokens, heads, dn, dr, rkv, page, blocks = 5, 40, 24, 16, 48, 4, 9  # heads span two head blocks
+    tokens, heads, dn, dr, rkv, page, blocks = (
+        5,
+        40,
+        24,
+        16,
+        48,
+        4,
+        9,
+    )  # heads span three head blocks, the last partial
 
     def rand(*shape):
         return torch.randn(*shape, generator=gen).to(DEVICE, dtype)

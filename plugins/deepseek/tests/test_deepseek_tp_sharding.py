@@ -53,12 +53,15 @@ def _gate_up(t: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
     return torch.cat([_chunk(gate, dim, rank), _chunk(up, dim, rank)], dim=dim)
 
 
-def expected_shard(name: str, full: torch.Tensor, rank: int) -> torch.Tensor:
-    """The slice of the one-rank model's parameter ``name`` that rank ``rank`` of 2 must hold."""
+def expected_shard(name: str, full: torch.Tensor, rank: int, q_proj_rows: int = 0) -> torch.Tensor:
+    """The slice of the one-rank model's parameter ``name`` that rank ``rank`` of 2 must hold;
+    ``q_proj_rows``: the rows of a head-split ``q_proj`` atop the replicated latent in ``in_proj``."""
     leaf = name.rsplit(".", 1)[-1]
+    if leaf in ("in_proj", "in_bias") and q_proj_rows:
+        return torch.cat([_chunk(full[:q_proj_rows], 0, rank), full[q_proj_rows:]])
     if leaf in ("embed_tokens", "lm_head", "head"):
         return _vocab_rows(full, rank)
-    if leaf in ("q_proj", "q_b_proj", "kv_b_proj"):
+    if leaf in ("q_b_proj", "kv_b_proj"):
         return _chunk(full, 0, rank)  # by heads
     if leaf in ("o_proj", "down_proj"):
         return _chunk(full, 1, rank)
@@ -93,12 +96,14 @@ def checkpoints(tiny_checkpoint_factory, tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.parametrize("rank", [0, 1])
 def test_rank_holds_its_slices_of_the_full_model(checkpoints, name: str, rank: int) -> None:
     folder = checkpoints[name]
-    full = dict(_load(folder, 0, 1)[0].named_parameters())
+    one_rank = _load(folder, 0, 1)[0]
+    full = dict(one_rank.named_parameters())
+    q_proj_rows = one_rank.layers[0].self_attn.q_rows if one_rank.dims.q_lora_rank is None else 0
     model, reader = _load(folder, rank, 2)
     sharded = dict(model.named_parameters())
     assert sharded.keys() == full.keys()
     for key, param in sharded.items():
-        expected = expected_shard(key, full[key], rank)
+        expected = expected_shard(key, full[key], rank, q_proj_rows)
         assert param.shape == expected.shape, key
         assert torch.equal(param, expected), key  # FP8: the same products, element by element
     if name != "v32":  # V3.2's MTP layer is not served
