@@ -381,11 +381,13 @@ def fused_moe_triton(
     to it in place and ``residual`` returned (all in the launch that sums the choices); the other keyword
     knobs are for the benchmark.
 
-    Tiles: bf16/fp16 decode batches (16-row blocks) load 128 columns of weights, four loads in flight; the rest
-    64 columns, three. Swept on the H200 (``bench/fused_moe_tiles.py``, 2026-12-03, 16 calls a graph, each to fresh experts; 64x64x3
+    Tiles: decode batches (16-row blocks) with bf16/fp16 activations load 128 columns of weights (bf16 or
+    float8), four loads in flight; the rest 64 columns, three. Swept on the H200 (``bench/fused_moe_tiles.py``, 2026-12-03, 16 calls a graph, each to fresh experts; 64x64x3
     -> 64x128x4): Qwen3.5-35B-A3B's experts at batch 1 34.9 -> 27.3 us, batch 16 227.8 -> 219.1;
     Moonlight's 43.1 -> 35.8 and 253.4 -> 239.5; DeepSeek-V3's 182.0 -> 177.3 and 2224 -> 2083. Each within
-    2% of the best of 18 tilings. FP8 experts and 64-row blocks were not swept."""
+    2% of the best of 18 tilings. Block-FP8 experts (``--fp8``, 2026-12-04) take the same decode tiles:
+    DeepSeek-V3's at batch 1 176.0 -> 107.1 us (44.5% -> 73.2% of the read rate), batch 16 1876 -> 1178 us,
+    the best of 8 tilings (256-column ones do not compile). 64-row blocks were not swept."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     num_experts, two_inter, _ = gate_up.shape
@@ -408,7 +410,7 @@ def fused_moe_triton(
         return combine_routed(torch.zeros_like(x), add, add_gate, residual)
     # Decode batches take the smallest tensor-core tile; larger ones fill bigger blocks per expert.
     bm = block_m or (16 if pairs <= 4 * num_experts else 64)
-    decode_tiles = bm == 16 and scales is None and x.element_size() == 2  # fp32 stages would not fit
+    decode_tiles = bm == 16 and x.element_size() == 2  # fp32 stages would not fit
     block_k = block_k or (128 if decode_tiles else 64)
     num_stages = num_stages or (4 if decode_tiles else 3)
     rows, block_expert = expert_blocks(ids, num_experts, bm)

@@ -170,6 +170,18 @@ def test_fp8_experts_match_the_dequantized_reference(dtype, block, offset):
             assert (ours_w - orig.float()).norm() < 0.04 * orig.float().norm()
 
 
+@pytest.mark.parametrize("offset", [0, 24], ids=["aligned", "shard-offset"])
+def test_fp8_experts_at_the_default_decode_tiles(offset):
+    """Float8 experts in DeepSeek's 128 x 128 scale tiles at the tiles ``fused_moe_triton`` picks for a
+    decode batch (64 x 128 weight tiles): one scale a kernel tile when aligned, per element past a shard
+    offset; widths no tile divides."""
+    x, weights, ids, gate_up, down = _case(1, 4, 6, 200, 72, torch.bfloat16, seed=11)
+    q_gate_up, q_down, scales = _quantized(gate_up, down, (128, 128), offset)
+    ours = fused_moe_triton(x, weights, ids, q_gate_up, q_down, scales=scales)
+    ref = routed_experts(x, weights, ids, q_gate_up, q_down, scales=scales)
+    torch.testing.assert_close(ours.float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
 def test_a_shard_offset_needs_square_tiles():
     with pytest.raises(ValueError, match="square tiles"):
         BlockScales(torch.ones(1, 2, 1, 1), torch.ones(1, 1, 1), (16, 32), offset=5)
