@@ -256,3 +256,22 @@ def _git_commit() -> str:
         ).stdout.strip()
     except OSError:
         return "unknown"
+
+
+def write_word_tokenizer(folder: Path, vocab_size: int) -> None:
+    """Replace the test tokenizer in ``folder`` with a word-level one that has a distinct word for every
+    one of ``vocab_size`` ids (its specials at the top ids), so every token a random-weight model
+    generates has text: streams then carry one text chunk per token, as with a real tokenizer, and a
+    serving benchmark's TTFT and ITL are measurable."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
+
+    specials = json.loads((folder / "tokenizer_config.json").read_text())
+    names = [f"w{i}" for i in range(vocab_size)]
+    tokens = {"<|endoftext|>", "<|im_start|>", "<|im_end|>", specials.get("eos_token") or "<|im_end|>"}
+    for offset, special in enumerate(sorted(tokens)):
+        names[vocab_size - 1 - offset] = special
+    tokenizer = Tokenizer(WordLevel({name: i for i, name in enumerate(names)}, unk_token=names[0]))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(sorted(tokens))
+    tokenizer.save(str(folder / "tokenizer.json"))

@@ -37,6 +37,7 @@ from common import (
     start_decoding,
     stop_decoding,
     timed_steps_ms,
+    write_word_tokenizer,
 )  # fmt: skip
 
 from pegainfer.layers.moe import BlockScales
@@ -71,11 +72,16 @@ MOONLIGHT = dict(
 SHAPES = {"v3": (V3, 129280, "deepseek"), "moonlight": (MOONLIGHT, 163840, "deepseek_moonlight")}
 
 
-def checkpoint_folder(shape: dict, vocab: int, layers: int | None, fp8: bool = False) -> Path:
+def checkpoint_folder(
+    shape: dict, vocab: int, layers: int | None, fp8: bool = False, full_vocab_tokenizer: bool = False
+) -> Path:
     """config.json (with DeepSeek's block-FP8 quantization_config when ``fp8``: the routed experts then
-    stay float8 in memory) and a tokenizer; weights come from load_format=dummy."""
+    stay float8 in memory) and a tokenizer (over every id with ``full_vocab_tokenizer``, for serving);
+    weights come from load_format=dummy."""
     folder = Path(tempfile.mkdtemp(prefix="deepseek-bench-"))
     write_tiny_tokenizer(folder)
+    if full_vocab_tokenizer:
+        write_word_tokenizer(folder, vocab)
     config = deepseek_v3_config(vocab, **shape)
     if layers is not None:
         config["num_hidden_layers"] = layers

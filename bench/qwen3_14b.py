@@ -29,6 +29,7 @@ from common import (
     measure_ceilings,
     start_decoding,
     stop_decoding,
+    write_word_tokenizer,
 )
 
 from pegainfer.engine.llm import LLM
@@ -58,31 +59,15 @@ QWEN3_14B = {
 def checkpoint_folder(layers: int, full_vocab_tokenizer: bool = False) -> Path:
     """config.json (the real shape) and a tokenizer; weights come from load_format=dummy.
 
-    ``full_vocab_tokenizer`` swaps the 1000-token test tokenizer for a word-level one with a distinct word
-    for every one of the 151936 ids, so every generated token has text (streams then carry one text chunk
-    per token, as with the real tokenizer, and TTFT/ITL are measurable).
+    ``full_vocab_tokenizer`` swaps the 1000-token test tokenizer for a word-level one over all 151936 ids
+    (``common.write_word_tokenizer``), for the serving benchmark.
     """
     folder = Path(tempfile.mkdtemp(prefix="qwen3-14b-"))
     write_tiny_tokenizer(folder)
     if full_vocab_tokenizer:
-        _write_word_tokenizer(folder, QWEN3_14B["vocab_size"])
+        write_word_tokenizer(folder, QWEN3_14B["vocab_size"])
     (folder / "config.json").write_text(json.dumps({**QWEN3_14B, "num_hidden_layers": layers}))
     return folder
-
-
-def _write_word_tokenizer(folder: Path, vocab_size: int) -> None:
-    from tokenizers import Tokenizer, pre_tokenizers
-    from tokenizers.models import WordLevel
-
-    specials = json.loads((folder / "tokenizer_config.json").read_text())
-    names = [f"w{i}" for i in range(vocab_size)]
-    tokens = {"<|endoftext|>", "<|im_start|>", "<|im_end|>", specials.get("eos_token") or "<|im_end|>"}
-    for offset, special in enumerate(sorted(tokens)):
-        names[vocab_size - 1 - offset] = special
-    tokenizer = Tokenizer(WordLevel({name: i for i, name in enumerate(names)}, unk_token=names[0]))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.add_special_tokens(sorted(tokens))
-    tokenizer.save(str(folder / "tokenizer.json"))
 
 
 def random_prompt(rng: random.Random, n: int) -> list[int]:
