@@ -4,8 +4,9 @@
 # (greedy, ignore_eos). MODEL is qwen3_14b (Qwen3-14B) or deepseek_moonlight (the ~16B
 # Moonlight-16B-A3B-like deepseek_v3 model of bench/deepseek.py). Writes one JSON report per concurrency
 # into the folder given (default bench/results/serve_MODEL), prints a summary and appends the figures
-# (MODEL.serve.cC.*) to bench/results/serve_MODEL.jsonl (or the JSONL file given third).
-#   bash bench/serve.sh MODEL [OUT_DIR [HISTORY.jsonl]]
+# (MODEL.serve.cC.*) to bench/results/serve_MODEL.jsonl (or the JSONL file given third), labelled with
+# $COMMIT where set (a copy of the tree whose git HEAD is not the tree), else git's HEAD.
+#   [COMMIT=<sha>] bash bench/serve.sh MODEL [OUT_DIR [HISTORY.jsonl]]
 set -euo pipefail
 model=${1:?usage: bash bench/serve.sh qwen3_14b|deepseek_moonlight [OUT_DIR [HISTORY.jsonl]]}
 out=${2:-bench/results/serve_$model}
@@ -36,7 +37,7 @@ for spec in 1:8 16:48 64:128; do
   pegainfer bench serve --url "http://127.0.0.1:$port" --concurrency "$c" --num-prompts "$n" \
     --input-len 1024 --output-len 256 --vocab-size $vocab --json --no-progress >"$out/concurrency$c.json"
 done
-python3 - "$out" "$history" "$model" <<'PY'
+python3 - "$out" "$history" "$model" "${COMMIT:-}" <<'PY'
 import json, pathlib, sys
 sys.path.insert(0, "bench")
 from common import Results
@@ -44,7 +45,7 @@ units = {"output_throughput": "tok/s", "request_throughput": "req/s", "median_tt
          "median_tpot_ms": "ms", "p99_tpot_ms": "ms", "median_itl_ms": "ms", "p99_itl_ms": "ms",
          "median_e2el_ms": "ms", "failed": "count"}
 model = sys.argv[3]
-results = Results(pathlib.Path(sys.argv[2]), f"bash bench/serve.sh {model}")
+results = Results(pathlib.Path(sys.argv[2]), f"bash bench/serve.sh {model}", commit=sys.argv[4] or None)
 for path in sorted(pathlib.Path(sys.argv[1]).glob("concurrency*.json"), key=lambda p: int(p.stem[11:])):
     r = json.loads(path.read_text())
     print(path.stem, {k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items() if not isinstance(v, (dict, list))})
