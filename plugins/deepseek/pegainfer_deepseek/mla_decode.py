@@ -46,22 +46,35 @@ MAX_SPLITS = 32
 MIN_TOKENS_PER_SPLIT = 128
 #: Query heads per program: the M of its dots (16 is the smallest tensor-core tile).
 BLOCK_H = 16
+#: Programs of this kernel taken to run at once on a multiprocessor: two fits the sweep in
+#: :func:`mla_decode_num_splits`'s docstring.
+PROGRAMS_PER_SM = 2
+#: The least share of a launch's last wave its programs must fill, for :func:`mla_decode_num_splits`.
+MIN_WAVE_FILL = 0.75
 
 
 def mla_decode_num_splits(
     batch: int, num_heads: int, max_seq_len: int, device: torch.device, block_h: int = BLOCK_H
 ) -> int:
-    """Splits per row from static sizes only: about two programs per multiprocessor, never more splits
-    than ``max_seq_len`` has ``MIN_TOKENS_PER_SPLIT`` chunks, at most ``MAX_SPLITS``.
+    """Splits per row from static sizes only: the fewest whose programs fill their last wave to
+    ``MIN_WAVE_FILL`` (a wave: ``PROGRAMS_PER_SM`` programs on every multiprocessor), never more than
+    ``max_seq_len`` has ``MIN_TOKENS_PER_SPLIT`` chunks for, at most ``MAX_SPLITS`` (the most allowed
+    when none fills).
 
-    Swept on the H200 (2026-12-04, splits 1-64, no record): four programs per multiprocessor over-split;
-    two gave 128 heads at batch 16 x 1024 tokens 66.4 -> ~58 us (best: 2 splits, 55.3), batch 4 x 2048
-    39.0 -> ~34 (8 splits, 33.5); 16 heads at batch 16 26.4 -> ~20 (16 splits, 20.4), batch 64 x 4096
-    130.1 -> ~118 (4 splits, 117.3). Batch 1 is within 1 us of the best at any count."""
+    Why waves: a row's splits share its work, so the step takes ``ceil(programs · splits / slots)`` waves
+    of ``1 / splits`` of a row each; a half-empty last wave costs as much as a full one, and each split
+    more adds a partial to write and merge. Swept on the H200 (2026-12-04, ``--shape`` V3's 128 heads and
+    16, a share under tp=8, no record): the earlier rule (about four programs per SM) gave 16 heads at
+    batch 64 x 4096 tokens 9 splits, 129 us, where 4 (one full wave) took 117 and 5 took 159; 128 heads
+    at batch 16 x 1024 5 splits, 66 us, where 2 took 55."""
     programs = max(1, batch * triton.cdiv(num_heads, block_h))
-    wanted = math.ceil(2 * num_sms(device) / programs)
-    by_len = math.ceil(max(1, max_seq_len) / MIN_TOKENS_PER_SPLIT)
-    return max(1, min(wanted, by_len, MAX_SPLITS))
+    slots = PROGRAMS_PER_SM * num_sms(device)
+    most = max(1, min(math.ceil(max(1, max_seq_len) / MIN_TOKENS_PER_SPLIT), MAX_SPLITS))
+    for splits in range(1, most + 1):
+        launched = programs * splits
+        if launched / (slots * math.ceil(launched / slots)) >= MIN_WAVE_FILL:
+            return splits
+    return most
 
 
 @triton.jit

@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+from pegainfer_deepseek import mla_decode
 from pegainfer_deepseek.mla_decode import (
     mla_decode_attention,
     mla_decode_attention_ref,
@@ -110,3 +111,20 @@ def test_deepseek_v3_shape_inside_a_cuda_graph():
     graph.replay()
     ref = mla_decode_attention_ref(q, q_pe, cache, tables, lens, scale, max_seq_len=4096)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "heads, batch, max_seq_len, splits",
+    [(16, 64, 8192, 4), (128, 16, 4096, 2), (128, 64, 8192, 1), (16, 1, 8192, 32), (128, 1, 700, 6)],
+    ids=[
+        "one-full-wave",
+        "two-programs-a-sm",
+        "no-split-needed",
+        "never-fills:-the-most",
+        "capped-by-length",
+    ],
+)
+def test_splits_fill_the_last_wave(monkeypatch, heads, batch, max_seq_len, splits):
+    """The fewest splits whose programs fill three quarters of their last wave on 132 SMs."""
+    monkeypatch.setattr(mla_decode, "num_sms", lambda device: 132)
+    assert mla_decode.mla_decode_num_splits(batch, heads, max_seq_len, torch.device("cpu")) == splits
