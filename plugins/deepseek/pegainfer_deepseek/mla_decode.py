@@ -50,7 +50,7 @@ BLOCK_H = 16
 #: :func:`mla_decode_num_splits`'s docstring.
 PROGRAMS_PER_SM = 2
 #: The least share of a launch's last wave its programs must fill, for :func:`mla_decode_num_splits`.
-MIN_WAVE_FILL = 0.75
+MIN_WAVE_FILL = 0.9
 
 
 def mla_decode_num_splits(

@@ -125,6 +125,6 @@ def test_deepseek_v3_shape_inside_a_cuda_graph():
     ],
 )
 def test_splits_fill_the_last_wave(monkeypatch, heads, batch, max_seq_len, splits):
-    """The fewest splits whose programs fill three quarters of their last wave on 132 SMs."""
+    """The fewest splits whose programs fill 90% of their last wave on 132 SMs."""
     monkeypatch.setattr(mla_decode, "num_sms", lambda device: 132)
     assert mla_decode.mla_decode_num_splits(batch, heads, max_seq_len, torch.device("cpu")) == splits
