@@ -5,7 +5,8 @@
 than any number (the first NaN wins), index 0 for a row of ``-inf``.
 
 Why not ``torch.argmax``: on one row of a 129k-248k vocabulary it runs one reduction whose blocks meet
-through global memory, 28 µs on an H200 for half a megabyte, which is 1.5% of a DeepSeek-V3 4-layer step.
+through global memory: 28 µs on an H200 for half a megabyte, 1.5% of a DeepSeek-V3 4-layer decode step,
+where these two launches take 3 µs (``bench/profile_decode.py --model deepseek``, 2026-12-04).
 Here each row is cut into chunks that fill the GPU; each program keeps, per lane, the best (value, index)
 of its chunk and writes the chunk's best; a second launch picks each row's best of its chunks. Sizes
 depend on the shape only (no host sync): graph-safe.

@@ -63,10 +63,11 @@ def mla_decode_num_splits(
 
     Why waves: a row's splits share its work, so the step takes ``ceil(programs · splits / slots)`` waves
     of ``1 / splits`` of a row each; a half-empty last wave costs as much as a full one, and each split
-    more adds a partial to write and merge. Swept on the H200 (2026-12-04, ``--shape`` V3's 128 heads and
-    16, a share under tp=8, no record): the earlier rule (about four programs per SM) gave 16 heads at
-    batch 64 x 4096 tokens 9 splits, 129 us, where 4 (one full wave) took 117 and 5 took 159; 128 heads
-    at batch 16 x 1024 5 splits, 66 us, where 2 took 55."""
+    more adds a partial to write and merge. Measured on the H200 against the earlier rule (about four
+    programs per SM), side by side (``bench/mla_splits.py``, 2026-12-04, no record): 128 heads at batch
+    4 / 16 / 32 39.9 -> 34.7, 68.0 -> 56.4, 67.7 -> 53.4 us; 16 heads (a share under tp=8) at batch 16 /
+    64 27.5 -> 22.9, 133.6 -> 120.0 us; batch 1 at 4096 tokens 26.1 -> 27.6 (30 splits, not 32), batch
+    64 x 4096 at 128 heads 700.9 -> 706.2; the other cases equal."""
     programs = max(1, batch * triton.cdiv(num_heads, block_h))
     slots = PROGRAMS_PER_SM * num_sms(device)
     most = max(1, min(math.ceil(max(1, max_seq_len) / MIN_TOKENS_PER_SPLIT), MAX_SPLITS))
