@@ -32,6 +32,7 @@ from pegainfer.kernels._triton import (
     interp_bf16,
     mma,
     next_pow2,
+    shared_memory_per_sm,
     tl,
     triton,
     use_kernel,
@@ -40,6 +41,8 @@ from pegainfer.layers.moe import BlockScales, combine_routed
 
 #: Most (token, choice) pairs the one-program sort takes; larger routings sort with torch ops.
 KERNEL_SORT_PAIRS = 256
+#: Shared memory a kernel's pipeline leaves for Triton's own scratch (layout conversions, reductions).
+SMEM_HEADROOM = 16 * 1024
 
 
 def expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -358,6 +361,15 @@ def _combine_kernel(
     tl.store(out_ptr + token * hidden + offs, cast_to(acc, dtype, FIX), mask=mask)
 
 
+def default_pipeline(block_m: int, block_n: int, x: torch.Tensor, gate_up: torch.Tensor) -> tuple[int, int]:
+    """(block_k, num_stages) of both GEMMs: for decode blocks (16 rows) of 16-bit activations 128 columns,
+    four loads in flight, where the gate|up kernel's four stages fit one multiprocessor's shared memory
+    (144 KiB for bf16 weights, 80 for float8: neither on a GPU with 100 KiB); else 64 columns, three."""
+    stage = block_m * 128 * x.element_size() + 2 * 128 * block_n * gate_up.element_size()
+    fits = 4 * stage + SMEM_HEADROOM <= shared_memory_per_sm(x.device)
+    return (128, 4) if block_m == 16 and x.element_size() == 2 and fits else (64, 3)
+
+
 def fused_moe_triton(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -381,13 +393,13 @@ def fused_moe_triton(
     to it in place and ``residual`` returned (all in the launch that sums the choices); the other keyword
     knobs are for the benchmark.
 
-    Tiles: decode batches (16-row blocks) with bf16/fp16 activations load 128 columns of weights (bf16 or
-    float8), four loads in flight; the rest 64 columns, three. Swept on the H200 (``bench/fused_moe_tiles.py``, 2026-12-03, 16 calls a graph, each to fresh experts; 64x64x3
-    -> 64x128x4): Qwen3.5-35B-A3B's experts at batch 1 34.9 -> 27.3 us, batch 16 227.8 -> 219.1;
-    Moonlight's 43.1 -> 35.8 and 253.4 -> 239.5; DeepSeek-V3's 182.0 -> 177.3 and 2224 -> 2083. Each within
-    2% of the best of 18 tilings. Block-FP8 experts (``--fp8``, 2026-12-04) take the same decode tiles:
-    DeepSeek-V3's at batch 1 176.0 -> 107.1 us (44.5% -> 73.2% of the read rate), batch 16 1876 -> 1178 us,
-    the best of 8 tilings (256-column ones do not compile). 64-row blocks were not swept."""
+    Tiles (:func:`default_pipeline`): swept on the H200 (``bench/fused_moe_tiles.py``, 2026-12-03, 16
+    calls a graph, each to fresh experts; 64x64x3 -> 64x128x4): Qwen3.5-35B-A3B's experts at batch 1
+    34.9 -> 27.3 us, batch 16 227.8 -> 219.1; Moonlight's 43.1 -> 35.8 and 253.4 -> 239.5; DeepSeek-V3's
+    182.0 -> 177.3 and 2224 -> 2083, each within 2% of the best of 18 tilings. Block-FP8 experts
+    (``--fp8``, 2026-12-04) take the same decode tiles: DeepSeek-V3's at batch 1 176.0 -> 107.1 us
+    (44.5% -> 73.2% of the read rate), batch 16 1876 -> 1178 us, the best of 8 tilings (256-column ones
+    do not compile). 64-row blocks were not swept."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     num_experts, two_inter, _ = gate_up.shape
@@ -410,9 +422,9 @@ def fused_moe_triton(
         return combine_routed(torch.zeros_like(x), add, add_gate, residual)
     # Decode batches take the smallest tensor-core tile; larger ones fill bigger blocks per expert.
     bm = block_m or (16 if pairs <= 4 * num_experts else 64)
-    decode_tiles = bm == 16 and x.element_size() == 2  # fp32 stages would not fit
-    block_k = block_k or (128 if decode_tiles else 64)
-    num_stages = num_stages or (4 if decode_tiles else 3)
+    default_k, default_stages = default_pipeline(bm, block_n, x, gate_up)
+    block_k = block_k or default_k
+    num_stages = num_stages or default_stages
     rows, block_expert = expert_blocks(ids, num_experts, bm)
     act = x.new_empty(pairs, inter)
     y = x.new_empty(pairs, hidden)
@@ -433,8 +445,9 @@ def fused_moe_triton(
         x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
         gu_s.stride(0) if quant else 0, gu_s.stride(1) if quant else 0, gu_s.stride(2) if quant else 0,
         gu_s.stride(3) if quant else 0, offset,
-        QUANT=quant, UNIFORM=uniform, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, TOP_K=top_k, BLOCK_M=bm, BLOCK_N=block_n,
-        BLOCK_K=block_k, DOT_PREC=prec, FIX=fix, num_warps=num_warps, num_stages=num_stages,
+        QUANT=quant, UNIFORM=uniform, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, TOP_K=top_k,
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PREC=prec, FIX=fix, num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
     _down_kernel[(blocks, triton.cdiv(hidden, block_n))](
         act, down, weights.flatten().contiguous(), y, rows, block_expert, d_s, pairs, num_experts, hidden, inter,

@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from pegainfer.kernels import fused_moe as fused_moe_kernels
 from pegainfer.kernels.fused_moe import (
     KERNEL_SORT_PAIRS,
     expert_blocks,
@@ -120,6 +121,26 @@ def test_fused_moe_default_tiles_mask_ragged_widths(tokens):
     ours = fused_moe_triton(x, weights, ids, gate_up, down)
     ref = routed_experts(x, weights, ids, gate_up, down)
     torch.testing.assert_close(ours.float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize(
+    "smem_kib, block_m, act, weights, pipeline",
+    [
+        (228, 16, torch.bfloat16, torch.bfloat16, (128, 4)),
+        (228, 16, torch.bfloat16, torch.float8_e4m3fn, (128, 4)),
+        (100, 16, torch.bfloat16, torch.float8_e4m3fn, (128, 4)),  # 80 KiB of stages fit
+        (100, 16, torch.bfloat16, torch.bfloat16, (64, 3)),  # 144 KiB would not
+        (228, 64, torch.bfloat16, torch.bfloat16, (64, 3)),
+        (228, 16, torch.float32, torch.float32, (64, 3)),
+    ],
+    ids=["h200-bf16", "h200-fp8", "100k-fp8", "100k-bf16", "prefill-blocks", "fp32"],
+)
+def test_decode_pipeline_fits_the_devices_shared_memory(
+    monkeypatch, smem_kib, block_m, act, weights, pipeline
+):
+    monkeypatch.setattr(fused_moe_kernels, "shared_memory_per_sm", lambda device: smem_kib * 1024)
+    x, gate_up = torch.empty(1, 8, dtype=act), torch.empty(1, 8, 8, dtype=weights)
+    assert fused_moe_kernels.default_pipeline(block_m, 64, x, gate_up) == pipeline
 
 
 def _quantized(gate_up, down, block, offset):
