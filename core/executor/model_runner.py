@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from pegainfer import ops
 from pegainfer.config.schema import EngineConfig
 from pegainfer.errors import ExecutorError
 from pegainfer.executor.cuda_graphs import DecodeGraphs, graph_buckets
@@ -210,8 +211,8 @@ class ModelRunner:
         """Seconds the host spent blocked on the GPU here: waiting for an upload, and in graph launches
         (a graph launched while its previous replay still runs may block until that one is done)."""
         prefill = self.prefill_inputs.wait_time_s if self.prefill_inputs is not None else 0.0
-        if self.prefill_graphs is not None:
-            prefill += self.prefill_graphs.launch_s
+        for graphs in (self.prefill_graphs, self.draft_graphs):
+            prefill += graphs.launch_s if graphs is not None else 0.0
         return self.decode.wait_time_s + prefill + self._launch_s
 
     # ------------------------------------------------------------------------------------------ a step
@@ -468,19 +469,21 @@ class ModelRunner:
         return fwd, [first_row[id(c)] for c in chunks]
 
     def _draft_pass(
-        self, chunks: list[SequenceChunk], hidden: torch.Tensor
+        self, chunks: list[SequenceChunk], pieces: list[torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One pass of the MTP module (depth 0) over ``chunks``, fed ``hidden`` (their rows' input hidden
-        states in chunk order): the draft logits and output hidden states of the last row of each chunk
+        """One pass of the MTP module (depth 0) over ``chunks``, fed ``pieces`` (their rows' input hidden
+        states, chunk by chunk): the draft logits and output hidden states of the last row of each chunk
         with ``num_logits`` 1, in chunk order. Through the draft graphs where they take the pass."""
         sampled = [i for i, c in enumerate(chunks) if c.num_logits]
         graphs = self.draft_graphs
         if graphs is not None and graphs.takes(chunks):
-            self._draft_hidden[: hidden.shape[0]].copy_(hidden)
+            rows = sum(p.shape[0] for p in pieces)
+            torch.cat(pieces, out=self._draft_hidden[:rows])  # straight into the graphs' input
             logits, out = graphs.run(chunks, None, None)
             ends = list(itertools.accumulate(len(c.token_ids) for c in chunks))
             last = torch.tensor([ends[i] - 1 for i in sampled], dtype=torch.int64, device=self.device)
             return logits, out.index_select(0, last)  # a copy: the next replay rewrites ``out``
+        hidden = torch.cat(pieces)
         fwd, rows = self._eager_batch(chunks)
         order = torch.tensor(
             [r + j for r, c in zip(rows, chunks, strict=True) for j in range(len(c.token_ids))],
@@ -534,10 +537,10 @@ class ModelRunner:
             hidden.append(kept[:n])
         self._kept_hidden.clear()
         live = [i for i, inp in enumerate(inputs) if inp.num_drafts > 0]
-        logits, h = self._draft_pass(chunks, torch.cat(hidden))
+        logits, h = self._draft_pass(chunks, hidden)
         step = 0
         while live:
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = ops.argmax(logits).tolist()
             for i, token in zip(live, tokens, strict=True):
                 drafts[i].append(token)
             step += 1
@@ -558,5 +561,5 @@ class ModelRunner:
                 )
                 for i in live
             ]
-            logits, h = self._draft_pass(chunks, h)
+            logits, h = self._draft_pass(chunks, [h])
         return drafts
