@@ -27,11 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pegainfer.kernels._triton import use_kernel
 from pegainfer.layers.attention import QUERY_BLOCK, AttentionMetadata
 from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding
 from pegainfer.model.model_api import ForwardBatch
 from pegainfer_deepseek.config import DeepseekV3Dims
 from pegainfer_deepseek.fp8 import WeightReader
+from pegainfer_deepseek.indexer_decode import indexer_decode_scores
 from pegainfer_deepseek.params import param
 
 #: The name of a layer's indexer key cache: ``caches[cache_key(layer, INDEXER_CACHE)]`` (MLA's is ``caches[layer]``).
@@ -130,12 +132,31 @@ class LightningIndexer(nn.Module):
         if not meta.num_decodes:
             return None
         rows = slice(meta.num_prefill_tokens, meta.num_prefill_tokens + meta.num_decodes)
-        positions = torch.arange(meta.max_decode_seq_len, device=q.device)
-        keys = cache.flatten(0, 1)[_slots(meta.decode_block_tables, positions, meta.block_size)].float()
-        scores = torch.relu(torch.einsum("bhd,bld->bhl", q[rows], keys))  # [B, nI, L]
-        index = torch.einsum("bh,bhl->bl", weights[rows], scores)
+        q, weights = q[rows], weights[rows]
+        scores = indexer_decode_scores if use_kernel(q) else self._decode_scores_ref
+        index = scores(
+            q, weights, cache, meta.decode_block_tables, meta.decode_seq_lens, meta.max_decode_seq_len
+        )
+        positions = torch.arange(index.shape[1], device=q.device)
         valid = positions[None, :] < meta.decode_seq_lens[:, None]  # [B, L]
         return top_k_mask(index, valid, self.topk)
+
+    @staticmethod
+    def _decode_scores_ref(
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+    ) -> torch.Tensor:
+        """The torch form of ``indexer_decode_scores``: every row's keys up to ``max_seq_len`` gathered
+        in fp32, the ``[B, nI, L]`` scores materialised; ``-inf`` past each row's length."""
+        positions = torch.arange(max(1, max_seq_len), device=q.device)
+        keys = cache.flatten(0, 1)[_slots(block_tables, positions, cache.shape[1])].float()
+        scores = torch.relu(torch.einsum("bhd,bld->bhl", q, keys))  # [B, nI, L]
+        index = torch.einsum("bh,bhl->bl", weights, scores)
+        return index.masked_fill(positions[None, :] >= seq_lens[:, None], float("-inf"))
 
     def load(self, reader: WeightReader, prefix: str) -> None:
         p = prefix + "self_attn.indexer."
