@@ -159,16 +159,8 @@ class ModelRunner:
         graphs.capture(pool)
         self.graphs = graphs
         if self.prefill_inputs is not None:
-            prefill = PrefillGraphs(
-                self.model,
-                self.prefill_inputs,
-                self.buffers.caches,
-                self.buffers.states,
-                self.buffers.snapshots,
-                block_size=self.block_size,
-                max_model_len=self.max_model_len,
-                buckets=prefill_graph_buckets(self.prefill_inputs.max_tokens),
-                eager=eager,
+            prefill = self._prefill_graphs(
+                self.prefill_inputs, self.buffers.states, self.buffers.snapshots, eager
             )
             prefill.capture(pool)
             self.prefill_graphs = prefill
@@ -191,20 +183,28 @@ class ModelRunner:
                 rows, batch.token_ids, batch, caches, return_hidden=True, logit_rows=inputs.logit_rows
             )
 
-        graphs = PrefillGraphs(
-            self.model,
-            inputs,
-            caches,
-            {},
-            {},
-            block_size=self.block_size,
-            max_model_len=self.max_model_len,
-            buckets=prefill_graph_buckets(shape.max_tokens),
-            eager=eager,
-            forward=draft_forward,
-        )
+        # The MTP module keeps KV in the caches only: no recurrent state, no snapshots.
+        graphs = self._prefill_graphs(inputs, {}, {}, eager, forward=draft_forward)
         graphs.capture(pool)
         return graphs
+
+    def _prefill_graphs(
+        self, inputs: PrefillGraphInputs, states, snapshots, eager: bool, forward=None
+    ) -> PrefillGraphs:
+        """Prefill graphs over ``inputs``' buckets and this rank's caches (the model's forward unless
+        ``forward`` is given)."""
+        return PrefillGraphs(
+            self.model,
+            inputs,
+            self.buffers.caches,
+            states,
+            snapshots,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            buckets=prefill_graph_buckets(inputs.max_tokens),
+            eager=eager,
+            forward=forward,
+        )
 
     @property
     def wait_time_s(self) -> float:
