@@ -483,7 +483,7 @@ class ModelRunner:
             ends = list(itertools.accumulate(len(c.token_ids) for c in chunks))
             last = torch.tensor([ends[i] - 1 for i in sampled], dtype=torch.int64, device=self.device)
             return logits, out.index_select(0, last)  # a copy: the next replay rewrites ``out``
-        hidden = torch.cat(pieces)
+        hidden = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # a chained draft's one piece: no copy
         fwd, rows = self._eager_batch(chunks)
         order = torch.tensor(
             [r + j for r, c in zip(rows, chunks, strict=True) for j in range(len(c.token_ids))],
