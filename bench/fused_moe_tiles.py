@@ -1,15 +1,18 @@
-"""Sweep ``fused_moe_triton``'s tiles (block_n x block_k x pipeline depth) at decode batches of 1 and 16
-at the Qwen3.5-35B-A3B, DeepSeek-V3 and Moonlight expert shapes, bf16, or DeepSeek-V3's block-FP8
-experts (128 x 128 scale tiles) with ``--fp8``; prints the default and the best five with their share of
-the streaming-read ceiling. Prints only: its figures are no records.
+"""Sweep the routed experts' tiles at decode batches, at the Qwen3.5-35B-A3B, DeepSeek-V3 and Moonlight expert
+shapes in bf16, or DeepSeek-V3's block-FP8 experts (128 x 128 scale tiles) with ``--fp8``; prints the
+default and the best five with their share of the streaming-read ceiling. Prints only: its figures are
+no records.
 
-    python bench/fused_moe_tiles.py [--fp8]
+    python bench/fused_moe_tiles.py [--fp8]            # the grouped path's tiles (block_n x block_k x stages), batch 1 and 16
+    python bench/fused_moe_tiles.py --pairs [--fp8]    # the pair path's split and tiles at 1 token, then
+                                                       # against the grouped path at 1..8 tokens
 
 Each of the 16 calls replayed in one graph routes to fresh experts, so no weights come from L2; the bytes
-are the distinct experts' gate|up and down.
+are the distinct experts' gate|up and down (the pair path reads an expert once per pair that chose it).
 """
 
 import argparse
+import dataclasses
 import itertools
 import sys
 from pathlib import Path
@@ -19,11 +22,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import graph_time_ms, stream_read_bytes_per_s  # noqa: E402
 
+from pegainfer.kernels import moe_pairs  # noqa: E402
 from pegainfer.kernels.fused_moe import fused_moe_triton  # noqa: E402
 from pegainfer.layers.moe import BlockScales  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--fp8", action="store_true", help="DeepSeek-V3's experts in float8 with 128x128 scales")
+parser.add_argument("--pairs", action="store_true", help="the pair path (moe_pairs) and its tiles")
 args = parser.parse_args()
 bw = stream_read_bytes_per_s()
 print(f"stream read {bw / 1e12:.2f} TB/s", flush=True)
@@ -39,7 +44,37 @@ TILES = list(
     if args.fp8
     else itertools.product((16, 32, 64), (64, 128, 256), (3, 4))
 )
+# The pair path's tiles, swept one launch at a time (the other at its default); float8 keeps the
+# columns per load inside a 128-wide scale tile.
+PAIR_K = (64, 128) if args.fp8 else (64, 128, 256)
+PAIR_GATE_UP = [
+    dict(gate_up_n=n, gate_up_k=k, gate_up_stages=s)
+    for n, k, s in itertools.product((16, 32, 64), PAIR_K, (3, 4, 5))
+]
+PAIR_DOWN = [
+    dict(down_n=n, down_k=k, down_stages=s) for n, k, s in itertools.product((16, 32, 64), PAIR_K, (3, 4, 5))
+]
 CALLS = 16
+
+
+def report(label, ms, used):
+    print(f"   {ms * 1e3:7.1f} us  {label}  {used / (ms / 1e3) / bw:.1%}", flush=True)
+
+
+def best_of(f, variants, used, label):
+    res = []
+    for knobs in variants:
+        try:
+            res.append((graph_time_ms(lambda knobs=knobs: f(**knobs), calls=CALLS), knobs))
+        except Exception as e:  # noqa: BLE001
+            print("fail", knobs, type(e).__name__, flush=True)
+    res.sort(key=lambda r: r[0])
+    print(f"  best {label}:", flush=True)
+    for ms, knobs in res[:5]:
+        report(" ".join(f"{k}={v}" for k, v in knobs.items()), ms, used)
+    return res[0][1] if res else {}
+
+
 for name, (E, H, inter, K) in CASES.items():
     dtype = torch.float8_e4m3fn if args.fp8 else torch.bfloat16
     gu = (torch.randn(E, 2 * inter, H, device="cuda") * 0.02).to(dtype)
@@ -50,32 +85,53 @@ for name, (E, H, inter, K) in CASES.items():
         scales = BlockScales(
             torch.rand(E, 2, ti, th, device="cuda"), torch.rand(E, th, ti, device="cuda"), (128, 128)
         )
-    for T in (1, 16):
+    for T in (1, 2, 4, 8) if args.pairs else (1, 16):
         x = torch.randn(T, H, device="cuda").bfloat16()
         routes = [torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)]) for _ in range(CALLS)]
         w = torch.rand(T, K, device="cuda")
         used = sum(r.unique().numel() for r in routes) / CALLS * 3 * H * inter * gu.element_size()
 
-        def f(x=x, w=w, routes=routes, gu=gu, dn=dn, scales=scales, **knobs):
+        def grouped(x=x, w=w, routes=routes, gu=gu, dn=dn, scales=scales, **knobs):
             return [fused_moe_triton(x, w, r, gu, dn, scales=scales, **knobs) for r in routes]
 
-        d = graph_time_ms(f, calls=CALLS)
-        print(f"{name} T={T}: default tiles {d * 1e3:.1f} us {used / (d / 1e3) / bw:.1%}", flush=True)
-        res = []
-        for bn, bk, ns in TILES:
-            try:
-                ms = graph_time_ms(
-                    lambda bn=bn, bk=bk, ns=ns: f(block_n=bn, block_k=bk, num_stages=ns), calls=CALLS
-                )
-            except Exception as e:  # noqa: BLE001
-                print("fail", bn, bk, ns, type(e).__name__, flush=True)
-                continue
-            res.append((ms, bn, bk, ns))
-        res.sort()
-        for r in res[:5]:
+        d = graph_time_ms(grouped, calls=CALLS)
+        print(
+            f"{name} T={T}: grouped, default tiles {d * 1e3:.1f} us {used / (d / 1e3) / bw:.1%}", flush=True
+        )
+        if not args.pairs:
+            res = []
+            for bn, bk, ns in TILES:
+                try:
+                    ms = graph_time_ms(
+                        lambda bn=bn, bk=bk, ns=ns: grouped(block_n=bn, block_k=bk, num_stages=ns),
+                        calls=CALLS,
+                    )
+                except Exception as e:  # noqa: BLE001
+                    print("fail", bn, bk, ns, type(e).__name__, flush=True)
+                    continue
+                res.append((ms, bn, bk, ns))
+            res.sort()
+            for r in res[:5]:
+                report(f"bn{r[1]} bk{r[2]} s{r[3]}", r[0], used)
+            continue
+        moe_pairs.PAIR_TOKENS = max(moe_pairs.PAIR_TOKENS, T)  # measured past the dispatch's own limit
+        default = moe_pairs.default_tiles(H, inter, gu.element_size())
+
+        def pairs(x=x, w=w, routes=routes, gu=gu, dn=dn, scales=scales, default=default, **knobs):
+            tiles = dataclasses.replace(default, **knobs)
+            return [moe_pairs.fused_moe_pairs(x, w, r, gu, dn, scales=scales, tiles=tiles) for r in routes]
+
+        if T == 1:
+            # How many programs share gate|up's columns first, then each launch's tiles.
+            k = 128 if args.fp8 else 256
+            base = dict(gate_up_n=64, gate_up_k=128, gate_up_stages=4, down_n=64, down_k=k, down_stages=3)
+            tuned = best_of(pairs, [{**base, "gate_up_split": s} for s in (1, 2, 4)], used, "split")
+            tuned = best_of(pairs, [{**tuned, **g} for g in PAIR_GATE_UP], used, "gate_up tiles")
+            tuned = best_of(pairs, [{**tuned, **d} for d in PAIR_DOWN], used, "down tiles")
+        for label, knobs in (("default", {}), ("tuned at T=1", tuned)):
+            p = graph_time_ms(lambda knobs=knobs: pairs(**knobs), calls=CALLS)
             print(
-                f"   {r[0] * 1e3:7.1f} us  bn{r[1]} bk{r[2]} s{r[3]}  {used / (r[0] / 1e3) / bw:.1%}",
-                flush=True,
+                f"{name} T={T}: pairs, {label} tiles {p * 1e3:.1f} us {used / (p / 1e3) / bw:.1%}", flush=True
             )
     del gu, dn
     torch.cuda.empty_cache()

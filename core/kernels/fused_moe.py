@@ -370,6 +370,52 @@ def default_pipeline(block_m: int, block_n: int, x: torch.Tensor, gate_up: torch
     return (128, 4) if block_m == 16 and x.element_size() == 2 and fits else (64, 3)
 
 
+def combine_choices(
+    y: torch.Tensor,
+    top_k: int,
+    add: torch.Tensor | None,
+    add_gate: torch.Tensor | None,
+    residual: torch.Tensor | None,
+) -> torch.Tensor:
+    """The launch that sums each token's ``top_k`` weighted choices ``y`` ``[T·k, H]`` (and adds ``add``,
+    gated, and the residual: see :func:`fused_moe_triton`)."""
+    tokens, hidden = y.shape[0] // top_k, y.shape[1]
+    out = residual if residual is not None else y.new_empty(tokens, hidden)
+    _combine_kernel[(tokens, triton.cdiv(hidden, 1024))](
+        y, add if add is not None else y, add_gate if add_gate is not None else y,
+        add_gate.stride(0) if add_gate is not None else 0, out, hidden, TOP_K=top_k, HAS_ADD=add is not None,
+        HAS_GATE=add_gate is not None, RESIDUAL=residual is not None, BLOCK=1024, FIX=interp_bf16(y.dtype),
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def check_args(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    scales: BlockScales | None,
+    add: torch.Tensor | None,
+    add_gate: torch.Tensor | None,
+    residual: torch.Tensor | None,
+) -> None:
+    """Raise ValueError where the arguments of a Triton MoE path do not fit together."""
+    tokens = x.shape[0]
+    if x.stride(-1) != 1 or gate_up.stride(-1) != 1 or down.stride(-1) != 1:
+        raise ValueError("x and the expert weights need a contiguous last dimension")
+    if (scales is not None) != (gate_up.element_size() == 1 and down.element_size() == 1):
+        raise ValueError(f"{gate_up.dtype} experts need block scales exactly when they are float8")
+    for name, t in (("add", add), ("residual", residual)):
+        if t is not None and (t.shape != x.shape or t.dtype != x.dtype or not t.is_contiguous()):
+            raise ValueError(
+                f"{name} {tuple(t.shape)} {t.dtype} must be a contiguous {tuple(x.shape)} {x.dtype}"
+            )
+    if add_gate is not None and (add is None or add_gate.shape != (tokens, 1) or add_gate.dtype != x.dtype):
+        raise ValueError(
+            f"add_gate {tuple(add_gate.shape)} {add_gate.dtype} needs an add and [{tokens}, 1] {x.dtype}"
+        )
+
+
 def fused_moe_triton(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -405,19 +451,7 @@ def fused_moe_triton(
     num_experts, two_inter, _ = gate_up.shape
     inter = two_inter // 2
     pairs = tokens * top_k
-    if x.stride(-1) != 1 or gate_up.stride(-1) != 1 or down.stride(-1) != 1:
-        raise ValueError("x and the expert weights need a contiguous last dimension")
-    if (scales is not None) != (gate_up.element_size() == 1 and down.element_size() == 1):
-        raise ValueError(f"{gate_up.dtype} experts need block scales exactly when they are float8")
-    for name, t in (("add", add), ("residual", residual)):
-        if t is not None and (t.shape != x.shape or t.dtype != x.dtype or not t.is_contiguous()):
-            raise ValueError(
-                f"{name} {tuple(t.shape)} {t.dtype} must be a contiguous {tuple(x.shape)} {x.dtype}"
-            )
-    if add_gate is not None and (add is None or add_gate.shape != (tokens, 1) or add_gate.dtype != x.dtype):
-        raise ValueError(
-            f"add_gate {tuple(add_gate.shape)} {add_gate.dtype} needs an add and [{tokens}, 1] {x.dtype}"
-        )
+    check_args(x, gate_up, down, scales, add, add_gate, residual)
     if pairs == 0:
         return combine_routed(torch.zeros_like(x), add, add_gate, residual)
     # Decode batches take the smallest tensor-core tile; larger ones fill bigger blocks per expert.
@@ -456,10 +490,4 @@ def fused_moe_triton(
         QUANT=quant, UNIFORM=uniform, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, BLOCK_M=bm, BLOCK_N=block_n,
         BLOCK_K=block_k, DOT_PREC=prec, FIX=fix, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    out = residual if residual is not None else torch.empty_like(x)
-    _combine_kernel[(tokens, triton.cdiv(hidden, 1024))](
-        y, add if add is not None else y, add_gate if add_gate is not None else y,
-        add_gate.stride(0) if add_gate is not None else 0, out, hidden, TOP_K=top_k, HAS_ADD=add is not None,
-        HAS_GATE=add_gate is not None, RESIDUAL=residual is not None, BLOCK=1024, FIX=fix, num_warps=4,
-    )  # fmt: skip
-    return out
+    return combine_choices(y, top_k, add, add_gate, residual)

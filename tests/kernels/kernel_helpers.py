@@ -1,10 +1,13 @@
-"""Shared builders for the kernel tests: paged caches poisoned outside the written tokens, metrics."""
+"""Shared builders for the kernel tests: paged caches poisoned outside the written tokens, routed-experts
+cases (float8 ones included), metrics."""
 
 from __future__ import annotations
 
 import os
 
 import torch
+
+from pegainfer.layers.moe import BlockScales
 
 #: Where the small (non-``gpu``) cases run: the interpreter on CPU tensors, else compiled on the GPU.
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
@@ -54,3 +57,39 @@ class PagedKV:
         for i, t in enumerate(tables):
             out[i, : t.numel()] = t
         return out.to(self.cache.device)
+
+
+def moe_case(tokens, k, experts, hidden, inter, dtype, seed):
+    """(x, weights, ids, gate_up, down) of a routed-experts call on ``DEVICE``."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(tokens, hidden, generator=gen) * 0.5).to(DEVICE, dtype)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5).to(DEVICE, dtype)
+    down = (torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5).to(DEVICE, dtype)
+    # Distinct experts per token, from a skewed pool: some experts get many tokens, some none.
+    ids = torch.stack([torch.randperm(experts - 1, generator=gen)[:k] for _ in range(tokens)]).to(DEVICE)
+    weights = torch.rand(tokens, k, generator=gen).to(DEVICE) * 2.5
+    return x, weights, ids, gate_up, down
+
+
+def quantized_experts(gate_up, down, block, offset):
+    """Float8 experts with per-tile scales, as a tensor-parallel rank holds them: its features start
+    ``offset`` into their first tile (the tiles before are cut off), so tiles and kernel tiles do not align."""
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+
+    def quantize(w, row_offset, col_offset):  # w [E, R, C]; the shard starts at (row_offset, col_offset)
+        e, r, c = w.shape
+        bo, bi = block
+        tr, tc = -(-(r + row_offset) // bo), -(-(c + col_offset) // bi)
+        padded = torch.zeros(e, tr * bo, tc * bi, dtype=torch.float32, device=w.device)
+        padded[:, row_offset : row_offset + r, col_offset : col_offset + c] = w.float()
+        tiles = padded.view(e, tr, bo, tc, bi)
+        scale = tiles.abs().amax(dim=(2, 4)).clamp(min=1e-12) / fp8_max
+        q = (tiles / scale[:, :, None, :, None]).to(torch.float8_e4m3fn).view(e, tr * bo, tc * bi)
+        return q[:, row_offset : row_offset + r, col_offset : col_offset + c].contiguous(), scale
+
+    inter = down.shape[2]
+    gate, gate_s = quantize(gate_up[:, :inter], offset, 0)
+    up, up_s = quantize(gate_up[:, inter:], offset, 0)
+    down_q, down_s = quantize(down, 0, offset)
+    scales = BlockScales(torch.stack([gate_s, up_s], dim=1), down_s, block, offset)
+    return torch.cat([gate, up], dim=1), down_q, scales

@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from kernel_helpers import moe_case, quantized_experts
 
 from pegainfer.kernels import fused_moe as fused_moe_kernels
 from pegainfer.kernels.fused_moe import (
@@ -30,17 +31,6 @@ pytestmark = pytest.mark.skipif(
     DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
     reason="needs a GPU or Triton's interpreter (TRITON_INTERPRET=1 before Triton)",
 )
-
-
-def _case(tokens, k, experts, hidden, inter, dtype, seed):
-    gen = torch.Generator().manual_seed(seed)
-    x = (torch.randn(tokens, hidden, generator=gen) * 0.5).to(DEVICE, dtype)
-    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5).to(DEVICE, dtype)
-    down = (torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5).to(DEVICE, dtype)
-    # Distinct experts per token, from a skewed pool: some experts get many tokens, some none.
-    ids = torch.stack([torch.randperm(experts - 1, generator=gen)[:k] for _ in range(tokens)]).to(DEVICE)
-    weights = torch.rand(tokens, k, generator=gen).to(DEVICE) * 2.5
-    return x, weights, ids, gate_up, down
 
 
 def test_expert_blocks_sort_and_pad_the_pairs():
@@ -90,7 +80,7 @@ def test_the_one_program_sort_refuses_a_routing_past_its_size():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tokens, block_m", [(5, None), (9, 64)], ids=["decode", "prefill"])
 def test_fused_moe_matches_reference(dtype, tokens, block_m):
-    x, weights, ids, gate_up, down = _case(tokens, 3, 7, 40, 24, dtype, seed=tokens)
+    x, weights, ids, gate_up, down = moe_case(tokens, 3, 7, 40, 24, dtype, seed=tokens)
     ours = fused_moe_triton(x, weights, ids, gate_up, down, block_m=block_m, block_n=16, block_k=16)
     ref = routed_experts(x, weights, ids, gate_up, down)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
@@ -117,7 +107,7 @@ def test_fused_moe_matches_reference(dtype, tokens, block_m):
 def test_fused_moe_default_tiles_mask_ragged_widths(tokens):
     """The tiles ``fused_moe_triton`` picks itself (128-column loads for decode blocks, 64 otherwise) over
     a hidden size and an expert width that no tile divides."""
-    x, weights, ids, gate_up, down = _case(tokens, 4, 6, 200, 72, torch.bfloat16, seed=tokens + 1)
+    x, weights, ids, gate_up, down = moe_case(tokens, 4, 6, 200, 72, torch.bfloat16, seed=tokens + 1)
     ours = fused_moe_triton(x, weights, ids, gate_up, down)
     ref = routed_experts(x, weights, ids, gate_up, down)
     torch.testing.assert_close(ours.float(), ref.float(), atol=3e-2, rtol=3e-2)
@@ -143,30 +133,6 @@ def test_decode_pipeline_fits_the_devices_shared_memory(
     assert fused_moe_kernels.default_pipeline(block_m, 64, x, gate_up) == pipeline
 
 
-def _quantized(gate_up, down, block, offset):
-    """Float8 experts with per-tile scales, as a tensor-parallel rank holds them: its features start
-    ``offset`` into their first tile (the tiles before are cut off), so tiles and kernel tiles do not align."""
-    fp8_max = torch.finfo(torch.float8_e4m3fn).max
-
-    def quantize(w, row_offset, col_offset):  # w [E, R, C]; the shard starts at (row_offset, col_offset)
-        e, r, c = w.shape
-        bo, bi = block
-        tr, tc = -(-(r + row_offset) // bo), -(-(c + col_offset) // bi)
-        padded = torch.zeros(e, tr * bo, tc * bi, dtype=torch.float32, device=w.device)
-        padded[:, row_offset : row_offset + r, col_offset : col_offset + c] = w.float()
-        tiles = padded.view(e, tr, bo, tc, bi)
-        scale = tiles.abs().amax(dim=(2, 4)).clamp(min=1e-12) / fp8_max
-        q = (tiles / scale[:, :, None, :, None]).to(torch.float8_e4m3fn).view(e, tr * bo, tc * bi)
-        return q[:, row_offset : row_offset + r, col_offset : col_offset + c].contiguous(), scale
-
-    inter = down.shape[2]
-    gate, gate_s = quantize(gate_up[:, :inter], offset, 0)
-    up, up_s = quantize(gate_up[:, inter:], offset, 0)
-    down_q, down_s = quantize(down, 0, offset)
-    scales = BlockScales(torch.stack([gate_s, up_s], dim=1), down_s, block, offset)
-    return torch.cat([gate, up], dim=1), down_q, scales
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     "block, offset",
@@ -177,8 +143,8 @@ def test_fp8_experts_match_the_dequantized_reference(dtype, block, offset):
     """Float8 experts dequantized in the kernels equal the reference loop over the same float8 experts (each
     dequantized whole), with tiles wider than a kernel tile and a shard that starts inside its first tile:
     the first three cases scale each dot by its tile's one scale, the last scales every element."""
-    x, weights, ids, gate_up, down = _case(6, 3, 7, 40, 24, dtype, seed=7)
-    q_gate_up, q_down, scales = _quantized(gate_up, down, block, offset)
+    x, weights, ids, gate_up, down = moe_case(6, 3, 7, 40, 24, dtype, seed=7)
+    q_gate_up, q_down, scales = quantized_experts(gate_up, down, block, offset)
     ours = fused_moe_triton(x, weights, ids, q_gate_up, q_down, scales=scales, block_n=16, block_k=16)
     ref = routed_experts(x, weights, ids, q_gate_up, q_down, scales=scales)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
@@ -196,8 +162,8 @@ def test_fp8_experts_at_the_default_decode_tiles(offset):
     """Float8 experts in DeepSeek's 128 x 128 scale tiles at the tiles ``fused_moe_triton`` picks for a
     decode batch (64 x 128 weight tiles): one scale a kernel tile when aligned, per element past a shard
     offset; widths no tile divides."""
-    x, weights, ids, gate_up, down = _case(1, 4, 6, 200, 72, torch.bfloat16, seed=11)
-    q_gate_up, q_down, scales = _quantized(gate_up, down, (128, 128), offset)
+    x, weights, ids, gate_up, down = moe_case(1, 4, 6, 200, 72, torch.bfloat16, seed=11)
+    q_gate_up, q_down, scales = quantized_experts(gate_up, down, (128, 128), offset)
     ours = fused_moe_triton(x, weights, ids, q_gate_up, q_down, scales=scales)
     ref = routed_experts(x, weights, ids, q_gate_up, q_down, scales=scales)
     torch.testing.assert_close(ours.float(), ref.float(), atol=3e-2, rtol=3e-2)
@@ -209,8 +175,8 @@ def test_a_shard_offset_needs_square_tiles():
 
 
 def test_quantized_experts_need_their_scales():
-    x, weights, ids, gate_up, down = _case(2, 2, 4, 16, 16, torch.float32, seed=1)
-    q_gate_up, q_down, scales = _quantized(gate_up, down, (16, 16), 0)
+    x, weights, ids, gate_up, down = moe_case(2, 2, 4, 16, 16, torch.float32, seed=1)
+    q_gate_up, q_down, scales = quantized_experts(gate_up, down, (16, 16), 0)
     with pytest.raises(ValueError, match="block scales"):
         fused_moe_triton(x, weights, ids, q_gate_up, q_down)
     with pytest.raises(ValueError, match="block scales"):
@@ -218,7 +184,7 @@ def test_quantized_experts_need_their_scales():
 
 
 def test_dispatch_takes_the_reference_off_cuda(monkeypatch):
-    x, weights, ids, gate_up, down = _case(2, 2, 4, 16, 16, torch.float32, seed=1)
+    x, weights, ids, gate_up, down = moe_case(2, 2, 4, 16, 16, torch.float32, seed=1)
     calls = []
     monkeypatch.setattr(
         "pegainfer.ops.routed_experts", lambda *a, **kw: calls.append(a) or routed_experts(*a, **kw)
@@ -234,7 +200,7 @@ def test_dispatch_takes_the_reference_off_cuda(monkeypatch):
 @pytest.mark.parametrize("tokens", [1, 32, 512])
 def test_deepseek_v3_expert_shape_inside_a_cuda_graph(tokens):
     """256 experts of 7168 → 2048, top-8, bf16, replayed from a graph after the routing changed."""
-    x, weights, ids, gate_up, down = _case(tokens, 8, 256, 7168, 2048, torch.bfloat16, seed=tokens)
+    x, weights, ids, gate_up, down = moe_case(tokens, 8, 256, 7168, 2048, torch.bfloat16, seed=tokens)
     fused_moe(x, weights, ids, gate_up, down)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
