@@ -60,14 +60,19 @@ class PagedKV:
 
 
 def moe_case(tokens, k, experts, hidden, inter, dtype, seed):
-    """(x, weights, ids, gate_up, down) of a routed-experts call on ``DEVICE``."""
-    gen = torch.Generator().manual_seed(seed)
-    x = (torch.randn(tokens, hidden, generator=gen) * 0.5).to(DEVICE, dtype)
-    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5).to(DEVICE, dtype)
-    down = (torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5).to(DEVICE, dtype)
+    """(x, weights, ids, gate_up, down) of a routed-experts call, drawn on ``DEVICE`` (DeepSeek-V3's 256
+    experts are 11 G values: drawn on the CPU they took minutes)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=DEVICE)
+
+    x = (randn(tokens, hidden) * 0.5).to(dtype)
+    gate_up = (randn(experts, 2 * inter, hidden) * hidden**-0.5).to(dtype)
+    down = (randn(experts, hidden, inter) * inter**-0.5).to(dtype)
     # Distinct experts per token, from a skewed pool: some experts get many tokens, some none.
-    ids = torch.stack([torch.randperm(experts - 1, generator=gen)[:k] for _ in range(tokens)]).to(DEVICE)
-    weights = torch.rand(tokens, k, generator=gen).to(DEVICE) * 2.5
+    ids = torch.stack([torch.randperm(experts - 1, generator=gen, device=DEVICE)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=gen, device=DEVICE) * 2.5
     return x, weights, ids, gate_up, down
 
 
