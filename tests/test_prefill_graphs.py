@@ -17,6 +17,7 @@ from pegainfer.memory.prefill_graph_inputs import (
     MAX_SEGMENTS,
     PrefillGraphInputs,
     prefill_graph_buckets,
+    prefill_graph_inputs_bytes,
     prefill_graph_shape,
 )
 
@@ -77,6 +78,15 @@ def test_segments_sample_up_to_rows_per_segment_listed_from_the_front():
         inp.prepare([([1] * 5, 0, [0, 1])], None, None, 4, [4])
     with pytest.raises(ValueError, match="samples at most 3"):
         inp.prepare([([1], 0, [0])], None, None, 4, [2])  # more rows than the chunk has
+
+
+@pytest.mark.parametrize("rows_per_segment", [1, 4])
+def test_the_plans_figure_for_the_inputs_is_what_they_hold(rows_per_segment):
+    """The memory plan reserves ``prefill_graph_inputs_bytes`` for each set of graph inputs: exactly the
+    device tensors one holds."""
+    inp = PrefillGraphInputs(48, 5, 7, "cpu", rows_per_segment)
+    held = inp._device64.nbytes + inp._device32.nbytes
+    assert prefill_graph_inputs_bytes(48, 5, 7, rows_per_segment) == held
 
 
 def test_inputs_refuse_a_step_too_large():

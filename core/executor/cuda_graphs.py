@@ -35,14 +35,26 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     return sorted({*sizes, max_num_seqs})
 
 
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one side stream every capture on ``device`` runs on. cuBLAS keeps a workspace for each stream
+    it ran on (32 MiB on Hopper) for as long as the process lives: a stream per set of graphs (decode,
+    prefill, draft) kept three, 64 MiB more than this one (measured on the H200, docs/gpu-checks.md)."""
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[device]
+
+
 def capture_buckets(
     sizes: list[int], forward: Callable[[int], T], pool
 ) -> dict[int, tuple[torch.cuda.CUDAGraph, T]]:
-    """``size -> (graph, its output)`` of ``forward(size)`` for every size, on a side stream into ``pool``:
-    largest first, so smaller graphs reuse what the largest reserved, each after one eager run (lazy
-    initialisation and autotuning stay out of the graph)."""
+    """``size -> (graph, its output)`` of ``forward(size)`` for every size, on the capture stream into
+    ``pool``: largest first, so smaller graphs reuse what the largest reserved, each after one eager run
+    (lazy initialisation and autotuning stay out of the graph)."""
     graphs = {}
-    stream = torch.cuda.Stream()
+    stream = capture_stream(torch.device("cuda", torch.cuda.current_device()))
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for size in sorted(sizes, reverse=True):

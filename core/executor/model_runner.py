@@ -89,7 +89,7 @@ class ModelRunner:
         self.info = ModelInfo(
             loaded.registration.name,
             loaded.folder,
-            getattr(model, "vocab_size", None),
+            model.vocab_size or None,
             loaded.max_model_len,
             self.device,
             loaded.dtype,

@@ -49,6 +49,22 @@ def prefill_graph_shape(
     return tokens, min(MAX_SEGMENTS, max_num_seqs, tokens)
 
 
+def _layout(t: int, s: int, max_blocks: int, rows_per_segment: int) -> tuple[list[int], int]:
+    """The int64 parts' sizes and the int32 count of inputs for ``t`` tokens and ``s`` segments. int64:
+    ids, positions, slots [t] each; cu_seqlens [s + 1]; state slots, checkpoint tokens, checkpoint slots,
+    checkpoint counts [s] each; logit rows [s * rows_per_segment]. int32: q_start, q_len, ctx_len [s]
+    each, then the block tables."""
+    return [t, t, t, s + 1, s, s, s, s, s * rows_per_segment], 3 * s + s * max_blocks
+
+
+def prefill_graph_inputs_bytes(
+    max_tokens: int, max_segments: int, max_blocks: int, rows_per_segment: int = 1
+) -> int:
+    """Device bytes a :class:`PrefillGraphInputs` of this shape holds (what the memory plan reserves)."""
+    sizes64, n32 = _layout(max_tokens, max_segments, max_blocks, rows_per_segment)
+    return 8 * sum(sizes64) + 4 * n32
+
+
 class PrefillGraphInputs:
     def __init__(
         self,
@@ -62,12 +78,9 @@ class PrefillGraphInputs:
         self.rows_per_segment = rows_per_segment
         device = torch.device(device)
         pinned = device.type == "cuda"
-        t, s = max_tokens, max_segments
-        # int64: ids, positions, slots [t] each; cu_seqlens [s + 1]; state slots, checkpoint tokens,
-        # checkpoint slots, checkpoint counts [s] each; logit rows [s * rows_per_segment]. int32: q_start,
-        # q_len, ctx_len [s] each, then the tables.
-        self._sizes64 = [t, t, t, s + 1, s, s, s, s, s * rows_per_segment]
-        n64, n32 = sum(self._sizes64), 3 * s + s * max_blocks_per_seq
+        s = max_segments
+        self._sizes64, n32 = _layout(max_tokens, s, max_blocks_per_seq, rows_per_segment)
+        n64 = sum(self._sizes64)
         self._staging64 = torch.zeros(n64, dtype=torch.int64, pin_memory=pinned)
         self._staging32 = torch.zeros(n32, dtype=torch.int32, pin_memory=pinned)
         self._device64 = torch.zeros(n64, dtype=torch.int64, device=device)

@@ -14,7 +14,11 @@ import torch
 from pegainfer.config.schema import EngineConfig
 from pegainfer.memory.buffer_specs import BufferSpec, TransientSpec, dtype_size
 from pegainfer.memory.memory_plan import MemoryPlan, plan_memory
-from pegainfer.memory.prefill_graph_inputs import prefill_graph_buckets, prefill_graph_shape
+from pegainfer.memory.prefill_graph_inputs import (
+    prefill_graph_buckets,
+    prefill_graph_inputs_bytes,
+    prefill_graph_shape,
+)
 from pegainfer.model.model_loader import LoadedModel
 from pegainfer.parallel.distributed import TensorParallel
 from pegainfer.scheduling.scheduler import PROMPT_LOGPROBS_CHUNK
@@ -39,7 +43,7 @@ def prefix_caching_enabled(loaded: LoadedModel, config: EngineConfig) -> bool:
 def step_transients(loaded: LoadedModel, config: EngineConfig, *, graphs: bool) -> list[TransientSpec]:
     """The model's transients plus what the sampler, the decode buffers and the CUDA graphs take."""
     model = loaded.model
-    vocab = getattr(model, "vocab_size", 0)
+    vocab = model.vocab_size
     num_spec = config.speculative.num_tokens
     max_blocks = -(-loaded.max_model_len // config.cache.block_size)
     specs = [
@@ -53,7 +57,8 @@ def step_transients(loaded: LoadedModel, config: EngineConfig, *, graphs: bool) 
     ]
     if graphs:
         # The graph pool keeps the largest bucket's activations (one token per row, as the model declares
-        # them per token) and its static logits.
+        # them per token) and its static logits; the fixed part holds the capture stream's cuBLAS
+        # workspace (32 MiB on Hopper) and the pool's rounding to whole segments.
         per_row = sum(t.bytes_per_token for t in model.transient_specs())
         specs.append(TransientSpec("cuda_graphs", bytes_fixed=64 << 20, bytes_per_seq=4 * vocab + per_row))
         sched = config.scheduler
@@ -64,20 +69,22 @@ def step_transients(loaded: LoadedModel, config: EngineConfig, *, graphs: bool) 
             sched.max_num_seqs,
         )
         if tokens:
-            # The same pool: the largest bucket's activations, and every bucket's static logits (of
-            # 1 + num_spec rows a segment: a verification samples its known token and each draft).
+            # The same pool: the largest bucket's activations, and what every bucket's graph keeps as its
+            # outputs: the logits of 1 + num_spec rows a segment (a verification samples its known token
+            # and each draft) and every token's final hidden state.
+            buckets = prefill_graph_buckets(tokens)
+            hidden = model.hidden_size * dtype_size(loaded.dtype)
             rows = segments * (1 + num_spec)
-            logits = len(prefill_graph_buckets(tokens)) * rows * 4 * vocab
-            inputs = 8 * (3 * tokens + 4 * segments + rows + 1) + 4 * segments * (
-                3 + max_blocks
-            )  # on the device
-            specs.append(TransientSpec("prefill_graphs", bytes_fixed=tokens * per_row + logits + inputs))
+            outputs = sum(rows * 4 * vocab + size * hidden for size in buckets)
+            inputs = prefill_graph_inputs_bytes(tokens, segments, max_blocks, 1 + num_spec)
+            specs.append(TransientSpec("prefill_graphs", bytes_fixed=tokens * per_row + outputs + inputs))
             if num_spec:
-                # The drafter's graphs of the same shape: every bucket's static logits (a row a segment)
-                # and output hidden states, and their hidden-state input.
-                buckets = len(prefill_graph_buckets(tokens))
-                static = buckets * (segments * 4 * vocab + tokens * per_row) + tokens * per_row + inputs
-                specs.append(TransientSpec("draft_graphs", bytes_fixed=static))
+                # The drafter's graphs of the same buckets (their activations reuse the pool): each keeps
+                # a logits row a segment and every token's output hidden state; and their own inputs,
+                # hidden states included.
+                outputs = sum(segments * 4 * vocab + size * hidden for size in buckets)
+                inputs = prefill_graph_inputs_bytes(tokens, segments, max_blocks) + tokens * hidden
+                specs.append(TransientSpec("draft_graphs", bytes_fixed=outputs + inputs))
     return specs
 
 

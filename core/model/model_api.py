@@ -70,6 +70,18 @@ class CausalLM(torch.nn.Module, ABC):
     #: form, with no host sync and no shape that depends on the segments' values.
     prefill_graph_tokens: int = 0
 
+    @property
+    def vocab_size(self) -> int:
+        """Columns of the logits: the memory plan reserves the sampler's and the graphs' logits by it
+        (a model that leaves it 0 gets no such reserve)."""
+        return 0
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the final hidden states ``forward`` returns: the memory plan reserves the prefill and
+        draft graphs' hidden-state outputs by it (a model that leaves it 0 gets no such reserve)."""
+        return 0
+
     @classmethod
     @abstractmethod
     def from_hf_config(

@@ -154,6 +154,10 @@ class DeepseekV3ForCausalLM(CausalLM):
         return self.dims.vocab_size
 
     @property
+    def hidden_size(self) -> int:
+        return self.dims.hidden_size
+
+    @property
     def num_mtp_layers(self) -> int:
         """MTP modules loaded (0 when the config has none or the checkpoint stripped them): the engine
         speculates only when this is > 0."""

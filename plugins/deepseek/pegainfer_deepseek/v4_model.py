@@ -110,6 +110,10 @@ class DeepseekV4ForCausalLM(CausalLM):
     def vocab_size(self) -> int:
         return self.dims.vocab_size
 
+    @property
+    def hidden_size(self) -> int:
+        return self.dims.hidden_size
+
     def load_weights(self, reader: CheckpointReader) -> None:
         dims = self.dims
         weights = V4Weights(WeightReader(reader, dims.fp8.block if dims.fp8 else None))

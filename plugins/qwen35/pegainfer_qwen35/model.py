@@ -221,6 +221,10 @@ class Qwen35ForCausalLM(CausalLM):
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
     # ------------------------------------------------------------------------------------------ weights
 
     def load_weights(self, reader: CheckpointReader) -> None:

@@ -9,8 +9,8 @@ against the truth, HF in float32 on the same bf16 weights: over every teacher-fo
 |delta log-prob| of HF's top-8 tokens must be no worse for our bf16 path than for HF's own bf16 path
 (within 25% + 0.01 nats). The direct bf16-vs-bf16 gap (mean and p99) is printed beside it.
 
-A last check measures the device memory one prefill forward allocates against the transient reserve the
-memory plan was given for that many tokens.
+The last checks measure the device memory one prefill forward allocates against the transient reserve the
+memory plan was given for that many tokens, and what capturing the graphs keeps against their reserves.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 from pegainfer import LLM
 from pegainfer.engine.request import Request
 from pegainfer.executor.executor import ModelBatch, SequenceChunk
+from pegainfer.memory.rank_plan import step_transients
 from pegainfer.sampling.sampling_params import SamplingParams
 from pegainfer.testing.conformance import Bf16AccuracyReport
 from pegainfer.testing.speculative import force_drafts
@@ -177,3 +178,36 @@ def test_prefill_forward_stays_within_its_transient_reserve(llm):
         f"prefill of {tokens} tokens: forward allocated {used / 2**20:.1f} MiB, reserve {reserve / 2**20:.1f} MiB"
     )
     assert used <= reserve
+
+
+def test_graph_capture_stays_within_its_reserves(folder):
+    """Device memory that capturing the decode, prefill and draft graphs keeps (the graph pool's segments,
+    the graphs' static outputs, the drafter's inputs) fits in the reserves the memory plan makes for them
+    (``step_transients``: cuda_graphs, prefill_graphs, draft_graphs)."""
+    llm = LLM(
+        str(folder), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, max_model_len=1024,
+        speculative_num_tokens=2, enforce_eager=True,
+    )  # fmt: skip
+    runner, config = llm.engine.executor.runner, llm.engine.config
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the capture's warm-up forwards use the transient reserve, not these
+        before = torch.cuda.memory_reserved()
+        runner.capture_cuda_graphs()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        used = torch.cuda.memory_reserved() - before
+        sched = config.scheduler
+        reserves = {
+            spec.role: spec.bytes_for(sched.max_num_batched_tokens, sched.max_num_seqs)
+            for spec in step_transients(runner.loaded, config, graphs=True)
+            if spec.role in ("cuda_graphs", "prefill_graphs", "draft_graphs")
+        }
+    finally:
+        llm.engine.shutdown()
+    print(
+        f"graph capture kept {used / 2**20:.1f} MiB; reserves (MiB):",
+        {k: round(v / 2**20, 1) for k, v in reserves.items()},
+    )
+    assert set(reserves) == {"cuda_graphs", "prefill_graphs", "draft_graphs"}
+    assert used <= sum(reserves.values())

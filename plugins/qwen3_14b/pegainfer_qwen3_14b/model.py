@@ -248,6 +248,10 @@ class Qwen3ForCausalLM(CausalLM):
     def vocab_size(self) -> int:
         return self.dims.vocab_size
 
+    @property
+    def hidden_size(self) -> int:
+        return self.dims.hidden_size
+
     def load_weights(self, reader: CheckpointReader) -> None:
         dims = self.dims
         table = (dims.vocab_size, dims.hidden_size)

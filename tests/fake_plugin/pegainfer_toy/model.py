@@ -196,6 +196,14 @@ class ToyQwen3ForCausalLM(CausalLM):
     def max_context_length(hf_config: dict[str, Any]) -> int:
         return int(hf_config.get("max_position_embeddings", 40960))
 
+    @property
+    def vocab_size(self) -> int:
+        return self.dims.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.dims.hidden_size
+
     @torch.no_grad()
     def load_weights(self, reader: CheckpointReader) -> None:
         table = (self.dims.vocab_size, self.dims.hidden_size)
