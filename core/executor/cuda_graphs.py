@@ -28,13 +28,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def graph_buckets(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, then multiples of 16 up to ``max_num_seqs`` (which is always a bucket)."""
-    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
-    sizes += list(range(16, max_num_seqs, 16))
-    return sorted({*sizes, max_num_seqs})
-
-
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 

@@ -24,7 +24,7 @@ import torch
 from pegainfer import ops
 from pegainfer.config.schema import EngineConfig
 from pegainfer.errors import ExecutorError
-from pegainfer.executor.cuda_graphs import DecodeGraphs, graph_buckets
+from pegainfer.executor.cuda_graphs import DecodeGraphs
 from pegainfer.executor.decode_rows import DecodeRows
 from pegainfer.executor.model_batch import (
     DraftInput,
@@ -35,7 +35,7 @@ from pegainfer.executor.model_batch import (
 )
 from pegainfer.executor.prefill_graphs import PrefillGraphs
 from pegainfer.layers.attention import AttentionMetadata, PrefillSegment
-from pegainfer.memory.decode_buffers import DecodeBuffers
+from pegainfer.memory.decode_buffers import DecodeBuffers, graph_buckets
 from pegainfer.memory.device_buffers import DeviceBuffers
 from pegainfer.memory.prefill_graph_inputs import (
     PrefillGraphInputs,

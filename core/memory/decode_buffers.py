@@ -22,6 +22,14 @@ RANGE_COPY_BYTES = 64 << 10
 PAD_SLOT = -1
 
 
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    """The decode graphs' batch sizes: 1, 2, 4, 8, then multiples of 16 up to ``max_num_seqs`` (which is
+    always a bucket); a step's rows are padded to the smallest bucket holding them."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    sizes += list(range(16, max_num_seqs, 16))
+    return sorted({*sizes, max_num_seqs})
+
+
 class DecodeBuffers:
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
         self.max_num_seqs = max_num_seqs

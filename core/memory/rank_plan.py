@@ -13,6 +13,7 @@ import torch
 
 from pegainfer.config.schema import EngineConfig
 from pegainfer.memory.buffer_specs import BufferSpec, TransientSpec, dtype_size
+from pegainfer.memory.decode_buffers import graph_buckets
 from pegainfer.memory.memory_plan import MemoryPlan, plan_memory
 from pegainfer.memory.prefill_graph_inputs import (
     prefill_graph_buckets,
@@ -22,6 +23,10 @@ from pegainfer.memory.prefill_graph_inputs import (
 from pegainfer.model.model_loader import LoadedModel
 from pegainfer.parallel.distributed import TensorParallel
 from pegainfer.scheduling.scheduler import PROMPT_LOGPROBS_CHUNK
+
+#: What the graphs keep beyond their activations and outputs: the capture stream's cuBLAS workspace (32
+#: MiB on Hopper) and the pool's rounding to whole segments.
+GRAPH_SLACK = 64 << 20
 
 
 def memory_budget(loaded: LoadedModel, config: EngineConfig, transient_bytes: int) -> int:
@@ -57,11 +62,12 @@ def step_transients(loaded: LoadedModel, config: EngineConfig, *, graphs: bool) 
     ]
     if graphs:
         # The graph pool keeps the largest bucket's activations (one token per row, as the model declares
-        # them per token) and its static logits; the fixed part holds the capture stream's cuBLAS
-        # workspace (32 MiB on Hopper) and the pool's rounding to whole segments.
-        per_row = sum(t.bytes_per_token for t in model.transient_specs())
-        specs.append(TransientSpec("cuda_graphs", bytes_fixed=64 << 20, bytes_per_seq=4 * vocab + per_row))
+        # them per token) and every bucket's static logits (at max_num_seqs 256 about 8.6 rows a
+        # request), beside GRAPH_SLACK.
         sched = config.scheduler
+        per_row = sum(t.bytes_per_token for t in model.transient_specs())
+        logits = sum(graph_buckets(sched.max_num_seqs)) * 4 * vocab
+        specs.append(TransientSpec("cuda_graphs", bytes_fixed=GRAPH_SLACK + logits, bytes_per_seq=per_row))
         tokens, segments = prefill_graph_shape(
             model.prefill_graph_tokens,
             config.prefill_graph_max_tokens,

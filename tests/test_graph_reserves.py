@@ -1,0 +1,24 @@
+"""The memory plan's reserve for the decode graphs against what their forwards keep, on the CPU through the
+eager padded path (each bucket's static logits live as long as its graph). The GPU check of the captured
+pools, workspaces included, is ``test_graph_capture_stays_within_its_reserves`` in the Qwen3.5 GPU tests."""
+
+from __future__ import annotations
+
+from pegainfer import LLM
+from pegainfer.memory.rank_plan import GRAPH_SLACK, step_transients
+
+
+def test_the_decode_graph_reserve_holds_every_buckets_logits(tiny_qwen3):
+    llm = LLM(
+        str(tiny_qwen3), dtype="float32", device="cpu", cpu_kv_cache_bytes=8 << 20, max_model_len=256,
+        max_num_seqs=48,
+    )  # fmt: skip
+    runner, config = llm.engine.executor.runner, llm.engine.config
+    runner.capture_cuda_graphs(eager=True)
+    graphs = runner.graphs
+    graphs.decode.seq_lens.fill_(1)  # as at capture: token 0 at page 0, no request live
+    kept = sum(graphs._forward(size).nbytes for size in graphs.buckets)
+    assert len(graphs.buckets) > 1 and kept > 48 * 4 * runner.model.vocab_size  # more than one bucket's
+    (spec,) = [s for s in step_transients(runner.loaded, config, graphs=True) if s.role == "cuda_graphs"]
+    assert spec.bytes_fixed - GRAPH_SLACK >= kept
+    llm.engine.shutdown()
