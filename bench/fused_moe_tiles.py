@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import graph_time_ms, stream_read_bytes_per_s  # noqa: E402
 
 from pegainfer.kernels import moe_pairs  # noqa: E402
+from pegainfer.kernels._triton import num_sms  # noqa: E402
 from pegainfer.kernels.fused_moe import fused_moe_triton  # noqa: E402
 from pegainfer.layers.moe import BlockScales  # noqa: E402
 
@@ -114,8 +115,10 @@ for name, (E, H, inter, K) in CASES.items():
             for r in res[:5]:
                 report(f"bn{r[1]} bk{r[2]} s{r[3]}", r[0], used)
             continue
-        moe_pairs.PAIR_TOKENS = max(moe_pairs.PAIR_TOKENS, T)  # measured past the dispatch's own limit
-        default = moe_pairs.default_tiles(H, inter, gu.element_size())
+        # Measured past the dispatch's own limits.
+        moe_pairs.PAIR_TOKENS = max(moe_pairs.PAIR_TOKENS, T)
+        moe_pairs.PAIR_TOKENS_FP8 = max(moe_pairs.PAIR_TOKENS_FP8, T)
+        default = moe_pairs.default_tiles(T * K, inter, num_sms(x.device))
 
         def pairs(x=x, w=w, routes=routes, gu=gu, dn=dn, scales=scales, default=default, **knobs):
             tiles = dataclasses.replace(default, **knobs)

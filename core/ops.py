@@ -135,7 +135,7 @@ def fused_moe(
         from pegainfer.kernels.fused_moe import fused_moe_triton
 
         # A decode step's few tokens: one program per (token, choice), no sort; else the grouped GEMMs.
-        run = moe_pairs.fused_moe_pairs if moe_pairs.takes_pairs(x, ids, scales) else fused_moe_triton
+        run = moe_pairs.fused_moe_pairs if moe_pairs.takes_pairs(x, scales) else fused_moe_triton
         return run(
             x, weights, ids, gate_up, down, scales=scales, add=add, add_gate=add_gate, residual=residual
         )

@@ -4,7 +4,10 @@ pools, workspaces included, is ``test_graph_capture_stays_within_its_reserves`` 
 
 from __future__ import annotations
 
+import pytest
+
 from pegainfer import LLM
+from pegainfer.errors import PluginError
 from pegainfer.memory.rank_plan import GRAPH_SLACK, step_transients
 
 
@@ -21,4 +24,16 @@ def test_the_decode_graph_reserve_holds_every_buckets_logits(tiny_qwen3):
     assert len(graphs.buckets) > 1 and kept > 48 * 4 * runner.model.vocab_size  # more than one bucket's
     (spec,) = [s for s in step_transients(runner.loaded, config, graphs=True) if s.role == "cuda_graphs"]
     assert spec.bytes_fixed - GRAPH_SLACK >= kept
+    llm.engine.shutdown()
+
+
+def test_prefill_graphs_without_a_hidden_size_name_the_model(tiny_qwen3, monkeypatch):
+    """A model that runs prefill graphs must say how wide its hidden states are: the plan sizes the
+    graphs' hidden-state outputs by it, and a 0 would reserve nothing for them."""
+    llm = LLM(str(tiny_qwen3), dtype="float32", device="cpu", cpu_kv_cache_bytes=8 << 20, max_model_len=256)
+    runner, config = llm.engine.executor.runner, llm.engine.config
+    assert runner.model.prefill_graph_tokens > 0
+    monkeypatch.setattr(type(runner.model), "hidden_size", property(lambda self: 0))
+    with pytest.raises(PluginError, match=f"{type(runner.model).__name__} runs prefill graphs"):
+        step_transients(runner.loaded, config, graphs=True)
     llm.engine.shutdown()

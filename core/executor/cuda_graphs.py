@@ -35,6 +35,7 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     """The one side stream every capture on ``device`` runs on. cuBLAS keeps a workspace for each stream
     it ran on (32 MiB on Hopper) for as long as the process lives: a stream per set of graphs (decode,
     prefill, draft) kept three, 64 MiB more than this one (measured on the H200, docs/gpu-checks.md)."""
+    device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
     if device not in _CAPTURE_STREAMS:
         _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
     return _CAPTURE_STREAMS[device]
@@ -47,7 +48,7 @@ def capture_buckets(
     ``pool``: largest first, so smaller graphs reuse what the largest reserved, each after one eager run
     (lazy initialisation and autotuning stay out of the graph)."""
     graphs = {}
-    stream = capture_stream(torch.device("cuda", torch.cuda.current_device()))
+    stream = capture_stream(torch.device("cuda"))
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for size in sorted(sizes, reverse=True):

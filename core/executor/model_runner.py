@@ -166,6 +166,10 @@ class ModelRunner:
             self.prefill_graphs = prefill
             if self.capabilities.max_speculative_tokens:
                 self.draft_graphs = self._capture_draft_graphs(pool, eager)
+        if not eager:
+            # The warm-up forwards' blocks stay cached for the capture stream, where no step runs: give
+            # them back, so the steps' transients find the memory their reserve was made from.
+            torch.cuda.empty_cache()
         self.capabilities = replace(self.capabilities, cuda_graphs=not eager)
 
     def _capture_draft_graphs(self, pool, eager: bool) -> PrefillGraphs:

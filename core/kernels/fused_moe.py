@@ -6,8 +6,9 @@ blocks of ``BLOCK_M`` rows (:func:`expert_blocks`); the grid covers the most blo
 chosen expert, not one per expert), and a block past the routing's own
 exits at once, so nothing depends on the host knowing the counts (graph-safe). One program owns one
 block and one tile of output features: it gathers its rows' inputs and multiplies them by its expert's
-weight tile, so an expert's weights are read once per block of its tokens (at batch 1, once per chosen
-expert).
+weight tile, so an expert's weights are read once per block of its tokens. ``ops.fused_moe`` sends a
+decode step's few tokens to ``pegainfer.kernels.moe_pairs`` instead (no sort; measured faster there), so
+the batch-1 figures below describe this path when it ran those steps (until 2026-12-04).
 
 - ``gate_up``: ``act[p] = silu(x[t] · Wg_eᵀ) ⊙ (x[t] · Wu_eᵀ)`` for pair ``p`` of token ``t`` (stacked
   gate|up ``[E, 2I, H]``), both halves in one program.

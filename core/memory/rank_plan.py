@@ -12,6 +12,7 @@ from dataclasses import replace
 import torch
 
 from pegainfer.config.schema import EngineConfig
+from pegainfer.errors import PluginError
 from pegainfer.memory.buffer_specs import BufferSpec, TransientSpec, dtype_size
 from pegainfer.memory.decode_buffers import graph_buckets
 from pegainfer.memory.memory_plan import MemoryPlan, plan_memory
@@ -78,6 +79,12 @@ def step_transients(loaded: LoadedModel, config: EngineConfig, *, graphs: bool) 
             # The same pool: the largest bucket's activations, and what every bucket's graph keeps as its
             # outputs: the logits of 1 + num_spec rows a segment (a verification samples its known token
             # and each draft) and every token's final hidden state.
+            if not model.hidden_size:
+                raise PluginError(
+                    f"{type(model).__name__} runs prefill graphs (prefill_graph_tokens "
+                    f"{model.prefill_graph_tokens}) but declares no hidden_size: the memory plan sizes the "
+                    "graphs' hidden-state outputs by it"
+                )
             buckets = prefill_graph_buckets(tokens)
             hidden = model.hidden_size * dtype_size(loaded.dtype)
             rows = segments * (1 + num_spec)

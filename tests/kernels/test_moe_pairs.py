@@ -9,11 +9,10 @@ Without a GPU the kernels run through Triton's interpreter on CPU tensors (the c
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
-from kernel_helpers import moe_case, quantized_experts
+from kernel_helpers import DEVICE, moe_case, quantized_experts
 
 from pegainfer import ops
 from pegainfer.kernels import moe_pairs
@@ -28,13 +27,6 @@ from pegainfer.kernels.moe_pairs import (
 )
 from pegainfer.layers.moe import combine_routed, routed_experts
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-pytestmark = pytest.mark.skipif(
-    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="needs a GPU or Triton's interpreter (TRITON_INTERPRET=1 before Triton)",
-)
-
 #: Small tiles, so the cases' widths (40 hidden, 24 expert features) take several, the last one ragged.
 SMALL = PairTiles(gate_up_n=16, gate_up_k=16, down_n=16, down_k=16)
 #: The same with the columns of gate|up split over programs (three splits of 40 columns: one is short).
@@ -47,7 +39,7 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2
 @pytest.mark.parametrize("tokens, k", [(1, 3), (PAIR_TOKENS, 2)], ids=["one-token", "most-tokens"])
 def test_pairs_match_the_reference(dtype, tokens, k, tiles):
     x, weights, ids, gate_up, down = moe_case(tokens, k, 7, 40, 24, dtype, seed=tokens + k)
-    ids[-1, 0] = ids[0, 0]  # two tokens (or one token's pair with itself) on one expert
+    ids[-1, 0] = ids[0, 0]  # with several tokens, two of them on one expert (a token's choices differ)
     ref = routed_experts(x, weights, ids, gate_up, down)
     ours = fused_moe_pairs(x, weights, ids, gate_up, down, tiles=tiles)
     torch.testing.assert_close(ours.float(), ref.float(), **TOL[dtype])
@@ -92,7 +84,7 @@ def test_fp8_pairs_match_the_dequantized_reference(dtype, block, offset, tiles):
     the dot scaled by its tile's scale equals the reference over the experts dequantized whole."""
     x, weights, ids, gate_up, down = moe_case(2, 3, 7, 40, 24, dtype, seed=7)
     q_gate_up, q_down, scales = quantized_experts(gate_up, down, block, offset)
-    assert takes_pairs(x, ids, scales, tiles)
+    assert takes_pairs(x, scales, tiles)
     ours = fused_moe_pairs(x, weights, ids, q_gate_up, q_down, scales=scales, tiles=tiles)
     ref = routed_experts(x, weights, ids, q_gate_up, q_down, scales=scales)
     torch.testing.assert_close(ours.float(), ref.float(), **TOL[dtype])
@@ -100,14 +92,14 @@ def test_fp8_pairs_match_the_dequantized_reference(dtype, block, offset, tiles):
 
 def test_which_routings_take_the_pair_path():
     x, weights, ids, gate_up, down = moe_case(PAIR_TOKENS + 1, 2, 6, 32, 32, torch.float32, seed=2)
-    assert takes_pairs(x[:1], ids[:1], None) and takes_pairs(x[:PAIR_TOKENS], ids[:PAIR_TOKENS], None)
-    assert not takes_pairs(x, ids, None) and not takes_pairs(x[:0], ids[:0], None)
+    assert takes_pairs(x[:1], None) and takes_pairs(x[:PAIR_TOKENS], None)
+    assert not takes_pairs(x, None) and not takes_pairs(x[:0], None)
     _, _, aligned = quantized_experts(gate_up, down, (128, 128), 0)
     # DeepSeek's 128 x 128 scale tiles at the default tiles, for fewer tokens than bf16 experts.
     fp8 = PAIR_TOKENS_FP8
-    assert takes_pairs(x[:fp8], ids[:fp8], aligned) and not takes_pairs(x[: fp8 + 1], ids[: fp8 + 1], aligned)
+    assert takes_pairs(x[:fp8], aligned) and not takes_pairs(x[: fp8 + 1], aligned)
     _, _, offset = quantized_experts(gate_up, down, (128, 128), 5)
-    assert not takes_pairs(x[:1], ids[:1], offset)  # a kernel tile across two scale tiles: grouped path
+    assert not takes_pairs(x[:1], offset)  # a kernel tile across two scale tiles: grouped path
     with pytest.raises(ValueError, match="pair path"):
         fused_moe_pairs(x, weights, ids, gate_up, down)
 

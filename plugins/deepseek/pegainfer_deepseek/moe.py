@@ -171,8 +171,9 @@ class MoE(nn.Module):
         which may be overwritten) plus ``residual``, added in the shared experts' down projection."""
         weights, ids = self.gate(x)
         shared = self.shared_experts(x, residual) if self.shared_experts is not None else residual
-        # The Triton grouped GEMMs on CUDA (no host sync, graph-safe; the shared output added in the launch
-        # that sums the choices); the reference loop elsewhere.
+        # Triton on CUDA (no host sync, graph-safe; the shared output added in the launch that sums the
+        # choices): a decode step's few tokens one (token, choice) pair at a time, more through the grouped
+        # GEMMs; the reference loop elsewhere.
         return ops.fused_moe(
             x, weights, ids, self.experts_gate_up, self.experts_down, self._scales(), add=shared
         )

@@ -10,8 +10,9 @@ The checkpoint stores experts one by one; they are stacked at load time (``[E, 2
 and ``[E, H, Ie]``). The router and the shared expert's one-row gate are one GEMM (``router``: ``[E + 1,
 H]``, the gate last), and the shared expert's gate|up rows alternate (``interleave_gate_up``), so decode
 rows on CUDA apply its SiLU·mul in the skinny GEMM's epilogue (``projections``). On CUDA every step's
-routed experts go through ``ops.fused_moe`` (Triton grouped GEMMs over the chosen experts only, no host
-sync, so the decode graphs capture it and eager and graph decode compute the same), the shared output,
+routed experts go through ``ops.fused_moe`` (Triton kernels over the chosen experts only: a decode step's
+few tokens one (token, choice) pair at a time, more as grouped GEMMs; no host sync, so the decode graphs
+capture it and eager and graph decode compute the same), the shared output,
 its gate and (at tp=1) the residual add applied in its combining launch. Elsewhere the reference forward
 has two schedules with the same sums (in ascending expert order, as transformers adds them):
 - grouped (steps with prefill tokens): the (token, expert) pairs are sorted by expert and each expert
