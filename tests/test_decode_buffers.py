@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pegainfer.memory.decode_buffers import PAD_SLOT, DecodeBuffers
+from pegainfer.memory.decode_buffers import PAD_SLOT, DecodeBuffers, decode_buffers_bytes
 
 BS = 4
 
@@ -56,6 +56,14 @@ def assert_rows(buf: DecodeBuffers, reqs: list[Fake], rows: list[int], state: bo
         assert buf.block_tables[row, : len(r.pages)].tolist() == r.pages
         if state:
             assert buf.state_slots[row].item() == 7 * i + 1
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 7, 48])
+def test_the_plans_figure_is_what_the_buffers_hold(max_num_seqs: int) -> None:
+    """The memory plan reserves ``decode_buffers_bytes``: exactly the device tensors the buffers hold."""
+    buf = DecodeBuffers(max_num_seqs, 9, torch.device("cpu"))
+    held = buf._device.nbytes + buf.input_ids.nbytes + buf.block_tables.nbytes
+    assert decode_buffers_bytes(max_num_seqs, 9) == held
 
 
 def test_first_batch_rows_and_contents() -> None:

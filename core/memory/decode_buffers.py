@@ -30,6 +30,17 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     return sorted({*sizes, max_num_seqs})
 
 
+def _upload_size(max_num_seqs: int) -> int:
+    """int64 entries of the uploaded rows: six int64 rows, then the int32 sequence lengths."""
+    return 6 * max_num_seqs + -(-max_num_seqs // 2)
+
+
+def decode_buffers_bytes(max_num_seqs: int, max_blocks_per_seq: int) -> int:
+    """Device bytes a :class:`DecodeBuffers` of this shape holds (what the memory plan reserves): the
+    sampled tokens and the uploaded rows, the input tokens, the block tables."""
+    return 8 * (2 * max_num_seqs + _upload_size(max_num_seqs)) + 4 * max_num_seqs * max_blocks_per_seq
+
+
 class DecodeBuffers:
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
         self.max_num_seqs = max_num_seqs
@@ -40,7 +51,7 @@ class DecodeBuffers:
         # upload before it rewrites the staging buffers.
         device = torch.device(device)
         pinned = device.type == "cuda"
-        size = 6 * max_num_seqs + -(-max_num_seqs // 2)
+        size = _upload_size(max_num_seqs)
         # One device buffer: the last step's sampled tokens, then the uploaded rows. The sampled tokens and
         # the staged ones (the first uploaded row) are adjacent, so one gather picks each row's input.
         self._device = torch.zeros(max_num_seqs + size, dtype=torch.int64, device=device)

@@ -14,7 +14,7 @@ import torch
 from pegainfer.config.schema import EngineConfig
 from pegainfer.errors import PluginError
 from pegainfer.memory.buffer_specs import BufferSpec, TransientSpec, dtype_size
-from pegainfer.memory.decode_buffers import graph_buckets
+from pegainfer.memory.decode_buffers import decode_buffers_bytes, graph_buckets
 from pegainfer.memory.memory_plan import MemoryPlan, plan_memory
 from pegainfer.memory.prefill_graph_inputs import (
     prefill_graph_buckets,
@@ -58,8 +58,10 @@ def step_transients(loaded: LoadedModel, config: EngineConfig, *, graphs: bool) 
         TransientSpec("sampler", bytes_per_seq=(4 + num_spec) * vocab * dtype_size(torch.float32)),
         # Prompt logprobs: the logits of one bounded chunk and their log-softmax copy.
         TransientSpec("prompt_logprobs", bytes_fixed=2 * PROMPT_LOGPROBS_CHUNK * vocab * 4),
-        # Persistent decode inputs: block-table row plus token, position, length, slot and state slot.
-        TransientSpec("decode_buffers", bytes_per_seq=4 * max_blocks + 5 * 8),
+        # Persistent decode inputs: a block-table row and a few int64s per request.
+        TransientSpec(
+            "decode_buffers", bytes_fixed=decode_buffers_bytes(config.scheduler.max_num_seqs, max_blocks)
+        ),
     ]
     if graphs:
         # The graph pool keeps the largest bucket's activations (one token per row, as the model declares
