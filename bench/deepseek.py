@@ -6,10 +6,13 @@ each ``--batches`` size, against the bytes a step must read, and HF transformers
     python bench/deepseek.py --shape moonlight --batches 1,16 --skip-kernels --out ...   # a whole ~16B model
     python bench/deepseek.py --fp8 --batches 1 --skip-kernels --out ...   # float8 experts (no peer)
     python bench/deepseek.py --batches 1 --skip-kernels --skip-peer --mtp --out ...   # MTP k=1 at batch 1
+    python bench/deepseek.py --shape v32 --ctx 4096 --batches 1 --skip-kernels --skip-peer --out ...  # V3.2
 
 The ceilings are measured first, in the same process. A step's bytes: every weight except the routed
 experts and the embedding table, plus the experts the router actually picked in a measured step (the
-distinct ones per layer: 8 at batch 1), one embedding row per token and the latents the rows attend to.
+distinct ones per layer: 8 at batch 1), one embedding row per token and the latents the rows attend to
+(V3.2: every latent up to the row's length, which the MLA kernel reads whatever the indexer keeps, and
+the indexer's own key per token; V3.2 decodes eagerly, with engine-side embedding).
 The MLA kernel's figure is its latent bytes over the copy rate (the issue's goal), the MoE's its expert
 bytes over the streaming-read rate.
 """
@@ -45,7 +48,7 @@ from pegainfer.ops import fused_moe
 from pegainfer.text.tiny_tokenizer import write_tiny_tokenizer
 from pegainfer_deepseek.mla_decode import mla_decode_attention, mla_decode_attention_triton
 from pegainfer_deepseek.moe import MoE
-from pegainfer_deepseek.tiny import deepseek_v3_config
+from pegainfer_deepseek.tiny import deepseek_v3_config, deepseek_v32_config
 
 #: DeepSeek-V3's published config (671B), less the MTP layer; the layer count comes from ``--layers``.
 V3 = dict(
@@ -68,8 +71,14 @@ MOONLIGHT = dict(
     rms_norm_eps=1e-5, rope_theta=50000.0, rope_scaling=None, num_nextn_predict_layers=0,
     torch_dtype="bfloat16",
 )  # fmt: skip
+#: DeepSeek-V3.2's published config: V3 with the DSA lightning indexer in every layer.
+V32 = dict(V3, index_n_heads=64, index_head_dim=128, index_topk=2048)
 #: shape name -> (config keys, vocabulary, figure prefix)
-SHAPES = {"v3": (V3, 129280, "deepseek"), "moonlight": (MOONLIGHT, 163840, "deepseek_moonlight")}
+SHAPES = {
+    "v3": (V3, 129280, "deepseek"),
+    "v32": (V32, 129280, "deepseek_v32"),
+    "moonlight": (MOONLIGHT, 163840, "deepseek_moonlight"),
+}
 
 
 def checkpoint_folder(
@@ -82,7 +91,7 @@ def checkpoint_folder(
     write_tiny_tokenizer(folder)
     if full_vocab_tokenizer:
         write_word_tokenizer(folder, vocab)
-    config = deepseek_v3_config(vocab, **shape)
+    config = (deepseek_v32_config if "index_topk" in shape else deepseek_v3_config)(vocab, **shape)
     if layers is not None:
         config["num_hidden_layers"] = layers
     if fp8:
@@ -193,7 +202,10 @@ def step_bytes(llm, batch: int, ctx: float, experts_per_layer: list[int], shape:
     embed = model.embed_tokens
     row = embed.shape[1] * embed.element_size()
     layers = len(experts_per_layer) + shape["first_k_dense_replace"]
-    latents = batch * ctx * (shape["kv_lora_rank"] + shape["qk_rope_head_dim"]) * 2 * layers
+    # The MLA kernel reads every latent up to a row's length, the indexer's mask (V3.2) included; V3.2's
+    # indexer reads its own key per token too.
+    per_token = shape["kv_lora_rank"] + shape["qk_rope_head_dim"] + shape.get("index_head_dim", 0)
+    latents = batch * ctx * per_token * 2 * layers
     return (
         total
         - routed
@@ -274,7 +286,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="append the records to this JSONL file")
     parser.add_argument("--shape", default="v3", choices=sorted(SHAPES))
-    parser.add_argument("--layers", type=int, default=None, help="default: 4 for v3, all for moonlight")
+    parser.add_argument("--layers", type=int, default=None, help="default: 4 for v3/v32, all for moonlight")
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--skip-kernels", action="store_true", help="no MLA / fused MoE microbenchmarks")
     parser.add_argument("--fp8", action="store_true", help="a block-FP8 checkpoint: float8 routed experts")
@@ -316,7 +328,7 @@ def main() -> None:
         torch.cuda.empty_cache()
 
         shape, vocab, prefix = SHAPES[args.shape]
-        layers = args.layers if args.layers is not None else (4 if args.shape == "v3" else None)
+        layers = args.layers if args.layers is not None else (None if args.shape == "moonlight" else 4)
         folder = checkpoint_folder(shape, vocab, layers, args.fp8)
         prefix += "_fp8" if args.fp8 else ""
         batches = [int(b) for b in args.batches.split(",") if b]
