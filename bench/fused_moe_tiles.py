@@ -40,11 +40,14 @@ CASES = {
 }
 if args.fp8:
     CASES = {"deepseek_v3_fp8": CASES["deepseek_v3"]}
-TILES = list(
-    itertools.product((64, 128), (128, 256), (3, 4))
-    if args.fp8
-    else itertools.product((16, 32, 64), (64, 128, 256), (3, 4))
-)
+TILES = [
+    dict(block_n=n, block_k=k, num_stages=s)
+    for n, k, s in (
+        itertools.product((64, 128), (128, 256), (3, 4))
+        if args.fp8
+        else itertools.product((16, 32, 64), (64, 128, 256), (3, 4))
+    )
+]
 # The pair path's tiles, swept one launch at a time (the other at its default); float8 keeps the
 # columns per load inside a 128-wide scale tile.
 PAIR_K = (64, 128) if args.fp8 else (64, 128, 256)
@@ -100,20 +103,7 @@ for name, (E, H, inter, K) in CASES.items():
             f"{name} T={T}: grouped, default tiles {d * 1e3:.1f} us {used / (d / 1e3) / bw:.1%}", flush=True
         )
         if not args.pairs:
-            res = []
-            for bn, bk, ns in TILES:
-                try:
-                    ms = graph_time_ms(
-                        lambda bn=bn, bk=bk, ns=ns: grouped(block_n=bn, block_k=bk, num_stages=ns),
-                        calls=CALLS,
-                    )
-                except Exception as e:  # noqa: BLE001
-                    print("fail", bn, bk, ns, type(e).__name__, flush=True)
-                    continue
-                res.append((ms, bn, bk, ns))
-            res.sort()
-            for r in res[:5]:
-                report(f"bn{r[1]} bk{r[2]} s{r[3]}", r[0], used)
+            best_of(grouped, TILES, used, "grouped tiles")
             continue
         # Measured past the dispatch's own limits.
         moe_pairs.PAIR_TOKENS = max(moe_pairs.PAIR_TOKENS, T)
