@@ -48,7 +48,7 @@ def prefix_caching_enabled(loaded: LoadedModel, config: EngineConfig) -> bool:
 
 def step_transients(loaded: LoadedModel, config: EngineConfig, *, graphs: bool) -> list[TransientSpec]:
     """The model's transients plus what the sampler, the decode buffers and the CUDA graphs take."""
-    model = loaded.model
+    model, sched = loaded.model, config.scheduler
     vocab = model.vocab_size
     num_spec = config.speculative.num_tokens
     max_blocks = -(-loaded.max_model_len // config.cache.block_size)
@@ -59,15 +59,12 @@ def step_transients(loaded: LoadedModel, config: EngineConfig, *, graphs: bool) 
         # Prompt logprobs: the logits of one bounded chunk and their log-softmax copy.
         TransientSpec("prompt_logprobs", bytes_fixed=2 * PROMPT_LOGPROBS_CHUNK * vocab * 4),
         # Persistent decode inputs: a block-table row and a few int64s per request.
-        TransientSpec(
-            "decode_buffers", bytes_fixed=decode_buffers_bytes(config.scheduler.max_num_seqs, max_blocks)
-        ),
+        TransientSpec("decode_buffers", bytes_fixed=decode_buffers_bytes(sched.max_num_seqs, max_blocks)),
     ]
     if graphs:
         # The graph pool keeps the largest bucket's activations (one token per row, as the model declares
         # them per token) and every bucket's static logits (at max_num_seqs 256 about 8.6 rows a
         # request), beside GRAPH_SLACK.
-        sched = config.scheduler
         per_row = sum(t.bytes_per_token for t in model.transient_specs())
         logits = sum(graph_buckets(sched.max_num_seqs)) * 4 * vocab
         specs.append(TransientSpec("cuda_graphs", bytes_fixed=GRAPH_SLACK + logits, bytes_per_seq=per_row))
