@@ -59,13 +59,20 @@ def test_pairs_add_the_gated_shared_output_into_the_residual(dtype, tiles):
     torch.testing.assert_close(with_add, combine_routed(routed, shared))
     logits = torch.randn(3, 2, dtype=dtype, device=DEVICE)[:, 1:]  # a strided column, as the router's
     residual = torch.randn_like(x)
+    # The kernel adds the three terms before rounding once, the reference rounds after each step: their
+    # roundings (half a unit in the last place each) are units of the largest partial sum, not of the
+    # result, which cancellation can make smaller (seen on the GPU: 4 units of a 0.8 result).
+    terms = (
+        residual.float().abs() + routed.float().abs() + (torch.sigmoid(logits.float()) * shared.float()).abs()
+    )
+    two_ulps = torch.exp2(torch.floor(torch.log2(terms)) + 1 - (23 if dtype == torch.float32 else 7))
     want = combine_routed(routed, shared, logits, residual.clone())
     got = fused_moe_pairs(
         x, weights, ids, gate_up, down, add=shared, add_gate=logits, residual=residual, tiles=tiles
     )
     assert got.data_ptr() == residual.data_ptr()
-    one_ulp = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=2**-7, rtol=2**-7)
-    torch.testing.assert_close(got.float(), want.float(), **one_ulp)
+    off = (got.float() - want.float()).abs()
+    assert (off <= two_ulps).all(), f"{int((off > two_ulps).sum())} outputs off by over 2 ulps: {off.max()}"
 
 
 def test_pairs_default_tiles_mask_ragged_widths():

@@ -247,9 +247,9 @@ def mla_decode_attention_triton(
     num_splits: int | None = None,
     block_h: int = BLOCK_H,
     block_v: int | None = None,
-    block_n: int = 32,
+    block_n: int = 64,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """The Triton path of :func:`mla_decode_attention`; the keyword knobs are for the benchmark:
     ``block_h`` query heads a program (the M of its dots), ``block_v`` the output features it accumulates
