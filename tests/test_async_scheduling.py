@@ -231,10 +231,18 @@ def test_streaming_arrivals_and_aborts(tiny_qwen3, graph_path):
     assert len(results[True]) == 6
 
 
-def test_async_needs_device_embedding_and_no_speculation(tiny_checkpoint_factory):
-    path = tiny_checkpoint_factory("deepseek_v32")  # handed its embeddings by the engine
+def test_async_needs_no_speculation(tiny_checkpoint_factory):
+    path = tiny_checkpoint_factory("deepseek_v3")
+    options = dict(dtype="float32", device="cpu", cpu_kv_cache_bytes=8 << 20, async_scheduling=True)
     with pytest.raises(ConfigError, match="async_scheduling"):
-        LLM(str(path), dtype="float32", device="cpu", cpu_kv_cache_bytes=8 << 20, async_scheduling=True)
+        LLM(str(path), speculative_num_tokens=1, **options)
+
+
+def test_async_takes_a_model_handed_its_embeddings(tiny_checkpoint_factory):
+    """The runner embeds the carried tokens on the device for a model that does not embed itself (V3.2)."""
+    path = tiny_checkpoint_factory("deepseek_v32")
+    llm = LLM(str(path), dtype="float32", device="cpu", cpu_kv_cache_bytes=8 << 20, async_scheduling=True)
+    assert llm.engine.async_scheduling
 
 
 def test_off_by_default_on_the_cpu(tiny_qwen3):

@@ -1,6 +1,6 @@
 """Executor capabilities: a model that does not embed on the device gets its input embeddings from its
-model runner (``batch.hidden_states``), with the same output as embedding inside the forward; shutdown
-releases the runner."""
+model runner (``batch.hidden_states``), on the plain and the decode-graph path, with the same output as
+embedding inside the forward; shutdown releases the runner."""
 
 from __future__ import annotations
 
@@ -51,6 +51,18 @@ def device_embedded_tokens(tiny_qwen3):
 def test_runner_passes_hidden_states_and_output_is_unchanged(device_embedded_tokens, host_llm):
     host = host_llm.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in host] == device_embedded_tokens
+
+
+def test_decode_graph_path_embeds_the_tokens_itself(device_embedded_tokens, host_llm):
+    """The decode-graph path (its eager form on the CPU) hands the model embeddings it made from the
+    graph's token buffer, so a model that does not embed decodes there too, with the same tokens."""
+    host_llm.engine.executor.capture_cuda_graphs(eager=True)
+    graphs = host_llm.engine.executor.runner.graphs
+    run, sizes = graphs.run, []
+    graphs.run = lambda batch: sizes.append(batch) or run(batch)
+    host = host_llm.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in host] == device_embedded_tokens
+    assert len(sizes) > 5, "decode steps did not take the graph path"
 
 
 def test_shutdown_releases_the_runner_even_when_held_in_a_cycle(tiny_qwen3):

@@ -149,8 +149,9 @@ class LLMEngine:
         able = self.speculative is None and self.executor.capabilities.carried_tokens
         if wanted and not able:
             raise ConfigError(
-                "async_scheduling=true needs an executor that embeds tokens on the device and no "
-                "speculative decoding; set async_scheduling=false (or leave it null)"
+                "async_scheduling=true needs an executor that takes decode tokens from the device "
+                "(capabilities.carried_tokens) and no speculative decoding; set async_scheduling=false "
+                "(or leave it null)"
             )
         if wanted is None:  # on the CPU there is no GPU time to hide the host's work behind
             return able and self.executor.info.device.type == "cuda"

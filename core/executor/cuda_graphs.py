@@ -1,7 +1,8 @@
 """CUDA-graph decode: one graph per batch-size bucket, captured at start-up into one memory pool.
 
 The graphs read the persistent decode buffers (token ids — gathered from the staged ones and the last
-step's samples, then embedded, inside the graph —, positions, sequence lengths, slot mapping, block
+step's samples, then embedded inside the graph, by the model's forward or, for a model that does not embed
+on the device, by its ``embed`` —, positions, sequence lengths, slot mapping, block
 tables, state slots) and write logits into a static output and their argmax into ``decode.sampled``. A
 step writes its rows into the buffers, pads the bucket with copies of row 0 that write no cache page
 (padding rows read valid pages and state; see ``DecodeBuffers.pad_rows``) and replays. With ``eager`` the same
@@ -104,7 +105,13 @@ class DecodeGraphs:
             # A static bound: the kernels size their grids from it, so the graph fits every step.
             max_decode_seq_len=self.max_model_len,
         )
-        return ForwardBatch(d.input_ids[:size], d.positions[:size], meta, state_slots=d.state_slots[:size])
+        return ForwardBatch(
+            d.input_ids[:size],
+            d.positions[:size],
+            meta,
+            state_slots=d.state_slots[:size],
+            hidden_states=self.model.input_embeddings(d.input_ids[:size]),  # in the graph too
+        )
 
     def _forward(self, size: int) -> torch.Tensor:
         # Inside the graph: the carried tokens' gather before, the greedy choice after (into ``sampled``,

@@ -79,7 +79,7 @@ class ModelRunner:
         num_spec = config.speculative.num_tokens
         # Drafting adds the draft layers' caches to the pages (same block table as the main layers).
         specs = [*model.buffer_specs(), *draft_buffer_specs(model, num_spec)]
-        graphs = self.device.type == "cuda" and model.embeds_on_device
+        graphs = self.device.type == "cuda" and model.decode_graphs
         self.plan = plan_rank_memory(loaded, config, specs, tp, graphs=graphs and not config.enforce_eager)
         if tp.rank == 0:
             logger.info(self.plan.describe())
@@ -100,7 +100,7 @@ class ModelRunner:
             device_embedding=model.embeds_on_device,
             tensor_parallel_size=tp.size,
             max_speculative_tokens=num_spec,
-            carried_tokens=model.embeds_on_device,
+            carried_tokens=True,
         )
         # Request id -> (first position, final hidden states) of its last chunk, for ``propose``.
         self._kept_hidden: dict[str, tuple[int, torch.Tensor]] = {}
@@ -129,8 +129,11 @@ class ModelRunner:
 
     def check_graph_path(self, *, eager: bool = False) -> None:
         """ExecutorError unless ``capture_cuda_graphs(eager=eager)`` can run here."""
-        if (self.device.type != "cuda" and not eager) or not self.capabilities.device_embedding:
-            raise ExecutorError("decode CUDA graphs need a CUDA device and a model that embeds on the device")
+        if (self.device.type != "cuda" and not eager) or not self.model.decode_graphs:
+            raise ExecutorError(
+                f"decode CUDA graphs need a CUDA device and a model whose decode is graph-safe "
+                f"({type(self.model).__name__}.decode_graphs is {self.model.decode_graphs})"
+            )
 
     def check_drafting(self) -> None:
         """ExecutorError unless ``propose`` can run (the model drafts and drafting is on)."""
@@ -140,7 +143,7 @@ class ModelRunner:
     def capture_cuda_graphs(self, *, eager: bool = False) -> None:
         """Capture CUDA graphs for decode-only steps and, where the model runs them
         (``CausalLM.prefill_graph_tokens``), short prefill-only steps, into one pool (needs a CUDA device
-        and device embedding); with ``eager`` those steps run the same bucket-padded forwards without
+        and ``CausalLM.decode_graphs``); with ``eager`` those steps run the same bucket-padded forwards without
         graphs (on any device: the CPU tests and the CPU benchmark of the host's work take the GPU's
         paths this way)."""
         self.check_graph_path(eager=eager)
@@ -339,9 +342,13 @@ class ModelRunner:
         checkpoints: StateCheckpoints | None = None,
     ) -> ForwardBatch:
         """The model's batch; a model without device embedding gets its input embeddings made here."""
-        hidden = None if self.capabilities.device_embedding else self.model.embed(token_ids)
         return ForwardBatch(
-            token_ids, positions, meta, state_slots=state_slots, hidden_states=hidden, checkpoints=checkpoints
+            token_ids,
+            positions,
+            meta,
+            state_slots=state_slots,
+            hidden_states=self.model.input_embeddings(token_ids),
+            checkpoints=checkpoints,
         )
 
     @staticmethod

@@ -141,6 +141,7 @@ class PrefillGraphs:
         )
 
     def _model_forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        batch.hidden_states = self.model.input_embeddings(batch.token_ids)
         hidden = self.model(batch, self.caches, self.states)
         return self.model.compute_logits(hidden.index_select(0, self.inputs.logit_rows)), hidden
 

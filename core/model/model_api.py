@@ -56,6 +56,11 @@ class CausalLM(torch.nn.Module, ABC):
 
     #: Whether ``forward`` embeds ``token_ids`` itself; False means the engine passes ``hidden_states``.
     embeds_on_device: bool = True
+    #: Whether decode-only steps may replay as CUDA graphs (on CUDA, unless ``enforce_eager``): the decode
+    #: path makes no host sync and takes its shapes only from the batch size and the static bounds
+    #: (``AttentionMetadata.max_decode_seq_len`` is ``max_model_len`` there). A model that does not embed
+    #: on the device gets its ``embed`` captured inside the graph, on the graph's token-id buffer.
+    decode_graphs: bool = True
     #: Why this model cannot reuse cached prefix pages (None: it can). Prefix caching shares a full page
     #: between requests with the same tokens up to it, restoring recurrent state (``RecurrentStateSpec``
     #: slots) from a snapshot taken at a page boundary: a model whose full pages are still written later,
@@ -130,6 +135,11 @@ class CausalLM(torch.nn.Module, ABC):
         """Input embeddings, which the model runner puts into ``batch.hidden_states`` for models with
         ``embeds_on_device = False``."""
         raise NotImplementedError(f"{type(self).__name__} embeds on the device; embed() is not offered")
+
+    def input_embeddings(self, token_ids: torch.Tensor) -> torch.Tensor | None:
+        """What the runner passes as ``ForwardBatch.hidden_states`` for ``token_ids``: None for a model that
+        embeds on the device, else ``embed(token_ids)``."""
+        return None if self.embeds_on_device else self.embed(token_ids)
 
     # ------------------------------------------------------------------------------------- drafting
     # Speculative decoding with the model's own draft (MTP) modules (``speculative.num_tokens=k``): a model

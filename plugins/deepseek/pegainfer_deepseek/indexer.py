@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pegainfer.kernels._triton import use_kernel
-from pegainfer.layers.attention import QUERY_BLOCK, AttentionMetadata
+from pegainfer.layers.attention import QUERY_BLOCK, AttentionMetadata, without_padding_slots
 from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding
 from pegainfer.model.model_api import ForwardBatch
 from pegainfer_deepseek.config import DeepseekV3Dims
@@ -98,7 +98,8 @@ class LightningIndexer(nn.Module):
         q_rot, k_rot = rotary(batch.positions, q[..., :dr], k[:, None, :dr])
         q = torch.cat([q_rot, q[..., dr:]], dim=-1).float()
         k = torch.cat([k_rot[:, 0], k[:, dr:]], dim=-1)
-        cache.flatten(0, 1).index_copy_(0, batch.attn.slot_mapping, k.to(cache.dtype))
+        slots, (k,) = without_padding_slots(batch.attn.slot_mapping, k)  # padding rows write no key
+        cache.flatten(0, 1).index_copy_(0, slots, k.to(cache.dtype))
         # Head weights with both scales folded in: I = sum_h w_h * ReLU(q_h . k).
         weights = F.linear(x.float(), self.weights_proj) * (self.n_heads**-0.5 * self.head_dim**-0.5)
         meta = batch.attn

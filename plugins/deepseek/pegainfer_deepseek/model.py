@@ -6,12 +6,13 @@ DeepSeek-V3.2 (``DeepseekV32ForCausalLM``) is the same model with a DSA lightnin
 (``indexer.py``): a second paged cache per layer, named ``indexer`` (``caches[(layer, "indexer")]``), holds its keys.
 Its MTP layer is not served (drafting would need the MTP layer's indexer cache too).
 
-DeepSeek-V3 embeds its tokens inside ``forward`` (``embeds_on_device``), so its decode-only steps run on
-the engine's decode-graph path: on CUDA the whole step, the embedding lookup included, is one CUDA graph
-per batch bucket (the MLA decode and fused MoE kernels are graph-safe). V3.2 keeps the engine-side
-embedding (``batch.hidden_states``) and eager decode: its indexer's reference scores every position up to
-the static bound a graph is sized for (``max_model_len``), which at real context lengths would cost more
-than the graph saves.
+DeepSeek-V3 embeds its tokens inside ``forward`` (``embeds_on_device``); V3.2 is handed its embeddings
+(``batch.hidden_states``, made by the runner through ``embed``). Both decode on the engine's decode-graph
+path: on CUDA the whole step, the embedding lookup included, is one CUDA graph per batch bucket (the MLA
+decode, fused MoE and indexer kernels are graph-safe). In a graph V3.2's indexer scores and ranks up to the
+graph's static bound (``max_model_len``), every position past a row's length at ``-inf``: its ``topk``
+costs grow with ``max_model_len``, not with the context (measured in docs/benchmarks.md), where eager
+decode paid the host's launches of every layer instead.
 
 Tensor parallelism (``tp``): each rank holds its heads of MLA (``mla.py``), its share of every SwiGLU's
 and expert's intermediate features (``moe.py``) and its rows of the vocab-parallel embedding and
@@ -93,8 +94,7 @@ def check_tensor_parallel(dims: DeepseekV3Dims, tp: TensorParallel) -> None:
 class DeepseekV3ForCausalLM(CausalLM):
     @property
     def embeds_on_device(self) -> bool:  # type: ignore[override]
-        """V3 embeds in ``forward`` (and so decodes in graphs); V3.2 is handed its embeddings (see the
-        module docstring)."""
+        """V3 embeds in ``forward``; V3.2 is handed its embeddings (see the module docstring)."""
         return self.dims.indexer is None
 
     def __init__(
@@ -109,6 +109,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         super().__init__()
         self.dims = dims
         self.dtype = dtype
+        self.max_model_len = max_model_len
         self.tp = tp = tp or TensorParallel()
         check_tensor_parallel(dims, tp)
         h, rows = dims.hidden_size, vocab_shard(dims.vocab_size, tp.size)
@@ -227,7 +228,8 @@ class DeepseekV3ForCausalLM(CausalLM):
     def transient_specs(self) -> list[TransientSpec]:
         """Activations per scheduled token (attention projections, expanded prefill keys and values, MoE
         intermediates, the fused MoE's pair rows), in the compute dtype, for this rank's heads and
-        intermediate features. The reference path's score matrices are not counted."""
+        intermediate features; with V3.2's indexer, each decode row's selection over ``max_model_len``
+        positions (the decode graphs' static bound). The reference path's score matrices are not counted."""
         d, size = self.dims, self.tp.size
         per_head = d.qk_head_dim * 2 + d.v_head_dim * 2 + d.qk_nope_head_dim
         widths = (
@@ -240,9 +242,17 @@ class DeepseekV3ForCausalLM(CausalLM):
             # weighted outputs (whole hidden rows, summed over the choices after)
             + d.num_experts_per_tok * (d.hidden_size + d.moe_intermediate_size // size)
         )
+        specs = []
         if d.indexer is not None:  # indexer queries, key, head weights (float32: counted twice)
             widths += d.indexer.n_heads * (d.indexer.head_dim + 2) + d.indexer.head_dim
-        return [TransientSpec("deepseek_activations", bytes_per_token=widths * dtype_size(self.dtype))]
+            # A decode row's fp32 index and its masked copy, three bool masks (visible, picked, selected)
+            # and topk's values and int64 indices.
+            per_row = self.max_model_len * (2 * 4 + 3) + d.indexer.topk * (4 + 8)
+            specs.append(TransientSpec("deepseek_indexer_decode", bytes_per_seq=per_row))
+        return [
+            TransientSpec("deepseek_activations", bytes_per_token=widths * dtype_size(self.dtype)),
+            *specs,
+        ]
 
     def forward(
         self,

@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 class DeepseekV4ForCausalLM(CausalLM):
     embeds_on_device = False
+    decode_graphs = False  # the reference path walks the batch per sequence on the host (v4_sequences)
     prefix_caching_refusal = (
         "a compressed entry is written into the page of its window's first token when the window closes, "
         "up to ratio - 1 tokens later, so a full page is not final (a request resuming inside a window "

@@ -1,6 +1,7 @@
-"""DeepSeek-V3 on the decode-graph path: the model embeds on the device, and its decode-only forward is the
-one CUDA graphs capture (bucket-padded rows, static bound on the context, the MLA decode and fused MoE
-kernels on CUDA).
+"""DeepSeek-V3 and V3.2 on the decode-graph path: their decode-only forward is the one CUDA graphs capture
+(bucket-padded rows, static bound on the context, the MLA decode and fused MoE kernels on CUDA). V3
+embeds on the device; V3.2 takes its embeddings from the runner, which makes them inside the graph, and
+its indexer scores and selects over the static bound (every position past a row's length masked).
 
 On the CPU ``capture_cuda_graphs(eager=True)`` runs that same padded forward without graphs: its greedy
 tokens must equal the plain path's and transformers'. On a GPU, graph decode must give the tokens of
@@ -23,10 +24,15 @@ def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.parametrize("architecture", ["deepseek_v3", "deepseek_v32"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_padded_decode_path_equals_plain_path_and_transformers(tiny_deepseek, async_scheduling):
+def test_padded_decode_path_equals_plain_path_and_transformers(
+    tiny_checkpoint_factory, architecture, async_scheduling
+):
     """Five requests of different lengths and budgets: the batch shrinks through the 8, 4, 2 and 1 buckets,
-    so padding rows (copies of row 0, same slot) run beside real ones every step."""
+    so padding rows (copies of row 0, same slot) run beside real ones every step. V3.2's indexer keeps 4
+    keys a query, so its selection drops keys from the fifth position on."""
+    folder = tiny_checkpoint_factory(architecture)
     options = dict(
         dtype="float32", device="cpu", cpu_kv_cache_bytes=8 << 20, max_num_seqs=8,
         async_scheduling=async_scheduling,
@@ -34,8 +40,8 @@ def test_padded_decode_path_equals_plain_path_and_transformers(tiny_deepseek, as
     rng = random.Random(4)
     prompts = [[rng.randrange(1, 200) for _ in range(rng.randrange(3, 30))] for _ in range(5)]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 5, 9, 3, 7)]
-    plain = LLM(str(tiny_deepseek), **options)
-    graph_path = LLM(str(tiny_deepseek), **options)
+    plain = LLM(str(folder), **options)
+    graph_path = LLM(str(folder), **options)
     graph_path.engine.executor.capture_cuda_graphs(eager=True)
     runs = [0]
     graphs = graph_path.engine.executor.runner.graphs
@@ -50,15 +56,17 @@ def test_padded_decode_path_equals_plain_path_and_transformers(tiny_deepseek, as
     assert _tokens(graph_path, prompts, params) == expected
     assert runs[0] > 5, "decode steps did not take the padded graph path"
     graph_path.engine.buffers.check_invariants()
-    assert expected[:1] == hf_greedy(tiny_deepseek, prompts[:1], 12)
+    assert expected[:1] == hf_greedy(folder, prompts[:1], 12)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_graph_decode_equals_eager_decode(tiny_checkpoint_factory):
-    """bf16 on the GPU: CUDA-graph decode (MLA decode and fused MoE inside the graphs) gives the tokens of
-    enforce_eager decode, over batches that cross buckets while requests join and leave."""
-    folder = tiny_checkpoint_factory("deepseek_v3", seed=3, dtype="bfloat16")
+@pytest.mark.parametrize("architecture", ["deepseek_v3", "deepseek_v32"])
+def test_graph_decode_equals_eager_decode(tiny_checkpoint_factory, architecture):
+    """bf16 on the GPU: CUDA-graph decode (MLA decode and fused MoE inside the graphs; V3.2's indexer
+    kernel, top-k and embedding too) gives the tokens of enforce_eager decode, over batches that cross
+    buckets while requests join and leave."""
+    folder = tiny_checkpoint_factory(architecture, seed=3, dtype="bfloat16")
     common = dict(
         dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, max_model_len=512, max_num_seqs=16
     )

@@ -98,6 +98,25 @@ def test_every_layer_has_a_latent_and_an_indexer_cache(llm_v32):
     assert llm_v32.engine.executor.runner.model.num_mtp_layers == 0
 
 
+def test_memory_plan_reserves_each_decode_rows_selection_over_max_model_len(tiny_v32):
+    """In a decode graph the indexer ranks every position up to ``max_model_len`` for each row: the plan's
+    per-sequence reserve for it must follow that bound."""
+
+    def reserve(folder, max_model_len):
+        llm = LLM(
+            str(folder),
+            dtype="float32",
+            device="cpu",
+            cpu_kv_cache_bytes=8 << 20,
+            max_model_len=max_model_len,
+        )
+        specs = llm.engine.executor.runner.model.transient_specs()
+        return sum(spec.bytes_per_seq for spec in specs if spec.role == "deepseek_indexer_decode")
+
+    short, long = reserve(tiny_v32, 256), reserve(tiny_v32, 1024)
+    assert short >= 256 * (2 * 4 + 3) and long - short == 768 * (2 * 4 + 3)
+
+
 def test_checkpoint_tensors_are_all_read(tiny_v32):
     assert unused_checkpoint_tensors(tiny_v32) == []
 
