@@ -67,7 +67,9 @@ def mla_decode_num_splits(
     programs per SM), side by side (``bench/mla_splits.py``, 2026-12-04, no record): 128 heads at batch
     4 / 16 / 32 39.9 -> 34.7, 68.0 -> 56.4, 67.7 -> 53.4 us; 16 heads (a share under tp=8) at batch 16 /
     64 27.5 -> 22.9, 133.6 -> 120.0 us; batch 1 at 4096 tokens 26.1 -> 27.6 (30 splits, not 32), batch
-    64 x 4096 at 128 heads 700.9 -> 706.2; the other cases equal."""
+    64 x 4096 at 128 heads 700.9 -> 706.2; the other cases equal. The 64-key, three-stage tiles fit one
+    program a multiprocessor, but counting one instead of two measured mixed (2026-12-04, no record:
+    faster at 16 heads x batch 16-32, slower at batch 64 and at 128 heads x batch 4-16), so the rule stays."""
     programs = max(1, batch * triton.cdiv(num_heads, block_h))
     slots = PROGRAMS_PER_SM * num_sms(device)
     most = max(1, min(math.ceil(max(1, max_seq_len) / MIN_TOKENS_PER_SPLIT), MAX_SPLITS))
@@ -254,7 +256,12 @@ def mla_decode_attention_triton(
     """The Triton path of :func:`mla_decode_attention`; the keyword knobs are for the benchmark:
     ``block_h`` query heads a program (the M of its dots), ``block_v`` the output features it accumulates
     (None: all; fewer splits the ``block_h × rkv`` accumulator over programs that each recompute the
-    scores), ``block_n`` keys a tile."""
+    scores), ``block_n`` keys a tile.
+
+    The defaults, 64-key tiles with three loads in flight, measured best of the tilings in
+    ``bench/deepseek.py`` once a tile inside one page was read as one contiguous run (H200, batch 64 x
+    4096 tokens, 2026-12-04): 16 heads 118.2 us (32-key tiles, two loads, per-key gather) -> 92.0, 79% of
+    the copy rate; 128 heads 701.6 -> 444.3 us."""
     batch, heads, rkv = q_latent.shape
     dr = q_pe.shape[-1]
     if cache.dim() != 3 or cache.shape[-1] != rkv + dr:

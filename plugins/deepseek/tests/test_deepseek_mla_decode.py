@@ -99,10 +99,12 @@ def test_deepseek_v3_shape_inside_a_cuda_graph():
     seq_lens = [4096, 1, 777, 2049] * 4
     q, q_pe, cache, tables, lens, _ = _case(seq_lens, 128, 512, 64, 64, torch.bfloat16, seed=11)
     scale = 0.1
-    for block_h, block_v, warps in [(32, 256, 8), (64, 128, 8)]:  # the benchmark's other tilings
+    # Two of the benchmark's other tilings (bench/deepseek.py MLA_TILINGS): 64 heads a program, all or half
+    # of the output features.
+    for block_h, block_v, block_n, warps, stages in [(64, None, 32, 8, 2), (64, 256, 32, 8, 2)]:
         ours = mla_decode_attention_triton(
             q, q_pe, cache, tables, lens, scale, max_seq_len=4096, block_h=block_h, block_v=block_v,
-            num_warps=warps,
+            block_n=block_n, num_warps=warps, num_stages=stages,
         )  # fmt: skip
         ref = mla_decode_attention_ref(q, q_pe, cache, tables, lens, scale, max_seq_len=4096)
         torch.testing.assert_close(ours.float(), ref.float(), atol=2e-2, rtol=2e-2)
