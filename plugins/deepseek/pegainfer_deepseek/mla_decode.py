@@ -38,7 +38,7 @@ from pegainfer.kernels._triton import (
     triton,
     use_kernel,
 )
-from pegainfer.kernels.paged_decode_attention import decode_merge_kernel
+from pegainfer.kernels.paged_decode_attention import decode_merge_kernel, tile_offsets
 
 #: The merge kernel takes at most this many partials per row; chunks grow beyond it instead.
 MAX_SPLITS = 32
@@ -159,14 +159,7 @@ def _mla_decode_partial_kernel(
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             valid = offs_n < end
-            if PAGE % BLOCK_N == 0:
-                # Tiles start at multiples of BLOCK_N (so do the chunks): the whole tile sits in one page,
-                # one table entry and one contiguous run of the cache.
-                block = tl.load(table + n0 // PAGE).to(tl.int64)
-                tok = block * stride_cblk + (n0 % PAGE + tl.arange(0, BLOCK_N)) * stride_ctok
-            else:
-                block = tl.load(table + offs_n // PAGE, mask=valid, other=0).to(tl.int64)
-                tok = block * stride_cblk + (offs_n % PAGE) * stride_ctok
+            tok = tile_offsets(table, n0, end, stride_cblk, stride_ctok, PAGE, BLOCK_N)
             c = tl.load(
                 cache_ptr + tok[:, None] + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0
             )
