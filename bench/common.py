@@ -83,16 +83,21 @@ def build(
     enforce_eager: bool = False,
     gpu_memory_utilization: float = 0.9,
     speculative_tokens: int = 0,
+    block_size: int | None = None,
 ) -> LLM:
     """A bf16 engine on the GPU with random weights of ``folder``'s config.json shape (drafting
-    ``speculative_tokens`` tokens a step with the model's own draft layers)."""
+    ``speculative_tokens`` tokens a step with the model's own draft layers), ``block_size``-token pages
+    (None: the engine's default)."""
     return LLM.from_config(
         EngineConfig(
             model=ModelConfig(
                 path=str(folder), load_format="dummy", dtype="bfloat16", max_model_len=max_model_len
             ),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=16384),
-            cache=CacheConfig(gpu_memory_utilization=gpu_memory_utilization),
+            cache=CacheConfig(
+                gpu_memory_utilization=gpu_memory_utilization,
+                **({} if block_size is None else {"block_size": block_size}),
+            ),
             speculative=SpeculativeConfig(num_tokens=speculative_tokens),
             device="cuda",
             enforce_eager=enforce_eager,

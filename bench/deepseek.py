@@ -7,6 +7,7 @@ each ``--batches`` size, against the bytes a step must read, and HF transformers
     python bench/deepseek.py --fp8 --batches 1 --skip-kernels --out ...   # float8 experts (no peer)
     python bench/deepseek.py --batches 1 --skip-kernels --skip-peer --mtp --out ...   # MTP k=1 at batch 1
     python bench/deepseek.py --shape v32 --ctx 4096 --batches 1 --skip-kernels --skip-peer --out ...  # V3.2
+    python bench/deepseek.py --ctx 4096 --block-size 64 --skip-kernels --skip-peer --out ...  # 64-token pages
 
 The ceilings are measured first, in the same process. A step's bytes: every weight except the routed
 experts and the embedding table, plus the experts the router actually picked in a measured step (the
@@ -115,7 +116,8 @@ def tiling_name(block_h: int, block_v: int, block_n: int, warps: int, stages: in
 
 
 def bench_mla_kernel(batch: int, ctx: int, heads: int, copy_bw: float) -> list[dict]:
-    """Each of ``MLA_TILINGS`` (one that fails to compile here is reported and skipped), CUDA-graph timed.
+    """Each of ``MLA_TILINGS`` (one that fails to compile here is reported and skipped), CUDA-graph timed,
+    over 64-token pages (the size FlashMLA and vLLM's MLA backends use; ``cache.block_size=64``).
     At 128 heads (one GPU) the step is compute-bound: 2 · heads · (576 + 512) flops per latent read, so the
     tensor-core rate is reported beside the copy ratio; 16 heads is a GPU's share under tp=8."""
     rkv, dr, page = 512, 64, 64
@@ -297,6 +299,12 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true", help="a block-FP8 checkpoint: float8 routed experts")
     parser.add_argument("--mtp", action="store_true", help="also batch-1 decode with MTP drafting (k=1)")
     parser.add_argument("--ctx", type=int, default=512)
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="KV page size (default: the engine's); in the figure names",
+    )
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--commit", default=None)
@@ -339,14 +347,20 @@ def main() -> None:
         folder = checkpoint_folder(shape, vocab, layers, args.fp8)
         prefix += "_fp8" if args.fp8 else ""
         batches = [int(b) for b in args.batches.split(",") if b]
-        llm = build(folder, max_num_seqs=max(batches), max_model_len=args.ctx + args.steps + 128)
+        llm = build(
+            folder,
+            max_num_seqs=max(batches),
+            max_model_len=args.ctx + args.steps + 128,
+            block_size=args.block_size,
+        )
+        page = "" if args.block_size is None else f".page{args.block_size}"  # decode figures only
         rng = random.Random(0)
         for batch in batches:
             d = bench_decode(llm, vocab, batch, args.ctx, args.steps, rng)
             floor_ms = step_bytes(llm, batch, d["ctx"], d["experts"], shape) / read_bw * 1e3
             goals = {1: 0.75} if args.fp8 else {1: 0.8, 32: 0.6}
             goal = goals.get(batch) if args.shape == "v3" else None
-            tag = f"{prefix}.decode.bs{batch}"
+            tag = f"{prefix}{page}.decode.bs{batch}"
             results.add(f"{tag}.step_ms", d["step_ms"], "ms")
             results.add(f"{tag}.floor_ms", floor_ms, "ms")
             results.add(f"{tag}.distinct_experts_per_layer", sum(d["experts"]) / len(d["experts"]), "experts")

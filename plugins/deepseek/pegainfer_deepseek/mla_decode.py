@@ -38,7 +38,7 @@ from pegainfer.kernels._triton import (
     triton,
     use_kernel,
 )
-from pegainfer.kernels.paged_decode_attention import decode_merge_kernel, tile_offsets
+from pegainfer.kernels.paged_decode_attention import decode_merge_kernel
 
 #: The merge kernel takes at most this many partials per row; chunks grow beyond it instead.
 MAX_SPLITS = 32
@@ -159,7 +159,14 @@ def _mla_decode_partial_kernel(
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             valid = offs_n < end
-            tok = tile_offsets(table, n0, end, stride_cblk, stride_ctok, PAGE, BLOCK_N)
+            if PAGE % BLOCK_N == 0:
+                # Tiles start at multiples of BLOCK_N (so do the chunks): the whole tile sits in one page,
+                # one table entry and one contiguous run of the cache.
+                block = tl.load(table + n0 // PAGE).to(tl.int64)
+                tok = block * stride_cblk + (n0 % PAGE + tl.arange(0, BLOCK_N)) * stride_ctok
+            else:
+                block = tl.load(table + offs_n // PAGE, mask=valid, other=0).to(tl.int64)
+                tok = block * stride_cblk + (offs_n % PAGE) * stride_ctok
             c = tl.load(
                 cache_ptr + tok[:, None] + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0
             )
@@ -242,23 +249,29 @@ def mla_decode_attention_triton(
     num_splits: int | None = None,
     block_h: int = BLOCK_H,
     block_v: int | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 3,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """The Triton path of :func:`mla_decode_attention`; the keyword knobs are for the benchmark:
     ``block_h`` query heads a program (the M of its dots), ``block_v`` the output features it accumulates
     (None: all; fewer splits the ``block_h × rkv`` accumulator over programs that each recompute the
     scores), ``block_n`` keys a tile.
 
-    The defaults, 64-key tiles with three loads in flight, measured best of the tilings in
-    ``bench/deepseek.py`` once a tile inside one page was read as one contiguous run (H200, batch 64 x
-    4096 tokens, 2026-12-04): 16 heads 118.2 us (32-key tiles, two loads, per-key gather) -> 92.0, 79% of
-    the copy rate; 128 heads 701.6 -> 444.3 us."""
+    The defaults follow the page size (H200, batch 64 x 4096 tokens, side by side with the per-key
+    gather of every tile before, 2026-12-04, no record: the sweep is in docs/benchmarks.md): pages of 64
+    tokens or more take 64-key tiles, each inside one page and read as one contiguous run, with three
+    loads in flight: 16 heads 115.5 -> 90.1 us (80% of the copy rate), 128 heads 703.2 -> 443.0 us.
+    Smaller pages (the engine's default 16) keep 32-key tiles, two loads, a page looked up per key
+    (116.9 us at 16 heads); 16-key tiles inside a 16-token page measured 147.6 and a 64-key tile of four
+    pages (the table entries broadcast over each page's keys) 2191."""
     batch, heads, rkv = q_latent.shape
     dr = q_pe.shape[-1]
     if cache.dim() != 3 or cache.shape[-1] != rkv + dr:
         raise ValueError(f"cache {tuple(cache.shape)} is not [blocks, block_size, {rkv} + {dr}]")
+    page = cache.shape[1]
+    block_n = block_n or (64 if page % 64 == 0 else 32)
+    num_stages = num_stages or (3 if page % block_n == 0 else 2)
     if block_n < 16:  # the p · latents dot takes block_n as its K
         raise ValueError(f"block_n {block_n}: compiled tensor-core dots need at least 16 keys a tile")
     for name, t in (("q_latent", q_latent), ("q_pe", q_pe), ("cache", cache), ("block_tables", block_tables)):
@@ -286,7 +299,7 @@ def mla_decode_attention_triton(
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0),
         cache.stride(1), block_tables.stride(0), mask.stride(0) if mask is not None else 0, out.stride(0),
         out.stride(1),
-        RKV=rkv, DR=dr, BLOCK_R=block_r, BLOCK_P=max(16, next_pow2(dr)), PAGE=cache.shape[1], BLOCK_H=block_h,
+        RKV=rkv, DR=dr, BLOCK_R=block_r, BLOCK_P=max(16, next_pow2(dr)), PAGE=page, BLOCK_H=block_h,
         BLOCK_V=block_v, V_SPLITS=v_splits, BLOCK_N=block_n, SPLIT=split, HAS_MASK=mask is not None, DOT_PREC=dot_precision(q_latent.dtype),
         FIX=fix, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
