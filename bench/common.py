@@ -84,14 +84,15 @@ def build(
     gpu_memory_utilization: float = 0.9,
     speculative_tokens: int = 0,
     block_size: int | None = None,
+    dtype: str = "bfloat16",
 ) -> LLM:
-    """A bf16 engine on the GPU with random weights of ``folder``'s config.json shape (drafting
-    ``speculative_tokens`` tokens a step with the model's own draft layers), ``block_size``-token pages
-    (None: the engine's default)."""
+    """An engine on the GPU (bf16 unless ``dtype`` says otherwise) with random weights of ``folder``'s
+    config.json shape (drafting ``speculative_tokens`` tokens a step with the model's own draft layers),
+    ``block_size``-token pages (None: the engine's default)."""
     return LLM.from_config(
         EngineConfig(
             model=ModelConfig(
-                path=str(folder), load_format="dummy", dtype="bfloat16", max_model_len=max_model_len
+                path=str(folder), load_format="dummy", dtype=dtype, max_model_len=max_model_len
             ),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=16384),
             cache=CacheConfig(
