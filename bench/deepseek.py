@@ -243,13 +243,17 @@ def bench_mtp(shape: dict, vocab: int, layers: int | None, ctx: int, tokens: int
     Identity is checked in float32 because the verifying pass attends in the expanded form (the prefill
     path) where plain decode takes the absorbed one: in bf16 their roundings differ by enough to flip a
     router's choice, and random weights leave many near ties (measured 2026-12-04: the first bf16
-    difference at token 30, where plain decode's top two were 0.22 nats apart)."""
-    folder = checkpoint_folder({**shape, "num_nextn_predict_layers": 1}, vocab, layers)
+    difference at token 30, where plain decode's top two were 0.22 nats apart). The float32 runs take two
+    layers (the first dense, one MoE) and the MTP layer: four do not fit one H200 in float32."""
+    folders = {
+        "bfloat16": checkpoint_folder({**shape, "num_nextn_predict_layers": 1}, vocab, layers),
+        "float32": checkpoint_folder({**shape, "num_nextn_predict_layers": 1}, vocab, 2),
+    }
     prompt = [random.Random(1).randrange(vocab) for _ in range(ctx)]
     runs = {}
     for k, dtype in ((0, "bfloat16"), (1, "bfloat16"), (0, "float32"), (1, "float32")):
         llm = build(
-            folder, max_num_seqs=1, max_model_len=ctx + tokens + 64, speculative_tokens=k, dtype=dtype
+            folders[dtype], max_num_seqs=1, max_model_len=ctx + tokens + 64, speculative_tokens=k, dtype=dtype
         )
         llm.generate(prompt_token_ids=[prompt], sampling_params=greedy(8), use_tqdm=False)  # warm-up
         torch.cuda.synchronize()
