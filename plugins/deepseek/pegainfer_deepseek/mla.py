@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pegainfer import ops
-from pegainfer.layers.attention import AttentionMetadata, without_padding_slots
+from pegainfer.layers.attention import QUERY_BLOCK, AttentionMetadata, without_padding_slots
 from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding
 from pegainfer.model.model_api import ForwardBatch
 from pegainfer.parallel.distributed import TensorParallel
@@ -161,21 +161,26 @@ class MLAttention(nn.Module):
             kv = F.linear(c, self.kv_b_proj).view(seg.ctx_len, nh, dn + dims.v_head_dim)
             k_nope, v = kv.split([dn, dims.v_head_dim], dim=-1)
             keys = torch.cat([k_nope, k_pe[:, None, :].expand(-1, nh, -1)], dim=-1)  # [L, nh, dn + dr]
-            rows = slice(seg.q_start, seg.q_start + seg.q_len)
-            queries = torch.cat([q_nope[rows], q_pe[rows]], dim=-1)  # [n, nh, dn + dr]
-            q_pos = positions[seg.ctx_len - seg.q_len :]
-            allowed = positions[None, :] <= q_pos[:, None]  # causal from the chunk's place in its context
-            if selection is not None:
-                allowed = allowed & selection.prefill[i]
-            # SDPA (a fused kernel on CUDA): no [heads, queries, keys] score tensor is materialised.
-            attended = F.scaled_dot_product_attention(
-                queries.transpose(0, 1),
-                keys.transpose(0, 1),
-                v.transpose(0, 1),
-                attn_mask=allowed,
-                scale=self.scale,
-            )
-            out[rows] = attended.transpose(0, 1)
+            first = seg.ctx_len - seg.q_len
+            # Query blocks: with a boolean mask and q/k wider than v, SDPA may take its math path, which
+            # materialises [heads, queries, keys] scores (batch 32 x 4096-token prompts ran out of memory
+            # on the H200 in one block); a block bounds them to QUERY_BLOCK x context.
+            for lo in range(0, seg.q_len, QUERY_BLOCK):
+                n = min(QUERY_BLOCK, seg.q_len - lo)
+                rows = slice(seg.q_start + lo, seg.q_start + lo + n)
+                queries = torch.cat([q_nope[rows], q_pe[rows]], dim=-1)  # [n, nh, dn + dr]
+                q_pos = positions[first + lo : first + lo + n]
+                allowed = positions[None, :] <= q_pos[:, None]  # causal from the block's place in its context
+                if selection is not None:
+                    allowed = allowed & selection.prefill[i][lo : lo + n]
+                attended = F.scaled_dot_product_attention(
+                    queries.transpose(0, 1),
+                    keys.transpose(0, 1),
+                    v.transpose(0, 1),
+                    attn_mask=allowed,
+                    scale=self.scale,
+                )
+                out[rows] = attended.transpose(0, 1)
 
     def _decode(
         self,

@@ -122,6 +122,20 @@ def test_checkpoint_variants_match_hf(tiny_checkpoint_factory, options):
     assert relative_error(out.all_logits["probe"], hf_logits(folder, prompts[1])) < 1e-4
 
 
+@pytest.mark.parametrize("architecture", ["deepseek_v3", "deepseek_v32"])
+def test_prefill_query_blocks_give_the_same_logits(monkeypatch, tiny_checkpoint_factory, architecture):
+    """MLA prefill attends a query block at a time (256 queries); with 5-query blocks a 23-token prompt
+    crosses several block edges, V3.2's indexer selection sliced along with them."""
+    import pegainfer_deepseek.mla as mla
+
+    monkeypatch.setattr(mla, "QUERY_BLOCK", 5)
+    folder = tiny_checkpoint_factory(architecture)
+    llm = LLM(str(folder), dtype="float32", device="cpu", cpu_kv_cache_bytes=4 << 20)
+    prompt = random_prompts(3, [23])[0]
+    _, out = _prefill(llm, "blocks", prompt)
+    assert relative_error(out.all_logits["blocks"], hf_logits(folder, prompt)) < 1e-4
+
+
 def test_v3_embeds_on_the_device_and_v32_does_not(llm, tiny_checkpoint_factory):
     assert llm.engine.executor.runner.model.embeds_on_device
     assert llm.engine.executor.capabilities.device_embedding
