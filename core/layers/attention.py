@@ -82,7 +82,15 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping
     flat[1].index_copy_(0, slot_mapping, v.to(cache.dtype))
 
 
-def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+def write_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store per-token ``rows`` ``[T, D]`` into a one-tensor paged cache ``[blocks, block_size, D]`` (e.g.
+    MLA's latents, an indexer's keys) at the slots; negative slots (padding) are left unwritten."""
+    slot_mapping, (rows,) = without_padding_slots(slot_mapping, rows)
+    cache.flatten(0, 1).index_copy_(0, slot_mapping, rows.to(cache.dtype))
+
+
+def page_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The cache slots (page · block_size + offset) of ``positions`` through ``block_table``."""
     return block_table[..., positions // block_size].long() * block_size + positions % block_size
 
 
@@ -107,7 +115,7 @@ def paged_attention_reference(
     out = torch.empty_like(q)
     for seg in meta.prefills:
         positions = torch.arange(seg.ctx_len, device=q.device)
-        idx = _slots(seg.block_table, positions, meta.block_size)
+        idx = page_slots(seg.block_table, positions, meta.block_size)
         k = k_flat[idx].transpose(0, 1)  # [kv_heads, L, D]
         v = v_flat[idx].transpose(0, 1)
         first = seg.ctx_len - seg.q_len
@@ -122,7 +130,7 @@ def paged_attention_reference(
     if meta.num_decodes:
         start, b = meta.num_prefill_tokens, meta.num_decodes
         positions = torch.arange(meta.max_decode_seq_len, device=q.device)
-        idx = _slots(meta.decode_block_tables, positions, meta.block_size)  # [B, L]
+        idx = page_slots(meta.decode_block_tables, positions, meta.block_size)  # [B, L]
         k = k_flat[idx].permute(0, 2, 1, 3)  # [B, kv_heads, L, D]
         v = v_flat[idx].permute(0, 2, 1, 3)
         mask = (positions[None, :] < meta.decode_seq_lens[:, None])[:, None, :]  # [B, 1, L]

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pegainfer.kernels._triton import use_kernel
-from pegainfer.layers.attention import QUERY_BLOCK, AttentionMetadata, without_padding_slots
+from pegainfer.layers.attention import QUERY_BLOCK, AttentionMetadata, page_slots, write_rows
 from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding
 from pegainfer.model.model_api import ForwardBatch
 from pegainfer_deepseek.config import DeepseekV3Dims
@@ -50,10 +50,6 @@ class IndexSelection:
 
     prefill: list[torch.Tensor] = field(default_factory=list)
     decode: torch.Tensor | None = None
-
-
-def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    return block_table[..., positions // block_size].long() * block_size + positions % block_size
 
 
 def top_k_mask(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
@@ -98,8 +94,7 @@ class LightningIndexer(nn.Module):
         q_rot, k_rot = rotary(batch.positions, q[..., :dr], k[:, None, :dr])
         q = torch.cat([q_rot, q[..., dr:]], dim=-1).float()
         k = torch.cat([k_rot[:, 0], k[:, dr:]], dim=-1)
-        slots, (k,) = without_padding_slots(batch.attn.slot_mapping, k)  # padding rows write no key
-        cache.flatten(0, 1).index_copy_(0, slots, k.to(cache.dtype))
+        write_rows(cache, k, batch.attn.slot_mapping)
         # Head weights with both scales folded in: I = sum_h w_h * ReLU(q_h . k).
         weights = F.linear(x.float(), self.weights_proj) * (self.n_heads**-0.5 * self.head_dim**-0.5)
         meta = batch.attn
@@ -113,7 +108,7 @@ class LightningIndexer(nn.Module):
         flat, masks = cache.flatten(0, 1), []
         for seg in meta.prefills:
             positions = torch.arange(seg.ctx_len, device=q.device)
-            keys = flat[_slots(seg.block_table, positions, meta.block_size)].float()  # [L, dI]
+            keys = flat[page_slots(seg.block_table, positions, meta.block_size)].float()  # [L, dI]
             first = seg.ctx_len - seg.q_len
             mask = torch.empty(seg.q_len, seg.ctx_len, dtype=torch.bool, device=q.device)
             # Query blocks bound the fp32 [n, nI, L] score tensor.
@@ -154,7 +149,7 @@ class LightningIndexer(nn.Module):
         """The torch form of ``indexer_decode_scores``: every row's keys up to ``max_seq_len`` gathered
         in fp32, the ``[B, nI, L]`` scores materialised; ``-inf`` past each row's length."""
         positions = torch.arange(max(1, max_seq_len), device=q.device)
-        keys = cache.flatten(0, 1)[_slots(block_tables, positions, cache.shape[1])].float()
+        keys = cache.flatten(0, 1)[page_slots(block_tables, positions, cache.shape[1])].float()
         scores = torch.relu(torch.einsum("bhd,bld->bhl", q, keys))  # [B, nI, L]
         index = torch.einsum("bh,bhl->bl", weights, scores)
         return index.masked_fill(positions[None, :] >= seq_lens[:, None], float("-inf"))

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pegainfer import ops
-from pegainfer.layers.attention import QUERY_BLOCK, AttentionMetadata, without_padding_slots
+from pegainfer.layers.attention import QUERY_BLOCK, AttentionMetadata, page_slots, write_rows
 from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding
 from pegainfer.model.model_api import ForwardBatch
 from pegainfer.parallel.distributed import TensorParallel
@@ -37,17 +37,6 @@ from pegainfer_deepseek.indexer import IndexSelection, LightningIndexer
 from pegainfer_deepseek.latent_rope import latent_rope_
 from pegainfer_deepseek.mla_decode import mla_decode_attention
 from pegainfer_deepseek.params import param
-
-
-def write_latent(cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store ``latent`` ``[T, rkv + dr]`` into ``cache`` ``[blocks, block_size, rkv + dr]`` at the slots;
-    negative slots (padding rows) are left unwritten."""
-    slot_mapping, (latent,) = without_padding_slots(slot_mapping, latent)
-    cache.flatten(0, 1).index_copy_(0, slot_mapping, latent.to(cache.dtype))
-
-
-def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    return block_table[..., positions // block_size].long() * block_size + positions % block_size
 
 
 class MLAttention(nn.Module):
@@ -137,7 +126,7 @@ class MLAttention(nn.Module):
         c, k_pe = latent.split([rkv, dr], dim=-1)
         c = ops.rms_norm(c, self.kv_a_layernorm, dims.rms_norm_eps)
         q_pe, k_pe = rotary(batch.positions, q_pe, k_pe.unsqueeze(1))
-        write_latent(cache, torch.cat([c, k_pe.squeeze(1)], dim=-1), batch.attn.slot_mapping)
+        write_rows(cache, torch.cat([c, k_pe.squeeze(1)], dim=-1), batch.attn.slot_mapping)
         return q_nope, q_pe
 
     def _prefill(
@@ -156,7 +145,7 @@ class MLAttention(nn.Module):
         flat = cache.flatten(0, 1)
         for i, seg in enumerate(meta.prefills):
             positions = torch.arange(seg.ctx_len, device=q_nope.device)
-            latent = flat[_slots(seg.block_table, positions, meta.block_size)]  # [L, rkv + dr]
+            latent = flat[page_slots(seg.block_table, positions, meta.block_size)]  # [L, rkv + dr]
             c, k_pe = latent[:, :rkv], latent[:, rkv:]
             kv = F.linear(c, self.kv_b_proj).view(seg.ctx_len, nh, dn + dims.v_head_dim)
             k_nope, v = kv.split([dn, dims.v_head_dim], dim=-1)

@@ -12,10 +12,10 @@ import os
 import pytest
 import torch
 
+from pegainfer.layers.attention import write_rows
 from pegainfer.layers.norm import rms_norm
 from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding, default_inv_freq
 from pegainfer_deepseek.latent_rope import latent_rope_
-from pegainfer_deepseek.mla import write_latent
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -55,7 +55,7 @@ def test_prologue_equals_the_torch_form(interleaved, dtype):
     want_q[..., dn:] = q_pe
     rows = torch.cat([rms_norm(latent[:, :rkv], weight, 1e-6), k_pe[:, 0]], dim=-1)
     kept = slots >= 0
-    write_latent(want_cache, rows[kept], slots[kept])
+    write_rows(want_cache, rows[kept], slots[kept])
     before = latent.clone()
 
     latent_rope_(q, latent, positions, slots, cache, weight, 1e-6, rotary.cos, rotary.sin, interleaved)
