@@ -111,8 +111,10 @@ MLA_TILINGS = [
 ]  # fmt: skip
 
 
-def tiling_name(block_h: int, block_v: int, block_n: int, warps: int, stages: int) -> str:
-    return f"h{block_h}_v{block_v}_n{block_n}_w{warps}_s{stages}"
+def tiling_name(tiling: tuple, rkv: int = 512) -> str:
+    """A ``MLA_TILINGS`` entry's name in the figures (``block_v`` None: all ``rkv`` features)."""
+    block_h, block_v, block_n, warps, stages = tiling
+    return f"h{block_h}_v{block_v or rkv}_n{block_n}_w{warps}_s{stages}"
 
 
 def bench_mla_kernel(batch: int, ctx: int, heads: int, copy_bw: float) -> list[dict]:
@@ -130,7 +132,8 @@ def bench_mla_kernel(batch: int, ctx: int, heads: int, copy_bw: float) -> list[d
     latent_bytes = batch * ctx * (rkv + dr) * 2
     ref = mla_decode_attention(q, q_pe, cache, tables, lens, 0.1, max_seq_len=ctx)
     timed = []
-    for block_h, block_v, block_n, warps, stages in MLA_TILINGS:
+    for tiling in MLA_TILINGS:
+        block_h, block_v, block_n, warps, stages = tiling
         knobs = dict(block_h=block_h, block_v=block_v, block_n=block_n, num_warps=warps, num_stages=stages)
 
         def run(knobs=knobs):
@@ -144,7 +147,7 @@ def bench_mla_kernel(batch: int, ctx: int, heads: int, copy_bw: float) -> list[d
             continue
         ratio = latent_bytes / (ms / 1e3) / copy_bw
         tflops = 2 * heads * (rkv + dr + rkv) * batch * ctx / (ms / 1e3) / 1e12
-        name = tiling_name(block_h, block_v or rkv, block_n, warps, stages)
+        name = tiling_name(tiling, rkv)
         timed.append({"name": name, "ms": ms, "copy_ratio": ratio, "tflops": tflops})
     return timed
 
@@ -334,9 +337,9 @@ def main() -> None:
             for t in tilings:
                 results.add(f"{tag}.{t['name']}.ms", t["ms"], "ms")
                 results.add(f"{tag}.{t['name']}.tflops", t["tflops"], "TFLOP/s")
-            default = MLA_TILINGS[0]
-            default_name = tiling_name(*default[:1], default[1] or 512, *default[2:])
-            for t in [t for t in tilings if t["name"] == default_name]:  # the kernel's own defaults
+            for t in [
+                t for t in tilings if t["name"] == tiling_name(MLA_TILINGS[0])
+            ]:  # the kernel's defaults
                 results.add(f"{tag}.ms", t["ms"], "ms")
                 results.add(f"{tag}.copy_bandwidth_ratio", t["copy_ratio"], "fraction", 0.7)
             if tilings:
