@@ -126,6 +126,26 @@ def start_decoding(engine, prefix: str, prompts: list[list[int]], params) -> lis
     return ids
 
 
+def timed_decode(llm, prompt: list[int], tokens: int) -> tuple[list[int], float, float]:
+    """Batch-1 greedy decode of ``tokens`` tokens after ``prompt`` on ``llm``: (its token ids, decode
+    tokens/s with the prompt's prefill left out (a ``max_tokens=1`` run subtracted), the speculative
+    acceptance rate, NaN without drafting), after a short warm-up."""
+    llm.generate(prompt_token_ids=[prompt], sampling_params=greedy(8), use_tqdm=False)
+    times, out = [], None
+    for n in (1, tokens):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = llm.generate(prompt_token_ids=[prompt], sampling_params=greedy(n), use_tqdm=False)[0]
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    rate = getattr(out.metrics, "spec_acceptance_rate", None)
+    return (
+        out.outputs[0].token_ids,
+        (tokens - 1) / (times[1] - times[0]),
+        float("nan") if rate is None else rate,
+    )
+
+
 def timed_steps_ms(engine, steps: int) -> float:
     """Wall ms per engine step over ``steps`` steps, the GPU synchronised before and after."""
     torch.cuda.synchronize()

@@ -13,7 +13,7 @@ The ceilings are measured first, in the same process. A step's bytes: every weig
 experts and the embedding table, plus the experts the router actually picked in a measured step (the
 distinct ones per layer: 8 at batch 1), one embedding row per token and the latents the rows attend to
 (V3.2: every latent up to the row's length, which the MLA kernel reads whatever the indexer keeps, and
-the indexer's own key per token; V3.2 decodes eagerly, with engine-side embedding).
+the indexer's own key per token).
 The MLA kernel's figure is its latent bytes over the copy rate (the issue's goal), the MoE's its expert
 bytes over the streaming-read rate.
 """
@@ -40,12 +40,14 @@ from common import (
     measure_ceilings,
     start_decoding,
     stop_decoding,
+    timed_decode,
     timed_steps_ms,
     write_word_tokenizer,
 )  # fmt: skip
 
 from pegainfer.layers.moe import BlockScales
 from pegainfer.ops import fused_moe
+from pegainfer.testing.speculative import force_drafts
 from pegainfer.text.tiny_tokenizer import write_tiny_tokenizer
 from pegainfer_deepseek.mla_decode import mla_decode_attention, mla_decode_attention_triton
 from pegainfer_deepseek.moe import MoE
@@ -239,15 +241,17 @@ def bench_decode(llm, vocab: int, batch: int, ctx: int, steps: int, rng: random.
 
 def bench_mtp(shape: dict, vocab: int, layers: int | None, ctx: int, tokens: int) -> dict:
     """Batch-1 greedy decode of ``tokens`` tokens with and without MTP drafting (k=1) on the same random
-    weights (one MTP layer added): the acceptance and tokens/s of each in bf16, and whether the outputs
-    are identical in float32. With random weights the draft is right about as often as chance: this
-    measures what drafting costs and that it changes nothing, not the speed-up a trained MTP layer gives.
+    weights (one MTP layer added): tokens/s and acceptance in bf16 with the module's own drafts and, on
+    the same engine, with drafts forced to the plain run's output (right wherever the verification
+    repeats it: what drafting gains when it is right); and whether the outputs are identical in float32.
+    With random weights the module's own drafts are right about as often as chance: that run measures
+    what drafting costs.
 
-    Identity is checked in float32 because the verifying pass attends in the expanded form (the prefill
-    path) where plain decode takes the absorbed one: in bf16 their roundings differ by enough to flip a
-    router's choice, and random weights leave many near ties (measured 2026-12-04: the first bf16
-    difference at token 30, where plain decode's top two were 0.22 nats apart). The float32 runs take two
-    layers (the first dense, one MoE) and the MTP layer: four do not fit one H200 in float32."""
+    Identity is checked in float32: in bf16 a verification's 16-row GEMMs and plain decode's one-row
+    GEMMs round differently, enough to flip a random router's near ties (measured 2026-12-04, when the
+    verification still attended in the expanded form: the first bf16 difference at token 30, where plain
+    decode's top two were 0.22 nats apart). The float32 runs take two layers (the first dense, one MoE)
+    and the MTP layer: four do not fit one H200 in float32."""
     folders = {
         "bfloat16": checkpoint_folder({**shape, "num_nextn_predict_layers": 1}, vocab, layers),
         "float32": checkpoint_folder({**shape, "num_nextn_predict_layers": 1}, vocab, 2),
@@ -258,23 +262,21 @@ def bench_mtp(shape: dict, vocab: int, layers: int | None, ctx: int, tokens: int
         llm = build(
             folders[dtype], max_num_seqs=1, max_model_len=ctx + tokens + 64, speculative_tokens=k, dtype=dtype
         )
-        llm.generate(prompt_token_ids=[prompt], sampling_params=greedy(8), use_tqdm=False)  # warm-up
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = llm.generate(prompt_token_ids=[prompt], sampling_params=greedy(tokens), use_tqdm=False)[0]
-        torch.cuda.synchronize()
-        runs[k, dtype] = (out.outputs[0].token_ids, tokens / (time.perf_counter() - t0), out.metrics)
+        runs[k, dtype] = timed_decode(llm, prompt, tokens)
+        if k and dtype == "bfloat16":
+            force_drafts(llm, {tuple(prompt): prompt + runs[0, dtype][0]}, None)
+            runs["forced", dtype] = timed_decode(llm, prompt, tokens)
         llm.engine.shutdown()
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-    metrics = runs[1, "bfloat16"][2]
-    acceptance = getattr(metrics, "spec_acceptance_rate", None) if metrics is not None else None
     return {
         "identical": runs[0, "float32"][0] == runs[1, "float32"][0],
-        "acceptance": float("nan") if acceptance is None else acceptance,
         "tok_per_s": runs[0, "bfloat16"][1],
         "mtp_tok_per_s": runs[1, "bfloat16"][1],
+        "acceptance": runs[1, "bfloat16"][2],
+        "forced_tok_per_s": runs["forced", "bfloat16"][1],
+        "forced_acceptance": runs["forced", "bfloat16"][2],
     }
 
 
@@ -396,6 +398,10 @@ def main() -> None:
             results.add(f"{prefix}.mtp_k1.bs1.acceptance", m["acceptance"], "fraction")
             results.add(f"{prefix}.mtp_k1.bs1.tok_per_s", m["mtp_tok_per_s"], "tok/s")
             results.add(f"{prefix}.mtp_k1.bs1.speedup", m["mtp_tok_per_s"] / m["tok_per_s"], "x")
+            forced = f"{prefix}.mtp_k1_forced_right.bs1"
+            results.add(f"{forced}.acceptance", m["forced_acceptance"], "fraction")
+            results.add(f"{forced}.tok_per_s", m["forced_tok_per_s"], "tok/s")
+            results.add(f"{forced}.speedup", m["forced_tok_per_s"] / m["tok_per_s"], "x")
     finally:  # what was measured is kept even if a later part fails
         if args.out:
             results.write()

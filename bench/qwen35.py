@@ -52,6 +52,7 @@ from common import (
     measure_ceilings,
     start_decoding,
     stop_decoding,
+    timed_decode,
     timed_steps_ms,
 )  # fmt: skip
 
@@ -259,26 +260,10 @@ def bench_mtp(shape: dict, ctx: int, tokens: int, ks: list[int]) -> list[dict]:
     folder = checkpoint_folder({**shape, "mtp_num_hidden_layers": 1})
     prompt = [random.Random(1).randrange(shape["vocab_size"]) for _ in range(ctx)]
 
-    def timed(llm: LLM) -> tuple[list[int], float, float]:
-        llm.generate(prompt_token_ids=[prompt], sampling_params=greedy(8), use_tqdm=False)  # warm-up
-        times, out = [], None
-        for n in (1, tokens):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out = llm.generate(prompt_token_ids=[prompt], sampling_params=greedy(n), use_tqdm=False)[0]
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        rate = getattr(out.metrics, "spec_acceptance_rate", None)
-        return (
-            out.outputs[0].token_ids,
-            (tokens - 1) / (times[1] - times[0]),
-            float("nan") if rate is None else rate,
-        )
-
     rows, reference = [], []
     for k in [0, *ks]:
         llm = build(folder, max_num_seqs=1, max_model_len=ctx + tokens + 64, speculative_tokens=k)
-        ids, tok_per_s, rate = timed(llm)
+        ids, tok_per_s, rate = timed_decode(llm, prompt, tokens)
         reference = reference or ids
         rows.append(
             {
@@ -291,7 +276,7 @@ def bench_mtp(shape: dict, ctx: int, tokens: int, ks: list[int]) -> list[dict]:
         )
         if k:
             force_drafts(llm, {tuple(prompt): prompt + ids}, None)
-            forced, tok_per_s, rate = timed(llm)
+            forced, tok_per_s, rate = timed_decode(llm, prompt, tokens)
             rows.append(
                 {
                     "k": k,

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pegainfer import LLM, SamplingParams
+from pegainfer.layers.attention import AttentionMetadata, paged_attention_reference, prefill_graph_rows
 from pegainfer.memory.prefill_graph_inputs import (
     MAX_SEGMENTS,
     PrefillGraphInputs,
@@ -87,6 +88,38 @@ def test_the_plans_figure_for_the_inputs_is_what_they_hold(rows_per_segment):
     inp = PrefillGraphInputs(48, 5, 7, "cpu", rows_per_segment)
     held = inp._device64.nbytes + inp._device32.nbytes
     assert prefill_graph_inputs_bytes(48, 5, 7, rows_per_segment) == held
+
+
+@pytest.mark.parametrize("segments", [2, 4], ids=["padding_segments", "all_segments"])
+def test_tokens_as_decode_rows_attend_as_their_segments(segments):
+    """``prefill_graph_rows`` reads only the inputs' device form: every real token, as a decode row over its
+    own causal context, attends exactly as in its segment (the reference over the host segments); padding
+    tokens get finite rows (whether the last segment is padding or real)."""
+    torch.manual_seed(0)
+    block_size, heads, dim = 4, 2, 8
+    cache = torch.randn(2, 40, block_size, heads, dim)
+    inputs = PrefillGraphInputs(32, 4, 10, "cpu")
+    pages = torch.randperm(40).tolist()
+    # (new tokens, cached tokens before them): a prompt, a tail after a hit, a verification chunk, one token
+    shapes = [(7, 0), (3, 13), (4, 21), (1, 9)][:segments]
+    chunks, first = [], 0
+    for n, cached in shapes:
+        table = pages[first : first + 10]
+        chunks.append((list(range(n)), cached, table))
+        first += 10
+    tokens = inputs.prepare(chunks, None, None, block_size)
+    size = 16
+    meta = AttentionMetadata(
+        block_size, inputs.slot_mapping[:size], inputs.segments(len(chunks), block_size), size
+    )
+    meta.derived.update(cu_seqlens=inputs.cu_seqlens, segment_tables=inputs.block_tables)
+    q = torch.randn(size, heads, dim)
+    expected = paged_attention_reference(q, cache, meta, 0.3)[:tokens]
+    rows = prefill_graph_rows(meta, inputs.positions[:size])
+    assert rows.num_decodes == size and not rows.prefills and rows.max_decode_seq_len == 40
+    got = paged_attention_reference(q, cache, rows, 0.3)
+    torch.testing.assert_close(got[:tokens], expected)
+    assert torch.isfinite(got[tokens:]).all()
 
 
 def test_inputs_refuse_a_step_too_large():

@@ -12,9 +12,10 @@ next step.
 Only a model whose forward reads the segments from their device form runs in a graph
 (``CausalLM.prefill_graph_tokens``). Its batch says ``in_graph``, its ``prefills`` are ``max_segments``
 placeholders bounded by the bucket, and the real values are in ``derived``: the attention's packed
-tensors ("prefill_tensors", with the bucket as the longest query) and the varlen bounds ("cu_seqlens").
+tensors ("prefill_tensors", CUDA only, with the bucket as the longest query), the varlen bounds
+("cu_seqlens") and the segments' block tables ("segment_tables", ``[max_segments, max_blocks]``).
 With ``eager`` the same padded forward runs without a graph and with the real segments on the host
-(``enforce_eager``; the reference paths on the CPU run it too).
+(``enforce_eager``; the reference paths on the CPU run it too), ``derived`` holding the same tensors.
 
 The drafter's passes take the same machinery with their own inputs (``forward``: the MTP module over
 hidden states written into a static input, see ``ModelRunner.propose``): a pass over a step's kept
@@ -119,8 +120,11 @@ class PrefillGraphs:
                 inp.q_start, inp.q_len, inp.ctx_len, inp.block_tables, max_q_len=size,
                 max_ctx_len=self.max_model_len,
             )  # fmt: skip
+        # The segments' device form, eager too: a model may read only it (prefill_graph_rows), so that
+        # enforce_eager computes the graph's numbers.
+        meta.derived["cu_seqlens"] = inp.cu_seqlens
+        meta.derived["segment_tables"] = inp.block_tables
         if in_graph:
-            meta.derived["cu_seqlens"] = inp.cu_seqlens
             # The host pairs are read by the reference paths only, which a graph never runs.
             checkpoints = [(-1, -1, 0)] * len(segments)
         ckpt = None

@@ -34,8 +34,9 @@ class AttentionMetadata:
     max_decode_seq_len: int = 0
     #: A CUDA-graph prefill step (``pegainfer.executor.prefill_graphs``): ``prefills`` are placeholders
     #: whose host values are bounds only (``q_len``: the bucket's token count, the same ``q_start`` 0), and
-    #: the segments' real values are device tensors in ``derived`` ("prefill_tensors", "cu_seqlens"). Only
-    #: models with ``CausalLM.prefill_graph_tokens`` get such steps.
+    #: the segments' real values are device tensors in ``derived`` ("prefill_tensors", "cu_seqlens",
+    #: "segment_tables"; the latter two in the eager form of such a step too). Only models with
+    #: ``CausalLM.prefill_graph_tokens`` get such steps.
     in_graph: bool = False
     #: Forms of this metadata a backend builds once per forward and every layer reuses (e.g. the packed
     #: device tensors of the prefill segments), by name.
@@ -92,6 +93,29 @@ def write_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tens
 def page_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """The cache slots (page · block_size + offset) of ``positions`` through ``block_table``."""
     return block_table[..., positions // block_size].long() * block_size + positions % block_size
+
+
+def prefill_graph_rows(meta: AttentionMetadata, positions: torch.Tensor) -> AttentionMetadata:
+    """A prefill-graph step's tokens as decode rows, read from the segments' device form only (``derived``'s
+    "cu_seqlens" and "segment_tables"; no host sync, every shape static): token i is a row attending to the
+    first ``positions[i] + 1`` tokens of its segment through that segment's block table, which is its
+    causal context. A decode-form attention (MLA's absorbed form) then runs a short chunk over a long
+    cached context without expanding that context. Padding tokens (in no segment, position 0) read one
+    token through a padding segment's (or the last) table: their outputs are discarded."""
+    cu_seqlens = meta.derived["cu_seqlens"]
+    tables = meta.derived["segment_tables"]
+    tokens = torch.arange(positions.shape[0], device=positions.device)
+    segment = torch.searchsorted(cu_seqlens[1:], tokens, right=True).clamp_(max=tables.shape[0] - 1)
+    return AttentionMetadata(
+        block_size=meta.block_size,
+        slot_mapping=meta.slot_mapping,
+        prefills=[],
+        num_prefill_tokens=0,
+        num_decodes=positions.shape[0],
+        decode_block_tables=tables.index_select(0, segment),
+        decode_seq_lens=(positions + 1).to(torch.int32),
+        max_decode_seq_len=tables.shape[1] * meta.block_size,
+    )
 
 
 def _attend(

@@ -56,3 +56,67 @@ def force_drafts(llm: Any, truth: dict[tuple[int, ...], list[int]], right: int |
         return out
 
     engine.executor.propose = propose
+
+
+def _recording(graphs: Any, what: Any) -> list:
+    """Route ``graphs.run`` (a ``PrefillGraphs``, changed for good) through a recorder of ``what(chunks)``
+    per step; returns the list it fills."""
+    seen: list = []
+    run = graphs.run
+
+    def recording_run(chunks, state_slots, checkpoints):
+        seen.append(what(chunks))
+        return run(chunks, state_slots, checkpoints)
+
+    graphs.run = recording_run
+    return seen
+
+
+def assert_verification_on_prefill_graphs(make_llm: Any, base: Any, prompts: list[list[int]]) -> None:
+    """The GPU's verification path, run eagerly: with ``make_llm(3)`` (an ``LLM`` drafting 3 tokens) on
+    its graph paths, each verification chunk (its known token and drafts sampled, its hidden states kept for
+    the MTP pass, any roll-back states saved) is a bucket-padded prefill-graph step, and drafts forced to
+    accept one of three give ``base``'s tokens (a run without drafting)."""
+    ref = generate(base, prompts)
+    llm = make_llm(3)
+    llm.engine.executor.capture_cuda_graphs(eager=True)
+    graphs = llm.engine.executor.runner.prefill_graphs
+    assert graphs.inputs.rows_per_segment == 4
+    sampled = _recording(graphs, lambda chunks: [c.num_logits for c in chunks])
+    force_drafts(llm, {tuple(p): p + o.outputs[0].token_ids for p, o in zip(prompts, ref, strict=True)}, 1)
+    assert token_ids(generate(llm, prompts)) == token_ids(ref)
+    assert sum(4 in s for s in sampled) >= 8, "verification steps did not take the prefill graphs"
+    llm.engine.buffers.check_invariants()
+
+
+def assert_draft_passes_on_graph_path(make_llm: Any, prompts: list[list[int]]) -> None:
+    """The GPU's draft path, run eagerly: the MTP pass over a step's kept positions and each chained draft
+    of ``make_llm(3)`` replay the draft graphs (short segments, then one-token segments) and propose
+    exactly the drafts the plain path proposes, step by step, for the same tokens."""
+
+    def proposals(llm: Any) -> list:
+        made, propose = [], llm.engine.executor.propose
+
+        def recording(inputs):
+            drafts = propose(inputs)
+            made.append(drafts)
+            return drafts
+
+        llm.engine.executor.propose = recording
+        return made
+
+    plain = make_llm(3)
+    plain_drafts = proposals(plain)
+    plain_tokens = token_ids(generate(plain, prompts))
+    llm = make_llm(3)
+    llm.engine.executor.capture_cuda_graphs(eager=True)
+    passes = _recording(
+        llm.engine.executor.runner.draft_graphs, lambda chunks: [len(c.token_ids) for c in chunks]
+    )
+    graph_drafts = proposals(llm)
+    assert token_ids(generate(llm, prompts)) == plain_tokens
+    assert graph_drafts == plain_drafts
+    assert any(max(p) > 1 for p in passes), "no pass over a step's kept positions took the graphs"
+    assert any(len(p) > 1 and max(p) == 1 for p in passes), (
+        "no chained drafts of several rows took the graphs"
+    )

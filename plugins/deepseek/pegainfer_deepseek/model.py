@@ -12,7 +12,9 @@ path: on CUDA the whole step, the embedding lookup included, is one CUDA graph p
 decode, fused MoE and indexer kernels are graph-safe). In a graph V3.2's indexer scores and ranks up to the
 graph's static bound (``max_model_len``), every position past a row's length at ``-inf``: its ``topk``
 costs grow with ``max_model_len``, not with the context (measured in docs/benchmarks.md), where eager
-decode paid the host's launches of every layer instead.
+decode paid the host's launches of every layer instead. V3 runs short prefill steps (MTP verification
+chunks, the MTP module's passes, prompt tails after prefix hits) as CUDA graphs too, every token an
+absorbed-form decode row over its own causal context (``decode_form``).
 
 Tensor parallelism (``tp``): each rank holds its heads of MLA (``mla.py``), its share of every SwiGLU's
 and expert's intermediate features (``moe.py``) and its rows of the vocab-parallel embedding and
@@ -35,6 +37,7 @@ from torch import nn
 from pegainfer import ops
 from pegainfer.config.schema import ModelConfig
 from pegainfer.errors import ExecutorError
+from pegainfer.layers.attention import prefill_graph_rows
 from pegainfer.layers.parallel import gather_logits, vocab_parallel_embed
 from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding, default_inv_freq, yarn_inv_freq
 from pegainfer.memory.buffer_specs import (
@@ -57,6 +60,24 @@ from pegainfer_deepseek.mtp import MultiTokenPredictor
 from pegainfer_deepseek.params import param
 
 logger = logging.getLogger(__name__)
+
+#: The most tokens of a prefill step run as a CUDA graph (``CausalLM.prefill_graph_tokens``): MTP
+#: verification chunks (1 + k tokens a request) and prompt tails after prefix hits. Such a step runs every
+#: token as an absorbed-form row over its whole context (``prefill_graph_rows``), where the eager form
+#: expands each segment's context once: per 128 heads and context token the absorbed form costs about
+#: 2·1088 flops a query token on the compute-bound MLA kernel (~166 TFLOP/s, docs/benchmarks.md), the
+#: expanded one 2·512·256 flops once plus 2·320 a query token at GEMM rates (~600 TFLOP/s): even near 36
+#: tokens a segment at long contexts (an estimate, not measured), and a graph also saves the eager step's
+#: launches. 64 covers batch 16 at k = 3.
+PREFILL_GRAPH_TOKENS = 64
+
+
+def decode_form(batch: ForwardBatch) -> ForwardBatch:
+    """``batch`` as decode rows if it is a prefill-graph step (graph or its eager form): MLA and the MoE
+    then read no host value of its segments. Other batches come back as they are."""
+    if "segment_tables" not in batch.attn.derived:
+        return batch
+    return dataclasses.replace(batch, attn=prefill_graph_rows(batch.attn, batch.positions))
 
 
 def build_rotary(
@@ -96,6 +117,12 @@ class DeepseekV3ForCausalLM(CausalLM):
     def embeds_on_device(self) -> bool:  # type: ignore[override]
         """V3 embeds in ``forward``; V3.2 is handed its embeddings (see the module docstring)."""
         return self.dims.indexer is None
+
+    @property
+    def prefill_graph_tokens(self) -> int:  # type: ignore[override]
+        """V3 runs short prefill steps as decode rows (``decode_form``). V3.2 none: its indexer's row
+        selections are reserved per sequence (``transient_specs``), not for a graph's tokens."""
+        return PREFILL_GRAPH_TOKENS if self.dims.indexer is None else 0
 
     def __init__(
         self,
@@ -231,7 +258,8 @@ class DeepseekV3ForCausalLM(CausalLM):
         intermediate features; with V3.2's indexer, each decode row's selection over ``max_model_len``
         positions (the decode graphs' static bound). The reference path's score matrices are not counted."""
         d, size = self.dims, self.tp.size
-        per_head = d.qk_head_dim * 2 + d.v_head_dim * 2 + d.qk_nope_head_dim
+        # q, expanded keys and values, and the absorbed form's query and output latents
+        per_head = d.qk_head_dim * 2 + d.v_head_dim * 2 + d.qk_nope_head_dim + 2 * d.kv_lora_rank
         widths = (
             6 * d.hidden_size
             + (d.q_lora_rank or 0)
@@ -270,6 +298,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         else:
             x = batch.hidden_states.to(self.dtype)
         indexed = self.dims.indexer is not None
+        batch = decode_form(batch)
         for layer in self.layers:
             index_cache = caches[cache_key(layer.layer_index, INDEXER_CACHE)] if indexed else None
             x = layer(x, batch, caches[layer.layer_index], self.rotary, index_cache, self.index_rotary)
@@ -310,6 +339,7 @@ class DeepseekV3ForCausalLM(CausalLM):
                 f"this checkpoint has {len(self.mtp)} MTP module(s); depth {depth} does not exist"
             )
         module = self.mtp[depth]
+        batch = decode_form(batch)
         hidden = module(hidden_states, next_token_ids, batch, caches[module.layer_index], self.rotary)
         logits = module.compute_logits(hidden if logit_rows is None else hidden[logit_rows])
         return (logits, hidden) if return_hidden else logits

@@ -5,7 +5,8 @@ its indexer scores and selects over the static bound (every position past a row'
 
 On the CPU ``capture_cuda_graphs(eager=True)`` runs that same padded forward without graphs: its greedy
 tokens must equal the plain path's and transformers'. On a GPU, graph decode must give the tokens of
-``enforce_eager`` decode (the same padded forward, no graphs).
+``enforce_eager`` decode (the same padded forward, no graphs); so must V3's short prefill steps, run as
+decode rows in prefill graphs, and MTP drafting on both graph paths must keep the greedy tokens.
 """
 
 from __future__ import annotations
@@ -84,3 +85,48 @@ def test_graph_decode_equals_eager_decode(tiny_checkpoint_factory, architecture)
     eager_llm = LLM(str(folder), enforce_eager=True, **common)
     assert not eager_llm.engine.executor.capabilities.cuda_graphs
     assert _tokens(eager_llm, prompts, params) == graph
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_prefill_graphs_equal_eager(tiny_checkpoint_factory):
+    """bf16 on the GPU: prefix hits whose short tails run as decode rows in prefill CUDA graphs give the
+    tokens of enforce_eager (the same decode-row forwards without graphs)."""
+    from pegainfer.testing.conformance import assert_prefill_graphs_match_eager
+
+    assert_prefill_graphs_match_eager(tiny_checkpoint_factory("deepseek_v3", seed=3, dtype="bfloat16"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_mtp_on_the_graph_paths_keeps_the_greedy_tokens(tiny_checkpoint_factory):
+    """float32 on the GPU: with MTP drafting, verification chunks replay the prefill graphs and the MTP
+    passes the draft graphs, and the greedy tokens are those of plain graph decode."""
+    folder = tiny_checkpoint_factory("deepseek_v3", seed=3, dtype="float32")
+    common = dict(
+        dtype="float32", device="cuda", gpu_memory_utilization=0.3, max_model_len=512, max_num_seqs=8
+    )
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 200) for _ in range(rng.randrange(3, 90))] for _ in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(str(folder), **common)
+    expected = _tokens(plain, prompts, params)
+    plain.engine.shutdown()
+    del plain
+    torch.cuda.empty_cache()
+    llm = LLM(str(folder), speculative_num_tokens=2, **common)
+    runner = llm.engine.executor.runner
+    assert llm.engine.executor.capabilities.cuda_graphs and runner.draft_graphs is not None
+    replays = {"prefill": 0, "draft": 0}
+    for name, graphs in (("prefill", runner.prefill_graphs), ("draft", runner.draft_graphs)):
+        run = graphs.run
+
+        def counting(*args, _run=run, _name=name):
+            replays[_name] += 1
+            return _run(*args)
+
+        graphs.run = counting
+    assert _tokens(llm, prompts, params) == expected
+    assert replays["prefill"] > 20 and replays["draft"] > 20, replays
+    llm.engine.buffers.check_invariants()
+    llm.engine.shutdown()

@@ -12,6 +12,7 @@ proposes equal those of the MTP module run from scratch over the whole sequence,
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,14 @@ from pegainfer.errors import ConfigError
 from pegainfer.layers.attention import AttentionMetadata, PrefillSegment
 from pegainfer.model.model_api import ForwardBatch
 from pegainfer.testing.conformance import SamplingParams, random_prompts
-from pegainfer.testing.speculative import force_drafts, generate, generate_counting, token_ids
+from pegainfer.testing.speculative import (
+    assert_draft_passes_on_graph_path,
+    assert_verification_on_prefill_graphs,
+    force_drafts,
+    generate,
+    generate_counting,
+    token_ids,
+)
 
 
 def _llm(folder: Path, k: int = 0, **kw: object) -> LLM:
@@ -87,6 +95,17 @@ def test_single_prompt_output_unchanged(base: LLM, spec: LLM) -> None:
 def test_batch_of_mixed_lengths_output_unchanged(base: LLM, spec: LLM) -> None:
     prompts = random_prompts(1, [1, 5, 17, 33, 2, 64])
     assert token_ids(generate(spec, prompts)) == token_ids(generate(base, prompts))
+
+
+def test_verification_on_the_prefill_graph_path(tiny_deepseek: Path, base: LLM) -> None:
+    """Verification chunks on the bucket-padded prefill-graph path, where MLA runs every token as an
+    absorbed-form decode row over its own context (``decode_form``)."""
+    assert_verification_on_prefill_graphs(partial(_llm, tiny_deepseek), base, random_prompts(7, [9, 21, 4]))
+
+
+def test_draft_passes_on_the_graph_path(tiny_deepseek: Path) -> None:
+    """The MTP passes on the draft graphs (decode rows too) propose the plain path's drafts."""
+    assert_draft_passes_on_graph_path(partial(_llm, tiny_deepseek), random_prompts(5, [5, 17, 3, 30]))
 
 
 @pytest.mark.parametrize("k", [1, 3])

@@ -12,13 +12,21 @@ drafting the target.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from pegainfer import LLM
 from pegainfer.testing.conformance import SamplingParams, random_prompts
-from pegainfer.testing.speculative import force_drafts, generate, generate_counting, token_ids
+from pegainfer.testing.speculative import (
+    assert_draft_passes_on_graph_path,
+    assert_verification_on_prefill_graphs,
+    force_drafts,
+    generate,
+    generate_counting,
+    token_ids,
+)
 
 
 def _llm(folder: Path, k: int = 0, **kw: object) -> LLM:
@@ -160,67 +168,13 @@ def test_forced_drafts_roll_the_state_back_to_what_was_accepted(
 
 
 def test_verification_on_the_prefill_graph_path(tiny_qwen35: Path, base: LLM) -> None:
-    """The GPU's path, run eagerly on the CPU: each verification chunk (its known token and drafts sampled,
-    its hidden states kept for the MTP pass, its roll-back states saved) is a bucket-padded prefill-graph
-    step; drafts forced to accept one of three give the plain path's tokens."""
-    prompts = random_prompts(7, [9, 21, 4])
-    ref = generate(base, prompts)
-    llm = _llm(tiny_qwen35, 3)
-    llm.engine.executor.capture_cuda_graphs(eager=True)
-    graphs = llm.engine.executor.runner.prefill_graphs
-    assert graphs.inputs.rows_per_segment == 4
-    sampled: list[list[int]] = []
-    run = graphs.run
-
-    def recording_run(chunks, state_slots, checkpoints):
-        sampled.append([c.num_logits for c in chunks])
-        return run(chunks, state_slots, checkpoints)
-
-    graphs.run = recording_run
-    force_drafts(llm, {tuple(p): p + o.outputs[0].token_ids for p, o in zip(prompts, ref, strict=True)}, 1)
-    assert token_ids(generate(llm, prompts)) == token_ids(ref)
-    assert sum(4 in s for s in sampled) >= 8, "verification steps did not take the prefill graphs"
-    llm.engine.buffers.check_invariants()
+    """Verification chunks (their roll-back states saved) on the bucket-padded prefill-graph path."""
+    assert_verification_on_prefill_graphs(partial(_llm, tiny_qwen35), base, random_prompts(7, [9, 21, 4]))
 
 
 def test_draft_passes_on_the_graph_path(tiny_qwen35: Path) -> None:
-    """The GPU's draft path, run eagerly on the CPU: the MTP pass over a step's kept positions and each
-    chained draft replay the draft graphs (short segments, then one-token segments) and propose exactly
-    the drafts the plain path proposes, step by step (the random module's hidden-state half included)."""
-    prompts = random_prompts(5, [5, 17, 3, 30])
-
-    def proposals(llm: LLM) -> list:
-        made, propose = [], llm.engine.executor.propose
-
-        def recording(inputs):
-            drafts = propose(inputs)
-            made.append(drafts)
-            return drafts
-
-        llm.engine.executor.propose = recording
-        return made
-
-    plain = _llm(tiny_qwen35, 3)
-    plain_drafts = proposals(plain)
-    plain_tokens = token_ids(generate(plain, prompts))
-    llm = _llm(tiny_qwen35, 3)
-    llm.engine.executor.capture_cuda_graphs(eager=True)
-    graphs = llm.engine.executor.runner.draft_graphs
-    passes: list[list[int]] = []
-    run = graphs.run
-
-    def recording_run(chunks, state_slots, checkpoints):
-        passes.append([len(c.token_ids) for c in chunks])
-        return run(chunks, state_slots, checkpoints)
-
-    graphs.run = recording_run
-    graph_drafts = proposals(llm)
-    assert token_ids(generate(llm, prompts)) == plain_tokens
-    assert graph_drafts == plain_drafts
-    assert any(max(p) > 1 for p in passes), "no pass over a step's kept positions took the graphs"
-    assert any(len(p) > 1 and max(p) == 1 for p in passes), (
-        "no chained drafts of several rows took the graphs"
-    )
+    """The MTP passes on the draft graphs propose the plain path's drafts (the hidden-state half too)."""
+    assert_draft_passes_on_graph_path(partial(_llm, tiny_qwen35), random_prompts(5, [5, 17, 3, 30]))
 
 
 # ---------------------------------------------------------------------------- the real MTP path drafts
