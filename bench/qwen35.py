@@ -130,7 +130,7 @@ def prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
 
 
 def distinct_experts(llm, step) -> list[int]:
-    """The distinct experts each MoE layer routes to in one step (counted around ``SparseMoE.route``, outside
+    """The distinct routed experts each MoE layer chooses in one step (counted around ``SparseMoE.route``, outside
     the timed steps). A graph replay runs no Python, so this step takes the graphs' eager form (the same
     padded shapes and numbers)."""
     from pegainfer_qwen35.moe import SparseMoE
@@ -139,8 +139,8 @@ def distinct_experts(llm, step) -> list[int]:
     route = SparseMoE.route
 
     def counting(self, *args, **kwargs):
-        routed = route(self, *args, **kwargs)  # (weights, expert ids, shared gate)
-        seen.append(routed[1].unique().numel())
+        routed = route(self, *args, **kwargs)  # (weights, expert ids: the top k, then the shared pieces)
+        seen.append(routed[1][:, : self.config.num_experts_per_tok].unique().numel())
         return routed
 
     graphs = llm.engine.executor.runner.graphs
@@ -170,7 +170,8 @@ def step_bytes(model, batch: int, ctx: float, experts_per_layer: list[int] | Non
             raise RuntimeError(f"expert counts {experts_per_layer} do not cover the {len(moes)} MoE layers")
         for m, used in zip(moes, experts_per_layer, strict=True):
             size = sum(t.numel() * t.element_size() for t in (m.experts_gate_up, m.experts_down))
-            weights -= size - used * size // m.experts_gate_up.shape[0]
+            # The stacked experts end with the shared expert's pieces, which every token runs.
+            weights -= size - (used + m.shard.shared_pieces) * size // m.experts_gate_up.shape[0]
     embed = model.embed_tokens
     weights -= embed.numel() * embed.element_size() - batch * embed.shape[1] * embed.element_size()
     full, linear = len(c.layers_of("full_attention")), len(c.layers_of("linear_attention"))
@@ -233,8 +234,9 @@ def prefill_flops(model, requests: int, length: int) -> float:
     per_token = sum(p.numel() for p in model.parameters() if p.dim() >= 2 and id(p) not in skip)
     for m in model.modules():
         if isinstance(m, SparseMoE):
-            routed = m.experts_gate_up.numel() + m.experts_down.numel()
-            per_token -= routed - routed * c.num_experts_per_tok // c.num_experts
+            stacked = m.experts_gate_up.numel() + m.experts_down.numel()  # routed, then the shared pieces
+            active = c.num_experts_per_tok + m.shard.shared_pieces
+            per_token -= stacked - stacked * active // m.experts_gate_up.shape[0]
     head = model.embed_tokens if model.lm_head is None else model.lm_head
     attention = len(c.layers_of("full_attention")) * 2 * length**2 * c.num_heads * c.head_dim
     return 2 * per_token * requests * length + 2 * head.numel() * requests + attention * requests

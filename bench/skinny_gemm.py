@@ -55,14 +55,12 @@ SHAPES = {
         "down": (5120, 17408),
     },
     # Qwen3.5 35B-A3B-style (hidden 2048; GDN 16 k / 32 v heads x 128, attention 16 q / 2 kv heads x 256):
-    # GDN in_proj and out_proj (o_proj's shape too), attention q|gate|k|v, the shared expert's gate|up and
-    # down, the router with the shared expert's gate row, lm_head. K = 2048: short rows, many small calls.
+    # GDN in_proj and out_proj (o_proj's shape too), attention q|gate|k|v, the router with the shared
+    # expert's gate row (the shared expert runs in the expert kernels), lm_head. K = 2048: short rows.
     "qwen35_35b_a3b": {
         "gdn_in_proj": (12352, 2048),
         "out_proj": (2048, 4096),
         "attn_qkv": (9216, 2048),
-        "shared_gate_up": (1024, 2048),
-        "shared_down": (2048, 512),
         "router": (257, 2048),
         "lm_head": (248320, 2048),
     },

@@ -120,14 +120,12 @@ def fused_moe(
     down: torch.Tensor,
     scales: BlockScales | None = None,
     add: torch.Tensor | None = None,
-    add_gate: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The routed experts' output ``[T, H]``, ``Σ_k weights[t, k] · Expert_{ids[t, k]}(x[t])`` over stacked
     experts (gate|up ``[E, 2I, H]``, down ``[E, H, I]``; block-FP8 with ``scales``), plus ``add`` (e.g. the
-    shared experts' output) where given, scaled by ``sigmoid(add_gate)`` (``[T, 1]``) where given, and added
-    into ``residual`` in place (and returned) where given: on CUDA Triton kernels with no host sync
-    (graph-safe; the add, gate and residual ride the launch that sums the choices), one program per
+    shared experts' output) where given, added into ``residual`` in place (and returned) where given: on
+    CUDA Triton kernels with no host sync (graph-safe; the add and the residual ride the launch that sums the choices), one program per
     (token, choice) for a decode step's few tokens, grouped GEMMs over the sorted choices otherwise;
     elsewhere the reference loop and ``combine_routed``."""
     if use_triton(x):
@@ -136,11 +134,9 @@ def fused_moe(
 
         # A decode step's few tokens: one program per (token, choice), no sort; else the grouped GEMMs.
         run = moe_pairs.fused_moe_pairs if moe_pairs.takes_pairs(x, scales) else fused_moe_triton
-        return run(
-            x, weights, ids, gate_up, down, scales=scales, add=add, add_gate=add_gate, residual=residual
-        )
+        return run(x, weights, ids, gate_up, down, scales=scales, add=add, residual=residual)
     out = routed_experts(x, weights, ids, gate_up, down, scales=scales)
-    return combine_routed(out, add, add_gate, residual)
+    return combine_routed(out, add, residual)
 
 
 def norm_linear(

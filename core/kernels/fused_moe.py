@@ -327,20 +327,17 @@ def _down_kernel(
 def _combine_kernel(
     y_ptr,
     add_ptr,
-    gate_ptr,
-    stride_gate,
     out_ptr,
     hidden,
     TOP_K: tl.constexpr,
     HAS_ADD: tl.constexpr,
-    HAS_GATE: tl.constexpr,
     RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     FIX: tl.constexpr,
 ):
-    """``out[t] (+)= Σ_j y[t·k + j] + sigmoid(gate[t]) · add[t]`` (the add and its gate where given; with
-    ``RESIDUAL`` added to what ``out`` holds): the sum in fp32 in choice order, each step rounded as the
-    torch sequence rounds it (``y.sum(1)``, ``sigmoid``, ``add * gate``, ``+ add``, ``residual +``)."""
+    """``out[t] (+)= Σ_j y[t·k + j] + add[t]`` (the add where given; with ``RESIDUAL`` added to what ``out``
+    holds): the sum in fp32 in choice order, each step rounded as the torch sequence rounds it
+    (``y.sum(1)``, ``+ add``, ``residual +``)."""
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -350,12 +347,7 @@ def _combine_kernel(
     dtype = out_ptr.dtype.element_ty
     if HAS_ADD:
         acc = cast_to(acc, dtype, FIX).to(tl.float32)
-        add = tl.load(add_ptr + token * hidden + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_GATE:
-            g = tl.load(gate_ptr + token * stride_gate).to(tl.float32)
-            g = cast_to(1.0 / (1.0 + tl.exp(-g)), dtype, FIX).to(tl.float32)
-            add = cast_to(add * g, dtype, FIX).to(tl.float32)
-        acc += add
+        acc += tl.load(add_ptr + token * hidden + offs, mask=mask, other=0.0).to(tl.float32)
     if RESIDUAL:
         acc = cast_to(acc, dtype, FIX).to(tl.float32)
         acc += tl.load(out_ptr + token * hidden + offs, mask=mask, other=0.0).to(tl.float32)
@@ -372,21 +364,15 @@ def default_pipeline(block_m: int, block_n: int, x: torch.Tensor, gate_up: torch
 
 
 def combine_choices(
-    y: torch.Tensor,
-    top_k: int,
-    add: torch.Tensor | None,
-    add_gate: torch.Tensor | None,
-    residual: torch.Tensor | None,
+    y: torch.Tensor, top_k: int, add: torch.Tensor | None, residual: torch.Tensor | None
 ) -> torch.Tensor:
-    """The launch that sums each token's ``top_k`` weighted choices ``y`` ``[T·k, H]`` (and adds ``add``,
-    gated, and the residual: see :func:`fused_moe_triton`)."""
+    """The launch that sums each token's ``top_k`` weighted choices ``y`` ``[T·k, H]`` (and adds ``add`` and
+    the residual: see :func:`fused_moe_triton`)."""
     tokens, hidden = y.shape[0] // top_k, y.shape[1]
     out = residual if residual is not None else y.new_empty(tokens, hidden)
     _combine_kernel[(tokens, triton.cdiv(hidden, 1024))](
-        y, add if add is not None else y, add_gate if add_gate is not None else y,
-        add_gate.stride(0) if add_gate is not None else 0, out, hidden, TOP_K=top_k, HAS_ADD=add is not None,
-        HAS_GATE=add_gate is not None, RESIDUAL=residual is not None, BLOCK=1024, FIX=interp_bf16(y.dtype),
-        num_warps=4,
+        y, add if add is not None else y, out, hidden, TOP_K=top_k, HAS_ADD=add is not None,
+        RESIDUAL=residual is not None, BLOCK=1024, FIX=interp_bf16(y.dtype), num_warps=4,
     )  # fmt: skip
     return out
 
@@ -397,11 +383,9 @@ def check_args(
     down: torch.Tensor,
     scales: BlockScales | None,
     add: torch.Tensor | None,
-    add_gate: torch.Tensor | None,
     residual: torch.Tensor | None,
 ) -> None:
     """Raise ValueError where the arguments of a Triton MoE path do not fit together."""
-    tokens = x.shape[0]
     if x.stride(-1) != 1 or gate_up.stride(-1) != 1 or down.stride(-1) != 1:
         raise ValueError("x and the expert weights need a contiguous last dimension")
     if (scales is not None) != (gate_up.element_size() == 1 and down.element_size() == 1):
@@ -411,10 +395,6 @@ def check_args(
             raise ValueError(
                 f"{name} {tuple(t.shape)} {t.dtype} must be a contiguous {tuple(x.shape)} {x.dtype}"
             )
-    if add_gate is not None and (add is None or add_gate.shape != (tokens, 1) or add_gate.dtype != x.dtype):
-        raise ValueError(
-            f"add_gate {tuple(add_gate.shape)} {add_gate.dtype} needs an add and [{tokens}, 1] {x.dtype}"
-        )
 
 
 def fused_moe_triton(
@@ -426,7 +406,6 @@ def fused_moe_triton(
     *,
     scales: BlockScales | None = None,
     add: torch.Tensor | None = None,
-    add_gate: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int = 64,
@@ -435,8 +414,8 @@ def fused_moe_triton(
     num_stages: int | None = None,
 ) -> torch.Tensor:
     """The Triton path of ``ops.fused_moe``; float8 experts with ``scales`` are dequantized tile by tile
-    (the dots run in the activations' dtype); ``add`` ``[T, H]`` is added to the result, scaled by
-    ``sigmoid(add_gate)`` (``[T, 1]`` logits) where given; with ``residual`` ``[T, H]`` the result is added
+    (the dots run in the activations' dtype); ``add`` ``[T, H]`` is added to the result where given; with
+    ``residual`` ``[T, H]`` the result is added
     to it in place and ``residual`` returned (all in the launch that sums the choices); the other keyword
     knobs are for the benchmark.
 
@@ -452,9 +431,9 @@ def fused_moe_triton(
     num_experts, two_inter, _ = gate_up.shape
     inter = two_inter // 2
     pairs = tokens * top_k
-    check_args(x, gate_up, down, scales, add, add_gate, residual)
+    check_args(x, gate_up, down, scales, add, residual)
     if pairs == 0:
-        return combine_routed(torch.zeros_like(x), add, add_gate, residual)
+        return combine_routed(torch.zeros_like(x), add, residual)
     # Decode batches take the smallest tensor-core tile; larger ones fill bigger blocks per expert.
     bm = block_m or (16 if pairs <= 4 * num_experts else 64)
     default_k, default_stages = default_pipeline(bm, block_n, x, gate_up)
@@ -491,4 +470,4 @@ def fused_moe_triton(
         QUANT=quant, UNIFORM=uniform, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, BLOCK_M=bm, BLOCK_N=block_n,
         BLOCK_K=block_k, DOT_PREC=prec, FIX=fix, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    return combine_choices(y, top_k, add, add_gate, residual)
+    return combine_choices(y, top_k, add, residual)

@@ -13,7 +13,7 @@ narrow one:
   them, ``act = silu(gate) · up`` rounded as the grouped path rounds it, and stores
   ``y[p] = w[p] · (act · Wd_eᵀ)``;
 - the grouped path's last launch (:func:`pegainfer.kernels.fused_moe.combine_choices`) sums each token's
-  choices in order and adds the shared experts' (gated) output and the residual.
+  choices in order and adds the shared experts' output and the residual.
 
 A pair reads its expert whole, so two tokens choosing one expert read it twice: :func:`takes_pairs` keeps
 this path to a few tokens, where it measured faster. Block-FP8 experts take it where every kernel tile sits
@@ -257,13 +257,12 @@ def fused_moe_pairs(
     *,
     scales: BlockScales | None = None,
     add: torch.Tensor | None = None,
-    add_gate: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     tiles: PairTiles | None = None,
 ) -> torch.Tensor:
     """``ops.fused_moe`` for a few tokens (:func:`takes_pairs`), arguments as
     ``pegainfer.kernels.fused_moe.fused_moe_triton``; ``tiles`` is for the benchmark."""
-    check_args(x, gate_up, down, scales, add, add_gate, residual)
+    check_args(x, gate_up, down, scales, add, residual)
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     inter = down.shape[2]
@@ -299,4 +298,4 @@ def fused_moe_pairs(
         d_s.stride(0) if quant else 0, d_s.stride(1) if quant else 0, d_s.stride(2) if quant else 0, offset,
         BLOCK_N=t.down_n, BLOCK_K=t.down_k, EVEN_K=inter % t.down_k == 0, num_stages=t.down_stages, **flags,
     )  # fmt: skip
-    return combine_choices(y, top_k, add, add_gate, residual)
+    return combine_choices(y, top_k, add, residual)

@@ -93,13 +93,10 @@ def routed_experts(
 
 
 def combine_routed(
-    routed: torch.Tensor,
-    add: torch.Tensor | None = None,
-    add_gate: torch.Tensor | None = None,
-    residual: torch.Tensor | None = None,
+    routed: torch.Tensor, add: torch.Tensor | None = None, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``routed + sigmoid(add_gate) · add`` (the shared experts' output, gated where Qwen gates it), added
-    into ``residual`` in place and returned where given: the torch sequence of the kernels' last launch."""
+    """``routed + add`` (the shared experts' output), added into ``residual`` in place and returned where
+    given: the torch sequence of the kernels' last launch."""
     if add is not None:
-        routed = routed + (add if add_gate is None else add * torch.sigmoid(add_gate))
+        routed = routed + add
     return routed if residual is None else residual.add_(routed)

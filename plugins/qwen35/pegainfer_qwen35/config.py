@@ -303,3 +303,10 @@ class Qwen35Shard(_LinearAttentionWidths):
             moe_intermediate_size=ie,
             shared_expert_intermediate_size=is_,
         )
+
+    @property
+    def shared_pieces(self) -> int:
+        """How many routed-expert-wide pieces this rank's shared expert is cut into (``moe.SparseMoE``):
+        ``ceil(Is / Ie)``, 0 without experts."""
+        ie = self.moe_intermediate_size
+        return -(-self.shared_expert_intermediate_size // ie) if ie else 0

@@ -6,25 +6,32 @@
 2. Each chosen expert runs on its tokens; its output is scaled by the token's weight and summed per token.
 3. ``sigmoid(shared_expert_gate(x)) * SharedExpert(x)`` is added (one scalar gate per token).
 
-The checkpoint stores experts one by one; they are stacked at load time (``[E, 2Ie, H]``, gate rows first,
-and ``[E, H, Ie]``). The router and the shared expert's one-row gate are one GEMM (``router``: ``[E + 1,
-H]``, the gate last), and the shared expert's gate|up rows alternate (``interleave_gate_up``), so decode
-rows on CUDA apply its SiLU·mul in the skinny GEMM's epilogue (``projections``). On CUDA every step's
-routed experts go through ``ops.fused_moe`` (Triton kernels over the chosen experts only: a decode step's
-few tokens one (token, choice) pair at a time, more as grouped GEMMs; no host sync, so the decode graphs
-capture it and eager and graph decode compute the same), the shared output,
-its gate and (at tp=1) the residual add applied in its combining launch. Elsewhere the reference forward
-has two schedules with the same sums (in ascending expert order, as transformers adds them):
+The shared expert is routed experts too: its intermediate features are cut into ``m`` pieces of the routed
+experts' width (``Qwen35Shard.shared_pieces``; the last piece zero-padded, whose features then add
+``silu(0) · 0 = 0``), stacked after the ``E`` routed experts, and every token chooses all ``m`` with weight
+``sigmoid(gate)`` (``softmax_topk`` appends those ``m`` columns): a SwiGLU is a sum over its features, so
+the pieces add up to the shared expert's output. One expert kernel then runs routed and shared alike, where
+the shared expert cost two GEMM launches of its own and the combine a gated add (at decode, a third of the
+block's launches). Real checkpoints have ``m = 1`` (Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B: 512 and 512).
+
+The checkpoint stores experts one by one; they are stacked at load time (``[E + m, 2Ie, H]``, gate rows
+first, and ``[E + m, H, Ie]``). The router and the shared expert's one-row gate are one GEMM (``router``:
+``[E + 1, H]``, the gate last). On CUDA every step's experts go through ``ops.fused_moe`` (Triton kernels
+over the chosen experts only: a decode step's few tokens one (token, choice) pair at a time, more as
+grouped GEMMs; no host sync, so the decode graphs capture it and eager and graph decode compute the same),
+(at tp=1) the residual add applied in its combining launch. Elsewhere the reference forward has two
+schedules with the same sums (the choices added in order, the shared pieces last, as transformers adds the
+shared expert after the routed ones):
 - grouped (steps with prefill tokens): the (token, expert) pairs are sorted by expert and each expert
   runs one GEMM over its rows; the row counts are read on the host.
 - static (decode-only steps, which the engine captures in CUDA graphs): no host sync and shapes fixed by
   T; every expert runs on every row and rows that did not choose it are weighted by zero.
 
 Tensor parallelism splits the intermediate features, not the experts: every rank holds every expert with
-Ie/tp of its features (gate/up rows, the matching down columns) and the shared expert split the same way,
-while the router and ``shared_expert_gate`` are replicated, so every rank routes the same tokens to the same
-experts. The per-token weight and the shared gate are scalars per row, so they scale the partial sums as
-they would the whole one, and the routed sum plus the gated shared expert is all-reduced once at the end.
+Ie/tp of its features (gate/up rows, the matching down columns) and the shared expert split the same way
+(before it is cut into pieces), while the router and ``shared_expert_gate`` are replicated, so every rank
+routes the same tokens to the same experts. The per-token weights are scalars per row, so they scale the
+partial sums as they would the whole one, and the block's sum is all-reduced once at the end.
 Why not expert parallel: here every rank does the same work whatever the routing (with whole experts a
 skewed batch loads one rank), the static decode schedule keeps its shapes (every rank runs its share of
 every expert on every row, so the CUDA graphs capture the same launches), and there is one all-reduce of
@@ -38,13 +45,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pegainfer import ops
-from pegainfer.layers.activation import interleave_gate_up
 from pegainfer.model.checkpoint import CheckpointReader
 from pegainfer.parallel.distributed import TensorParallel
 from pegainfer.parallel.sharding import Shard, split, stitch
 from pegainfer_qwen35.config import Qwen35Config, Qwen35Shard
 from pegainfer_qwen35.pass_buffers import PassBuffers
-from pegainfer_qwen35.projections import project, project_silu
 from pegainfer_qwen35.routing import softmax_topk
 
 
@@ -65,23 +70,21 @@ class SparseMoE(nn.Module):
         self.tp = tp or TensorParallel()
         self.shard = s = shard or Qwen35Shard.of(config, self.tp)
         h, e = config.hidden_size, config.num_experts
-        ie, is_ = s.moe_intermediate_size, s.shared_expert_intermediate_size  # this rank's features
+        ie = s.moe_intermediate_size  # this rank's features
         #: Rows ``[0, E)``: the router; row E: the shared expert's gate (one GEMM for both).
         self.router = _param(e + 1, h, dtype=dtype)
-        self.experts_gate_up = _param(e, 2 * ie, h, dtype=dtype)
-        self.experts_down = _param(e, h, ie, dtype=dtype)
-        self.shared_gate_up = _param(2 * is_, h, dtype=dtype)  # gate and up rows interleaved
-        self.shared_down = _param(h, is_, dtype=dtype)
+        #: Experts ``[0, E)``: the routed ones; ``[E, E + m)``: the shared expert's pieces.
+        self.experts_gate_up = _param(e + s.shared_pieces, 2 * ie, h, dtype=dtype)
+        self.experts_down = _param(e + s.shared_pieces, h, ie, dtype=dtype)
 
-    def route(self, x: torch.Tensor, bufs: PassBuffers) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(weights ``[T, k]`` in the model dtype, expert ids ``[T, k]``, the shared expert's gate logit
-        ``[T, 1]``) for the normed rows ``x``."""
+    def route(self, x: torch.Tensor, bufs: PassBuffers) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights ``[T, k + m]`` in the model dtype, expert ids ``[T, k + m]``: the top k, then the shared
+        expert's ``m`` pieces) for the normed rows ``x``."""
         c = self.config
         logits = torch.matmul(x, self.router.t(), out=bufs.moe_router)
-        weights, experts = softmax_topk(
-            logits[:, : c.num_experts], c.num_experts_per_tok, c.norm_topk_prob, x.dtype
+        return softmax_topk(
+            logits, c.num_experts_per_tok, c.norm_topk_prob, x.dtype, self.shard.shared_pieces
         )
-        return weights, experts, logits[:, c.num_experts :]
 
     def forward(
         self,
@@ -96,17 +99,12 @@ class SparseMoE(nn.Module):
 
         ``static_shapes``: no host sync and no data-dependent shapes (the schedule for CUDA graphs).
         """
-        weights, experts, shared_gate = self.route(x, bufs)
-        act = project_silu(x, self.shared_gate_up, bufs.shared_gate_up, bufs.shared_act)
-        shared = project(act, self.shared_down, bufs.shared_out)
+        weights, experts = self.route(x, bufs)
         if ops.use_triton(x):
-            # The shared expert's gate, its output and (at tp=1, where no all-reduce comes between) the
-            # residual add ride the launch that sums the choices: three launches a layer fewer.
+            # At tp=1, where no all-reduce comes between, the residual add rides the launch that sums the
+            # choices.
             into = residual if residual is not None and self.tp.size == 1 else None
-            y = ops.fused_moe(
-                x, weights, experts, self.experts_gate_up, self.experts_down,
-                add=shared, add_gate=shared_gate, residual=into,
-            )  # fmt: skip
+            y = ops.fused_moe(x, weights, experts, self.experts_gate_up, self.experts_down, residual=into)
             if into is not None:
                 return into
         else:
@@ -115,7 +113,6 @@ class SparseMoE(nn.Module):
                 self._experts_static(x, weights, experts, bufs, y.zero_())
             else:
                 self._experts_grouped(x, weights, experts, bufs, y)  # writes every row of y
-            y.add_(shared.mul_(torch.sigmoid(shared_gate)))
         y = self.tp.all_reduce(y)  # the ranks' partial sums, once
         return y if residual is None else residual.add_(y)
 
@@ -134,8 +131,8 @@ class SparseMoE(nn.Module):
         bufs: PassBuffers,
         y: torch.Tensor,
     ) -> None:
-        c, (t, h) = self.config, x.shape
-        k, ie = c.num_experts_per_tok, self.shard.moe_intermediate_size
+        (t, h), (_, k) = x.shape, experts.shape
+        ie, num_experts = self.shard.moe_intermediate_size, self.experts_down.shape[0]
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
         token_of = order // k
@@ -145,7 +142,7 @@ class SparseMoE(nn.Module):
         out = bufs.moe_out.view(t * k, h)
         start = 0
         # The per-expert row counts decide the GEMM shapes: the host sync of this schedule.
-        for expert, n in enumerate(torch.bincount(flat, minlength=c.num_experts).tolist()):
+        for expert, n in enumerate(torch.bincount(flat, minlength=num_experts).tolist()):
             if n:
                 rs = slice(start, start + n)
                 self._expert(expert, rows[rs], gate_up[rs], act[rs], out[rs])
@@ -164,15 +161,15 @@ class SparseMoE(nn.Module):
         bufs: PassBuffers,
         y: torch.Tensor,
     ) -> None:
-        c, (t, h) = self.config, x.shape
-        ie = self.shard.moe_intermediate_size
-        shape, dev = (t, c.num_experts), x.device
+        t, h = x.shape
+        ie, num_experts = self.shard.moe_intermediate_size, self.experts_down.shape[0]
+        shape, dev = (t, num_experts), x.device
         dense = torch.zeros(shape, dtype=weights.dtype, device=dev).scatter_(1, experts, weights)
         skipped = torch.ones(shape, dtype=torch.bool, device=dev).scatter_(1, experts, False)
         gate_up = bufs.moe_gate_up.view(-1, 2 * ie)[:t]
         act = bufs.moe_act.view(-1, ie)[:t]
         out = bufs.moe_out.view(-1, h)[:t]
-        for expert in range(c.num_experts):
+        for expert in range(num_experts):
             self._expert(expert, x, gate_up, act, out)
             # Masked, not only weighted by 0: an unchosen row's output may be inf, and inf * 0 is NaN.
             y.add_(out.mul_(dense[:, expert : expert + 1]).masked_fill_(skipped[:, expert : expert + 1], 0.0))
@@ -208,10 +205,18 @@ class SparseMoE(nn.Module):
                         )
                     )
                     self.experts_down[i].copy_(get(p + "down_proj.weight", (h, ie), columns))
-            self.shared_gate_up.copy_(
-                interleave_gate_up(
-                    get("shared_expert.gate_proj.weight", (is_, h), rows),
-                    get("shared_expert.up_proj.weight", (is_, h), rows),
-                )
+            self._load_shared(
+                get("shared_expert.gate_proj.weight", (is_, h), rows),
+                get("shared_expert.up_proj.weight", (is_, h), rows),
+                get("shared_expert.down_proj.weight", (h, is_), columns),
             )
-            self.shared_down.copy_(get("shared_expert.down_proj.weight", (h, is_), columns))
+
+    def _load_shared(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        """This rank's shared expert (gate and up ``[Is, H]``, down ``[H, Is]``) as its ``m`` pieces of ``Ie``
+        features after the routed experts, the last zero-padded."""
+        e, m, ie = self.config.num_experts, self.shard.shared_pieces, self.shard.moe_intermediate_size
+        pad = m * ie - gate.shape[0]
+        gate, up, down = F.pad(gate, (0, 0, 0, pad)), F.pad(up, (0, 0, 0, pad)), F.pad(down, (0, pad))
+        h = down.shape[0]
+        self.experts_gate_up[e:].copy_(torch.cat([gate.view(m, ie, h), up.view(m, ie, h)], dim=1))
+        self.experts_down[e:].copy_(down.view(h, m, ie).transpose(0, 1))

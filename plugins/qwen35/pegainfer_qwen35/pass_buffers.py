@@ -68,16 +68,14 @@ def pass_buffer_roles(
             Role("gdn_gated", s.value_dim, dtype),  # gated RMSNorm output
         ]
     if config.is_moe:
-        k, ie, is_ = config.num_experts_per_tok, s.moe_intermediate_size, s.shared_expert_intermediate_size
+        # The chosen experts, then the shared expert's pieces (``moe.SparseMoE``).
+        k, ie = config.num_experts_per_tok + s.shared_pieces, s.moe_intermediate_size
         roles += [
             Role("moe_router", config.num_experts + 1, dtype),  # the router's logits, the shared gate's
             Role("moe_rows", k * h, dtype),  # each token's row once per chosen expert, grouped by expert
             Role("moe_gate_up", k * 2 * ie, dtype),
             Role("moe_act", k * ie, dtype),
             Role("moe_out", k * h, dtype),
-            Role("shared_gate_up", 2 * is_, dtype),
-            Role("shared_act", is_, dtype),
-            Role("shared_out", h, dtype),
         ]
     if config.has_dense_ffn:
         i = s.intermediate_size

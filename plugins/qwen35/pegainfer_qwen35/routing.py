@@ -1,11 +1,12 @@
 """Qwen3.5-MoE's expert selection from the router's logits: a Triton kernel and its torch reference.
 
-From logits ``[T, E]`` (a strided view of the router GEMM's output is fine): ``p = softmax(logits)`` in
-fp32, the ``k`` largest ``p`` (ids best first), renormalised to sum to 1 when ``norm``, cast to ``dtype``.
-The kernel is one program per token for all of it, where the torch form is five launches (softmax, top-k,
-sum, divide, cast) a layer, paid in latency by a batch-1 decode step; it has no host sync, so it runs
-inside CUDA graphs. Ties between equal probabilities go to the lower index (torch's ``topk`` leaves their
-order open).
+From logits ``[T, E + 1]`` (a strided view of the router GEMM's output is fine; the last column is the
+shared expert's gate logit): ``p = softmax(logits[:, :E])`` in fp32, the ``k`` largest ``p`` (ids best
+first), renormalised to sum to 1 when ``norm``, cast to ``dtype``; then ``shared`` more columns, the shared
+expert's pieces (``SparseMoE``: experts ``E .. E + shared - 1``), each weighted ``sigmoid(gate logit)`` in
+``dtype``. The kernel is one program per token for all of it, where the torch form is some eight launches a
+layer, paid in latency by a batch-1 decode step; it has no host sync, so it runs inside CUDA graphs. Ties
+between equal probabilities go to the lower index (torch's ``topk`` leaves their order open).
 """
 
 from __future__ import annotations
@@ -17,13 +18,16 @@ from pegainfer.ops import use_triton
 
 
 def softmax_topk_ref(
-    logits: torch.Tensor, k: int, norm: bool, dtype: torch.dtype
+    logits: torch.Tensor, k: int, norm: bool, dtype: torch.dtype, shared: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    experts = logits.shape[1] - 1
+    probs = torch.softmax(logits[:, :experts], dim=-1, dtype=torch.float32)
     weights, ids = probs.topk(k, dim=-1)
     if norm:
         weights = weights / weights.sum(-1, keepdim=True)
-    return weights.to(dtype), ids
+    gate = torch.sigmoid(logits[:, experts:].float()).to(dtype).expand(-1, shared)
+    shared_ids = torch.arange(experts, experts + shared, device=logits.device).expand(len(logits), -1)
+    return torch.cat([weights.to(dtype), gate], 1), torch.cat([ids, shared_ids], 1)
 
 
 @triton.jit
@@ -35,15 +39,17 @@ def _softmax_topk_kernel(
     NUM_EXPERTS: tl.constexpr,
     BLOCK_E: tl.constexpr,
     K: tl.constexpr,
+    SHARED: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NORM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_start(PDL)
     token = tl.program_id(0).to(tl.int64)
+    row = logits_ptr + token * stride_l
     expert = tl.arange(0, BLOCK_E)
     valid = expert < NUM_EXPERTS
-    logit = tl.load(logits_ptr + token * stride_l + expert, mask=valid, other=float("-inf")).to(tl.float32)
+    logit = tl.load(row + expert, mask=valid, other=float("-inf")).to(tl.float32)
     e = tl.exp(logit - tl.max(logit, 0))
     probs = e / tl.sum(e, 0)
     choice = tl.where(valid, probs, -1.0)  # below every probability: padding is never picked
@@ -58,31 +64,41 @@ def _softmax_topk_kernel(
         choice = tl.where(expert == pick, -2.0, choice)
     if NORM:
         weights = weights / tl.sum(weights, 0)
-    out = weights_ptr + token * K + slot
-    tl.store(out, weights.to(weights_ptr.dtype.element_ty), mask=slot < K)
-    tl.store(ids_ptr + token * K + slot, ids.to(tl.int64), mask=slot < K)
+    dtype = weights_ptr.dtype.element_ty
+    # Slots K .. K + SHARED - 1: the shared expert's pieces, gated as one.
+    gate = 1.0 / (1.0 + tl.exp(-tl.load(row + NUM_EXPERTS).to(tl.float32)))
+    is_shared = (slot >= K) & (slot < K + SHARED)
+    weights = tl.where(slot < K, weights.to(dtype), tl.where(is_shared, gate.to(dtype), 0.0).to(dtype))
+    ids = tl.where(is_shared, NUM_EXPERTS + slot - K, ids)
+    out = token * (K + SHARED) + slot
+    tl.store(weights_ptr + out, weights, mask=slot < K + SHARED)
+    tl.store(ids_ptr + out, ids.to(tl.int64), mask=slot < K + SHARED)
 
 
 def softmax_topk_triton(
-    logits: torch.Tensor, k: int, norm: bool, dtype: torch.dtype
+    logits: torch.Tensor, k: int, norm: bool, dtype: torch.dtype, shared: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens, experts = logits.shape
+    tokens, columns = logits.shape
+    experts = columns - 1
     if logits.stride(-1) != 1 or not 0 < k <= experts:
-        raise ValueError(f"softmax_topk: logits {tuple(logits.shape)} need a contiguous last dim and k <= E")
-    weights = torch.empty(tokens, k, dtype=dtype, device=logits.device)
-    ids = torch.empty(tokens, k, dtype=torch.int64, device=logits.device)
+        raise ValueError(
+            f"softmax_topk: logits {tuple(logits.shape)} (E + 1 columns) need a contiguous last dim and k <= E"
+        )
+    weights = torch.empty(tokens, k + shared, dtype=dtype, device=logits.device)
+    ids = torch.empty(tokens, k + shared, dtype=torch.int64, device=logits.device)
     if tokens:
         _softmax_topk_kernel[(tokens,)](
             logits, weights, ids, logits.stride(0), NUM_EXPERTS=experts, BLOCK_E=next_pow2(experts), K=k,
-            BLOCK_K=max(2, next_pow2(k)), NORM=norm, num_warps=4 if experts > 64 else 1, **pdl_launch(logits),
+            SHARED=shared, BLOCK_K=max(2, next_pow2(k + shared)), NORM=norm,
+            num_warps=4 if experts > 64 else 1, **pdl_launch(logits),
         )  # fmt: skip
     return weights, ids
 
 
 def softmax_topk(
-    logits: torch.Tensor, k: int, norm: bool, dtype: torch.dtype
+    logits: torch.Tensor, k: int, norm: bool, dtype: torch.dtype, shared: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights ``[T, k]`` in ``dtype``, ids ``[T, k]`` int64) of the module docstring: the kernel on CUDA
-    (unless ``PEGAINFER_DISABLE_TRITON``), the torch reference elsewhere."""
+    """(weights ``[T, k + shared]`` in ``dtype``, ids ``[T, k + shared]`` int64) of the module docstring:
+    the kernel on CUDA (unless ``PEGAINFER_DISABLE_TRITON``), the torch reference elsewhere."""
     select = softmax_topk_triton if use_triton(logits) else softmax_topk_ref
-    return select(logits, k, norm, dtype)
+    return select(logits, k, norm, dtype, shared)

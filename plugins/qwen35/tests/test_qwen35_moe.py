@@ -1,11 +1,17 @@
-"""The sparse MoE block against transformers' block, in both schedules (grouped by expert for prefill
-steps; static shapes without host syncs for decode steps, which run inside CUDA graphs)."""
+"""The sparse MoE block against transformers' block, in both reference schedules (grouped by expert for
+prefill steps; static shapes without host syncs for decode steps, which run inside CUDA graphs) and
+through the expert kernels; the shared expert (24 features) runs as two 16-feature experts."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 
+from pegainfer import ops
+from pegainfer.testing.triton_kernels import KERNEL_DEVICE, requires_kernels
+from pegainfer_qwen35 import routing
 from pegainfer_qwen35.config import Qwen35Config
 from pegainfer_qwen35.moe import SparseMoE
 from pegainfer_qwen35.pass_buffers import PassBuffers, pass_buffer_roles
@@ -32,6 +38,10 @@ def blocks():
     ours = SparseMoE(_config(), torch.float32)
     for p in ours.parameters():
         p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    # The shared expert as two pieces after the routed experts (IS = 24 features as 2 x 16, zero-padded).
+    shared = [torch.randn(IS, H, generator=gen) * H**-0.5 for _ in range(2)]
+    shared.append(torch.randn(H, IS, generator=gen) * IS**-0.5)
+    ours._load_shared(*shared)
     hf_config = Qwen3_5MoeTextConfig(
         hidden_size=H, num_experts=E, num_experts_per_tok=K, moe_intermediate_size=IE,
         shared_expert_intermediate_size=IS,
@@ -39,11 +49,11 @@ def blocks():
     ref = Qwen3_5MoeSparseMoeBlock(hf_config).eval()
     with torch.no_grad():
         ref.gate.weight.copy_(ours.router[:E])
-        ref.experts.gate_up_proj.copy_(ours.experts_gate_up)
-        ref.experts.down_proj.copy_(ours.experts_down)
-        ref.shared_expert.gate_proj.weight.copy_(ours.shared_gate_up[0::2])  # interleaved rows
-        ref.shared_expert.up_proj.weight.copy_(ours.shared_gate_up[1::2])
-        ref.shared_expert.down_proj.weight.copy_(ours.shared_down)
+        ref.experts.gate_up_proj.copy_(ours.experts_gate_up[:E])
+        ref.experts.down_proj.copy_(ours.experts_down[:E])
+        ref.shared_expert.gate_proj.weight.copy_(shared[0])
+        ref.shared_expert.up_proj.weight.copy_(shared[1])
+        ref.shared_expert.down_proj.weight.copy_(shared[2])
         ref.shared_expert_gate.weight.copy_(ours.router[E:])
     return ours, ref
 
@@ -57,3 +67,23 @@ def test_moe_block_matches_transformers(blocks, static_shapes):
         out = ours(x, bufs, static_shapes=static_shapes)
         expected = ref(x[None])[0]
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+
+
+@requires_kernels
+@pytest.mark.parametrize("tokens", [1, 13], ids=["pairs", "grouped"])
+def test_moe_block_through_the_expert_kernels_matches_transformers(blocks, tokens, monkeypatch):
+    """The CUDA path (selection kernel, then the routed experts and the shared expert's two pieces in one
+    ``ops.fused_moe``) on the kernels' device: a decode step's token (one program per pair) and a prefill's
+    (grouped GEMMs)."""
+    ours, ref = blocks
+    if KERNEL_DEVICE == "cpu":  # the interpreter on CPU tensors: take the CUDA branches anyway
+        monkeypatch.setattr(ops, "use_triton", lambda t: True)
+        monkeypatch.setattr(routing, "use_triton", lambda t: True)
+    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(2))
+    bufs = PassBuffers(pass_buffer_roles(_config(), torch.float32), tokens, torch.device(KERNEL_DEVICE))
+    residual = torch.randn(tokens, H, generator=torch.Generator().manual_seed(3))
+    moe = copy.deepcopy(ours).to(KERNEL_DEVICE)
+    with torch.no_grad():
+        out = moe(x.to(KERNEL_DEVICE), bufs, residual=residual.clone().to(KERNEL_DEVICE))
+        expected = residual + ref(x[None])[0]
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)

@@ -104,6 +104,5 @@ def test_pass_buffers_and_states_are_rank_local(tiny_checkpoint_factory):
     widths = {r.name: r.width for r in one.pass_buffer_roles}
     halves = {r.name: r.width for r in two.pass_buffer_roles}
     whole = {"hidden", "normed", "mixer_out", "mlp_down", "moe_router", "moe_rows", "moe_out"}
-    whole |= {"shared_out"}
     for name, width in widths.items():
         assert halves[name] == (width if name in whole else width // 2), name
