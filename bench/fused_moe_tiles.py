@@ -6,6 +6,7 @@ no records.
     python bench/fused_moe_tiles.py [--fp8]            # the grouped path's tiles (block_n x block_k x stages), batch 1 and 16
     python bench/fused_moe_tiles.py --pairs [--fp8]    # the pair path's split and tiles at 1 token, then
                                                        # against the grouped path at 1..8 tokens
+    python bench/fused_moe_tiles.py --pairs --cases qwen35_35b,qwen35_35b_shared   # some shapes only
 
 Each of the 16 calls replayed in one graph routes to fresh experts, so no weights come from L2; the bytes
 are the distinct experts' gate|up and down (the pair path reads an expert once per pair that chose it).
@@ -30,16 +31,21 @@ from pegainfer.layers.moe import BlockScales  # noqa: E402
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--fp8", action="store_true", help="DeepSeek-V3's experts in float8 with 128x128 scales")
 parser.add_argument("--pairs", action="store_true", help="the pair path (moe_pairs) and its tiles")
+parser.add_argument("--cases", default="", help="comma-separated expert shapes to run (default: all)")
 args = parser.parse_args()
 bw = stream_read_bytes_per_s()
 print(f"stream read {bw / 1e12:.2f} TB/s", flush=True)
 CASES = {
     "qwen35_35b": (256, 2048, 512, 8),
+    # The same with the shared expert as a ninth choice (Qwen3.5's SparseMoE; routed here like the others)
+    "qwen35_35b_shared": (257, 2048, 512, 9),
     "deepseek_v3": (256, 7168, 2048, 8),
     "moonlight": (64, 2048, 1408, 6),
 }
 if args.fp8:
     CASES = {"deepseek_v3_fp8": CASES["deepseek_v3"]}
+if args.cases:
+    CASES = {name: CASES[name] for name in args.cases.split(",")}
 TILES = [
     dict(block_n=n, block_k=k, num_stages=s)
     for n, k, s in (
