@@ -60,6 +60,19 @@ def top_k_mask(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Ten
     return picked & visible
 
 
+def prefill_scratch_bytes(dims: DeepseekV3Dims, context: int, dtype_bytes: int) -> int:
+    """A bound on the temporaries of ``LightningIndexer``'s prefill selection for a segment of ``context``
+    tokens (segments run one at a time): the context's slots, keys and their fp32 copy, and one query
+    block's fp32 scores over every head (counted twice: on the CPU the next block's scores are allocated
+    after the last ones are freed, but a backend whose einsum permutes them into a copy holds two), the
+    weighted index and its masked copy, the causal, picked and selected masks, top-k's values and indices. The selections themselves stay alive
+    through the layer: a boolean per (query, context position), counted per token by the caller."""
+    cfg = dims.indexer
+    assert cfg is not None
+    per_key = 2 * 8 + cfg.head_dim * (dtype_bytes + 4) + QUERY_BLOCK * (2 * cfg.n_heads * 4 + 2 * 4 + 3)
+    return context * per_key + QUERY_BLOCK * cfg.topk * (4 + 8)
+
+
 class LightningIndexer(nn.Module):
     def __init__(self, dims: DeepseekV3Dims, dtype: torch.dtype) -> None:
         super().__init__()
@@ -115,8 +128,10 @@ class LightningIndexer(nn.Module):
             for lo in range(0, seg.q_len, QUERY_BLOCK):
                 n = min(QUERY_BLOCK, seg.q_len - lo)
                 rows = slice(seg.q_start + lo, seg.q_start + lo + n)
-                scores = torch.relu(torch.einsum("qhd,ld->qhl", q[rows], keys))
+                # The fp32 [n, nI, L] scores, ReLU in place, live only inside this statement.
+                scores = torch.einsum("qhd,ld->qhl", q[rows], keys).relu_()
                 index = torch.einsum("qh,qhl->ql", weights[rows], scores)
+                del scores
                 causal = positions[None, :] <= positions[first + lo : first + lo + n, None]
                 mask[lo : lo + n] = top_k_mask(index, causal, self.topk)
             masks.append(mask)

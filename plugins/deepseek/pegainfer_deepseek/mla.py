@@ -39,6 +39,30 @@ from pegainfer_deepseek.mla_decode import mla_decode_attention
 from pegainfer_deepseek.params import param
 
 
+def prefill_scratch_bytes(dims: DeepseekV3Dims, num_heads: int, context: int, dtype_bytes: int) -> int:
+    """A bound on what ``MLAttention``'s expanded prefill allocates for a segment of ``context`` tokens (the
+    memory plan passes ``max_model_len``; segments run one at a time) with ``num_heads`` heads: the
+    context's slots and gathered latents, its expanded keys and values, and one query block through SDPA's
+    math path (taken with a boolean mask and keys wider than values), which for 16-bit inputs works in
+    fp32: keys (and their scaled copy) and values upcast, the mask as floats, scores and probabilities of
+    ``QUERY_BLOCK`` queries over the context (as torch 2.13's math path allocates them, measured by
+    ``tests/test_deepseek_prefill_scratch.py``)."""
+    nh, dn, dr, dv = num_heads, dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.v_head_dim
+    per_key = (
+        2 * 8  # positions and slots, int64
+        + (dims.kv_lora_rank + dr) * dtype_bytes  # gathered latents
+        + nh * (dn + dv + dn + dr) * dtype_bytes  # kv_b_proj's keys and values, keys with the rope part
+        + nh * (2 * (dn + dr) + dv) * 4  # fp32 keys, scaled keys, values
+        # masks: causal, selected (booleans), in the queries' dtype and in fp32; per head: fp32 scores and
+        # probabilities, a boolean of the fully masked rows, a 16-bit copy of the probabilities
+        + QUERY_BLOCK * (2 + 2 + 4 + nh * (4 + 4 + 1 + 2))
+    )
+    per_query = (
+        nh * (2 * (dn + dr) + 2 * dv) * (dtype_bytes + 4)
+    )  # a block's queries and outputs, both widths
+    return context * per_key + QUERY_BLOCK * per_query
+
+
 class MLAttention(nn.Module):
     """``num_heads`` is this rank's share of the heads under tensor parallelism (``tp``)."""
 

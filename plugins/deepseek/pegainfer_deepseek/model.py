@@ -52,6 +52,7 @@ from pegainfer.model.checkpoint import CheckpointReader
 from pegainfer.model.model_api import CausalLM, ForwardBatch
 from pegainfer.parallel.distributed import TensorParallel
 from pegainfer.parallel.sharding import vocab_shard, vocab_split
+from pegainfer_deepseek import indexer, mla
 from pegainfer_deepseek.config import DeepseekV3Dims
 from pegainfer_deepseek.decoder import DecoderLayer
 from pegainfer_deepseek.fp8 import WeightReader
@@ -255,9 +256,13 @@ class DeepseekV3ForCausalLM(CausalLM):
     def transient_specs(self) -> list[TransientSpec]:
         """Activations per scheduled token (attention projections, expanded prefill keys and values, MoE
         intermediates, the fused MoE's pair rows), in the compute dtype, for this rank's heads and
-        intermediate features; with V3.2's indexer, each decode row's selection over ``max_model_len``
-        positions (the decode graphs' static bound). The reference path's score matrices are not counted."""
+        intermediate features; the expanded prefill attention of one segment as long as ``max_model_len``
+        (or V3.2's indexer selection over it, whichever is larger: they run one after the other); with
+        V3.2's indexer, each prefill token's and each decode row's selection over ``max_model_len``
+        positions (the decode graphs' static bound)."""
         d, size = self.dims, self.tp.size
+        dtype_bytes = dtype_size(self.dtype)
+        attention = mla.prefill_scratch_bytes(d, d.num_heads // size, self.max_model_len, dtype_bytes)
         # q, expanded keys and values, and the absorbed form's query and output latents
         per_head = d.qk_head_dim * 2 + d.v_head_dim * 2 + d.qk_nope_head_dim + 2 * d.kv_lora_rank
         widths = (
@@ -277,8 +282,11 @@ class DeepseekV3ForCausalLM(CausalLM):
             # and topk's values and int64 indices.
             per_row = self.max_model_len * (2 * 4 + 3) + d.indexer.topk * (4 + 8)
             specs.append(TransientSpec("deepseek_indexer_decode", bytes_per_seq=per_row))
+            specs.append(TransientSpec("deepseek_indexer_prefill", bytes_per_token=self.max_model_len))
+            attention = max(attention, indexer.prefill_scratch_bytes(d, self.max_model_len, dtype_bytes))
         return [
-            TransientSpec("deepseek_activations", bytes_per_token=widths * dtype_size(self.dtype)),
+            TransientSpec("deepseek_activations", bytes_per_token=widths * dtype_bytes),
+            TransientSpec("deepseek_prefill_attention", bytes_fixed=attention),
             *specs,
         ]
 

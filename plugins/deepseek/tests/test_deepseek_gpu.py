@@ -18,6 +18,8 @@ from pegainfer.executor.executor import ModelBatch, SequenceChunk
 from pegainfer.sampling.sampling_params import SamplingParams
 from pegainfer.testing.checkpoints import write_tiny_checkpoint
 from pegainfer.testing.conformance import Bf16AccuracyReport
+from pegainfer_deepseek import mla
+from pegainfer_deepseek.mla import MLAttention
 from pegainfer_deepseek.tiny import EMBED_STD
 
 pytestmark = [
@@ -107,3 +109,32 @@ def test_bf16_decode_logits_as_accurate_as_hf(llm, gpu_checkpoint):
     report = Bf16AccuracyReport(gpu_checkpoint)
     report.add_greedy_decode(llm.engine, prompts, max_tokens=24)
     report.assert_as_accurate_as_hf("deepseek_v3 decode batched")
+
+
+def test_expanded_prefill_stays_within_its_scratch_bound(llm, monkeypatch):
+    """What one 1000-token segment's expanded MLA prefill allocates on the GPU (whichever SDPA backend
+    runs it) fits in ``mla.prefill_scratch_bytes``, the bound the memory plan reserves."""
+    model = llm.engine.executor.runner.model
+    measured: list[tuple[int, int, int]] = []
+    original = MLAttention._prefill
+
+    def measuring(self, q_nope, q_pe, cache, meta, out, selection=None):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        original(self, q_nope, q_pe, cache, meta, out, selection)
+        torch.cuda.synchronize()
+        (seg,) = meta.prefills
+        measured.append((seg.ctx_len, self.num_heads, torch.cuda.max_memory_allocated() - before))
+
+    monkeypatch.setattr(MLAttention, "_prefill", measuring)
+    llm.generate(
+        prompt_token_ids=[random.Random(4).choices(range(1000), k=1000)],
+        sampling_params=SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert len(measured) == len(model.layers)
+    for ctx, heads, peak in measured:
+        bound = mla.prefill_scratch_bytes(model.dims, heads, ctx, 2)
+        print(f"context {ctx}: allocated {peak / 2**20:.2f} MiB, bound {bound / 2**20:.2f} MiB")
+        assert peak <= bound
