@@ -45,6 +45,15 @@ class AttentionMetadata:
 
 #: Queries per block in the reference prefill attention.
 QUERY_BLOCK = 256
+#: Longest context a whole block of queries attends at once (``query_block``).
+BLOCK_CONTEXT = 4096
+
+
+def query_block(context: int, most: int = QUERY_BLOCK) -> int:
+    """Queries per block over ``context`` keys: ``most`` up to ``BLOCK_CONTEXT`` keys, proportionally fewer
+    past it (16 at least), so that one block's score matrices stop growing with the context (at 163840
+    keys, 16 queries a block hold the scores 256 would over 10240)."""
+    return max(min(16, most), min(most, most * BLOCK_CONTEXT // max(context, 1)))
 
 
 def reference_scratch_bytes(

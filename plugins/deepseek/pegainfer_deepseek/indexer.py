@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pegainfer.kernels._triton import use_kernel
-from pegainfer.layers.attention import QUERY_BLOCK, AttentionMetadata, page_slots, write_rows
+from pegainfer.layers.attention import QUERY_BLOCK, AttentionMetadata, page_slots, query_block, write_rows
 from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding
 from pegainfer.model.model_api import ForwardBatch
 from pegainfer_deepseek.config import DeepseekV3Dims
@@ -69,8 +69,9 @@ def prefill_scratch_bytes(dims: DeepseekV3Dims, context: int, dtype_bytes: int) 
     through the layer: a boolean per (query, context position), counted per token by the caller."""
     cfg = dims.indexer
     assert cfg is not None
-    per_key = 2 * 8 + cfg.head_dim * (dtype_bytes + 4) + QUERY_BLOCK * (2 * cfg.n_heads * 4 + 2 * 4 + 3)
-    return context * per_key + QUERY_BLOCK * cfg.topk * (4 + 8)
+    block = query_block(context, QUERY_BLOCK)
+    per_key = 2 * 8 + cfg.head_dim * (dtype_bytes + 4) + block * (2 * cfg.n_heads * 4 + 2 * 4 + 3)
+    return context * per_key + block * cfg.topk * (4 + 8)
 
 
 class LightningIndexer(nn.Module):
@@ -125,8 +126,9 @@ class LightningIndexer(nn.Module):
             first = seg.ctx_len - seg.q_len
             mask = torch.empty(seg.q_len, seg.ctx_len, dtype=torch.bool, device=q.device)
             # Query blocks bound the fp32 [n, nI, L] score tensor.
-            for lo in range(0, seg.q_len, QUERY_BLOCK):
-                n = min(QUERY_BLOCK, seg.q_len - lo)
+            block = query_block(seg.ctx_len, QUERY_BLOCK)
+            for lo in range(0, seg.q_len, block):
+                n = min(block, seg.q_len - lo)
                 rows = slice(seg.q_start + lo, seg.q_start + lo + n)
                 # The fp32 [n, nI, L] scores, ReLU in place, live only inside this statement.
                 scores = torch.einsum("qhd,ld->qhl", q[rows], keys).relu_()

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pegainfer import ops
-from pegainfer.layers.attention import QUERY_BLOCK, AttentionMetadata, page_slots, write_rows
+from pegainfer.layers.attention import QUERY_BLOCK, AttentionMetadata, page_slots, query_block, write_rows
 from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding
 from pegainfer.model.model_api import ForwardBatch
 from pegainfer.parallel.distributed import TensorParallel
@@ -45,9 +45,10 @@ def prefill_scratch_bytes(dims: DeepseekV3Dims, num_heads: int, context: int, dt
     context's slots and gathered latents, its expanded keys and values, and one query block through SDPA's
     math path (taken with a boolean mask and keys wider than values), which for 16-bit inputs works in
     fp32: keys (and their scaled copy) and values upcast, the mask as floats, scores and probabilities of
-    ``QUERY_BLOCK`` queries over the context (as torch 2.13's math path allocates them, measured by
-    ``tests/test_deepseek_prefill_scratch.py``)."""
+    a block of queries (``query_block``) over the context (as torch 2.13's math path allocates them,
+    measured by ``tests/test_deepseek_prefill_scratch.py``)."""
     nh, dn, dr, dv = num_heads, dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.v_head_dim
+    block = query_block(context, QUERY_BLOCK)
     per_key = (
         2 * 8  # positions and slots, int64
         + (dims.kv_lora_rank + dr) * dtype_bytes  # gathered latents
@@ -55,12 +56,12 @@ def prefill_scratch_bytes(dims: DeepseekV3Dims, num_heads: int, context: int, dt
         + nh * (2 * (dn + dr) + dv) * 4  # fp32 keys, scaled keys, values
         # masks: causal, selected (booleans), in the queries' dtype and in fp32; per head: fp32 scores and
         # probabilities, a boolean of the fully masked rows, a 16-bit copy of the probabilities
-        + QUERY_BLOCK * (2 + 2 + 4 + nh * (4 + 4 + 1 + 2))
+        + block * (2 + 2 + 4 + nh * (4 + 4 + 1 + 2))
     )
     per_query = (
         nh * (2 * (dn + dr) + 2 * dv) * (dtype_bytes + 4)
     )  # a block's queries and outputs, both widths
-    return context * per_key + QUERY_BLOCK * per_query
+    return context * per_key + block * per_query
 
 
 class MLAttention(nn.Module):
@@ -177,9 +178,10 @@ class MLAttention(nn.Module):
             first = seg.ctx_len - seg.q_len
             # Query blocks: with a boolean mask and q/k wider than v, SDPA may take its math path, which
             # materialises [heads, queries, keys] scores (batch 32 x 4096-token prompts ran out of memory
-            # on the H200 in one block); a block bounds them to QUERY_BLOCK x context.
-            for lo in range(0, seg.q_len, QUERY_BLOCK):
-                n = min(QUERY_BLOCK, seg.q_len - lo)
+            # on the H200 in one block); a block bounds them to query_block x context.
+            block = query_block(seg.ctx_len, QUERY_BLOCK)
+            for lo in range(0, seg.q_len, block):
+                n = min(block, seg.q_len - lo)
                 rows = slice(seg.q_start + lo, seg.q_start + lo + n)
                 queries = torch.cat([q_nope[rows], q_pe[rows]], dim=-1)  # [n, nh, dn + dr]
                 q_pos = positions[first + lo : first + lo + n]

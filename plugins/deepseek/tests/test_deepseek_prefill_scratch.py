@@ -11,6 +11,7 @@ import pytest
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pegainfer import LLM, SamplingParams
+from pegainfer.layers import attention
 from pegainfer.testing.cpu_peak import peak_cpu_bytes
 from pegainfer_deepseek import indexer, mla
 from pegainfer_deepseek.indexer import LightningIndexer
@@ -19,8 +20,13 @@ from pegainfer_deepseek.mla import MLAttention
 CONTEXT = 600  # three query blocks
 
 
+@pytest.mark.parametrize("block_context", [4096, 150], ids=["whole-blocks", "shrunk-blocks"])
 @pytest.mark.parametrize("architecture", ["deepseek_v3", "deepseek_v32"], ids=["v3", "v32"])
-def test_prefill_attention_stays_within_its_scratch_bound(architecture, tiny_checkpoint_factory, monkeypatch):
+def test_prefill_attention_stays_within_its_scratch_bound(
+    architecture, block_context, tiny_checkpoint_factory, monkeypatch
+):
+    """Past ``BLOCK_CONTEXT`` keys (150 here) a block takes fewer queries (64 of 256 over 599 keys)."""
+    monkeypatch.setattr(attention, "BLOCK_CONTEXT", block_context)
     llm = LLM(
         str(tiny_checkpoint_factory(architecture)), dtype="bfloat16", device="cpu", max_model_len=CONTEXT,
         max_num_batched_tokens=CONTEXT, cpu_kv_cache_bytes=16 << 20, enable_prefix_caching=False,
