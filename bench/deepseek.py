@@ -6,6 +6,7 @@ each ``--batches`` size, against the bytes a step must read, and HF transformers
     python bench/deepseek.py --shape moonlight --batches 1,16 --skip-kernels --out ...   # a whole ~16B model
     python bench/deepseek.py --fp8 --batches 1 --skip-kernels --out ...   # float8 experts (no peer)
     python bench/deepseek.py --batches 1 --skip-kernels --skip-peer --mtp --out ...   # MTP k=1 at batch 1
+    python bench/deepseek.py --batches 1 --skip-kernels --skip-peer --mtp --mtp-bigram --out ...  # drafts right
     python bench/deepseek.py --shape v32 --ctx 4096 --batches 1 --skip-kernels --skip-peer --out ...  # V3.2
     python bench/deepseek.py --ctx 4096 --block-size 64 --skip-kernels --skip-peer --out ...  # 64-token pages
 
@@ -37,6 +38,7 @@ from common import (
     check_all_running,
     graph_time_ms,
     greedy,
+    make_near_bigram,
     measure_ceilings,
     start_decoding,
     stop_decoding,
@@ -239,7 +241,9 @@ def bench_decode(llm, vocab: int, batch: int, ctx: int, steps: int, rng: random.
     return {"step_ms": step_ms, "experts": experts, "ctx": ctx + 4 + steps / 2}
 
 
-def bench_mtp(shape: dict, vocab: int, layers: int | None, ctx: int, tokens: int) -> dict:
+def bench_mtp(
+    shape: dict, vocab: int, layers: int | None, ctx: int, tokens: int, bigram: bool = False
+) -> dict:
     """Batch-1 greedy decode of ``tokens`` tokens with and without MTP drafting (k=1) on the same random
     weights (one MTP layer added): tokens/s and acceptance in bf16 with the module's own drafts and, on
     the same engine, with drafts forced to the plain run's output (right wherever the verification
@@ -251,7 +255,8 @@ def bench_mtp(shape: dict, vocab: int, layers: int | None, ctx: int, tokens: int
     GEMMs round differently, enough to flip a random router's near ties (measured 2026-12-04, when the
     verification still attended in the expanded form: the first bf16 difference at token 30, where plain
     decode's top two were 0.22 nats apart). The float32 runs take two layers (the first dense, one MoE)
-    and the MTP layer: four do not fit one H200 in float32."""
+    and the MTP layer: four do not fit one H200 in float32. ``bigram``: every engine's weights made
+    near-bigram first (``common.make_near_bigram``: the module's own drafts right)."""
     folders = {
         "bfloat16": checkpoint_folder({**shape, "num_nextn_predict_layers": 1}, vocab, layers),
         "float32": checkpoint_folder({**shape, "num_nextn_predict_layers": 1}, vocab, 2),
@@ -262,6 +267,12 @@ def bench_mtp(shape: dict, vocab: int, layers: int | None, ctx: int, tokens: int
         llm = build(
             folders[dtype], max_num_seqs=1, max_model_len=ctx + tokens + 64, speculative_tokens=k, dtype=dtype
         )
+        if bigram:
+            make_near_bigram(
+                llm.engine.executor.runner.model, draft_input="mtp.0.eh_proj",
+                copies={"mtp.0.embed_tokens": "embed_tokens", "mtp.0.head": "lm_head", "mtp.0.head_norm": "norm"},
+                identity_norms=("mtp.0.enorm",), identity=1.0,
+            )  # fmt: skip
         runs[k, dtype] = timed_decode(llm, prompt, tokens)
         if k and dtype == "bfloat16":
             force_drafts(llm, {tuple(prompt): prompt + runs[0, dtype][0]}, None)
@@ -314,6 +325,11 @@ def main() -> None:
     parser.add_argument("--skip-kernels", action="store_true", help="no MLA / fused MoE microbenchmarks")
     parser.add_argument("--fp8", action="store_true", help="a block-FP8 checkpoint: float8 routed experts")
     parser.add_argument("--mtp", action="store_true", help="also batch-1 decode with MTP drafting (k=1)")
+    parser.add_argument(
+        "--mtp-bigram",
+        action="store_true",
+        help="MTP runs on near-bigram weights (drafts right; _near_bigram)",
+    )
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument(
         "--block-size",
@@ -393,12 +409,14 @@ def main() -> None:
             results.add(f"{prefix}.peer_hf.bs1.step_ms", peer, "ms")
             results.add(f"{prefix}.peer_hf.bs1.speedup", peer / ours_bs1, "x", 10.0)
         if args.mtp:
-            m = bench_mtp(shape, vocab, layers, args.ctx, 64)
-            results.add(f"{prefix}.mtp_k1.bs1.identical_greedy_fp32", float(m["identical"]), "bool", 1.0)
-            results.add(f"{prefix}.mtp_k1.bs1.acceptance", m["acceptance"], "fraction")
-            results.add(f"{prefix}.mtp_k1.bs1.tok_per_s", m["mtp_tok_per_s"], "tok/s")
-            results.add(f"{prefix}.mtp_k1.bs1.speedup", m["mtp_tok_per_s"] / m["tok_per_s"], "x")
-            forced = f"{prefix}.mtp_k1_forced_right.bs1"
+            m = bench_mtp(shape, vocab, layers, args.ctx, 64, args.mtp_bigram)
+            weights = "_near_bigram" if args.mtp_bigram else ""
+            own = f"{prefix}.mtp_k1{weights}.bs1"
+            results.add(f"{own}.identical_greedy_fp32", float(m["identical"]), "bool", 1.0)
+            results.add(f"{own}.acceptance", m["acceptance"], "fraction")
+            results.add(f"{own}.tok_per_s", m["mtp_tok_per_s"], "tok/s")
+            results.add(f"{own}.speedup", m["mtp_tok_per_s"] / m["tok_per_s"], "x")
+            forced = f"{prefix}.mtp_k1_forced_right{weights}.bs1"
             results.add(f"{forced}.acceptance", m["forced_acceptance"], "fraction")
             results.add(f"{forced}.tok_per_s", m["forced_tok_per_s"], "tok/s")
             results.add(f"{forced}.speedup", m["forced_tok_per_s"] / m["tok_per_s"], "x")

@@ -27,6 +27,9 @@ drafts forced to that run's own output (``_forced_right``). In bf16 with random 
 would be on a trained model: the top logits are near ties, so the verification path and the decode graph
 part within a few tokens, and a token verified as a chunk's second row is not bit-identical to the same
 token as the next chunk's first row, so even forced drafts are rarely accepted (docs/benchmarks.md).
+``--mtp-bigram`` runs the same on near-bigram weights (``common.make_near_bigram``, figures
+``..._near_bigram``): the next token is then clear-cut and the module's own drafts right, so the speed-up
+is that of drafting at high acceptance.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from common import (
     check_all_running,
     cuda_time_ms,
     greedy,
+    make_near_bigram,
     measure_ceilings,
     start_decoding,
     stop_decoding,
@@ -254,17 +258,23 @@ def _peer_step(model, result, cache_kw: str):
     return model(token, use_cache=True, **{cache_kw: cache})
 
 
-def bench_mtp(shape: dict, ctx: int, tokens: int, ks: list[int]) -> list[dict]:
+def bench_mtp(shape: dict, ctx: int, tokens: int, ks: list[int], bigram: bool = False) -> list[dict]:
     """Batch-1 greedy decode of ``tokens`` tokens after a ``ctx``-token prompt, with the shape's MTP module
     added: drafting off, then each k with the module's own drafts and, on the same engine, with drafts
     forced to that run's own output (right wherever the verification repeats itself). Decode tokens/s
-    leaves the prompt's prefill out (a ``max_tokens=1`` run of the same engine, subtracted)."""
+    leaves the prompt's prefill out (a ``max_tokens=1`` run of the same engine, subtracted). ``bigram``:
+    every engine's weights made near-bigram first (``common.make_near_bigram``: drafts right)."""
     folder = checkpoint_folder({**shape, "mtp_num_hidden_layers": 1})
     prompt = [random.Random(1).randrange(shape["vocab_size"]) for _ in range(ctx)]
 
     rows, reference = [], []
     for k in [0, *ks]:
         llm = build(folder, max_num_seqs=1, max_model_len=ctx + tokens + 64, speculative_tokens=k)
+        if bigram:
+            make_near_bigram(
+                llm.engine.executor.runner.model, draft_input="mtp.0.fc", copies={"mtp.0.norm": "norm"},
+                identity_norms=("mtp.0.pre_fc_norm_embedding",), identity=0.0,
+            )  # fmt: skip
         ids, tok_per_s, rate = timed_decode(llm, prompt, tokens)
         reference = reference or ids
         rows.append(
@@ -335,6 +345,11 @@ def main() -> None:
     parser.add_argument("--peer-shapes", default="9b", help="shapes that get the HF peer at batch 1")
     parser.add_argument("--mtp", default="", help="k values for MTP drafting at batch 1, e.g. 1,2,3")
     parser.add_argument("--mtp-tokens", type=int, default=128)
+    parser.add_argument(
+        "--mtp-bigram",
+        action="store_true",
+        help="MTP runs on near-bigram weights (drafts right; _near_bigram)",
+    )
     parser.add_argument("--commit", default=None)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",") if b]
@@ -413,11 +428,13 @@ def main() -> None:
         os.environ.pop("PEGAINFER_QWEN35_GDN_KERNELS", None)
         ks = [int(k) for k in args.mtp.split(",") if k]
         if ks:
-            rows = bench_mtp(shape, args.ctx, args.mtp_tokens, ks)
+            rows = bench_mtp(shape, args.ctx, args.mtp_tokens, ks, args.mtp_bigram)
             plain = rows[0]["tok_per_s"]
-            results.add(f"qwen35_{name}.mtp_off.bs1.tok_per_s", plain, "tok/s")
+            weights = "_near_bigram" if args.mtp_bigram else ""
+            results.add(f"qwen35_{name}.mtp_off{weights}.bs1.tok_per_s", plain, "tok/s")
             for row in rows[1:]:
-                key = f"qwen35_{name}.mtp_k{row['k']}" + ("_forced_right" if row["forced"] else "") + ".bs1"
+                forced = "_forced_right" if row["forced"] else ""
+                key = f"qwen35_{name}.mtp_k{row['k']}{forced}{weights}.bs1"
                 results.add(f"{key}.identical_greedy", float(row["identical"]), "bool", 1.0)
                 results.add(f"{key}.acceptance", row["acceptance"], "fraction")
                 results.add(f"{key}.tok_per_s", row["tok_per_s"], "tok/s")
