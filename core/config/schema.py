@@ -42,7 +42,9 @@ class ModelConfig(_Section):
 
 
 class CacheConfig(_Section):
-    block_size: int = Field(default=16, ge=1, le=1024)
+    #: Tokens a KV page holds; None: the model's ``default_block_size`` (16 unless its plugin measured
+    #: another faster).
+    block_size: int | None = Field(default=None, ge=1, le=1024)
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     # Bytes the KV pool may use on the CPU, per tensor-parallel rank (there is no device memory to measure).
     cpu_kv_cache_bytes: int = Field(default=1 << 30, ge=1)

@@ -40,7 +40,7 @@ class LLM:
         max_num_seqs: int = 128,
         max_num_batched_tokens: int = 4096,
         long_prefill_token_threshold: int | None = None,
-        block_size: int = 16,
+        block_size: int | None = None,
         gpu_memory_utilization: float = 0.9,
         cpu_kv_cache_bytes: int = 1 << 30,
         num_gpu_blocks_override: int | None = None,

@@ -46,12 +46,17 @@ def prefix_caching_enabled(loaded: LoadedModel, config: EngineConfig) -> bool:
     return config.cache.enable_prefix_caching and loaded.model.prefix_caching_refusal is None
 
 
+def block_size_of(loaded: LoadedModel, config: EngineConfig) -> int:
+    """Tokens a KV page holds: ``cache.block_size``, or the model's ``default_block_size``."""
+    return config.cache.block_size or loaded.model.default_block_size
+
+
 def step_transients(loaded: LoadedModel, config: EngineConfig, *, graphs: bool) -> list[TransientSpec]:
     """The model's transients plus what the sampler, the decode buffers and the CUDA graphs take."""
     model, sched = loaded.model, config.scheduler
     vocab = model.vocab_size
     num_spec = config.speculative.num_tokens
-    max_blocks = -(-loaded.max_model_len // config.cache.block_size)
+    max_blocks = -(-loaded.max_model_len // block_size_of(loaded, config))
     specs = [
         *model.transient_specs(),
         # Logits of the sampled rows (1 + drafts per request) and the sampler's working copies of them.
@@ -118,7 +123,7 @@ def plan_rank_memory(
         weight_bytes=loaded.weight_bytes,
         specs=specs,
         transients=transients,
-        block_size=config.cache.block_size,
+        block_size=block_size_of(loaded, config),
         max_num_seqs=sched.max_num_seqs,
         max_num_batched_tokens=sched.max_num_batched_tokens,
         max_model_len=loaded.max_model_len,

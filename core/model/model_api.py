@@ -74,6 +74,9 @@ class CausalLM(torch.nn.Module, ABC):
     #: a forward gets ``AttentionMetadata.in_graph`` batches: it reads the segments only from their device
     #: form, with no host sync and no shape that depends on the segments' values.
     prefill_graph_tokens: int = 0
+    #: Tokens a KV page holds when ``cache.block_size`` is not set: the page size the model's attention
+    #: kernels run best with.
+    default_block_size: int = 16
 
     @property
     def vocab_size(self) -> int:

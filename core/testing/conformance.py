@@ -266,7 +266,10 @@ def _tp_llm(folder: str | Path, tp: int, **options: Any) -> Any:
     device (scheduled ahead of the last step's read-back)."""
     from pegainfer.engine.llm import LLM
 
-    base = dict(dtype="float32", device="cpu", cpu_kv_cache_bytes=8 << 20, tensor_parallel_size=tp)
+    # 16-token pages whatever the model's default: the batch's 17-token prompt has a full page to hit.
+    base = dict(
+        dtype="float32", device="cpu", cpu_kv_cache_bytes=8 << 20, tensor_parallel_size=tp, block_size=16
+    )
     llm = LLM(str(folder), **{**base, **options})
     executor = llm.engine.executor
     execute, llm.carried_steps = executor.execute, [0]

@@ -168,3 +168,13 @@ def test_forward_reads_the_hidden_states_not_the_token_ids(llm, tiny_deepseek, m
     finally:
         engine.buffers.free(request)
     assert relative_error(out.logits[0], hf_logits(tiny_deepseek, meant)[-1]) < 1e-4
+
+
+def test_pages_default_to_the_models_size(llm, tiny_checkpoint_factory):
+    """Left unset, ``cache.block_size`` is the model's: V3 64 tokens (its MLA decode kernel's in-page
+    tiles), V3.2 16; set, it wins."""
+    assert llm.engine.buffers.block_size == 64
+    v32 = tiny_checkpoint_factory("deepseek_v32")
+    assert LLM(str(v32), dtype="float32", device="cpu").engine.buffers.block_size == 16
+    folder = tiny_checkpoint_factory("deepseek_v3")
+    assert LLM(str(folder), dtype="float32", device="cpu", block_size=32).engine.buffers.block_size == 32
