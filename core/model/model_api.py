@@ -154,8 +154,8 @@ class CausalLM(torch.nn.Module, ABC):
         return 0
 
     def mtp_buffer_specs(self) -> list[BufferSpec]:
-        """The caches of the draft modules, one spec per module (not part of ``buffer_specs``: a run that
-        does not draft does not pay for them)."""
+        """The caches of the draft modules, module by module (a module's main cache and any named ones of
+        its layer; not part of ``buffer_specs``: a run that does not draft does not pay for them)."""
         return []
 
     def mtp_forward(

@@ -51,7 +51,8 @@ AppendToken = Callable[[Request, int, PositionLogprobs | None], bool]
 def draft_buffer_specs(model: CausalLM, num_tokens: int) -> list[BufferSpec]:
     """The caches drafting adds to the model's (none when off); a ConfigError when the model cannot draft.
 
-    Only the first draft module runs (chained for further drafts), so only its cache is allocated.
+    Only the first draft module runs (chained for further drafts), so only its caches (the specs of the
+    first spec's layer: its main cache and any named ones) are allocated.
     """
     if num_tokens <= 0:
         return []
@@ -67,7 +68,8 @@ def draft_buffer_specs(model: CausalLM, num_tokens: int) -> list[BufferSpec]:
             "forward saves no state inside a chunk (snapshot_inside_chunk_tokens), so rejected drafts "
             "cannot be rolled back; set speculative.num_tokens=0"
         )
-    return list(model.mtp_buffer_specs()[:1])
+    specs = model.mtp_buffer_specs()
+    return [spec for spec in specs if spec.layer_index == specs[0].layer_index] if specs else []
 
 
 def sample_and_verify(

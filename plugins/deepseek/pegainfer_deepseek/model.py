@@ -154,9 +154,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         self.lm_head = None if dims.tie_word_embeddings else param(rows, h, dtype=dtype)
         # Draft modules only for a run that drafts. V3.2's MTP layer would need its own indexer cache among
         # the draft caches: not served.
-        num_mtp = 0 if dims.indexer is not None or not drafting else dims.num_mtp_layers
-        if dims.indexer is not None and dims.num_mtp_layers:
-            logger.info("DeepSeek-V3.2: the MTP layer is not served (no drafting with the DSA indexer yet)")
+        num_mtp = dims.num_mtp_layers if drafting else 0
         self.mtp = nn.ModuleList(
             MultiTokenPredictor(dims, dims.num_layers + k, dtype, tp) for k in range(num_mtp)
         )
@@ -241,24 +239,26 @@ class DeepseekV3ForCausalLM(CausalLM):
             )
             reader.consumed.update(skipped)
 
-    def _latent_spec(self, layer_index: int) -> PagedLatentSpec:
-        return PagedLatentSpec(layer_index, self.dims.kv_lora_rank, self.dims.qk_rope_head_dim, self.dtype)
+    def _layer_specs(self, layer_index: int) -> list[BufferSpec]:
+        """A layer's latent cache; with V3.2's indexer also its indexer key cache."""
+        d = self.dims
+        specs: list[BufferSpec] = [
+            PagedLatentSpec(layer_index, d.kv_lora_rank, d.qk_rope_head_dim, self.dtype)
+        ]
+        if d.indexer is not None:
+            specs.append(PagedLatentSpec(layer_index, d.indexer.head_dim, 0, self.dtype, INDEXER_CACHE))
+        return specs
 
     def buffer_specs(self) -> list[BufferSpec]:
         """One latent cache (``kv_lora_rank + qk_rope_head_dim`` per token) per main layer; for V3.2 also
         one indexer key cache (``index_head_dim`` per token) per layer, named ``INDEXER_CACHE``."""
-        specs: list[BufferSpec] = [self._latent_spec(layer.layer_index) for layer in self.layers]
-        if self.dims.indexer is not None:
-            dim = self.dims.indexer.head_dim
-            specs += [
-                PagedLatentSpec(layer.layer_index, dim, 0, self.dtype, INDEXER_CACHE) for layer in self.layers
-            ]
-        return specs
+        return [spec for layer in self.layers for spec in self._layer_specs(layer.layer_index)]
 
     def mtp_buffer_specs(self) -> list[BufferSpec]:
-        """The latent caches of the MTP modules (layer ``num_hidden_layers + k``), for speculative decoding;
-        not part of ``buffer_specs`` so a run without drafting does not pay for them."""
-        return [self._latent_spec(module.layer_index) for module in self.mtp]
+        """The latent caches of the MTP modules (layer ``num_hidden_layers + k``; V3.2's also their indexer
+        key caches), for speculative decoding; not part of ``buffer_specs`` so a run without drafting does
+        not pay for them."""
+        return [spec for module in self.mtp for spec in self._layer_specs(module.layer_index)]
 
     def transient_specs(self) -> list[TransientSpec]:
         """Activations per scheduled token (attention projections, expanded prefill keys and values, MoE
@@ -355,6 +355,10 @@ class DeepseekV3ForCausalLM(CausalLM):
             )
         module = self.mtp[depth]
         batch = decode_form(batch)
-        hidden = module(hidden_states, next_token_ids, batch, caches[module.layer_index], self.rotary)
+        index_cache = caches.get(cache_key(module.layer_index, INDEXER_CACHE))
+        hidden = module(
+            hidden_states, next_token_ids, batch, caches[module.layer_index], self.rotary, index_cache,
+            self.index_rotary,
+        )  # fmt: skip
         logits = module.compute_logits(hidden if logit_rows is None else hidden[logit_rows])
         return (logits, hidden) if return_hidden else logits

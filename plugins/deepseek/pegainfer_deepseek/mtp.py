@@ -57,13 +57,16 @@ class MultiTokenPredictor(nn.Module):
         batch: ForwardBatch,
         cache: torch.Tensor,
         rotary: PairedRotaryEmbedding,
+        index_cache: torch.Tensor | None = None,
+        index_rotary: PairedRotaryEmbedding | None = None,
     ) -> torch.Tensor:
-        """The module's output hidden states ``[T, H]`` (before ``shared_head.norm``)."""
+        """The module's output hidden states ``[T, H]`` (before ``shared_head.norm``); V3.2's module selects
+        its keys with its own indexer over ``index_cache``."""
         eps = self.dims.rms_norm_eps
         e = rms_norm(vocab_parallel_embed(next_token_ids, self.embed_tokens, self.tp), self.enorm, eps)
         h = rms_norm(hidden_states.to(self.eh_proj.dtype), self.hnorm, eps)
         x = F.linear(torch.cat([e, h], dim=-1), self.eh_proj)
-        return self.block(x, batch, cache, rotary)
+        return self.block(x, batch, cache, rotary, index_cache, index_rotary)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits ``[N, V]`` (float32), the same on every rank."""

@@ -7,6 +7,7 @@ kernels off CUDA)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Callable
@@ -37,17 +38,31 @@ def llm(tiny_deepseek: Path):
 
 @pytest.fixture(scope="session")
 def aligned_deepseek(tiny_deepseek: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny checkpoint made nearly a bigram model (every o_proj and down projection scaled by 0.1, so
+    """The tiny checkpoint made nearly a bigram model whose MTP layer drafts well (``aligned``)."""
+    return aligned(tiny_deepseek, tmp_path_factory.mktemp("aligned") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def aligned_v32(
+    tiny_checkpoint_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The same for a tiny DeepSeek-V3.2 with an MTP layer (its indexer included)."""
+    folder = tiny_checkpoint_factory("deepseek_v32", num_nextn_predict_layers=1)
+    return aligned(folder, tmp_path_factory.mktemp("aligned-v32") / "ckpt")
+
+
+def aligned(source: Path, target: Path) -> Path:
+    """A copy of ``source`` made nearly a bigram model (every o_proj and down projection scaled by 0.1, so
     the next token depends mostly on the current one) whose MTP layer is that bigram: it reads only the
     embedding half of ``eh_proj`` and shares the main embedding, final norm and head."""
-    folder = Path(shutil.copytree(tiny_deepseek, tmp_path_factory.mktemp("aligned") / "ckpt"))
+    folder = Path(shutil.copytree(source, target))
     tensors = load_file(str(folder / "model.safetensors"))
     # Unit-scale embeddings (the tiny checkpoint's are small): the current token dominates the residual.
     tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"] / EMBED_STD
     for name in list(tensors):
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             tensors[name] = tensors[name] * 0.1
-    mtp = "model.layers.3."
+    mtp = f"model.layers.{json.loads((folder / 'config.json').read_text())['num_hidden_layers']}."
     h = tensors["model.norm.weight"].shape[0]
     tensors[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
     tensors[mtp + "enorm.weight"] = torch.ones(h)
