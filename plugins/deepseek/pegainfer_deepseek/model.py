@@ -69,7 +69,10 @@ logger = logging.getLogger(__name__)
 #: 2·1088 flops a query token on the compute-bound MLA kernel (~166 TFLOP/s, docs/benchmarks.md), the
 #: expanded one 2·512·256 flops once plus 2·320 a query token at GEMM rates (~600 TFLOP/s): even near 36
 #: tokens a segment at long contexts (an estimate, not measured), and a graph also saves the eager step's
-#: launches. 64 covers batch 16 at k = 3.
+#: launches. 64 covers batch 16 at k = 3. V3.2's rows also rank their indexer scores over the graph's
+#: static width (``max_model_len`` positions), as its decode rows do (62 us a layer for 32 decode rows at
+#: 4096 positions, 179 at 163840), where the eager prefill ranks only the real context: not measured on
+#: this path.
 PREFILL_GRAPH_TOKENS = 64
 
 
@@ -121,9 +124,9 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     @property
     def prefill_graph_tokens(self) -> int:  # type: ignore[override]
-        """V3 runs short prefill steps as decode rows (``decode_form``). V3.2 none: its indexer's row
-        selections are reserved per sequence (``transient_specs``), not for a graph's tokens."""
-        return PREFILL_GRAPH_TOKENS if self.dims.indexer is None else 0
+        """Short prefill steps run as decode rows (``decode_form``; V3.2's indexer then selects per row,
+        as in decode)."""
+        return PREFILL_GRAPH_TOKENS
 
     @property
     def default_block_size(self) -> int:  # type: ignore[override]
@@ -266,7 +269,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         intermediate features; the expanded prefill attention of one segment as long as ``max_model_len``
         (or V3.2's indexer selection over it, whichever is larger: they run one after the other); with
         V3.2's indexer, each prefill token's and each decode row's selection over ``max_model_len``
-        positions (the decode graphs' static bound)."""
+        positions (the decode graphs' static bound; a prefill graph's tokens are decode rows too)."""
         d, size = self.dims, self.tp.size
         dtype_bytes = dtype_size(self.dtype)
         attention = mla.prefill_scratch_bytes(d, d.num_heads // size, self.max_model_len, dtype_bytes)
@@ -288,7 +291,14 @@ class DeepseekV3ForCausalLM(CausalLM):
             # A decode row's fp32 index and its masked copy, three bool masks (visible, picked, selected)
             # and topk's values and int64 indices.
             per_row = self.max_model_len * (2 * 4 + 3) + d.indexer.topk * (4 + 8)
-            specs.append(TransientSpec("deepseek_indexer_decode", bytes_per_seq=per_row))
+            # Decode rows: one a sequence; a prefill-graph step's: one a token (not at once with decode's).
+            specs.append(
+                TransientSpec(
+                    "deepseek_indexer_decode",
+                    bytes_fixed=PREFILL_GRAPH_TOKENS * per_row,
+                    bytes_per_seq=per_row,
+                )
+            )
             specs.append(TransientSpec("deepseek_indexer_prefill", bytes_per_token=self.max_model_len))
             attention = max(attention, indexer.prefill_scratch_bytes(d, self.max_model_len, dtype_bytes))
         return [

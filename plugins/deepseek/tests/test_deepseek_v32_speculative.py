@@ -6,13 +6,20 @@ bigram) its drafts are accepted."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from pegainfer import LLM
 from pegainfer.testing.conformance import SamplingParams, random_prompts
-from pegainfer.testing.speculative import generate, generate_counting, token_ids
+from pegainfer.testing.speculative import (
+    assert_draft_passes_on_graph_path,
+    assert_verification_on_prefill_graphs,
+    generate,
+    generate_counting,
+    token_ids,
+)
 from pegainfer_deepseek.indexer import INDEXER_CACHE
 
 
@@ -48,6 +55,18 @@ def test_greedy_output_unchanged(v32_mtp: Path, base: LLM, k: int) -> None:
     assert token_ids(generate(_llm(v32_mtp, k), prompts)) == expected
     chunked = _llm(v32_mtp, k, max_num_batched_tokens=5, long_prefill_token_threshold=5)
     assert token_ids(generate(chunked, prompts)) == expected
+
+
+def test_verification_on_the_prefill_graph_path(v32_mtp: Path, base: LLM) -> None:
+    """Verification chunks on the bucket-padded prefill-graph path: every token a decode row, its indexer
+    ranking its own causal context as a decode row's does."""
+    assert_verification_on_prefill_graphs(partial(_llm, v32_mtp), base, random_prompts(7, [9, 21, 4]))
+
+
+def test_draft_passes_on_the_graph_path(v32_mtp: Path) -> None:
+    """The MTP passes on the draft graphs (its indexer over its own key cache) propose the plain path's
+    drafts."""
+    assert_draft_passes_on_graph_path(partial(_llm, v32_mtp), random_prompts(5, [5, 17, 3, 30]))
 
 
 def test_aligned_mtp_drafts_are_accepted(aligned_v32: Path) -> None:
