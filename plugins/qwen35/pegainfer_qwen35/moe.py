@@ -11,15 +11,16 @@ experts' width (``Qwen35Shard.shared_pieces``; the last piece zero-padded, whose
 ``silu(0) · 0 = 0``), stacked after the ``E`` routed experts, and every token chooses all ``m`` with weight
 ``sigmoid(gate)`` (``softmax_topk`` appends those ``m`` columns): a SwiGLU is a sum over its features, so
 the pieces add up to the shared expert's output. One expert kernel then runs routed and shared alike, where
-the shared expert cost two GEMM launches of its own and the combine a gated add (at decode, a third of the
-block's launches). Real checkpoints have ``m = 1`` (Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B: 512 and 512).
+the shared expert cost two GEMM launches of its own and the combine a gated add (at decode, two of the
+block's eight launches). transformers' Qwen3.5-MoE and Qwen3-Next defaults (the 35B-A3B and 80B-A3B
+styles) have ``m = 1``: 512 features each.
 
 The checkpoint stores experts one by one; they are stacked at load time (``[E + m, 2Ie, H]``, gate rows
 first, and ``[E + m, H, Ie]``). The router and the shared expert's one-row gate are one GEMM (``router``:
 ``[E + 1, H]``, the gate last). On CUDA every step's experts go through ``ops.fused_moe`` (Triton kernels
 over the chosen experts only: a decode step's few tokens one (token, choice) pair at a time, more as
-grouped GEMMs; no host sync, so the decode graphs capture it and eager and graph decode compute the same),
-(at tp=1) the residual add applied in its combining launch. Elsewhere the reference forward has two
+grouped GEMMs; no host sync, so the decode graphs capture it and eager and graph decode compute the same);
+at tp=1 the residual add rides its combining launch. Elsewhere the reference forward has two
 schedules with the same sums (the choices added in order, the shared pieces last, as transformers adds the
 shared expert after the routed ones):
 - grouped (steps with prefill tokens): the (token, expert) pairs are sorted by expert and each expert
