@@ -19,6 +19,7 @@ from pegainfer.layers.attention import (
     reference_scratch_bytes,
 )
 from pegainfer.layers.attention import write_kv as write_kv_ref
+from pegainfer.layers.block_fp8 import BlockFP8Weight, block_fp8_linear_ref
 from pegainfer.layers.moe import BlockScales, combine_routed, routed_experts
 from pegainfer.layers.norm import rms_norm as rms_norm_ref
 from pegainfer.layers.rotary import RotaryEmbedding
@@ -70,9 +71,15 @@ def argmax(logits: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Te
     return torch.argmax(logits, dim=-1, out=out)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, w: torch.Tensor | BlockFP8Weight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``F.linear(x.to(w.dtype), w, bias)`` (a 16-bit ``x`` may meet an fp32 ``w``, as a router's does); on
-    CUDA, decode-sized row counts stream the weight through the skinny kernel, the upcast inside it."""
+    CUDA, decode-sized row counts stream the weight through the skinny kernel, the upcast inside it. A
+    block-FP8 ``w`` gives ``x``'s dtype: on CUDA its kernel at every row count, elsewhere the dequantized
+    reference."""
+    if isinstance(w, BlockFP8Weight):
+        return _block_fp8_linear(x, w, bias)
     if use_triton(x):
         from pegainfer.kernels import skinny_gemm
 
@@ -80,10 +87,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return torch.nn.functional.linear(x.to(w.dtype), w, bias)
 
 
-def linear_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+def linear_add(x: torch.Tensor, w: torch.Tensor | BlockFP8Weight, residual: torch.Tensor) -> torch.Tensor:
     """``residual + x @ w.T``. Where the skinny kernel runs (decode rows on CUDA) the add happens in the
     GEMM's epilogue, written into ``residual`` in place, so the caller must own ``residual``; elsewhere a
     new tensor. (``residual_linear`` is the form for a row-parallel projection that all-reduces.)"""
+    if isinstance(w, BlockFP8Weight):
+        return _block_fp8_linear(x, w, residual=residual)
     if use_triton(x):
         from pegainfer.kernels import skinny_gemm
 
@@ -92,15 +101,33 @@ def linear_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torc
     return residual + linear(x, w)
 
 
-def linear_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def linear_silu(x: torch.Tensor, w: torch.Tensor | BlockFP8Weight) -> torch.Tensor:
     """``silu(gate) * up`` of ``x @ w.T`` for an interleaved gate|up ``w`` (``layers.activation.
-    interleave_gate_up``): on CUDA decode rows, the activation in the skinny GEMM's epilogue."""
+    interleave_gate_up``): on CUDA decode rows, the activation in the skinny GEMM's epilogue (a block-FP8
+    ``w``: at every row count)."""
+    if isinstance(w, BlockFP8Weight):
+        return _block_fp8_linear(x, w, silu=True)
     if use_triton(x):
         from pegainfer.kernels import skinny_gemm
 
         if skinny_gemm.takes_kernel(x):
             return skinny_gemm.skinny_linear_triton(x, w, silu=True)
     return silu_mul(linear(x, w))
+
+
+def _block_fp8_linear(
+    x: torch.Tensor,
+    w: BlockFP8Weight,
+    bias: torch.Tensor | None = None,
+    *,
+    silu: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    if use_triton(x):
+        from pegainfer.kernels import block_fp8_gemm
+
+        return block_fp8_gemm.block_fp8_linear_triton(x, w, bias, silu=silu, residual=residual)
+    return block_fp8_linear_ref(x, w, bias, silu=silu, residual=residual)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -133,14 +133,14 @@ def _skinny_gemm_kernel(
         acc += mma(w, tl.trans(x).to(w.dtype), FIX, PREC)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    _epilogue(
+    tile_epilogue(
         acc, tl.sum(sq, 1), pid_n, bias_ptr, res_ptr, out_ptr, M, N, K, stride_rm, stride_om, eps,
         BLOCK_M, BLOCK_N, HAS_BIAS, NORM, SILU, RESIDUAL, FIX,
     )  # fmt: skip
 
 
 @triton.jit
-def _epilogue(
+def tile_epilogue(
     acc,
     sq,
     tile,
@@ -260,7 +260,7 @@ def _skinny_gemm_stream_k_kernel(
             w_ptrs += BLOCK_K
         sq_rows = tl.sum(sq, 1)
         if kb == 0 and ke == K_ITERS:
-            _epilogue(
+            tile_epilogue(
                 acc, sq_rows, tile, bias_ptr, res_ptr, out_ptr, M, N, K, stride_rm, stride_om, eps,
                 BLOCK_M, BLOCK_N, HAS_BIAS, NORM, SILU, RESIDUAL, FIX,
             )  # fmt: skip
@@ -283,7 +283,7 @@ def _skinny_gemm_stream_k_kernel(
                     if NORM:
                         sq_rows += tl.load(part_sq_ptr + at * BLOCK_M + offs_m, cache_modifier=".cg")
                 tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed")
-                _epilogue(
+                tile_epilogue(
                     acc, sq_rows, tile, bias_ptr, res_ptr, out_ptr, M, N, K, stride_rm, stride_om, eps,
                     BLOCK_M, BLOCK_N, HAS_BIAS, NORM, SILU, RESIDUAL, FIX,
                 )  # fmt: skip

@@ -71,9 +71,17 @@ class DeepseekV3Dims:
     num_mtp_layers: int
     fp8: Fp8Config | None
     indexer: IndexerConfig | None = None  # set for DeepSeek-V3.2 (every layer has one)
-    #: ``model.quantization=fp8`` on a checkpoint that is not FP8: the routed experts are quantized to
-    #: block FP8 (``QUANTIZE_BLOCK``) at load.
-    quantize_experts: bool = False
+    #: ``model.quantization=fp8`` on a checkpoint that is not FP8: the routed experts and the projections
+    #: of attention and the dense feed-forwards are quantized to block FP8 (``QUANTIZE_BLOCK``) at load.
+    quantize_at_load: bool = False
+
+    @property
+    def fp8_block(self) -> tuple[int, int] | None:
+        """The (rows, columns) tile of the weights kept in block FP8: the checkpoint's, or the one they are
+        quantized to at load; None for a model kept in its dtype."""
+        if self.fp8 is not None:
+            return self.fp8.block
+        return QUANTIZE_BLOCK if self.quantize_at_load else None
 
     @property
     def qk_head_dim(self) -> int:
@@ -259,8 +267,10 @@ QUANTIZE_BLOCK = (128, 128)
 class DeepseekModelConfig(ModelConfig):
     """The ``model.*`` keys of ``model=deepseek``: pegainfer's ModelConfig plus ``quantization``.
 
-    ``quantization=fp8``: a checkpoint whose experts are not FP8 has its routed experts quantized to block
-    FP8 (128×128 tiles, one scale each) at load, so they take half of bf16's memory and bytes a step (the
-    accuracy cost is measured in ``tests/test_deepseek_fp8.py``). FP8 checkpoints are FP8 anyway."""
+    ``quantization=fp8``: a checkpoint that is not FP8 has its routed experts and the projections of
+    attention and of the dense and shared feed-forwards quantized to block FP8 (128×128 tiles, one scale
+    each) at load, as DeepSeek ships its FP8 checkpoints, so they take half of bf16's memory and bytes a
+    step (the accuracy cost is measured in ``tests/test_deepseek_fp8.py``). FP8 checkpoints are FP8
+    anyway."""
 
     quantization: Literal["fp8"] | None = None

@@ -37,7 +37,14 @@ class DecoderLayer(nn.Module):
         self.mlp: nn.Module = (
             MoE(dims, dtype, tp)
             if dims.is_moe_layer(layer_index)
-            else SwiGLU(dims.hidden_size, dims.intermediate_size, dtype, tp=tp)
+            else SwiGLU(
+                dims.hidden_size,
+                dims.intermediate_size,
+                dtype,
+                tp=tp,
+                fp8_block=dims.fp8_block,
+                fp8_checkpoint=dims.fp8 is not None,
+            )  # fmt: skip
         )
 
     def forward(

@@ -1,5 +1,7 @@
-"""DeepSeek's block FP8 checkpoints: weights are dequantized once, at load time, except the routed experts,
-which stay float8 with their tile scales (``get_blocks``; ``moe.MoE``). ``quantize_blocks`` makes the same
+"""DeepSeek's block FP8 checkpoints: the routed experts stay float8 with their tile scales (``get_blocks``;
+``moe.MoE``), the projections of attention and of the dense and shared feed-forwards stay float8 with
+per-row tile scales (``load_projection``; ``pegainfer.layers.block_fp8``); the rest (``kv_b_proj``, the
+V3.2 indexer's, MTP's ``eh_proj``) is dequantized once, at load time. ``quantize_blocks`` makes the same
 format from plain weights (``model.quantization=fp8``, and the tiny FP8 test checkpoints).
 
 A quantized projection ``X.weight`` is stored as float8_e4m3fn next to ``X.weight_scale_inv`` (float32,
@@ -17,8 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from pegainfer.errors import CheckpointError
+from pegainfer.layers.block_fp8 import BlockFP8Weight, row_scales
 from pegainfer.model.checkpoint import CheckpointReader
 from pegainfer.parallel.sharding import Shard
 
@@ -174,3 +178,47 @@ class WeightReader:
             pad[dim] = missing
             scale = torch.cat([scale, scale.new_zeros(pad)], dim=dim)
         return scale
+
+
+def load_projection(
+    reader: WeightReader,
+    target: torch.Tensor | BlockFP8Weight,
+    name: str,
+    shape: tuple[int, int],
+    shard: Shard | None = None,
+    rows: slice | None = None,
+) -> None:
+    """Fill ``target`` (rows ``rows`` of it, all by default) with checkpoint tensor ``name`` of full
+    ``shape``, this rank's part with ``shard``: dequantized into a plain parameter, or kept float8 in a
+    :class:`BlockFP8Weight` with its tiles' scales given to every row. A plain tensor (``model.
+    quantization=fp8``, or one an FP8 checkpoint left unquantized) is quantized on the target's column
+    grid, its rows tiled from the rank's first row."""
+    rows = rows if rows is not None else slice(0, target.shape[0])
+    if not isinstance(target, BlockFP8Weight):
+        with torch.no_grad():
+            target[rows].copy_(reader.get(name, shape, target.dtype, shard))
+        return
+    block = target.block
+    dim = None if shard is None else shard.dim % 2
+    if reader.block is not None and name + "_scale_inv" in reader:
+        weight, tiles = reader.get_blocks(name, shape, shard)
+        start = 0
+        if dim is not None:
+            start = shard.ranges(shape[dim], reader.reader.rank, reader.reader.world_size, name)[0][0]
+        offset = start % reader.block[1] if dim == 1 else 0
+        scales = row_scales(tiles, reader.block[0], start if dim == 0 else 0, weight.shape[0])
+    else:
+        plain = reader.get(name, shape, torch.float32, shard)
+        offset = target.offset  # the grid's columns before the rank's first one stand in as zeros
+        weight, tiles = quantize_blocks(F.pad(plain, [offset, 0]), (block, block))
+        weight = weight[:, offset:]
+        scales = row_scales(tiles, block, 0, weight.shape[0])
+    if offset != target.offset or tiles.shape[1] != target.scale.shape[1]:
+        raise CheckpointError(
+            f"tensor '{name}': this rank's columns start {offset} into a tile over {tiles.shape[1]} tiles, "
+            f"the model expects {target.offset} over {target.scale.shape[1]}"
+        )
+    try:
+        target.load_rows(rows, weight, scales)
+    except ValueError as exc:
+        raise CheckpointError(f"tensor '{name}': {exc}") from None

@@ -32,11 +32,11 @@ from pegainfer.model.model_api import ForwardBatch
 from pegainfer.parallel.distributed import TensorParallel
 from pegainfer.parallel.sharding import split
 from pegainfer_deepseek.config import DeepseekV3Dims
-from pegainfer_deepseek.fp8 import WeightReader
+from pegainfer_deepseek.fp8 import WeightReader, load_projection
 from pegainfer_deepseek.indexer import IndexSelection, LightningIndexer
 from pegainfer_deepseek.latent_rope import latent_rope_
 from pegainfer_deepseek.mla_decode import mla_decode_attention
-from pegainfer_deepseek.params import param
+from pegainfer_deepseek.params import param, projection
 
 
 def prefill_scratch_bytes(dims: DeepseekV3Dims, num_heads: int, context: int, dtype_bytes: int) -> int:
@@ -78,14 +78,21 @@ class MLAttention(nn.Module):
         #: Rows of ``in_proj`` before the latent's: ``q_a_proj``'s, or ``q_proj``'s without a query LoRA.
         self.q_rows = q_out if rq is None else rq
         # q_a_proj (or q_proj) and kv_a_proj_with_mqa both read x: stacked, they are one GEMM, and the
-        # thin kv_a (576 rows) no longer runs alone far below the read rate.
-        self.in_proj = param(self.q_rows + rkv + dr, h, dtype=dtype)
+        # thin kv_a (576 rows) no longer runs alone far below the read rate. With FP8 weights these and
+        # q_b / o_proj stay float8 (``BlockFP8Weight``); kv_b_proj, whose halves the absorbed decode
+        # multiplies per head, is dequantized.
+        block = dims.fp8_block
+        self.in_proj = projection(self.q_rows + rkv + dr, h, dtype, block)
         if rq is not None:
             self.q_a_layernorm = param(rq, dtype=dtype)
-            self.q_b_proj = param(q_out, rq, dtype=dtype)
+            self.q_b_proj = projection(q_out, rq, dtype, block)
         self.kv_a_layernorm = param(rkv, dtype=dtype)
         self.kv_b_proj = param(nh * (dims.qk_nope_head_dim + dims.v_head_dim), rkv, dtype=dtype)
-        self.o_proj = param(h, nh * dims.v_head_dim, dtype=dtype)
+        o_cols = nh * dims.v_head_dim
+        # A checkpoint's tiles need not start at this rank's first column; weights quantized at load are
+        # tiled from it.
+        offset = tp.rank * o_cols % block[1] if block is not None and dims.fp8 is not None else 0
+        self.o_proj = projection(h, o_cols, dtype, block, offset)
         biased = dims.attention_bias
         # q_a_proj and kv_a_proj_with_mqa carry the bias; q_proj has none (its rows' share stays zero).
         self.in_bias = param(self.q_rows + rkv + dr, dtype=dtype) if biased else None
@@ -234,22 +241,24 @@ class MLAttention(nn.Module):
         lora = dims.q_lora_rank is not None
         q_rows, latent_rows = slice(0, self.q_rows), slice(self.q_rows, self.in_proj.shape[0])
         bias = self.in_bias
+        latent = (self.in_proj.shape[0] - self.q_rows, h)
+        if lora:
+            load_projection(reader, self.in_proj, p + "q_a_proj.weight", (self.q_rows, h), rows=q_rows)
+            load_projection(reader, self.q_b_proj, p + "q_b_proj.weight", (q_out, dims.q_lora_rank), heads)
+        else:
+            load_projection(reader, self.in_proj, p + "q_proj.weight", (q_out, h), heads, rows=q_rows)
+        load_projection(reader, self.in_proj, p + "kv_a_proj_with_mqa.weight", latent, rows=latent_rows)
+        load_projection(reader, self.o_proj, p + "o_proj.weight", (h, nh * dims.v_head_dim), columns)
 
         def rows_of(t: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
             return None if t is None else t[rows]
 
         named = [
-            ("q_a_proj.weight", self.in_proj[q_rows], None, None)
-            if lora
-            else ("q_proj.weight", self.in_proj[q_rows], (q_out, h), heads),
             ("q_a_proj.bias", rows_of(bias, q_rows) if lora else None, None, None),
             ("q_a_layernorm.weight", getattr(self, "q_a_layernorm", None), None, None),
-            ("q_b_proj.weight", getattr(self, "q_b_proj", None), (q_out, dims.q_lora_rank), heads),
-            ("kv_a_proj_with_mqa.weight", self.in_proj[latent_rows], None, None),
             ("kv_a_proj_with_mqa.bias", rows_of(bias, latent_rows), None, None),
             ("kv_a_layernorm.weight", self.kv_a_layernorm, None, None),
             ("kv_b_proj.weight", self.kv_b_proj, (kv_out, dims.kv_lora_rank), heads),
-            ("o_proj.weight", self.o_proj, (h, nh * dims.v_head_dim), columns),
             ("o_proj.bias", self.o_bias, None, None),
         ]
         with torch.no_grad():

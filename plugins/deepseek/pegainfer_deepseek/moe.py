@@ -26,12 +26,13 @@ from torch import nn
 from pegainfer import ops
 from pegainfer.errors import CheckpointError
 from pegainfer.layers.activation import interleave_gate_up
+from pegainfer.layers.block_fp8 import BlockFP8Weight
 from pegainfer.layers.moe import BlockScales, swiglu
 from pegainfer.parallel.distributed import TensorParallel
 from pegainfer.parallel.sharding import Shard, split
-from pegainfer_deepseek.config import QUANTIZE_BLOCK, DeepseekV3Dims
-from pegainfer_deepseek.fp8 import WeightReader, quantize_blocks
-from pegainfer_deepseek.params import param
+from pegainfer_deepseek.config import DeepseekV3Dims
+from pegainfer_deepseek.fp8 import WeightReader, load_projection, quantize_blocks
+from pegainfer_deepseek.params import param, projection
 from pegainfer_deepseek.routing import TopkRule, group_limited_topk
 
 
@@ -42,7 +43,11 @@ class SwiGLU(nn.Module):
     first) gate rows come first.
 
     Under tensor parallelism (``tp``) the rank holds ``intermediate / tp`` features (gate and up split
-    along dim 0, down along dim 1) and ``forward`` returns its partial output: the caller all-reduces."""
+    along dim 0, down along dim 1) and ``forward`` returns its partial output: the caller all-reduces.
+
+    With ``fp8_block`` both weights are block FP8 (``BlockFP8Weight``: a checkpoint's float8 values, or
+    plain ones quantized at load); ``fp8_checkpoint``: they come from an FP8 checkpoint, whose tiles need
+    not start at this rank's first feature."""
 
     def __init__(
         self,
@@ -53,14 +58,18 @@ class SwiGLU(nn.Module):
         *,
         tp: TensorParallel | None = None,
         what: str = "intermediate_size",
+        fp8_block: tuple[int, int] | None = None,
+        fp8_checkpoint: bool = False,
     ) -> None:
         super().__init__()
         tp = tp or TensorParallel()
         self.intermediate = intermediate
         self.local = local = tp.split(intermediate, what)
         self.limit = limit
-        self.gate_up_proj = param(2 * local, hidden, dtype=dtype)
-        self.down_proj = param(hidden, local, dtype=dtype)
+        self.gate_up_proj = projection(2 * local, hidden, dtype, fp8_block)
+        # down's columns are this rank's features: a checkpoint's tiles need not start at the first one.
+        offset = tp.rank * local % fp8_block[1] if fp8_block is not None and fp8_checkpoint else 0
+        self.down_proj = projection(hidden, local, dtype, fp8_block, offset)
 
     @property
     def interleaved(self) -> bool:
@@ -80,12 +89,26 @@ class SwiGLU(nn.Module):
         )
 
     def load(self, reader: WeightReader, prefix: str) -> None:
-        i, h, dtype = self.intermediate, self.down_proj.shape[0], self.down_proj.dtype
+        i, h = self.intermediate, self.down_proj.shape[0]
+        load_projection(reader, self.down_proj, prefix + "down_proj.weight", (h, i), split(1))
+        if isinstance(self.gate_up_proj, BlockFP8Weight):
+            # gate's rows first, then up's: interleaved as the plain weight is, scales with their rows.
+            gate_up = self.gate_up_proj
+            halves = [slice(0, self.local), slice(self.local, 2 * self.local)]
+            for name, rows in zip(("gate_proj", "up_proj"), halves, strict=True):
+                load_projection(reader, gate_up, f"{prefix}{name}.weight", (i, h), split(0), rows)
+            if self.interleaved:
+                gate_up.load_rows(
+                    slice(0, 2 * self.local),
+                    interleave_gate_up(*gate_up.weight.chunk(2)),
+                    interleave_gate_up(*gate_up.scale.chunk(2)),
+                )
+            return
+        dtype = self.gate_up_proj.dtype
         with torch.no_grad():
             gate = reader.get(prefix + "gate_proj.weight", (i, h), dtype, split(0))
             up = reader.get(prefix + "up_proj.weight", (i, h), dtype, split(0))
             self.load_gate_up(gate, up)
-            self.down_proj.copy_(reader.get(prefix + "down_proj.weight", (h, i), dtype, split(1)))
 
     def load_gate_up(self, gate: torch.Tensor, up: torch.Tensor) -> None:
         """This rank's ``gate`` and ``up`` rows ``[local, hidden]`` into the packed weight's layout."""
@@ -132,7 +155,8 @@ class MoE(nn.Module):
 
     From a block-FP8 checkpoint (square tiles, as DeepSeek ships them) the routed experts stay float8 in
     memory with their tile scales (``experts_*_scale``; ``BlockScales``): they are most of the model's
-    bytes, and the fused MoE dequantizes only the tiles it reads. The rest is dequantized at load."""
+    bytes, and the fused MoE dequantizes only the tiles it reads. The shared experts' projections stay
+    float8 too (``SwiGLU`` with ``fp8_block``)."""
 
     def __init__(self, dims: DeepseekV3Dims, dtype: torch.dtype, tp: TensorParallel | None = None) -> None:
         super().__init__()
@@ -141,7 +165,7 @@ class MoE(nn.Module):
         e, h, i = dims.n_routed_experts, dims.hidden_size, dims.moe_intermediate_size
         self.local = local = tp.split(i, "moe_intermediate_size")
         self.gate = GroupLimitedRouter(dims)
-        block = dims.fp8.block if dims.fp8 is not None else QUANTIZE_BLOCK if dims.quantize_experts else None
+        block = dims.fp8_block
         self.fp8_block = block if block is not None and block[0] == block[1] else None
         weight_dtype = torch.float8_e4m3fn if self.fp8_block else dtype
         self.experts_gate_up = param(e, 2 * local, h, dtype=weight_dtype)
@@ -150,7 +174,7 @@ class MoE(nn.Module):
             b = self.fp8_block[0]
             # Where this rank's first feature sits in its tile: a checkpoint's shards need not start on tile
             # boundaries; experts quantized at load are tiled from the rank's own first feature.
-            self.scale_offset = 0 if dims.quantize_experts else tp.rank * local % b
+            self.scale_offset = 0 if dims.quantize_at_load else tp.rank * local % b
             features, hidden = -(-(self.scale_offset + local) // b), -(-h // b)
             self.experts_gate_up_scale = param(e, 2, features, hidden, dtype=torch.float32)
             self.experts_down_scale = param(e, hidden, features, dtype=torch.float32)
@@ -161,6 +185,8 @@ class MoE(nn.Module):
                 dtype,
                 tp=tp,
                 what="moe_intermediate_size * n_shared_experts",
+                fp8_block=dims.fp8_block,
+                fp8_checkpoint=dims.fp8 is not None,
             )
             if dims.n_shared_experts
             else None
@@ -210,7 +236,7 @@ class MoE(nn.Module):
         h, i, local = self.dims.hidden_size, self.dims.moe_intermediate_size, self.local
 
         def blocks(name: str, shape: tuple[int, int], shard: Shard) -> tuple[torch.Tensor, torch.Tensor]:
-            if not self.dims.quantize_experts and name + "_scale_inv" in reader:
+            if not self.dims.quantize_at_load and name + "_scale_inv" in reader:
                 return reader.get_blocks(name, shape, shard)
             # Plain weights (model.quantization=fp8, or an expert an FP8 checkpoint left unquantized):
             # quantized here on the tile grid the scales are laid out on (from ``scale_offset`` into the

@@ -81,9 +81,23 @@ def test_every_tensor_and_scale_is_consumed(folders):
 @pytest.mark.parametrize(
     "name, loaded",
     [
-        ("model.layers.0.mlp.gate_proj.weight", lambda m: m.layers[0].mlp.gate_up_proj[0::2]),
+        (  # projections stay float8 with per-row tile scales, gate and up rows interleaved
+            "model.layers.0.mlp.gate_proj.weight",
+            lambda m: m.layers[0].mlp.gate_up_proj.dequantize(torch.float32)[0::2],
+        ),
+        (
+            "model.layers.1.self_attn.q_a_proj.weight",
+            lambda m: m.layers[1].self_attn.in_proj.dequantize(torch.float32)[: m.layers[1].self_attn.q_rows],
+        ),
+        (
+            "model.layers.1.self_attn.kv_a_proj_with_mqa.weight",
+            lambda m: m.layers[1].self_attn.in_proj.dequantize(torch.float32)[m.layers[1].self_attn.q_rows :],
+        ),
         ("model.layers.0.self_attn.kv_b_proj.weight", lambda m: m.layers[0].self_attn.kv_b_proj),
-        ("model.layers.1.self_attn.q_b_proj.weight", lambda m: m.layers[1].self_attn.q_b_proj),
+        (
+            "model.layers.1.self_attn.q_b_proj.weight",
+            lambda m: m.layers[1].self_attn.q_b_proj.dequantize(torch.float32),
+        ),
         (  # the routed experts stay float8: dequantized through their tile scales where used
             "model.layers.1.mlp.experts.5.down_proj.weight",
             lambda m: (
@@ -106,9 +120,12 @@ def test_every_tensor_and_scale_is_consumed(folders):
         ),
         (
             "model.layers.1.mlp.shared_experts.up_proj.weight",
-            lambda m: m.layers[1].mlp.shared_experts.gate_up_proj[1::2],
+            lambda m: m.layers[1].mlp.shared_experts.gate_up_proj.dequantize(torch.float32)[1::2],
         ),
-        ("model.layers.2.self_attn.o_proj.weight", lambda m: m.mtp[0].block.self_attn.o_proj),
+        (
+            "model.layers.2.self_attn.o_proj.weight",
+            lambda m: m.mtp[0].block.self_attn.o_proj.dequantize(torch.float32),
+        ),
     ],
 )
 def test_dequantized_weights_equal_hand_reference(fp8_llm, folders, name, loaded):
@@ -117,9 +134,10 @@ def test_dequantized_weights_equal_hand_reference(fp8_llm, folders, name, loaded
     assert torch.equal(loaded(fp8_llm.engine.executor.runner.model), expected)
 
 
-def test_routed_experts_stay_float8_in_memory(fp8_llm, folders):
+def test_experts_and_projections_stay_float8_in_memory(fp8_llm, folders):
     """Most of DeepSeek's bytes are its routed experts: kept as stored (float8 and the tile scales), they
-    take a quarter of their float32 size here (half of bf16's on a GPU)."""
+    take a quarter of their float32 size here (half of bf16's on a GPU). So do the projections, as stored
+    with each row given its tile row's scales."""
     model = fp8_llm.engine.executor.runner.model
     moe = model.layers[1].mlp
     assert moe.experts_gate_up.dtype == moe.experts_down.dtype == torch.float8_e4m3fn
@@ -132,7 +150,15 @@ def test_routed_experts_stay_float8_in_memory(fp8_llm, folders):
             moe.experts_gate_up_scale[2, 0],
             f.get_tensor("model.layers.1.mlp.experts.2.gate_proj.weight_scale_inv"),
         )
-    assert model.layers[0].mlp.gate_up_proj.dtype == torch.float32  # the rest is dequantized at load
+        o_proj = model.layers[1].self_attn.o_proj
+        assert torch.equal(
+            o_proj.weight.view(torch.uint8),
+            f.get_tensor("model.layers.1.self_attn.o_proj.weight").view(torch.uint8),
+        )
+        tiles = f.get_tensor("model.layers.1.self_attn.o_proj.weight_scale_inv")
+        assert torch.equal(o_proj.scale, tiles.repeat_interleave(128, dim=0)[: o_proj.shape[0]])
+    assert model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float8_e4m3fn
+    assert model.layers[1].self_attn.kv_b_proj.dtype == torch.float32  # dequantized at load
 
 
 def test_greedy_equals_the_dequantized_model(fp8_llm, folders):
@@ -178,12 +204,15 @@ def test_dummy_weights_fill_the_float8_experts(folders):
     assert len(out[0].outputs[0].token_ids) == PARAMS.max_tokens
 
 
-def test_quantization_fp8_quantizes_a_plain_checkpoints_experts(tiny_checkpoint_factory):
-    """``model.quantization=fp8`` on a float32 checkpoint: the routed experts become block FP8 (128×128
-    tiles, each tile's largest magnitude at 448) at load, the rest stays as it is. The accuracy cost,
-    teacher-forced logits against transformers on the unquantized weights (relative L2), is measured here:
-    the unquantized model is at 1.9e-6 / 2.2e-6 (prefill / decode), the quantized one at 0.033 / 0.039 on
-    this checkpoint (e4m3 keeps 3 mantissa bits, and here one tile spans a whole expert matrix)."""
+def test_quantization_fp8_quantizes_a_plain_checkpoint(tiny_checkpoint_factory):
+    """``model.quantization=fp8`` on a float32 checkpoint: the routed experts and the projections become
+    block FP8 (128×128 tiles, each tile's largest magnitude at 448) at load, as DeepSeek quantizes its
+    releases; norms, router, embeddings, kv_b_proj stay as they are. The accuracy cost, teacher-forced
+    logits against transformers on the unquantized weights (relative L2), is measured here: the
+    unquantized model is at 1.9e-6 / 2.2e-6 (prefill / decode), the quantized one at 0.153 / 0.180 on this
+    checkpoint (0.033 / 0.039 with only the experts quantized): e4m3 keeps 3 mantissa bits (~3.6% rms
+    error a weight), and a random 3-layer model has no residual stream to dominate the eight quantized
+    projections' noise, as a trained one does."""
     from pegainfer.testing.conformance import conformance_engine, teacher_forced_errors
     from pegainfer_deepseek.fp8 import quantize_blocks
 
@@ -194,12 +223,17 @@ def test_quantization_fp8_quantizes_a_plain_checkpoints_experts(tiny_checkpoint_
     assert moe.experts_down.dtype == torch.float8_e4m3fn and moe.scale_offset == 0
     with safe_open(str(source / "model.safetensors"), framework="pt") as f:
         q, scale = quantize_blocks(f.get_tensor("model.layers.1.mlp.experts.4.down_proj.weight"), (128, 128))
+        o_weight = f.get_tensor("model.layers.1.self_attn.o_proj.weight")
     assert torch.equal(moe.experts_down[4].view(torch.uint8), q.view(torch.uint8))
     assert torch.equal(moe.experts_down_scale[4], scale)
+    o_proj = quantized.engine.executor.runner.model.layers[1].self_attn.o_proj
+    q, tiles = quantize_blocks(o_weight, (128, 128))
+    assert torch.equal(o_proj.weight.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(o_proj.scale, tiles.repeat_interleave(128, dim=0)[: q.shape[0]])
     assert plain.engine.executor.runner.model.layers[1].mlp.experts_down.dtype == torch.float32
     assert max(teacher_forced_errors(plain, source)) < 1e-4
     prefill, decode = teacher_forced_errors(quantized, source)
-    assert 1e-4 < prefill < 0.06 and 1e-4 < decode < 0.06, (prefill, decode)
+    assert 1e-4 < prefill < 0.25 and 1e-4 < decode < 0.25, (prefill, decode)
 
 
 def test_quantization_key_is_validated(tiny_checkpoint_factory):

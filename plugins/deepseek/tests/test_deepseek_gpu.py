@@ -20,7 +20,7 @@ from pegainfer.testing.checkpoints import write_tiny_checkpoint
 from pegainfer.testing.conformance import Bf16AccuracyReport
 from pegainfer_deepseek import mla
 from pegainfer_deepseek.mla import MLAttention
-from pegainfer_deepseek.tiny import EMBED_STD
+from pegainfer_deepseek.tiny import EMBED_STD, write_fp8_copy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -79,11 +79,8 @@ def llm(gpu_checkpoint):
     llm.engine.shutdown()  # later modules' engines need the memory back
 
 
-@pytest.mark.parametrize("batched", [False, True], ids=["batch1", "batched"])
-def test_bf16_prefill_logits_as_accurate_as_hf(llm, gpu_checkpoint, batched):
-    engine = llm.engine
-    rng = random.Random(0)
-    prompts = [[rng.randrange(990) for _ in range(n)] for n in (97, 64, 150, 33)][: 4 if batched else 1]
+def _prefill_logits(engine, prompts: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Every position's logits of one prefill pass over ``prompts`` (requests ``r0``, ``r1``, ...)."""
     requests, chunks = [], []
     for i, prompt in enumerate(prompts):
         request = Request(f"r{i}", prompt, SamplingParams())
@@ -91,10 +88,17 @@ def test_bf16_prefill_logits_as_accurate_as_hf(llm, gpu_checkpoint, batched):
         requests.append(request)
         chunks.append(SequenceChunk(f"r{i}", prompt, 0, engine.buffers.block_table(f"r{i}"), all_logits=True))
     try:
-        logits = engine.executor.execute(ModelBatch(chunks)).all_logits
+        return engine.executor.execute(ModelBatch(chunks)).all_logits
     finally:
         for request in requests:
             engine.buffers.free(request)
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["batch1", "batched"])
+def test_bf16_prefill_logits_as_accurate_as_hf(llm, gpu_checkpoint, batched):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(990) for _ in range(n)] for n in (97, 64, 150, 33)][: 4 if batched else 1]
+    logits = _prefill_logits(llm.engine, prompts)
     report = Bf16AccuracyReport(gpu_checkpoint)
     for i, prompt in enumerate(prompts):
         report.add(prompt, logits[f"r{i}"])
@@ -138,3 +142,39 @@ def test_expanded_prefill_stays_within_its_scratch_bound(llm, monkeypatch):
         bound = mla.prefill_scratch_bytes(model.dims, heads, ctx, 2)
         print(f"context {ctx}: allocated {peak / 2**20:.2f} MiB, bound {bound / 2**20:.2f} MiB")
         assert peak <= bound
+
+
+def test_fp8_checkpoint_as_accurate_as_hf_on_its_dequantized_weights(gpu_checkpoint, tmp_path):
+    """The same model as a block-FP8 checkpoint (128x128 tiles): projections and experts stay float8 and
+    run through the W8A16 kernels, at prefill rows and in the decode graphs. The reference is transformers
+    on the dequantized weights, by the same gate: ours no further from its fp32 than its bf16 is. Graph
+    decode gives the tokens of eager decode."""
+    fp8 = write_fp8_copy(gpu_checkpoint, tmp_path / "fp8")
+    dequantized = write_fp8_copy(gpu_checkpoint, tmp_path / "dequantized", dequantized=True)
+    common = dict(dtype="bfloat16", device="cuda", gpu_memory_utilization=0.2, max_model_len=1024)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(990) for _ in range(n)] for n in (97, 40, 150, 7)]
+    llm = LLM(str(fp8), **common)
+    try:
+        model = llm.engine.executor.runner.model
+        assert model.layers[0].self_attn.o_proj.weight.dtype == torch.float8_e4m3fn
+        assert model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float8_e4m3fn
+        prefill = Bf16AccuracyReport(dequantized)
+        logits = _prefill_logits(llm.engine, prompts)
+        for i, prompt in enumerate(prompts):
+            prefill.add(prompt, logits[f"r{i}"])
+        prefill.assert_as_accurate_as_hf("deepseek_v3 fp8 prefill batched")
+        decode = Bf16AccuracyReport(dequantized)
+        decode.add_greedy_decode(llm.engine, prompts, max_tokens=24)
+        decode.assert_as_accurate_as_hf("deepseek_v3 fp8 decode batched")
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        graph = [o.outputs[0].token_ids for o in outputs]
+    finally:
+        llm.engine.shutdown()
+    eager_llm = LLM(str(fp8), enforce_eager=True, **common)
+    try:
+        outputs = eager_llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == graph
+    finally:
+        eager_llm.engine.shutdown()

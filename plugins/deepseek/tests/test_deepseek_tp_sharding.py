@@ -53,10 +53,22 @@ def _gate_up(t: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
     return torch.cat([_chunk(gate, dim, rank), _chunk(up, dim, rank)], dim=dim)
 
 
-def expected_shard(name: str, full: torch.Tensor, rank: int, q_proj_rows: int = 0) -> torch.Tensor:
+def expected_shard(
+    name: str, full: torch.Tensor, rank: int, q_proj_rows: int = 0, columns: tuple[int, int] | None = None
+) -> torch.Tensor:
     """The slice of the one-rank model's parameter ``name`` that rank ``rank`` of 2 must hold;
-    ``q_proj_rows``: the rows of a head-split ``q_proj`` atop the replicated latent in ``in_proj``."""
+    ``q_proj_rows``: the rows of a head-split ``q_proj`` atop the replicated latent in ``in_proj``. A
+    block-FP8 projection (``X.weight``, float8, and ``X.scale``, per-row tile scales) is split as the plain
+    ``X``, except the scales of a column-split one: the tiles (``columns``: the weight's column count and
+    tile width) that cover the rank's columns."""
     leaf = name.rsplit(".", 1)[-1]
+    if leaf in ("weight", "scale") and "." in name:
+        leaf, part = name.rsplit(".", 2)[-2], leaf
+        if part == "scale" and leaf in ("o_proj", "down_proj"):
+            assert columns is not None
+            k, block = columns
+            start, stop = rank * k // 2, (rank + 1) * k // 2
+            return full[:, start // block : -(-stop // block)]
     if leaf in ("in_proj", "in_bias") and q_proj_rows:
         return torch.cat([_chunk(full[:q_proj_rows], 0, rank), full[q_proj_rows:]])
     if leaf in ("embed_tokens", "lm_head", "head"):
@@ -103,7 +115,9 @@ def test_rank_holds_its_slices_of_the_full_model(checkpoints, name: str, rank: i
     sharded = dict(model.named_parameters())
     assert sharded.keys() == full.keys()
     for key, param in sharded.items():
-        expected = expected_shard(key, full[key], rank, q_proj_rows)
+        projection = one_rank.get_submodule(key.rsplit(".", 1)[0]) if key.endswith(".scale") else None
+        columns = (projection.shape[1], projection.block) if projection is not None else None
+        expected = expected_shard(key, full[key], rank, q_proj_rows, columns)
         assert param.shape == expected.shape, key
         assert torch.equal(param, expected), key  # FP8: the same products, element by element
     if name != "v32":  # V3.2's MTP layer is not served

@@ -1,0 +1,168 @@
+"""Block-FP8 GEMM (W8A16): ``y = x @ w.T`` for a float8 weight with per-row tile scales
+(``pegainfer.layers.block_fp8.BlockFP8Weight``), beside its torch reference ``block_fp8_linear_ref``.
+
+A decode step of an FP8 checkpoint is a read of its float8 bytes, half a bf16 weight's; dequantizing
+the weight once at load doubles them. The kernel streams the float8 tiles, widens them to the
+activations' dtype (exact: every e4m3 value is a bf16 value) and multiplies on the tensor cores; where
+a kernel tile's columns sit inside one quantization tile (``BLOCK_K`` dividing the quantization block,
+the columns starting on a tile boundary) each row's fp32 partial sum is scaled once per tile, otherwise
+(shards that start inside a tile) each element is scaled as it is loaded. The activations stay 16-bit:
+decode is bound by the weight read, not by the multiply.
+
+As in the skinny GEMM, ``w`` is the wide operand (``[BLOCK_N, BLOCK_K] @ [BLOCK_K, BLOCK_M]``), and the
+epilogue is the skinny GEMM's: bias, SiLU·mul of interleaved gate|up rows, the residual add in place.
+Rows of ``x`` beyond one ``BLOCK_M`` tile take more programs along the grid's second axis (prefill).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pegainfer.kernels._triton import cast_to, dot_precision, interp_bf16, mma, num_sms, tl, triton
+from pegainfer.kernels.skinny_gemm import tile_epilogue
+from pegainfer.layers.block_fp8 import BlockFP8Weight
+
+#: Rows of x up to which one program's tile covers them all (decode); above, 64-row tiles.
+DECODE_ROWS = 64
+
+
+@dataclass(frozen=True)
+class Fp8GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@triton.jit
+def _block_fp8_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    bias_ptr,
+    res_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_rm,
+    stride_om,
+    offset,
+    QBLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UNIFORM: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    FIX: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    m0 = tl.program_id(1) * BLOCK_M
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    row_ok = (m0 + offs_m)[:, None] < M
+    col_ok = offs_n[:, None] < N
+    x_ptrs = x_ptr + (m0 + offs_m)[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=row_ok, other=0.0)
+            w = tl.load(w_ptrs, mask=col_ok, other=0.0)
+        else:
+            k_ok = (k + offs_k)[None, :] < K
+            x = tl.load(x_ptrs, mask=row_ok & k_ok, other=0.0)
+            w = tl.load(w_ptrs, mask=col_ok & k_ok, other=0.0)
+        if UNIFORM:
+            # The tile's columns share one quantization tile: the row's one scale on the fp32 partial sum.
+            scale = tl.load(s_rows + (k + offset) // QBLOCK, mask=offs_n < N, other=0.0)
+            acc += mma(cast_to(w.to(tl.float32), dtype, FIX), tl.trans(x), FIX, PREC) * scale[:, None]
+        else:
+            tiles = (k + offs_k + offset) // QBLOCK
+            scale = tl.load(
+                s_rows[:, None] + tiles[None, :], mask=col_ok & ((k + offs_k)[None, :] < K), other=0.0
+            )
+            acc += mma(cast_to(w.to(tl.float32) * scale, dtype, FIX), tl.trans(x), FIX, PREC)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    # The epilogue's rows count from this program's first row.
+    first = m0.to(tl.int64)
+    tile_epilogue(
+        acc, tl.zeros((BLOCK_M,), dtype=tl.float32), pid_n, bias_ptr, res_ptr + first * stride_rm,
+        out_ptr + first * stride_om, M - m0, N, K, stride_rm, stride_om, 0.0,
+        BLOCK_M, BLOCK_N, HAS_BIAS, False, SILU, RESIDUAL, FIX,
+    )  # fmt: skip
+
+
+def default_config(n: int, m: int, block: int, sms: int = 132) -> Fp8GemmConfig:
+    """Tiles not yet swept on a GPU (``python bench/skinny_gemm.py --fp8`` measures them): decode rows in
+    one 16..64-row tile, the weight in 128-column loads (one quantization tile of DeepSeek's) and the
+    widest row tiles (64, 32, 16) that still give every multiprocessor a program; prefill in 64 × 128
+    tiles."""
+    block_k = 128
+    while block_k > 16 and block % block_k:
+        block_k //= 2
+    if m > DECODE_ROWS:
+        return Fp8GemmConfig(64, 128, block_k, num_warps=8, num_stages=3)
+    block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= sms), 16)
+    return Fp8GemmConfig(max(16, triton.next_power_of_2(m)), block_n, block_k)
+
+
+def block_fp8_linear_triton(
+    x: torch.Tensor,
+    w: BlockFP8Weight,
+    bias: torch.Tensor | None = None,
+    *,
+    silu: bool = False,
+    residual: torch.Tensor | None = None,
+    config: Fp8GemmConfig | None = None,
+) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` for ``x`` ``[..., K]`` of any row count, in ``x``'s dtype. ``silu``: ``w``'s rows
+    alternate gate, up (``layers.activation.interleave_gate_up``), returns ``silu(gate) * up``
+    ``[..., N / 2]``; ``residual``: returns ``residual + x @ w.T``, written into ``residual`` in place."""
+    weight, scale = w.weight, w.scale
+    n, k = weight.shape
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if x2.shape[1] != k:
+        raise ValueError(f"x has {x2.shape[1]} columns; the weight {tuple(weight.shape)} needs {k}")
+    if weight.stride(-1) != 1 or scale.stride(-1) != 1:
+        raise ValueError("block_fp8_linear needs a weight and scales with contiguous rows")
+    if silu and (residual is not None or n % 2):
+        raise ValueError("silu takes an even number of interleaved gate, up rows and no residual")
+    m = x2.shape[0]
+    n_out = n // 2 if silu else n
+    if residual is None:
+        out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    else:
+        if residual.shape != (*x.shape[:-1], n) or residual.dtype != x.dtype or not residual.is_contiguous():
+            raise ValueError(
+                f"residual {tuple(residual.shape)} {residual.dtype} must be x @ w.T's, contiguous"
+            )
+        out = residual.view(m, n)
+    if m:
+        cfg = config or default_config(n, m, w.block, num_sms(x.device))
+        uniform = w.block % cfg.block_k == 0 and w.offset % cfg.block_k == 0
+        _block_fp8_gemm_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))](
+            x2, weight, scale, bias if bias is not None else x2, out, out,
+            m, n, k, x2.stride(0), weight.stride(0), scale.stride(0), out.stride(0), out.stride(0), w.offset,
+            QBLOCK=w.block, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UNIFORM=uniform,
+            EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, SILU=silu, RESIDUAL=residual is not None,
+            FIX=interp_bf16(x.dtype), PREC=dot_precision(x.dtype), num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )  # fmt: skip
+    return out.reshape(*x.shape[:-1], n_out)

@@ -1,0 +1,121 @@
+"""The block-FP8 GEMM kernel vs its torch reference (the weight dequantized, then ``F.linear``) on fresh
+random float8 weights and scales.
+
+The kernel scales a row's fp32 partial sum per quantization tile where the reference rounds every
+dequantized weight to the activations' dtype first, so 16-bit outputs differ by a few ulps of the
+weights' rounding; the bound is relative to the output scale. fp32 agrees to 1e-5 (the same products
+in another order).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_helpers import DEVICE, rel_err
+
+from pegainfer.kernels.block_fp8_gemm import Fp8GemmConfig, block_fp8_linear_triton, default_config
+from pegainfer.layers.activation import interleave_gate_up
+from pegainfer.layers.block_fp8 import BlockFP8Weight, block_fp8_linear_ref, row_scales
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def _weight(gen, n: int, k: int, block: int, offset: int = 0) -> BlockFP8Weight:
+    """Random float8 values (spread over e4m3's range) with random positive per-row tile scales."""
+    w = BlockFP8Weight(n, k, block, offset)
+    values = (torch.randn(n, k, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(n, w.scale.shape[1], generator=gen) * 1e-2 + 1e-3
+    w.load_rows(slice(0, n), values, scale)
+    return w.to(DEVICE)
+
+
+def _x(gen, *shape, dtype):
+    return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    ("m", "n", "k", "block", "offset", "config"),
+    [
+        (1, 64, 256, 128, 0, Fp8GemmConfig(16, 32, 128)),  # one scale per tile row (the uniform path)
+        (3, 70, 200, 128, 0, Fp8GemmConfig(16, 32, 64)),  # ragged N and K, two kernel tiles per scale
+        (5, 48, 160, 64, 40, Fp8GemmConfig(16, 16, 32)),  # columns from inside a tile: scaled per element
+        (20, 40, 96, 32, 0, None),  # the default tiles shrink to the 32-column quantization tiles
+        (70, 96, 128, 128, 0, Fp8GemmConfig(32, 32, 64, num_stages=2)),  # rows over three programs
+        (130, 36, 64, 128, 7, None),  # prefill's default tiles, columns offset
+    ],
+    ids=["1x64x256", "3x70x200-ragged", "5x48x160-offset", "20x40x96-block32", "70x96x128-rows", "130x36x64"],
+)
+def test_matches_the_dequantized_reference(dtype, m, n, k, block, offset, config):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = _weight(gen, n, k, block, offset)
+    x = _x(gen, m, k, dtype=dtype)
+    bias = _x(gen, n, dtype=dtype)
+    out = block_fp8_linear_triton(x, w, bias, config=config)
+    ref = block_fp8_linear_ref(x.float(), w, bias.float())
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m", [2, 80])
+def test_silu_of_interleaved_gate_up_and_the_residual_add(dtype, m):
+    gen = torch.Generator().manual_seed(m)
+    inter, hidden = 48, 256
+    gate, up = _weight(gen, inter, hidden, 128), _weight(gen, inter, hidden, 128)
+    gate_up = BlockFP8Weight(2 * inter, hidden, 128).to(DEVICE)
+    gate_up.load_rows(
+        slice(0, 2 * inter),
+        interleave_gate_up(gate.weight, up.weight),
+        interleave_gate_up(gate.scale, up.scale),
+    )
+    x = _x(gen, m, hidden, dtype=dtype)
+    act = block_fp8_linear_triton(x, gate_up, silu=True)
+    assert act.shape == (m, inter)
+    assert rel_err(act, block_fp8_linear_ref(x.float(), gate_up, silu=True)) < TOL[dtype]
+    down = _weight(gen, hidden, inter, 128)
+    residual = _x(gen, m, hidden, dtype=dtype)
+    expected = residual.float() + block_fp8_linear_ref(act.float(), down)
+    out = block_fp8_linear_triton(act, down, residual=residual)
+    assert out.data_ptr() == residual.data_ptr()  # in place
+    assert rel_err(out, expected) < TOL[dtype]
+
+
+def test_row_scales_follow_tiles_from_a_shard_start():
+    tiles = torch.arange(6.0).view(3, 2)  # tile rows of 4 weight rows
+    scales = row_scales(tiles, 4, first_row=6, rows=5)  # weight rows 6..10: tiles rows 1 (6, 7), 2 (8..10)
+    assert scales[:, 0].tolist() == [0.0, 0.0, 2.0, 2.0, 2.0]
+
+
+def test_reference_dequantizes_as_the_checkpoint_reader():
+    """Column c of a row takes its row's scale (c + offset) // block: an offset of 3 into 4-column tiles."""
+    w = BlockFP8Weight(1, 6, 4, offset=3)
+    w.load_rows(slice(0, 1), torch.ones(1, 6).to(torch.float8_e4m3fn), torch.tensor([[2.0, 3.0, 5.0]]))
+    assert w.dequantize(torch.float32).tolist() == [[2.0, 3.0, 3.0, 3.0, 3.0, 5.0]]
+
+
+def test_bad_shapes_are_refused():
+    w = BlockFP8Weight(8, 16, 16)
+    with pytest.raises(ValueError, match="rows 0:8"):
+        w.load_rows(slice(0, 8), torch.zeros(8, 16).to(torch.float8_e4m3fn), torch.zeros(8, 2))
+    with pytest.raises(ValueError, match="offset"):
+        BlockFP8Weight(8, 16, 16, offset=16)
+
+
+def test_default_config_fills_the_multiprocessors():
+    assert default_config(2112, 1, 128).block_n == 16  # DeepSeek-V3's q_a|kv_a: 132 programs of 16 rows
+    assert default_config(24576, 1, 128).block_n == 64
+    assert default_config(24576, 4096, 128).block_m == 64
+    assert default_config(7168, 1, 64).block_k == 64
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 2112, 7168), (16, 7168, 2048), (300, 4096, 7168)])
+def test_deepseek_v3_shapes_on_the_gpu(m, n, k):
+    """DeepSeek-V3's q_a|kv_a at a decode row, the shared down at 16 rows and a 300-token prefill of the
+    shared gate|up, with the default tiles, in bf16 against the fp32 product."""
+    gen = torch.Generator().manual_seed(n)
+    w = _weight(gen, n, k, 128)
+    x = _x(gen, m, k, dtype=torch.bfloat16)
+    assert rel_err(block_fp8_linear_triton(x, w), block_fp8_linear_ref(x.float(), w)) < 1e-2
