@@ -30,6 +30,7 @@ from pegainfer.kernels.block_fp8_gemm import (  # noqa: E402
     Fp8GemmConfig,
     block_fp8_linear_triton,
     default_config,
+    dequantize_into,
 )
 from pegainfer.kernels.skinny_gemm import skinny_linear_triton  # noqa: E402
 from pegainfer.layers.block_fp8 import BlockFP8Weight  # noqa: E402
@@ -59,11 +60,16 @@ def sweep_configs(m: int) -> list[Fp8GemmConfig]:
         block_m = max(16, 1 << (m - 1).bit_length())
         return [
             Fp8GemmConfig(block_m, bn, bk, warps, stages)
-            for bn, bk, warps, stages in itertools.product((16, 32, 64, 128), (64, 128), (4, 8), (3, 4, 6))
+            for bn, bk, (warps, stages) in itertools.product(
+                (16, 32, 64, 128), (128, 256, 512), ((4, 4), (4, 6), (8, 4))
+            )
+            if bn * bk <= 128 * 256
         ]
     return [
-        Fp8GemmConfig(bm, bn, 128, warps, stages)
-        for bm, bn, warps, stages in itertools.product((64, 128), (64, 128, 256), (4, 8), (3, 4))
+        Fp8GemmConfig(bm, bn, bk, warps, stages)
+        for bm, bn, bk, warps, stages in itertools.product(
+            (64, 128), (64, 128, 256), (64, 128), (4, 8), (3, 4)
+        )
         if bm * bn <= 128 * 128
     ]
 
@@ -73,7 +79,9 @@ def per_call_ms(fns: list, reps: int = 10) -> float:
     return graph_time_ms(lambda: [fn() for fn in fns], calls=len(fns), reps=reps)
 
 
-def measure_shape(name: str, rows: list[int], sweep: bool, bw: float, sms: int, results: Results) -> None:
+def measure_shape(
+    name: str, rows: list[int], sweep: list[int], bw: float, sms: int, results: Results
+) -> None:
     n, k = SHAPES[name]
     nbytes = n * k + n * -(-k // 128) * 4  # float8 values and per-row scales
     ws = [random_weight(n, k) for _ in range(max(2, -(-(2 << 30) // nbytes)))]
@@ -96,12 +104,15 @@ def measure_shape(name: str, rows: list[int], sweep: bool, bw: float, sms: int, 
         else:
             ours = cuda_time_ms(partial(block_fp8_linear_triton, x, ws[0], config=cfg))
             cublas = cuda_time_ms(partial(F.linear, x, dense[0]))
+            scratch = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
+            via_bf16 = cuda_time_ms(lambda x=x, s=scratch: F.linear(x, dequantize_into(ws[0], s)))
             tflops = 2 * m * n * k / (ours / 1e3) / 1e12
             line = f"ours {ours * 1e3:7.1f} us ({tflops:.0f} TFLOP/s) | cuBLAS bf16 {cublas * 1e3:.1f} us"
+            line += f" | dequantize + cuBLAS {via_bf16 * 1e3:.1f} us"
             results.add(f"{tag}.tflops", tflops, "TFLOP/s")
             results.add(f"{tag}.vs_cublas_bf16", cublas / ours, "ratio")
         print(f"{name:14s} M={m:5d} {line} rel err {err:.2e} {cfg}", flush=True)
-        if sweep:
+        if m in sweep:
             timed = []
             for c in sweep_configs(m):
                 try:
@@ -122,6 +133,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,16,64,2048")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-rows", default="", help="rows to sweep (default: every one measured)")
     ap.add_argument("--out", default="bench/results/block_fp8_gemm.jsonl")
     ap.add_argument("--commit", default=None)
     args = ap.parse_args()
@@ -131,7 +143,8 @@ def main() -> None:
     results = Results(Path(args.out), "python " + " ".join(sys.argv), args.commit)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for name in args.shapes.split(","):
-        measure_shape(name, [int(r) for r in args.rows.split(",")], args.sweep, bw, sms, results)
+        sweep = [int(r) for r in (args.sweep_rows or args.rows).split(",")] if args.sweep else []
+        measure_shape(name, [int(r) for r in args.rows.split(",")], sweep, bw, sms, results)
         torch.cuda.empty_cache()
     results.write()
 

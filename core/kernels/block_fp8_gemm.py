@@ -5,8 +5,9 @@ A decode step of an FP8 checkpoint is a read of its float8 bytes, half a bf16 we
 the weight once at load doubles them. The kernel streams the float8 tiles, widens them to the
 activations' dtype (exact: every e4m3 value is a bf16 value) and multiplies on the tensor cores; where
 a kernel tile's columns sit inside one quantization tile (``BLOCK_K`` dividing the quantization block,
-the columns starting on a tile boundary) each row's fp32 partial sum is scaled once per tile, otherwise
-(shards that start inside a tile) each element is scaled as it is loaded. The activations stay 16-bit:
+the columns starting on a tile boundary) each row's fp32 partial sum is scaled once per tile; where it
+spans whole tiles (``BLOCK_K`` a multiple of the block) each row's few scales broadcast over their tiles
+in registers; otherwise (shards that start inside a tile) each element's scale is gathered. The activations stay 16-bit:
 decode is bound by the weight read, not by the multiply.
 
 As in the skinny GEMM, ``w`` is the wide operand (``[BLOCK_N, BLOCK_K] @ [BLOCK_K, BLOCK_M]``), and the
@@ -59,6 +60,7 @@ def _block_fp8_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UNIFORM: tl.constexpr,
+    SPAN: tl.constexpr,
     EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
@@ -90,6 +92,15 @@ def _block_fp8_gemm_kernel(
             # The tile's columns share one quantization tile: the row's one scale on the fp32 partial sum.
             scale = tl.load(s_rows + (k + offset) // QBLOCK, mask=offs_n < N, other=0.0)
             acc += mma(cast_to(w.to(tl.float32), dtype, FIX), tl.trans(x), FIX, PREC) * scale[:, None]
+        elif SPAN > 1:
+            # SPAN whole quantization tiles side by side (columns from a tile boundary): each row's SPAN
+            # scales broadcast over their tiles' columns, in registers.
+            tiles = k // QBLOCK + tl.arange(0, SPAN)
+            scale = tl.load(
+                s_rows[:, None] + tiles[None, :], mask=col_ok & (tiles * QBLOCK < K)[None, :], other=0.0
+            )
+            wf = tl.reshape(w.to(tl.float32), (BLOCK_N, SPAN, QBLOCK)) * scale[:, :, None]
+            acc += mma(cast_to(tl.reshape(wf, (BLOCK_N, BLOCK_K)), dtype, FIX), tl.trans(x), FIX, PREC)
         else:
             tiles = (k + offs_k + offset) // QBLOCK
             scale = tl.load(
@@ -107,7 +118,34 @@ def _block_fp8_gemm_kernel(
     )  # fmt: skip
 
 
-def default_config(n: int, m: int, block: int, sms: int = 132) -> Fp8GemmConfig:
+@triton.jit
+def _dequantize_kernel(
+    w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on, offset,
+    QBLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FIX: tl.constexpr,
+):  # fmt: skip
+    offs_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
+    w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0)
+    tiles = ((offs_k + offset) // QBLOCK)[None, :]
+    scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + tiles, mask=mask, other=0.0)
+    y = cast_to(w.to(tl.float32) * scale, out_ptr.dtype.element_ty, FIX)
+    tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :], y, mask=mask)
+
+
+def dequantize_into(w: BlockFP8Weight, out: torch.Tensor) -> torch.Tensor:
+    """``w.dequantize(out.dtype)`` written into ``out`` ``[N, K]`` (rounded as it rounds)."""
+    n, k = w.shape
+    if tuple(out.shape) != (n, k) or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} must be the weight's {(n, k)}, rows contiguous")
+    _dequantize_kernel[(triton.cdiv(n, 32), triton.cdiv(k, 256))](
+        w.weight, w.scale, out, n, k, w.weight.stride(0), w.scale.stride(0), out.stride(0), w.offset,
+        QBLOCK=w.block, BLOCK_N=32, BLOCK_K=256, FIX=interp_bf16(out.dtype),
+    )  # fmt: skip
+    return out
+
+
+def default_config(n: int, m: int, block: int, sms: int = 132, element_size: int = 2) -> Fp8GemmConfig:
     """Tiles not yet swept on a GPU (``python bench/skinny_gemm.py --fp8`` measures them): decode rows in
     one 16..64-row tile, the weight in 128-column loads (one quantization tile of DeepSeek's) and the
     widest row tiles (64, 32, 16) that still give every multiprocessor a program; prefill in 64 × 128
@@ -115,8 +153,8 @@ def default_config(n: int, m: int, block: int, sms: int = 132) -> Fp8GemmConfig:
     block_k = 128
     while block_k > 16 and block % block_k:
         block_k //= 2
-    if m > DECODE_ROWS:
-        return Fp8GemmConfig(64, 128, block_k, num_warps=8, num_stages=3)
+    if m > DECODE_ROWS:  # fp32 activations (CPU-sized tests on a GPU) take fewer stages to fit
+        return Fp8GemmConfig(64, 128, block_k, num_warps=8, num_stages=3 if element_size <= 2 else 2)
     block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= sms), 16)
     return Fp8GemmConfig(max(16, triton.next_power_of_2(m)), block_n, block_k)
 
@@ -155,12 +193,13 @@ def block_fp8_linear_triton(
             )
         out = residual.view(m, n)
     if m:
-        cfg = config or default_config(n, m, w.block, num_sms(x.device))
+        cfg = config or default_config(n, m, w.block, num_sms(x.device), x.element_size())
         uniform = w.block % cfg.block_k == 0 and w.offset % cfg.block_k == 0
+        span = cfg.block_k // w.block if cfg.block_k % w.block == 0 and not w.offset else 1
         _block_fp8_gemm_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))](
             x2, weight, scale, bias if bias is not None else x2, out, out,
             m, n, k, x2.stride(0), weight.stride(0), scale.stride(0), out.stride(0), out.stride(0), w.offset,
-            QBLOCK=w.block, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UNIFORM=uniform,
+            QBLOCK=w.block, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UNIFORM=uniform, SPAN=span if span & (span - 1) == 0 else 1,
             EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, SILU=silu, RESIDUAL=residual is not None,
             FIX=interp_bf16(x.dtype), PREC=dot_precision(x.dtype), num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,

@@ -13,7 +13,12 @@ import pytest
 import torch
 from kernel_helpers import DEVICE, rel_err
 
-from pegainfer.kernels.block_fp8_gemm import Fp8GemmConfig, block_fp8_linear_triton, default_config
+from pegainfer.kernels.block_fp8_gemm import (
+    Fp8GemmConfig,
+    block_fp8_linear_triton,
+    default_config,
+    dequantize_into,
+)
 from pegainfer.layers.activation import interleave_gate_up
 from pegainfer.layers.block_fp8 import BlockFP8Weight, block_fp8_linear_ref, row_scales
 
@@ -41,10 +46,19 @@ def _x(gen, *shape, dtype):
         (3, 70, 200, 128, 0, Fp8GemmConfig(16, 32, 64)),  # ragged N and K, two kernel tiles per scale
         (5, 48, 160, 64, 40, Fp8GemmConfig(16, 16, 32)),  # columns from inside a tile: scaled per element
         (20, 40, 96, 32, 0, None),  # the default tiles shrink to the 32-column quantization tiles
+        (4, 40, 200, 32, 0, Fp8GemmConfig(16, 16, 128)),  # four quantization tiles per load, ragged K
         (70, 96, 128, 128, 0, Fp8GemmConfig(32, 32, 64, num_stages=2)),  # rows over three programs
         (130, 36, 64, 128, 7, None),  # prefill's default tiles, columns offset
     ],
-    ids=["1x64x256", "3x70x200-ragged", "5x48x160-offset", "20x40x96-block32", "70x96x128-rows", "130x36x64"],
+    ids=[
+        "1x64x256",
+        "3x70x200-ragged",
+        "5x48x160-offset",
+        "20x40x96-block32",
+        "4x40x200-span4",
+        "70x96x128-rows",
+        "130x36x64",
+    ],
 )
 def test_matches_the_dequantized_reference(dtype, m, n, k, block, offset, config):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
@@ -79,6 +93,14 @@ def test_silu_of_interleaved_gate_up_and_the_residual_add(dtype, m):
     out = block_fp8_linear_triton(act, down, residual=residual)
     assert out.data_ptr() == residual.data_ptr()  # in place
     assert rel_err(out, expected) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_dequantize_kernel_rounds_as_the_reference(dtype):
+    gen = torch.Generator().manual_seed(9)
+    w = _weight(gen, 40, 300, 128, offset=5)
+    out = dequantize_into(w, torch.empty(40, 300, dtype=dtype, device=DEVICE))
+    assert torch.equal(out, w.dequantize(dtype))
 
 
 def test_row_scales_follow_tiles_from_a_shard_start():
