@@ -32,7 +32,7 @@ from pegainfer.kernels.block_fp8_gemm import (  # noqa: E402
     default_config,
     dequantize_into,
 )
-from pegainfer.kernels.skinny_gemm import skinny_linear_triton  # noqa: E402
+from pegainfer.kernels.skinny_gemm import SkinnyConfig, skinny_linear_triton  # noqa: E402
 from pegainfer.layers.block_fp8 import BlockFP8Weight  # noqa: E402
 
 # name -> (N, K): MLA's stacked q_a|kv_a, q_b, o_proj; the dense layer's gate|up and down; the shared
@@ -55,10 +55,19 @@ def random_weight(n: int, k: int) -> BlockFP8Weight:
     return w
 
 
-def sweep_configs(m: int) -> list[Fp8GemmConfig]:
+def sweep_configs(m: int) -> list[Fp8GemmConfig | SkinnyConfig]:
+    """This kernel's tiles; at decode rows also the skinny GEMM's float8 form (one program per tile and
+    stream-K)."""
     if m <= DECODE_ROWS:
         block_m = max(16, 1 << (m - 1).bit_length())
-        return [
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        skinny = [
+            SkinnyConfig(bn, bk, warps, stages, stream_k=sk, programs=sms if sk else 0)
+            for bn, bk, warps, stages, sk in itertools.product(
+                (32, 64), (128, 256), (4, 8), (4, 6), (False, True)
+            )
+        ]
+        return skinny + [
             Fp8GemmConfig(block_m, bn, bk, warps, stages)
             for bn, bk, (warps, stages) in itertools.product(
                 (16, 32, 64, 128), (128, 256, 512), ((4, 4), (4, 6), (8, 4))
@@ -93,11 +102,12 @@ def measure_shape(
         err = ((block_fp8_linear_triton(x, ws[0], config=cfg).float() - ref).norm() / ref.norm()).item()
         tag = f"deepseek_v3.block_fp8_gemm.{name}_m{m}"
         if m <= DECODE_ROWS:
-            ours = per_call_ms([partial(block_fp8_linear_triton, x, w, config=cfg) for w in ws])
+            ours = per_call_ms([partial(block_fp8_linear_triton, x, w) for w in ws])  # the dispatch
+            own = per_call_ms([partial(block_fp8_linear_triton, x, w, config=cfg) for w in ws])
             bf16 = per_call_ms([partial(skinny_linear_triton, x, d) for d in dense])
             cublas = per_call_ms([partial(F.linear, x, d) for d in dense])
             util = nbytes / (ours / 1e3) / bw
-            line = f"ours {ours * 1e3:7.1f} us ({util:.1%} of the ceiling on fp8 bytes)"
+            line = f"ours {ours * 1e3:7.1f} us ({util:.1%} of the ceiling on fp8 bytes), own tiles {own * 1e3:.1f}"
             line += f" | bf16: skinny {bf16 * 1e3:.1f} us, cuBLAS {cublas * 1e3:.1f} us"
             results.add(f"{tag}.bandwidth_utilization", util, "fraction")
             results.add(f"{tag}.vs_bf16_skinny", bf16 / ours, "ratio")
@@ -116,7 +126,9 @@ def measure_shape(
             timed = []
             for c in sweep_configs(m):
                 try:
-                    if m <= DECODE_ROWS:
+                    if isinstance(c, SkinnyConfig):
+                        t = per_call_ms([partial(skinny_linear_triton, x, w, config=c) for w in ws], 5)
+                    elif m <= DECODE_ROWS:
                         t = per_call_ms([partial(block_fp8_linear_triton, x, w, config=c) for w in ws], 5)
                     else:
                         t = cuda_time_ms(partial(block_fp8_linear_triton, x, ws[0], config=c), reps=5)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pegainfer.kernels import skinny_gemm
 from pegainfer.kernels._triton import cast_to, dot_precision, interp_bf16, mma, num_sms, tl, triton
 from pegainfer.kernels.skinny_gemm import tile_epilogue
 from pegainfer.layers.block_fp8 import BlockFP8Weight
@@ -170,7 +171,13 @@ def block_fp8_linear_triton(
 ) -> torch.Tensor:
     """``x @ w.T (+ bias)`` for ``x`` ``[..., K]`` of any row count, in ``x``'s dtype. ``silu``: ``w``'s rows
     alternate gate, up (``layers.activation.interleave_gate_up``), returns ``silu(gate) * up``
-    ``[..., N / 2]``; ``residual``: returns ``residual + x @ w.T``, written into ``residual`` in place."""
+    ``[..., N / 2]``; ``residual``: returns ``residual + x @ w.T``, written into ``residual`` in place.
+
+    Decode rows (up to ``skinny_gemm.DISPATCH_ROWS``) of a weight whose columns start on a tile boundary
+    take the skinny GEMM with its float8 form (its stream-K split for weights that fill few programs, its
+    early launch), unless ``config`` names this kernel's tiles."""
+    if config is None and w.offset == 0 and x.numel() // max(x.shape[-1], 1) <= skinny_gemm.DISPATCH_ROWS:
+        return skinny_gemm.skinny_linear_triton(x, w, bias, silu=silu, residual=residual)
     weight, scale = w.weight, w.scale
     n, k = weight.shape
     x2 = x.reshape(-1, x.shape[-1])

@@ -41,6 +41,7 @@ from pegainfer.kernels._triton import (
     use_kernel,
 )
 from pegainfer.kernels.activations import silu_mul_ref
+from pegainfer.layers.block_fp8 import BlockFP8Weight
 from pegainfer.layers.norm import rms_norm as rms_norm_ref
 
 #: Most rows of x the kernel takes (x is padded to a 16-, 32- or 64-row tile).
@@ -73,9 +74,29 @@ def _load_block(ptrs, k, K, offs_k, rows_ok, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _scaled(
+    w, s_rows, k, K, col_ok, QBLOCK: tl.constexpr, SPAN: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, FIX: tl.constexpr,
+):  # fmt: skip
+    """``w`` as loaded; with ``SPAN`` (a block-FP8 weight) its float8 block of columns ``[k, k + BLOCK_K)``
+    widened to ``DTYPE`` times each row's scales (``s_rows``: the rows' scale pointers), the block
+    spanning ``SPAN`` quantization tiles of ``QBLOCK`` columns (or lying inside one: SPAN 1)."""
+    if SPAN == 0:
+        return w
+    else:
+        tiles = k // QBLOCK + tl.arange(0, SPAN)
+        scale = tl.load(
+            s_rows[:, None] + tiles[None, :], mask=col_ok & (tiles * QBLOCK < K)[None, :], other=0.0
+        )
+        wf = tl.reshape(w.to(tl.float32), (BLOCK_N, SPAN, BLOCK_K // SPAN)) * scale[:, :, None]
+        return cast_to(tl.reshape(wf, (BLOCK_N, BLOCK_K)), DTYPE, FIX)
+
+
+@triton.jit
 def _skinny_gemm_kernel(
     x_ptr,
     w_ptr,
+    s_ptr,
     bias_ptr,
     res_ptr,
     out_ptr,
@@ -84,6 +105,7 @@ def _skinny_gemm_kernel(
     K,
     stride_xm,
     stride_wn,
+    stride_sn,
     stride_rm,
     stride_om,
     eps,
@@ -98,6 +120,8 @@ def _skinny_gemm_kernel(
     FIX: tl.constexpr,
     PREC: tl.constexpr,
     PDL: tl.constexpr,
+    QBLOCK: tl.constexpr = 1,
+    SPAN: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -105,8 +129,10 @@ def _skinny_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
     row_ok = offs_m[:, None] < M
     col_ok = offs_n[:, None] < N
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
     # w is the tensor cores' wide operand ([BLOCK_N, BLOCK_K] @ [BLOCK_K, BLOCK_M]): a 16-row x would
     # waste most of an MMA tile as the wide one, and the sweep measured this form 5-30% faster.
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -117,6 +143,7 @@ def _skinny_gemm_kernel(
         # The weights are constant: fetch the first block while the previous kernel is still finishing,
         # and only then wait for it (x is its output).
         w = _load_block(w_ptrs, 0, K, offs_k, col_ok, EVEN_K)
+        w = _scaled(w, s_rows, 0, K, col_ok, QBLOCK, SPAN, BLOCK_N, BLOCK_K, dtype, FIX)
         pdl_start(PDL)
         x = _load_block(x_ptrs, 0, K, offs_k, row_ok, EVEN_K)
         if NORM:
@@ -128,6 +155,7 @@ def _skinny_gemm_kernel(
     for k in range(k0, K, BLOCK_K):
         x = _load_block(x_ptrs, k, K, offs_k, row_ok, EVEN_K)
         w = _load_block(w_ptrs, k, K, offs_k, col_ok, EVEN_K)
+        w = _scaled(w, s_rows, k, K, col_ok, QBLOCK, SPAN, BLOCK_N, BLOCK_K, dtype, FIX)
         if NORM:
             sq += x.to(tl.float32) * x.to(tl.float32)
         acc += mma(w, tl.trans(x).to(w.dtype), FIX, PREC)
@@ -196,6 +224,7 @@ def tile_epilogue(
 def _skinny_gemm_stream_k_kernel(
     x_ptr,
     w_ptr,
+    s_ptr,
     bias_ptr,
     res_ptr,
     out_ptr,
@@ -207,6 +236,7 @@ def _skinny_gemm_stream_k_kernel(
     K,
     stride_xm,
     stride_wn,
+    stride_sn,
     stride_rm,
     stride_om,
     eps,
@@ -224,6 +254,8 @@ def _skinny_gemm_stream_k_kernel(
     FIX: tl.constexpr,
     PREC: tl.constexpr,
     PDL: tl.constexpr,
+    QBLOCK: tl.constexpr = 1,
+    SPAN: tl.constexpr = 0,
 ):
     """The same GEMM over a flat list of work units, (output tile, BLOCK_K column block) in tile order:
     program ``p`` takes units ``[p * UNITS, (p + 1) * UNITS)``, so every multiprocessor streams the same
@@ -232,6 +264,7 @@ def _skinny_gemm_stream_k_kernel(
     program that finishes last (the tile's counter) adds them in slot order, so the result does not
     depend on which finished first, and resets the counter for the next launch."""
     pid = tl.program_id(0)
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
     n_tiles = tl.cdiv(N, BLOCK_N)
     u0 = pid * UNITS
     u1 = tl.minimum(u0 + UNITS, n_tiles * K_ITERS)
@@ -248,11 +281,13 @@ def _skinny_gemm_stream_k_kernel(
         col_ok = offs_n[:, None] < N
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (kb * BLOCK_K + offs_k)[None, :]
         w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (kb * BLOCK_K + offs_k)[None, :]
+        s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
         for i in range(kb, ke):
             x = _load_block(x_ptrs, i * BLOCK_K, K, offs_k, row_ok, EVEN_K)
             w = _load_block(w_ptrs, i * BLOCK_K, K, offs_k, col_ok, EVEN_K)
+            w = _scaled(w, s_rows, i * BLOCK_K, K, col_ok, QBLOCK, SPAN, BLOCK_N, BLOCK_K, dtype, FIX)
             if NORM:
                 sq += x.to(tl.float32) * x.to(tl.float32)
             acc += mma(w, tl.trans(x).to(w.dtype), FIX, PREC)
@@ -360,7 +395,7 @@ def _one_program_per_sm(cfg: SkinnyConfig, block_m: int, x: torch.Tensor) -> boo
 
 def skinny_linear_triton(
     x: torch.Tensor,
-    w: torch.Tensor,
+    w: torch.Tensor | BlockFP8Weight,
     bias: torch.Tensor | None = None,
     *,
     config: SkinnyConfig | None = None,
@@ -378,12 +413,17 @@ def skinny_linear_triton(
     - ``residual``: returns ``residual + x @ w.T``, written into ``residual`` in place.
 
     A 16-bit ``x`` may meet an fp32 ``w`` (a router's logits): x is upcast in the loop, the result fp32,
-    as ``F.linear(x.float(), w)`` without the cast's launch."""
+    as ``F.linear(x.float(), w)`` without the cast's launch. A block-FP8 ``w`` whose columns start on a
+    tile boundary is widened tile by tile with its rows' scales (W8A16), the result in ``x``'s dtype."""
     n, k = w.shape
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if w.stride(-1) != 1:
+    quant = isinstance(w, BlockFP8Weight)
+    if quant and w.offset:
+        raise ValueError("skinny_linear takes block-FP8 columns from a tile boundary (block_fp8_gemm: any)")
+    weight, scale = (w.weight, w.scale) if quant else (w, w)
+    if weight.stride(-1) != 1 or scale.stride(-1) != 1:
         raise ValueError("skinny_linear needs w with a contiguous last dimension")
     if x2.shape[1] != k:
         raise ValueError(f"x has {x2.shape[1]} columns; w {tuple(w.shape)} needs {k}")
@@ -392,28 +432,35 @@ def skinny_linear_triton(
         raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {m}")
     if silu and (residual is not None or n % 2):
         raise ValueError("silu takes an even number of interleaved gate, up rows and no residual")
-    if x.dtype != w.dtype and not (w.dtype == torch.float32 and x.element_size() == 2):
+    if not quant and x.dtype != w.dtype and not (w.dtype == torch.float32 and x.element_size() == 2):
         raise ValueError(f"x {x.dtype} with w {w.dtype}: only 16-bit x meets an fp32 w (upcast in the loop)")
-    cfg = config or default_config(n, k, m, w.element_size(), num_sms(x.device))
+    out_dtype = x.dtype if quant else w.dtype
+    cfg = config or default_config(n, k, m, out_dtype.itemsize, num_sms(x.device))
+    span = 0
+    if quant:  # a load spans whole quantization tiles or lies inside one
+        if cfg.block_k % w.block and w.block % cfg.block_k:
+            raise ValueError(f"{cfg.block_k}-column loads neither span nor divide {w.block}-column tiles")
+        span = max(1, cfg.block_k // w.block)
     block_m = max(16, triton.next_power_of_2(m))
     n_out = n // 2 if silu else n
     if residual is None:
-        out = torch.empty(m, n_out, dtype=w.dtype, device=x.device)
+        out = torch.empty(m, n_out, dtype=out_dtype, device=x.device)
     else:
-        if residual.shape != (*x.shape[:-1], n) or residual.dtype != w.dtype or residual.stride(-1) != 1:
+        if residual.shape != (*x.shape[:-1], n) or residual.dtype != out_dtype or residual.stride(-1) != 1:
             raise ValueError(
                 f"residual {tuple(residual.shape)} {residual.dtype} must be x @ w.T's, contiguous"
             )
         out = residual.view(m, n)
     if not m:
         return out.reshape(*x.shape[:-1], n_out)
-    args = (x2, w, bias if bias is not None else w, out, out)
-    strides = (m, n, k, x2.stride(0), w.stride(0), out.stride(0), out.stride(0))
+    args = (x2, weight, scale, bias if bias is not None else weight, out, out)
+    strides = (m, n, k, x2.stride(0), weight.stride(0), scale.stride(0), out.stride(0), out.stride(0))
     eps = 0.0 if norm_eps is None else norm_eps
     flags = dict(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, NORM=norm_eps is not None, SILU=silu,
-        RESIDUAL=residual is not None, FIX=interp_bf16(w.dtype), PREC=dot_precision(w.dtype),
+        RESIDUAL=residual is not None, FIX=interp_bf16(out_dtype), PREC=dot_precision(out_dtype),
+        QBLOCK=w.block if quant else 1, SPAN=span,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **(pdl_launch(x) if _one_program_per_sm(cfg, block_m, x) else NO_PDL),
     )  # fmt: skip

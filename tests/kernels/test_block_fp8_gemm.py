@@ -19,6 +19,7 @@ from pegainfer.kernels.block_fp8_gemm import (
     default_config,
     dequantize_into,
 )
+from pegainfer.kernels.skinny_gemm import SkinnyConfig, skinny_linear_triton
 from pegainfer.layers.activation import interleave_gate_up
 from pegainfer.layers.block_fp8 import BlockFP8Weight, block_fp8_linear_ref, row_scales
 
@@ -69,6 +70,36 @@ def test_matches_the_dequantized_reference(dtype, m, n, k, block, offset, config
     ref = block_fp8_linear_ref(x.float(), w, bias.float())
     assert out.dtype == dtype and out.shape == (m, n)
     assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    ("m", "n", "k", "block", "config"),
+    [
+        (1, 64, 256, 128, SkinnyConfig(32, 64)),  # loads inside a tile
+        (3, 70, 200, 32, SkinnyConfig(32, 128)),  # loads over four tiles, ragged N and K
+        (16, 96, 512, 128, SkinnyConfig(32, 256, stream_k=True, programs=5)),  # tiles split over programs
+        (2, 40, 96, 32, None),  # the dispatch: decode rows of a weight from a tile boundary
+    ],
+    ids=["inside-a-tile", "span4-ragged", "stream_k", "dispatch"],
+)
+def test_skinny_gemm_float8_form(dtype, m, n, k, block, config):
+    gen = torch.Generator().manual_seed(m * 7 + n)
+    w = _weight(gen, n, k, block)
+    x = _x(gen, m, k, dtype=dtype)
+    bias = _x(gen, n, dtype=dtype)
+    if config is None:
+        out = block_fp8_linear_triton(x, w, bias)
+    else:
+        out = skinny_linear_triton(x, w, bias, config=config)
+    assert out.dtype == dtype
+    assert rel_err(out, block_fp8_linear_ref(x.float(), w, bias.float())) < TOL[dtype]
+
+
+def test_skinny_gemm_refuses_float8_columns_inside_a_tile():
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match="tile boundary"):
+        skinny_linear_triton(_x(gen, 1, 64, dtype=torch.float32), _weight(gen, 16, 64, 32, offset=8))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
