@@ -20,14 +20,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from pegainfer.kernels import skinny_gemm
 from pegainfer.kernels._triton import cast_to, dot_precision, interp_bf16, mma, num_sms, tl, triton
+from pegainfer.kernels.activations import silu_mul
 from pegainfer.kernels.skinny_gemm import tile_epilogue
 from pegainfer.layers.block_fp8 import BlockFP8Weight
 
 #: Rows of x up to which one program's tile covers them all (decode); above, 64-row tiles.
 DECODE_ROWS = 64
+#: Rows from which the weight is widened into a scratch weight in the activations' dtype and multiplied by
+#: cuBLAS. At 2048 rows this kernel measured a third of cuBLAS's bf16 rate (220-264 TFLOP/s, 2026-12-05),
+#: where widening costs one pass over the weight (~0.2 ms for DeepSeek-V3's dense gate|up): the
+#: cross-over estimated from those figures is ~140 rows (not swept).
+WIDEN_ROWS = 128
+
+_WIDENED: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
 @dataclass(frozen=True)
@@ -146,6 +155,27 @@ def dequantize_into(w: BlockFP8Weight, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def widened_scratch(w: BlockFP8Weight, dtype: torch.dtype) -> torch.Tensor:
+    """A ``[N, K]`` scratch weight in ``dtype`` on ``w``'s device: one buffer per device and dtype, grown to
+    the largest projection widened (the memory plan reserves that: ``layers.block_fp8.widened_bytes``)."""
+    key, numel = (w.weight.device, dtype), w.weight.numel()
+    buffer = _WIDENED.get(key)
+    if buffer is None or buffer.numel() < numel:
+        _WIDENED.pop(key, None)  # the smaller one freed before the larger is allocated
+        buffer = _WIDENED[key] = torch.empty(numel, dtype=dtype, device=w.weight.device)
+    return buffer[:numel].view(w.shape)
+
+
+def _widened_linear(
+    x: torch.Tensor, w: BlockFP8Weight, bias: torch.Tensor | None, silu: bool, residual: torch.Tensor | None
+) -> torch.Tensor:
+    """Prefill rows: cuBLAS over the weight widened into the scratch, the options after it."""
+    y = F.linear(x, dequantize_into(w, widened_scratch(w, x.dtype)), bias)
+    if silu:
+        return silu_mul(y)
+    return y if residual is None else residual.add_(y)
+
+
 def default_config(n: int, m: int, block: int, sms: int = 132, element_size: int = 2) -> Fp8GemmConfig:
     """Tiles not yet swept on a GPU (``python bench/skinny_gemm.py --fp8`` measures them): decode rows in
     one 16..64-row tile, the weight in 128-column loads (one quantization tile of DeepSeek's) and the
@@ -173,11 +203,15 @@ def block_fp8_linear_triton(
     alternate gate, up (``layers.activation.interleave_gate_up``), returns ``silu(gate) * up``
     ``[..., N / 2]``; ``residual``: returns ``residual + x @ w.T``, written into ``residual`` in place.
 
-    Decode rows (up to ``skinny_gemm.DISPATCH_ROWS``) of a weight whose columns start on a tile boundary
-    take the skinny GEMM with its float8 form (its stream-K split for weights that fill few programs, its
-    early launch), unless ``config`` names this kernel's tiles."""
-    if config is None and w.offset == 0 and x.numel() // max(x.shape[-1], 1) <= skinny_gemm.DISPATCH_ROWS:
+    Unless ``config`` names this kernel's tiles: decode rows (up to ``skinny_gemm.DISPATCH_ROWS``) of a
+    weight whose columns start on a tile boundary take the skinny GEMM with its float8 form (its stream-K
+    split for weights that fill few programs, its early launch); ``WIDEN_ROWS`` and more take cuBLAS over
+    the weight widened into a scratch."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if config is None and w.offset == 0 and rows <= skinny_gemm.DISPATCH_ROWS:
         return skinny_gemm.skinny_linear_triton(x, w, bias, silu=silu, residual=residual)
+    if config is None and rows >= WIDEN_ROWS:
+        return _widened_linear(x, w, bias, silu, residual)
     weight, scale = w.weight, w.scale
     n, k = weight.shape
     x2 = x.reshape(-1, x.shape[-1])

@@ -60,6 +60,13 @@ class BlockFP8Weight(nn.Module):
         return (self.weight.float() * scale).to(dtype)
 
 
+def widened_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """The scratch a prefill step of ``model`` widens its block-FP8 projections into on CUDA
+    (``kernels.block_fp8_gemm.widened_scratch``): its largest one in ``dtype``; 0 without any."""
+    sizes = [m.weight.numel() for m in model.modules() if isinstance(m, BlockFP8Weight)]
+    return max(sizes, default=0) * torch.empty((), dtype=dtype).element_size()
+
+
 def row_scales(tiles: torch.Tensor, block_rows: int, first_row: int, rows: int) -> torch.Tensor:
     """Per-row scales ``[rows, tiles]`` from tile scales ``tiles`` whose first tile row starts at weight
     row ``first_row - first_row % block_rows`` (tiles of ``block_rows`` rows)."""

@@ -18,10 +18,11 @@ from pegainfer.kernels.block_fp8_gemm import (
     block_fp8_linear_triton,
     default_config,
     dequantize_into,
+    widened_scratch,
 )
 from pegainfer.kernels.skinny_gemm import SkinnyConfig, skinny_linear_triton
 from pegainfer.layers.activation import interleave_gate_up
-from pegainfer.layers.block_fp8 import BlockFP8Weight, block_fp8_linear_ref, row_scales
+from pegainfer.layers.block_fp8 import BlockFP8Weight, block_fp8_linear_ref, row_scales, widened_bytes
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
@@ -103,7 +104,7 @@ def test_skinny_gemm_refuses_float8_columns_inside_a_tile():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m", [2, 80])
+@pytest.mark.parametrize("m", [2, 80, 140], ids=["skinny", "tiles", "widened"])
 def test_silu_of_interleaved_gate_up_and_the_residual_add(dtype, m):
     gen = torch.Generator().manual_seed(m)
     inter, hidden = 48, 256
@@ -132,6 +133,19 @@ def test_dequantize_kernel_rounds_as_the_reference(dtype):
     w = _weight(gen, 40, 300, 128, offset=5)
     out = dequantize_into(w, torch.empty(40, 300, dtype=dtype, device=DEVICE))
     assert torch.equal(out, w.dequantize(dtype))
+
+
+def test_prefill_rows_widen_into_one_growing_scratch():
+    gen = torch.Generator().manual_seed(3)
+    small, large = _weight(gen, 16, 64, 32), _weight(gen, 48, 64, 32)
+    x = _x(gen, 130, 64, dtype=torch.float32)
+    for w in (small, large, small):
+        assert rel_err(block_fp8_linear_triton(x, w), block_fp8_linear_ref(x, w)) < TOL[torch.float32]
+    # One buffer a device and dtype: the smaller projection widens into the larger one's.
+    assert (
+        widened_scratch(small, torch.float32).data_ptr() == widened_scratch(large, torch.float32).data_ptr()
+    )
+    assert widened_bytes(torch.nn.ModuleList([small, large]), torch.bfloat16) == 48 * 64 * 2
 
 
 def test_row_scales_follow_tiles_from_a_shard_start():

@@ -38,6 +38,7 @@ from pegainfer import ops
 from pegainfer.config.schema import ModelConfig
 from pegainfer.errors import ExecutorError
 from pegainfer.layers.attention import prefill_graph_rows
+from pegainfer.layers.block_fp8 import widened_bytes
 from pegainfer.layers.parallel import gather_logits, vocab_parallel_embed
 from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding, default_inv_freq, yarn_inv_freq
 from pegainfer.memory.buffer_specs import (
@@ -269,7 +270,8 @@ class DeepseekV3ForCausalLM(CausalLM):
         intermediate features; the expanded prefill attention of one segment as long as ``max_model_len``
         (or V3.2's indexer selection over it, whichever is larger: they run one after the other); with
         V3.2's indexer, each prefill token's and each decode row's selection over ``max_model_len``
-        positions (the decode graphs' static bound; a prefill graph's tokens are decode rows too)."""
+        positions (the decode graphs' static bound; a prefill graph's tokens are decode rows too); with
+        block-FP8 projections, the largest one widened to the compute dtype (prefill's cuBLAS operand)."""
         d, size = self.dims, self.tp.size
         dtype_bytes = dtype_size(self.dtype)
         attention = mla.prefill_scratch_bytes(d, d.num_heads // size, self.max_model_len, dtype_bytes)
@@ -301,6 +303,10 @@ class DeepseekV3ForCausalLM(CausalLM):
             )
             specs.append(TransientSpec("deepseek_indexer_prefill", bytes_per_token=self.max_model_len))
             attention = max(attention, indexer.prefill_scratch_bytes(d, self.max_model_len, dtype_bytes))
+        if d.fp8_block is not None:  # prefill widens one block-FP8 projection at a time
+            specs.append(
+                TransientSpec("deepseek_fp8_widened_weight", bytes_fixed=widened_bytes(self, self.dtype))
+            )
         return [
             TransientSpec("deepseek_activations", bytes_per_token=widths * dtype_bytes),
             TransientSpec("deepseek_prefill_attention", bytes_fixed=attention),
