@@ -203,15 +203,26 @@ def block_fp8_linear_triton(
     alternate gate, up (``layers.activation.interleave_gate_up``), returns ``silu(gate) * up``
     ``[..., N / 2]``; ``residual``: returns ``residual + x @ w.T``, written into ``residual`` in place.
 
-    Unless ``config`` names this kernel's tiles: decode rows (up to ``skinny_gemm.DISPATCH_ROWS``) of a
-    weight whose columns start on a tile boundary take the skinny GEMM with its float8 form (its stream-K
-    split for weights that fill few programs, its early launch); ``WIDEN_ROWS`` and more take cuBLAS over
-    the weight widened into a scratch."""
+    Unless ``config`` names this kernel's tiles: ``WIDEN_ROWS`` and more take cuBLAS over the weight
+    widened into a scratch; decode rows (up to ``skinny_gemm.DISPATCH_ROWS``) of a weight whose columns
+    start on a tile boundary take the tiles that measured best at one row on the H200 (``bench/
+    block_fp8_gemm.py --sweep``, 2026-12-05, DeepSeek-V3's projections): for 20k+ rows (dense gate|up,
+    q_b) this kernel with 32-row tiles and six loads in flight (dense gate|up 128.7 -> 87.4 us, q_b
+    19.9 -> 15.3), otherwise the skinny GEMM's float8 form in 64 x 256 tiles, stream-K from K 4096
+    (o_proj 58.1 -> 49.1, q_a|kv_a 11.5 -> 11.0, shared gate|up 17.9 -> 17.1, dense down 65.0 -> 61.8,
+    shared down 8.6 as before)."""
     rows = x.numel() // max(x.shape[-1], 1)
-    if config is None and w.offset == 0 and rows <= skinny_gemm.DISPATCH_ROWS:
-        return skinny_gemm.skinny_linear_triton(x, w, bias, silu=silu, residual=residual)
     if config is None and rows >= WIDEN_ROWS:
         return _widened_linear(x, w, bias, silu, residual)
+    if config is None and w.offset == 0 and rows <= skinny_gemm.DISPATCH_ROWS:
+        n, k = w.shape
+        spans = 256 % w.block == 0 and (256 // w.block) & (256 // w.block - 1) == 0
+        if n < 20_000 and (spans or w.block % 256 == 0):
+            skinny = skinny_gemm.SkinnyConfig(64, 256, stream_k=k >= 4096)
+            return skinny_gemm.skinny_linear_triton(x, w, bias, silu=silu, residual=residual, config=skinny)
+        config = Fp8GemmConfig(
+            max(16, triton.next_power_of_2(rows)), 32, 128, num_stages=6 if k >= 4096 else 4
+        )
     weight, scale = w.weight, w.scale
     n, k = weight.shape
     x2 = x.reshape(-1, x.shape[-1])
