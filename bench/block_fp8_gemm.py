@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import Results, cuda_time_ms, graph_time_ms, measure_ceilings  # noqa: E402
+from common import Results, cuda_time_ms, measure_ceilings, per_call_ms  # noqa: E402
 
 from pegainfer.kernels.block_fp8_gemm import (  # noqa: E402
     DECODE_ROWS,
@@ -80,11 +80,6 @@ def sweep_configs(m: int) -> list[Fp8GemmConfig | SkinnyConfig]:
         )
         if bm * bn <= 128 * 128
     ]
-
-
-def per_call_ms(fns: list, reps: int = 10) -> float:
-    """Median ms of one call, the calls (one per weight copy) replayed together as one CUDA graph."""
-    return graph_time_ms(lambda: [fn() for fn in fns], calls=len(fns), reps=reps)
 
 
 def measure_shape(

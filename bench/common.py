@@ -62,6 +62,12 @@ def graph_time_ms(fn: Callable[[], object], calls: int = 1, reps: int = 30) -> f
     return statistics.median(times) / calls
 
 
+def per_call_ms(fns: list[Callable[[], object]], reps: int = 10) -> float:
+    """Median ms of one call, the calls (one per weight copy, so the weights come from HBM) replayed
+    together as one CUDA graph."""
+    return graph_time_ms(lambda: [fn() for fn in fns], calls=len(fns), reps=reps)
+
+
 def wall_time_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> float:
     """Median wall-clock milliseconds of ``fn``, synchronising the GPU around each call."""
     for _ in range(warmup):

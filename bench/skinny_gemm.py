@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import Results, graph_time_ms, measure_ceilings  # noqa: E402
+from common import Results, measure_ceilings, per_call_ms  # noqa: E402
 
 from pegainfer.kernels.skinny_gemm import SkinnyConfig, default_config, skinny_linear_triton  # noqa: E402
 
@@ -77,11 +77,6 @@ SHAPES = {
         "shared_down": (7168, 2048),
     },
 }
-
-
-def per_call_ms(fns: list, reps: int = 10) -> float:
-    """Median ms of one call, the calls (one per weight copy) replayed together as one CUDA graph."""
-    return graph_time_ms(lambda: [fn() for fn in fns], calls=len(fns), reps=reps)
 
 
 def sweep_configs(forms: str) -> list[SkinnyConfig]:

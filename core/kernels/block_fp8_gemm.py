@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from pegainfer.kernels import skinny_gemm
 from pegainfer.kernels._triton import cast_to, dot_precision, interp_bf16, mma, num_sms, tl, triton
 from pegainfer.kernels.activations import silu_mul
-from pegainfer.kernels.skinny_gemm import tile_epilogue
+from pegainfer.kernels.skinny_gemm import load_block, tile_epilogue, widen_float8
 from pegainfer.layers.block_fp8 import BlockFP8Weight
 
 #: Rows of x up to which one program's tile covers them all (decode); above, 64-row tiles.
@@ -91,26 +91,15 @@ def _block_fp8_gemm_kernel(
     dtype: tl.constexpr = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=row_ok, other=0.0)
-            w = tl.load(w_ptrs, mask=col_ok, other=0.0)
-        else:
-            k_ok = (k + offs_k)[None, :] < K
-            x = tl.load(x_ptrs, mask=row_ok & k_ok, other=0.0)
-            w = tl.load(w_ptrs, mask=col_ok & k_ok, other=0.0)
+        x = load_block(x_ptrs, k, K, offs_k, row_ok, EVEN_K)
+        w = load_block(w_ptrs, k, K, offs_k, col_ok, EVEN_K)
         if UNIFORM:
             # The tile's columns share one quantization tile: the row's one scale on the fp32 partial sum.
             scale = tl.load(s_rows + (k + offset) // QBLOCK, mask=offs_n < N, other=0.0)
             acc += mma(cast_to(w.to(tl.float32), dtype, FIX), tl.trans(x), FIX, PREC) * scale[:, None]
-        elif SPAN > 1:
-            # SPAN whole quantization tiles side by side (columns from a tile boundary): each row's SPAN
-            # scales broadcast over their tiles' columns, in registers.
-            tiles = k // QBLOCK + tl.arange(0, SPAN)
-            scale = tl.load(
-                s_rows[:, None] + tiles[None, :], mask=col_ok & (tiles * QBLOCK < K)[None, :], other=0.0
-            )
-            wf = tl.reshape(w.to(tl.float32), (BLOCK_N, SPAN, QBLOCK)) * scale[:, :, None]
-            acc += mma(cast_to(tl.reshape(wf, (BLOCK_N, BLOCK_K)), dtype, FIX), tl.trans(x), FIX, PREC)
+        elif SPAN > 1:  # whole quantization tiles side by side, from a tile boundary
+            w = widen_float8(w, s_rows, k, K, col_ok, QBLOCK, SPAN, BLOCK_N, BLOCK_K, dtype, FIX)
+            acc += mma(w, tl.trans(x), FIX, PREC)
         else:
             tiles = (k + offs_k + offset) // QBLOCK
             scale = tl.load(

@@ -66,7 +66,7 @@ class SkinnyConfig:
 
 
 @triton.jit
-def _load_block(ptrs, k, K, offs_k, rows_ok, EVEN_K: tl.constexpr):
+def load_block(ptrs, k, K, offs_k, rows_ok, EVEN_K: tl.constexpr):
     """The ``k``-th column block of x or w (``ptrs`` point at it), zero outside ``rows_ok`` and ``K``."""
     if EVEN_K:
         return tl.load(ptrs, mask=rows_ok, other=0.0)
@@ -74,7 +74,7 @@ def _load_block(ptrs, k, K, offs_k, rows_ok, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _scaled(
+def widen_float8(
     w, s_rows, k, K, col_ok, QBLOCK: tl.constexpr, SPAN: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, FIX: tl.constexpr,
 ):  # fmt: skip
@@ -142,10 +142,10 @@ def _skinny_gemm_kernel(
     if PDL:
         # The weights are constant: fetch the first block while the previous kernel is still finishing,
         # and only then wait for it (x is its output).
-        w = _load_block(w_ptrs, 0, K, offs_k, col_ok, EVEN_K)
-        w = _scaled(w, s_rows, 0, K, col_ok, QBLOCK, SPAN, BLOCK_N, BLOCK_K, dtype, FIX)
+        w = load_block(w_ptrs, 0, K, offs_k, col_ok, EVEN_K)
+        w = widen_float8(w, s_rows, 0, K, col_ok, QBLOCK, SPAN, BLOCK_N, BLOCK_K, dtype, FIX)
         pdl_start(PDL)
-        x = _load_block(x_ptrs, 0, K, offs_k, row_ok, EVEN_K)
+        x = load_block(x_ptrs, 0, K, offs_k, row_ok, EVEN_K)
         if NORM:
             sq += x.to(tl.float32) * x.to(tl.float32)
         acc += mma(w, tl.trans(x).to(w.dtype), FIX, PREC)
@@ -153,9 +153,9 @@ def _skinny_gemm_kernel(
         w_ptrs += BLOCK_K
         k0 = BLOCK_K
     for k in range(k0, K, BLOCK_K):
-        x = _load_block(x_ptrs, k, K, offs_k, row_ok, EVEN_K)
-        w = _load_block(w_ptrs, k, K, offs_k, col_ok, EVEN_K)
-        w = _scaled(w, s_rows, k, K, col_ok, QBLOCK, SPAN, BLOCK_N, BLOCK_K, dtype, FIX)
+        x = load_block(x_ptrs, k, K, offs_k, row_ok, EVEN_K)
+        w = load_block(w_ptrs, k, K, offs_k, col_ok, EVEN_K)
+        w = widen_float8(w, s_rows, k, K, col_ok, QBLOCK, SPAN, BLOCK_N, BLOCK_K, dtype, FIX)
         if NORM:
             sq += x.to(tl.float32) * x.to(tl.float32)
         acc += mma(w, tl.trans(x).to(w.dtype), FIX, PREC)
@@ -285,9 +285,9 @@ def _skinny_gemm_stream_k_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
         for i in range(kb, ke):
-            x = _load_block(x_ptrs, i * BLOCK_K, K, offs_k, row_ok, EVEN_K)
-            w = _load_block(w_ptrs, i * BLOCK_K, K, offs_k, col_ok, EVEN_K)
-            w = _scaled(w, s_rows, i * BLOCK_K, K, col_ok, QBLOCK, SPAN, BLOCK_N, BLOCK_K, dtype, FIX)
+            x = load_block(x_ptrs, i * BLOCK_K, K, offs_k, row_ok, EVEN_K)
+            w = load_block(w_ptrs, i * BLOCK_K, K, offs_k, col_ok, EVEN_K)
+            w = widen_float8(w, s_rows, i * BLOCK_K, K, col_ok, QBLOCK, SPAN, BLOCK_N, BLOCK_K, dtype, FIX)
             if NORM:
                 sq += x.to(tl.float32) * x.to(tl.float32)
             acc += mma(w, tl.trans(x).to(w.dtype), FIX, PREC)

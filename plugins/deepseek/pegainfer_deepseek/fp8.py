@@ -57,6 +57,18 @@ def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch
     return q.view(nbo * bo, nbi * bi)[:out, :inp].contiguous(), scale_inv.contiguous()
 
 
+def quantize_from(
+    plain: torch.Tensor, block: tuple[int, int], offset: int = 0, dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_blocks`` of a rank's ``plain`` part whose first row (``dim`` 0) or column (``dim`` 1)
+    sits ``offset`` into its tile: zeros stand in for what comes before it on the tile grid, and the
+    float8 values are returned without them."""
+    pad = [0, 0, 0, 0]
+    pad[2 if dim == 0 else 0] = offset  # F.pad: last dim first
+    q, tiles = quantize_blocks(F.pad(plain, pad), block)
+    return q.narrow(dim, offset, plain.shape[dim]), tiles
+
+
 def _scale_shape(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
     return -(-shape[0] // block[0]), -(-shape[1] // block[1])
 
@@ -210,8 +222,7 @@ def load_projection(
     else:
         plain = reader.get(name, shape, torch.float32, shard)
         offset = target.offset  # the grid's columns before the rank's first one stand in as zeros
-        weight, tiles = quantize_blocks(F.pad(plain, [offset, 0]), (block, block))
-        weight = weight[:, offset:]
+        weight, tiles = quantize_from(plain, (block, block), offset)
         scales = row_scales(tiles, block, 0, weight.shape[0])
     if offset != target.offset or tiles.shape[1] != target.scale.shape[1]:
         raise CheckpointError(

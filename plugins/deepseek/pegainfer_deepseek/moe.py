@@ -20,7 +20,6 @@ output: the decoder layer all-reduces it once (``DecoderLayer.forward``), as it 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pegainfer import ops
@@ -31,7 +30,7 @@ from pegainfer.layers.moe import BlockScales, swiglu
 from pegainfer.parallel.distributed import TensorParallel
 from pegainfer.parallel.sharding import Shard, split
 from pegainfer_deepseek.config import DeepseekV3Dims
-from pegainfer_deepseek.fp8 import WeightReader, load_projection, quantize_blocks
+from pegainfer_deepseek.fp8 import WeightReader, load_projection, quantize_from
 from pegainfer_deepseek.params import param, projection
 from pegainfer_deepseek.routing import TopkRule, group_limited_topk
 
@@ -242,11 +241,7 @@ class MoE(nn.Module):
             # quantized here on the tile grid the scales are laid out on (from ``scale_offset`` into the
             # first tile), zeros standing in for the features before the shard.
             plain = reader.get(name, shape, torch.float32, shard)
-            dim = shard.dim % 2
-            pad = [0, 0, 0, 0]
-            pad[2 if dim == 0 else 0] = self.scale_offset  # F.pad: last dim first
-            q, tiles = quantize_blocks(F.pad(plain, pad), self.fp8_block)
-            return q.narrow(dim, self.scale_offset, plain.shape[dim]), tiles
+            return quantize_from(plain, self.fp8_block, self.scale_offset, shard.dim % 2)
 
         for half, name in enumerate(("gate_proj", "up_proj")):
             q, tiles = blocks(f"{p}{name}.weight", (i, h), split(0))
