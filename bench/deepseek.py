@@ -13,10 +13,11 @@ each ``--batches`` size, against the bytes a step must read, and HF transformers
 The ceilings are measured first, in the same process. A step's bytes: every weight except the routed
 experts and the embedding table, plus the experts the router actually picked in a measured step (the
 distinct ones per layer: 8 at batch 1), one embedding row per token and the latents the rows attend to
-(V3.2: every latent up to the row's length, which the MLA kernel reads whatever the indexer keeps, and
-the indexer's own key per token).
+(V3.2: the latents of the positions the indexer keeps, at most ``index_topk`` a row, and the indexer's
+own key for every position).
 The MLA kernel's figure is its latent bytes over the copy rate (the issue's goal), the MoE's its expert
-bytes over the streaming-read rate.
+bytes over the streaming-read rate; V3.2's sparse rows (``index_topk`` 2048 of 8192 positions) are timed
+beside the dense kernel over the whole context.
 """
 
 from __future__ import annotations
@@ -51,7 +52,11 @@ from pegainfer.layers.moe import BlockScales
 from pegainfer.ops import fused_moe
 from pegainfer.testing.speculative import force_drafts
 from pegainfer.text.tiny_tokenizer import write_tiny_tokenizer
-from pegainfer_deepseek.mla_decode import mla_decode_attention, mla_decode_attention_triton
+from pegainfer_deepseek.mla_decode import (
+    mla_decode_attention,
+    mla_decode_attention_ref,
+    mla_decode_attention_triton,
+)
 from pegainfer_deepseek.moe import MoE
 from pegainfer_deepseek.tiny import deepseek_v3_config, deepseek_v32_config
 
@@ -121,18 +126,24 @@ def tiling_name(tiling: tuple, rkv: int = 512) -> str:
     return f"h{block_h}_v{block_v or rkv}_n{block_n}_w{warps}_s{stages}"
 
 
-def bench_mla_kernel(batch: int, ctx: int, heads: int, copy_bw: float) -> list[dict]:
-    """Each of ``MLA_TILINGS`` (one that fails to compile here is reported and skipped), CUDA-graph timed,
-    over 64-token pages (the size FlashMLA and vLLM's MLA backends use; ``cache.block_size=64``).
-    At 128 heads (one GPU) the step is compute-bound: 2 · heads · (576 + 512) flops per latent read, so the
-    tensor-core rate is reported beside the copy ratio; 16 heads is a GPU's share under tp=8."""
-    rkv, dr, page = 512, 64, 64
+def mla_operands(batch: int, ctx: int, heads: int, rkv: int = 512, dr: int = 64, page: int = 64):
+    """Random bf16 queries and latent cache of ``batch`` rows of ``ctx`` tokens over shuffled pages."""
     pages = batch * ctx // page
     cache = torch.randn(pages, page, rkv + dr, device="cuda", dtype=torch.bfloat16)
     tables = torch.randperm(pages, device="cuda", dtype=torch.int64).view(batch, -1).to(torch.int32)
     lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
     q = torch.randn(batch, heads, rkv, device="cuda", dtype=torch.bfloat16) * 0.1
     q_pe = torch.randn(batch, heads, dr, device="cuda", dtype=torch.bfloat16) * 0.1
+    return q, q_pe, cache, tables, lens
+
+
+def bench_mla_kernel(batch: int, ctx: int, heads: int, copy_bw: float) -> list[dict]:
+    """Each of ``MLA_TILINGS`` (one that fails to compile here is reported and skipped), CUDA-graph timed,
+    over 64-token pages (the size FlashMLA and vLLM's MLA backends use; ``cache.block_size=64``).
+    At 128 heads (one GPU) the step is compute-bound: 2 · heads · (576 + 512) flops per latent read, so the
+    tensor-core rate is reported beside the copy ratio; 16 heads is a GPU's share under tp=8."""
+    rkv, dr = 512, 64
+    q, q_pe, cache, tables, lens = mla_operands(batch, ctx, heads, rkv, dr)
     latent_bytes = batch * ctx * (rkv + dr) * 2
     ref = mla_decode_attention(q, q_pe, cache, tables, lens, 0.1, max_seq_len=ctx)
     timed = []
@@ -154,6 +165,23 @@ def bench_mla_kernel(batch: int, ctx: int, heads: int, copy_bw: float) -> list[d
         name = tiling_name(tiling, rkv)
         timed.append({"name": name, "ms": ms, "copy_ratio": ratio, "tflops": tflops})
     return timed
+
+
+def bench_mla_sparse(batch: int, ctx: int, topk: int, heads: int, copy_bw: float) -> dict:
+    """V3.2's decode attention at the kernel's defaults: ``topk`` random distinct positions a row
+    (``indices``) against the dense kernel over all ``ctx``; the copy ratio counts the listed latents."""
+    rkv, dr = 512, 64
+    q, q_pe, cache, tables, lens = mla_operands(batch, ctx, heads, rkv, dr)
+    indices = torch.stack([torch.randperm(ctx, device="cuda")[:topk] for _ in range(batch)]).to(torch.int32)
+    ref = mla_decode_attention_ref(q, q_pe, cache, tables, lens, 0.1, max_seq_len=ctx, indices=indices)
+
+    def run(indices=indices):
+        return mla_decode_attention(q, q_pe, cache, tables, lens, 0.1, max_seq_len=ctx, indices=indices)
+
+    torch.testing.assert_close(run().float(), ref.float(), atol=2e-2, rtol=2e-2)
+    sparse_ms, dense_ms = graph_time_ms(run), graph_time_ms(lambda: run(None))
+    ratio = batch * topk * (rkv + dr) * 2 / (sparse_ms / 1e3) / copy_bw
+    return {"ms": sparse_ms, "dense_ms": dense_ms, "copy_ratio": ratio}
 
 
 def bench_fused_moe(tokens: int, read_bw: float, fp8: bool = False) -> dict:
@@ -216,10 +244,13 @@ def step_bytes(llm, batch: int, ctx: float, experts_per_layer: list[int], shape:
     embed = model.embed_tokens
     row = embed.shape[1] * embed.element_size()
     layers = len(experts_per_layer) + shape["first_k_dense_replace"]
-    # The MLA kernel reads every latent up to a row's length, the indexer's mask (V3.2) included; V3.2's
-    # indexer reads its own key per token too.
-    per_token = shape["kv_lora_rank"] + shape["qk_rope_head_dim"] + shape.get("index_head_dim", 0)
-    latents = batch * ctx * per_token * 2 * layers
+    # The MLA kernel reads every latent up to a row's length (V3.2: at most index_topk of them); V3.2's
+    # indexer reads its own key for every position.
+    attended = min(ctx, shape.get("index_topk", ctx))
+    per_row = attended * (shape["kv_lora_rank"] + shape["qk_rope_head_dim"]) + ctx * shape.get(
+        "index_head_dim", 0
+    )
+    latents = batch * per_row * 2 * layers
     return (
         total
         - routed
@@ -365,6 +396,16 @@ def main() -> None:
                 results.add(
                     f"{tag}.best.{best['name']}.copy_bandwidth_ratio", best["copy_ratio"], "fraction", 0.7
                 )
+        for heads in () if args.skip_kernels else (128, 16):
+            sparse = bench_mla_sparse(64, 8192, 2048, heads, copy_bw)
+            tag = (
+                "deepseek_v32.mla_decode_sparse."
+                + ("" if heads == 128 else f"h{heads}.")
+                + "bs64_ctx8192_top2048"
+            )
+            results.add(f"{tag}.ms", sparse["ms"], "ms")
+            results.add(f"{tag}.dense_ctx8192_ms", sparse["dense_ms"], "ms")
+            results.add(f"{tag}.copy_bandwidth_ratio", sparse["copy_ratio"], "fraction")
         for tokens in () if args.skip_kernels else (1, 32):
             for fp8 in (False, True):
                 moe = bench_fused_moe(tokens, read_bw, fp8)

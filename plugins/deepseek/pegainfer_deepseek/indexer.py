@@ -44,9 +44,12 @@ K_NORM_EPS = 1e-6
 
 @dataclass
 class IndexSelection:
-    """Which cached positions each query of a batch may attend to (True = selected; causality and
-    sequence length are already folded in). ``prefill[i]`` is ``[q_len, ctx_len]`` for the batch's i-th
-    prefill segment, ``decode`` is ``[num_decodes, max_decode_seq_len]`` (None without decode rows)."""
+    """Which cached positions each query of a batch may attend to. ``prefill[i]`` is a mask
+    ``[q_len, ctx_len]`` for the batch's i-th prefill segment (True = selected; causality and sequence
+    length folded in). ``decode`` (None without decode rows) lists positions, int32
+    ``[num_decodes, K]`` with ``K = min(index_topk, max_decode_seq_len)``: a row longer than ``K`` tokens
+    attends to exactly those ``K`` (in no particular order), a shorter one to all its tokens (its row of
+    ``decode`` is then meaningless), as ``mla_decode``'s sparse rows take them."""
 
     prefill: list[torch.Tensor] = field(default_factory=list)
     decode: torch.Tensor | None = None
@@ -150,9 +153,9 @@ class LightningIndexer(nn.Module):
         index = scores(
             q, weights, cache, meta.decode_block_tables, meta.decode_seq_lens, meta.max_decode_seq_len
         )
-        positions = torch.arange(index.shape[1], device=q.device)
-        valid = positions[None, :] < meta.decode_seq_lens[:, None]  # [B, L]
-        return top_k_mask(index, valid, self.topk)
+        # Positions past a row's length score -inf, so a row longer than k picks only its own.
+        k = min(self.topk, index.shape[1])
+        return index.topk(k, dim=-1, sorted=False).indices.to(torch.int32)
 
     @staticmethod
     def _decode_scores_ref(

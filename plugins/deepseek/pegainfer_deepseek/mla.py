@@ -10,7 +10,8 @@ result back to per-head values (``mla_decode``: a Triton kernel on CUDA, its tor
 The rope channels stay in the checkpoint's pairing (interleaved by default) for q and k alike.
 
 DeepSeek-V3.2 adds a DSA lightning indexer (``indexer.py``) to every layer: it selects, per query, the
-cached positions attention may use, and both forms mask every other key.
+cached positions attention may use: prefill masks every other key, decode reads only the selected
+latents (the kernel's sparse rows).
 
 Tensor parallelism splits the heads: a rank holds its heads' rows of ``q_proj`` / ``q_b_proj`` and of
 ``kv_b_proj`` (each head's ``[nope | v]`` rows) and their columns of ``o_proj``, whose partial output is
@@ -228,7 +229,7 @@ class MLAttention(nn.Module):
         o_latent = mla_decode_attention(
             q_latent, q_pe[rows], cache, meta.decode_block_tables,
             meta.decode_seq_lens, self.scale, max_seq_len=meta.max_decode_seq_len,
-            mask=selection.decode if selection is not None else None,
+            indices=selection.decode if selection is not None else None,
         )  # fmt: skip
         out[rows] = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 

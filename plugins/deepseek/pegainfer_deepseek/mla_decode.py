@@ -13,8 +13,13 @@ One program owns (``block_h`` heads, row, split), optionally only ``block_v`` of
 first from L2 (the programs sharing a row's latents are adjacent in launch order). A row's context is
 cut into ``num_splits`` chunks of whole ``BLOCK_N`` tiles; each program writes a partial (max, sum,
 unnormalised acc) and the paged decode attention's ``decode_merge_kernel`` merges them (with one split the
-first kernel writes the output). An optional ``mask`` ``[B, >= max_seq_len]`` (bool) drops keys (DeepSeek-V3.2's indexer
-selection); a row with every key dropped gets zeros.
+first kernel writes the output).
+
+Sparse rows (DeepSeek-V3.2's indexer selection): with ``indices`` ``[B, K]`` (int32 positions), a row
+longer than ``K`` attends to exactly the ``K`` positions its row lists, in any order, each looked up
+through the row's block table, so a step reads ``K`` latents of it, not ``seq_len``; a row of at most
+``K`` tokens attends to all of them (the indexer keeps every position then) and ignores its indices.
+The kernels see the lengths clamped to ``K`` (one device op), which the merge of the splits reads too.
 
 CUDA-graph friendly: no host syncs; the grid depends on the batch, the heads and ``num_splits``, which
 comes from static maxima (``max_seq_len``), never from the current lengths. Rows with ``seq_len == 0``
@@ -81,13 +86,29 @@ def mla_decode_num_splits(
 
 
 @triton.jit
+def _tile_tokens(
+    table, n0, offs_n, valid, stride_cblk, stride_ctok, PAGE: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """Cache offsets of the tile of positions ``offs_n`` (from ``n0``) of a row whose pages ``table`` lists."""
+    if PAGE % BLOCK_N == 0:
+        # Tiles start at multiples of BLOCK_N (so do the chunks): the whole tile sits in one page, one
+        # table entry and one contiguous run of the cache.
+        block = tl.load(table + n0 // PAGE).to(tl.int64)
+        tok = block * stride_cblk + (n0 % PAGE + tl.arange(0, BLOCK_N)) * stride_ctok
+    else:
+        block = tl.load(table + offs_n // PAGE, mask=valid, other=0).to(tl.int64)
+        tok = block * stride_cblk + (offs_n % PAGE) * stride_ctok
+    return tok
+
+
+@triton.jit
 def _mla_decode_partial_kernel(
     q_lat_ptr,
     q_pe_ptr,
     cache_ptr,
     tables_ptr,
     seq_lens_ptr,
-    mask_ptr,
+    idx_ptr,
     out_ptr,
     part_acc_ptr,
     part_m_ptr,
@@ -95,6 +116,7 @@ def _mla_decode_partial_kernel(
     scale_log2,
     num_splits,
     num_heads,
+    num_indices,
     stride_qb,
     stride_qh,
     stride_pb,
@@ -102,7 +124,7 @@ def _mla_decode_partial_kernel(
     stride_cblk,
     stride_ctok,
     stride_bt,
-    stride_mb,
+    stride_ib,
     stride_ob,
     stride_oh,
     RKV: tl.constexpr,
@@ -115,7 +137,7 @@ def _mla_decode_partial_kernel(
     V_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
-    HAS_MASK: tl.constexpr,
+    SPARSE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     FIX: tl.constexpr,
 ):
@@ -130,6 +152,9 @@ def _mla_decode_partial_kernel(
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
     row64 = row.to(tl.int64)
+    # Lengths come clamped to num_indices: a full-length row is longer than its selection (or as long,
+    # when both forms read the same positions) and reads the positions its indices list.
+    gather = seq_len >= num_indices
 
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_r = tl.arange(0, BLOCK_R)
@@ -159,14 +184,15 @@ def _mla_decode_partial_kernel(
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             valid = offs_n < end
-            if PAGE % BLOCK_N == 0:
-                # Tiles start at multiples of BLOCK_N (so do the chunks): the whole tile sits in one page,
-                # one table entry and one contiguous run of the cache.
-                block = tl.load(table + n0 // PAGE).to(tl.int64)
-                tok = block * stride_cblk + (n0 % PAGE + tl.arange(0, BLOCK_N)) * stride_ctok
+            if SPARSE:
+                if gather:
+                    pos = tl.load(idx_ptr + row64 * stride_ib + offs_n, mask=valid, other=0)
+                    block = tl.load(table + pos // PAGE, mask=valid, other=0).to(tl.int64)
+                    tok = block * stride_cblk + (pos % PAGE) * stride_ctok
+                else:
+                    tok = _tile_tokens(table, n0, offs_n, valid, stride_cblk, stride_ctok, PAGE, BLOCK_N)
             else:
-                block = tl.load(table + offs_n // PAGE, mask=valid, other=0).to(tl.int64)
-                tok = block * stride_cblk + (offs_n % PAGE) * stride_ctok
+                tok = _tile_tokens(table, n0, offs_n, valid, stride_cblk, stride_ctok, PAGE, BLOCK_N)
             c = tl.load(
                 cache_ptr + tok[:, None] + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0
             )
@@ -175,16 +201,11 @@ def _mla_decode_partial_kernel(
                 mask=valid[:, None] & mask_p[None, :],
                 other=0.0,
             )
-            if HAS_MASK:
-                keep = tl.load(mask_ptr + row64 * stride_mb + offs_n, mask=valid, other=0)
-                valid = valid & (keep != 0)
             s = (mma(q, tl.trans(c), FIX, DOT_PREC) + mma(qp, tl.trans(kp), FIX, DOT_PREC)) * scale_log2
             s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # A head whose keys so far were all dropped keeps m = -inf: shift by 0 there (no inf - inf).
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[:, None])
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: a tile holds at least one key
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             if V_SPLITS == 1:
                 cv = c
@@ -219,9 +240,10 @@ def mla_decode_attention_ref(
     scale: float,
     *,
     max_seq_len: int,
-    mask: torch.Tensor | None = None,
+    indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The torch reference: the latents of every row gathered up to ``max_seq_len``, a masked softmax."""
+    """The torch reference: the latents of every row gathered up to ``max_seq_len``, a masked softmax
+    (rows longer than the ``indices`` they come with: only the listed positions unmasked)."""
     rkv, block_size = q_latent.shape[-1], cache.shape[1]
     positions = torch.arange(max(1, max_seq_len), device=q_latent.device)
     slots = block_tables[:, positions // block_size].long() * block_size + positions % block_size
@@ -229,8 +251,9 @@ def mla_decode_attention_ref(
     queries = torch.cat([q_latent, q_pe], dim=-1)
     scores = torch.einsum("bhr,blr->bhl", queries, latent) * scale
     valid = positions[None, :] < seq_lens[:, None]
-    if mask is not None:
-        valid = valid & mask[:, : positions.numel()]
+    if indices is not None:
+        listed = torch.zeros_like(valid).scatter_(1, indices.long().clamp(0, positions.numel() - 1), True)
+        valid = valid & (listed | (seq_lens <= indices.shape[1])[:, None])
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(latent.dtype)
     return torch.einsum("bhl,blr->bhr", probs, latent[..., :rkv])
@@ -245,7 +268,7 @@ def mla_decode_attention_triton(
     scale: float,
     *,
     max_seq_len: int,
-    mask: torch.Tensor | None = None,
+    indices: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_h: int = BLOCK_H,
     block_v: int | None = None,
@@ -274,33 +297,39 @@ def mla_decode_attention_triton(
     num_stages = num_stages or (3 if page % block_n == 0 else 2)
     if block_n < 16:  # the p · latents dot takes block_n as its K
         raise ValueError(f"block_n {block_n}: compiled tensor-core dots need at least 16 keys a tile")
-    for name, t in (("q_latent", q_latent), ("q_pe", q_pe), ("cache", cache), ("block_tables", block_tables)):
+    operands = [("q_latent", q_latent), ("q_pe", q_pe), ("cache", cache), ("block_tables", block_tables)]
+    for name, t in operands + ([("indices", indices)] if indices is not None else []):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dimension")
     out = torch.empty_like(q_latent)
     if batch == 0:
         return out
+    if indices is not None:
+        if indices.dtype != torch.int32 or indices.shape[0] != batch:
+            raise ValueError(f"indices {indices.dtype} {tuple(indices.shape)}: need int32 [{batch}, K]")
+        # A row reads at most K latents: the splits and the merge see the clamped lengths.
+        max_seq_len = min(max_seq_len, indices.shape[1])
+        seq_lens = seq_lens.clamp(max=indices.shape[1])
     splits = num_splits or mla_decode_num_splits(batch, heads, max_seq_len, q_latent.device, block_h)
     split = splits > 1
     f32 = torch.float32
     part_acc = torch.empty((batch, heads, splits, rkv) if split else (1,), dtype=f32, device=out.device)
     part_m = torch.empty((batch, heads, splits) if split else (1,), dtype=f32, device=out.device)
     part_l = torch.empty_like(part_m)
-    if mask is not None and mask.dtype == torch.bool:
-        mask = mask.view(torch.uint8)
     fix = interp_bf16(q_latent.dtype)
     # Compiled tensor-core dots need K >= 16: small (test) widths pad their tiles, masked.
     block_r = max(16, next_pow2(rkv))
     block_v = min(block_v or block_r, block_r)
     v_splits = block_r // block_v
     _mla_decode_partial_kernel[(triton.cdiv(heads, block_h) * v_splits, batch, splits)](
-        q_latent, q_pe, cache, block_tables, seq_lens, mask if mask is not None else seq_lens, out,
+        q_latent, q_pe, cache, block_tables, seq_lens, indices if indices is not None else seq_lens, out,
         part_acc, part_m, part_l, scale * math.log2(math.e), splits, heads,
+        indices.shape[1] if indices is not None else 0,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0),
-        cache.stride(1), block_tables.stride(0), mask.stride(0) if mask is not None else 0, out.stride(0),
-        out.stride(1),
+        cache.stride(1), block_tables.stride(0), indices.stride(0) if indices is not None else 0,
+        out.stride(0), out.stride(1),
         RKV=rkv, DR=dr, BLOCK_R=block_r, BLOCK_P=max(16, next_pow2(dr)), PAGE=page, BLOCK_H=block_h,
-        BLOCK_V=block_v, V_SPLITS=v_splits, BLOCK_N=block_n, SPLIT=split, HAS_MASK=mask is not None, DOT_PREC=dot_precision(q_latent.dtype),
+        BLOCK_V=block_v, V_SPLITS=v_splits, BLOCK_N=block_n, SPLIT=split, SPARSE=indices is not None, DOT_PREC=dot_precision(q_latent.dtype),
         FIX=fix, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split:
@@ -321,15 +350,16 @@ def mla_decode_attention(
     scale: float,
     *,
     max_seq_len: int,
-    mask: torch.Tensor | None = None,
+    indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``o_latent`` ``[B, H, rkv]`` of the absorbed decode rows (see the module docstring): Triton on CUDA,
-    the torch reference elsewhere. ``max_seq_len`` bounds every ``seq_lens`` entry (a static maximum is
-    fine: it only sizes the splits and the reference's gather)."""
+    """``o_latent`` ``[B, H, rkv]`` of the absorbed decode rows (see the module docstring; ``indices``:
+    the sparse rows' positions): Triton on CUDA, the torch reference elsewhere. ``max_seq_len`` bounds
+    every ``seq_lens`` entry (a static maximum is fine: it only sizes the splits and the reference's
+    gather)."""
     if use_kernel(q_latent):
         return mla_decode_attention_triton(
-            q_latent, q_pe, cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len, mask=mask
+            q_latent, q_pe, cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len, indices=indices
         )
     return mla_decode_attention_ref(
-        q_latent, q_pe, cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len, mask=mask
+        q_latent, q_pe, cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len, indices=indices
     )

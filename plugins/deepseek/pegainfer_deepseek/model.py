@@ -290,9 +290,8 @@ class DeepseekV3ForCausalLM(CausalLM):
         specs = []
         if d.indexer is not None:  # indexer queries, key, head weights (float32: counted twice)
             widths += d.indexer.n_heads * (d.indexer.head_dim + 2) + d.indexer.head_dim
-            # A decode row's fp32 index and its masked copy, three bool masks (visible, picked, selected)
-            # and topk's values and int64 indices.
-            per_row = self.max_model_len * (2 * 4 + 3) + d.indexer.topk * (4 + 8)
+            # A decode row's fp32 index, topk's values and int64 indices and their int32 copy.
+            per_row = self.max_model_len * 4 + d.indexer.topk * (4 + 8 + 4)
             # Decode rows: one a sequence; a prefill-graph step's: one a token (not at once with decode's).
             specs.append(
                 TransientSpec(

@@ -1,6 +1,7 @@
 """The MLA decode kernel (``mla_decode``) against its torch reference on fresh random inputs: several
 rows of different lengths and a padding row, heads spread over two head blocks, one split and several,
-with and without a key mask (V3.2's indexer selection).
+dense rows and sparse ones (V3.2's indexer selection: a row longer than its K listed positions reads only
+those).
 
 Without a GPU the kernel runs through Triton's interpreter on CPU tensors (the conftest selects it) at
 small shapes; with one the same cases run compiled, and the ``gpu``-marked one at DeepSeek-V3's shape
@@ -29,7 +30,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _case(seq_lens, heads, rkv, dr, page, dtype, seed, masked=False):
+def _case(seq_lens, heads, rkv, dr, page, dtype, seed, topk=None):
+    """Random operands; with ``topk``, indices ``[B, topk]``: distinct random positions for rows longer
+    than ``topk``, a shuffled ``range(topk)`` for a row of exactly ``topk`` tokens, and out-of-range
+    values for shorter rows (which must ignore them)."""
     gen = torch.Generator().manual_seed(seed)
     batch, width = len(seq_lens), -(-max(seq_lens) // page) + 1
     blocks = batch * width + 3
@@ -41,48 +45,71 @@ def _case(seq_lens, heads, rkv, dr, page, dtype, seed, masked=False):
     # Each row's pages in a shuffled order, so the kernel must follow the block table.
     tables = torch.randperm(blocks, generator=gen)[: batch * width].view(batch, width).to(DEVICE, torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    mask = None
-    if masked:
-        mask = (torch.rand(batch, width * page, generator=gen) < 0.6).to(DEVICE)
-        mask[:, 0] = True  # every live row keeps a key
-    return rand(batch, heads, rkv, std=0.3), rand(batch, heads, dr, std=0.3), cache, tables, lens, mask
+    indices = None
+    if topk is not None:
+        rows = [
+            torch.randperm(n, generator=gen)[:topk] if n >= topk else torch.full((topk,), 10**6 + n)
+            for n in seq_lens
+        ]
+        indices = torch.stack(rows).to(DEVICE, torch.int32)
+    return rand(batch, heads, rkv, std=0.3), rand(batch, heads, dr, std=0.3), cache, tables, lens, indices
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("masked", [False, True], ids=["all", "masked"])
+@pytest.mark.parametrize("topk", [None, 20], ids=["dense", "sparse"])
 @pytest.mark.parametrize("block_h, block_v", [(16, None), (32, 16)], ids=["h16", "h32-v16"])
 @pytest.mark.parametrize("page", [4, 32], ids=["key-by-key", "in-page"])
-def test_decode_matches_reference(dtype, num_splits, masked, block_h, block_v, page):
+def test_decode_matches_reference(dtype, num_splits, topk, block_h, block_v, page):
     """Heads over two head blocks (20 heads, 16 a block) or one partial one (32), the output features in
     one program or split over two (``block_v`` 16 of 32); 16-key tiles over 4-token pages (each key
-    looks its page up) or inside one 32-token page."""
-    seq_lens = [5, 77, 0, 33]  # several 16-key tiles, a partial last one
-    q, q_pe, cache, tables, lens, mask = _case(
-        seq_lens, 20, 32, 8, page, dtype, seed=num_splits, masked=masked
+    looks its page up) or inside one 32-token page. Sparse: 20 positions a row, so the rows of 77 and 33
+    tokens gather (over two tiles, the second partial), the row of 20 reads all of its own through its
+    indices and the row of 5 reads its tokens in order."""
+    seq_lens = [5, 77, 0, 33, 20]  # several 16-key tiles, a partial last one
+    q, q_pe, cache, tables, lens, indices = _case(
+        seq_lens, 20, 32, 8, page, dtype, seed=num_splits, topk=topk
     )
     scale = 0.17
     ours = mla_decode_attention_triton(
-        q, q_pe, cache, tables, lens, scale, max_seq_len=max(seq_lens), mask=mask, num_splits=num_splits,
-        block_h=block_h, block_v=block_v, block_n=16,
+        q, q_pe, cache, tables, lens, scale, max_seq_len=max(seq_lens), indices=indices,
+        num_splits=num_splits, block_h=block_h, block_v=block_v, block_n=16,
     )  # fmt: skip
-    ref = mla_decode_attention_ref(q, q_pe, cache, tables, lens, scale, max_seq_len=max(seq_lens), mask=mask)
+    ref = mla_decode_attention_ref(
+        q, q_pe, cache, tables, lens, scale, max_seq_len=max(seq_lens), indices=indices
+    )
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(ours.float(), ref.float(), **tol)
     assert not ours[2].any(), "the padding row (seq_len 0) must get zeros"
 
 
-def test_rows_with_every_key_masked_get_zeros():
-    q, q_pe, cache, tables, lens, _ = _case([41, 20], 4, 16, 8, 4, torch.float32, seed=5)
-    mask = torch.zeros(2, 44, dtype=torch.bool, device=DEVICE)
-    mask[1, 2] = True
-    for splits in (1, 2):
-        ours = mla_decode_attention_triton(
-            q, q_pe, cache, tables, lens, 0.2, max_seq_len=41, mask=mask, num_splits=splits, block_n=16
+def test_sparse_rows_read_only_their_listed_latents():
+    """NaN in every latent a sparse row does not list (and past every row's length) leaves its output
+    as it was on the clean cache: the kernel reads the listed positions only."""
+    seq_lens, topk = [90, 7, 40], 16
+    q, q_pe, cache, tables, lens, indices = _case(seq_lens, 4, 16, 8, 4, torch.float32, seed=5, topk=topk)
+    ref = mla_decode_attention_ref(q, q_pe, cache, tables, lens, 0.2, max_seq_len=90, indices=indices)
+    page = cache.shape[1]
+    for b, n in enumerate(seq_lens):
+        keep = indices[b].long() if n > topk else torch.arange(n, device=DEVICE)
+        unread = torch.ones(tables.shape[1] * page, dtype=torch.bool, device=DEVICE)
+        unread[keep] = False
+        positions = unread.nonzero().squeeze(1)
+        cache.view(-1, cache.shape[-1])[tables[b, positions // page].long() * page + positions % page] = (
+            float("nan")
         )
-        assert not ours[0].any()
-        ref = mla_decode_attention_ref(q, q_pe, cache, tables, lens, 0.2, max_seq_len=41, mask=mask)
+    for splits in (1, 3):
+        ours = mla_decode_attention_triton(
+            q, q_pe, cache, tables, lens, 0.2, max_seq_len=90, indices=indices, num_splits=splits, block_n=16
+        )
         torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_indices_must_be_int32_rows_of_the_batch():
+    q, q_pe, cache, tables, lens, indices = _case([30, 9], 4, 16, 8, 4, torch.float32, seed=2, topk=8)
+    for bad in (indices.long(), indices[:1]):
+        with pytest.raises(ValueError, match="indices"):
+            mla_decode_attention_triton(q, q_pe, cache, tables, lens, 0.2, max_seq_len=30, indices=bad)
 
 
 def test_key_tiles_below_the_tensor_core_minimum_are_refused():
@@ -117,6 +144,33 @@ def test_deepseek_v3_shape_inside_a_cuda_graph():
     graph.replay()
     ref = mla_decode_attention_ref(q, q_pe, cache, tables, lens, scale, max_seq_len=4096)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+def test_v32_sparse_rows_inside_a_cuda_graph():
+    """V3.2's shape: 2048 listed positions a row (all below 2049, so they stay inside every row that
+    gathers), rows shorter, as long and longer, replayed from a graph after the lengths changed."""
+    seq_lens, topk = [4096, 1, 3000, 2049] * 4, 2048
+    q, q_pe, cache, tables, lens, _ = _case(seq_lens, 128, 512, 64, 64, torch.bfloat16, seed=12)
+    gen = torch.Generator().manual_seed(13)
+    indices = torch.stack([torch.randperm(2049, generator=gen)[:topk] for _ in seq_lens])
+    indices = indices.to(DEVICE, torch.int32)
+    scale = 0.1
+
+    def run():
+        return mla_decode_attention(q, q_pe, cache, tables, lens, scale, max_seq_len=4096, indices=indices)
+
+    ref = lambda: mla_decode_attention_ref(  # noqa: E731
+        q, q_pe, cache, tables, lens, scale, max_seq_len=4096, indices=indices
+    )
+    torch.testing.assert_close(run().float(), ref().float(), atol=2e-2, rtol=2e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    lens.copy_(torch.tensor([33, 4000, 2048, 2500] * 4, dtype=torch.int32))
+    graph.replay()
+    torch.testing.assert_close(out.float(), ref().float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize(
