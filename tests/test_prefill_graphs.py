@@ -13,7 +13,12 @@ import pytest
 import torch
 
 from pegainfer import LLM, SamplingParams
-from pegainfer.layers.attention import AttentionMetadata, paged_attention_reference, prefill_graph_rows
+from pegainfer.layers.attention import (
+    AttentionMetadata,
+    padding_as_first_row,
+    paged_attention_reference,
+    prefill_graph_rows,
+)
 from pegainfer.memory.prefill_graph_inputs import (
     MAX_SEGMENTS,
     PrefillGraphInputs,
@@ -120,6 +125,24 @@ def test_tokens_as_decode_rows_attend_as_their_segments(segments):
     got = paged_attention_reference(q, cache, rows, 0.3)
     torch.testing.assert_close(got[:tokens], expected)
     assert torch.isfinite(got[tokens:]).all()
+
+
+@pytest.mark.parametrize("slots", [[-1, -1, -1], [5, 2, -1, -1]], ids=["capture-placeholders", "a-step"])
+def test_padding_rows_write_nothing_new_in_a_graph(slots):
+    """The sync-free form of the torch cache writes (what graphs capture): padding repeats the first row's
+    write, and a batch of padding only (graph capture) stays inside the cache, at slot 0."""
+    cache = torch.zeros(8, 3)
+    rows = torch.arange(1.0, 1 + 3 * len(slots)).view(-1, 3)
+    slot_mapping = torch.tensor(slots)
+    written, (values,) = padding_as_first_row(slot_mapping, rows)
+    cache.index_copy_(0, written, values)
+    expected = torch.zeros(8, 3)
+    for slot, row in zip(slots, rows, strict=True):
+        if slot >= 0:
+            expected[slot] = row
+    if slots[0] < 0:
+        expected[0] = rows[0]
+    torch.testing.assert_close(cache, expected)
 
 
 def test_inputs_refuse_a_step_too_large():

@@ -70,15 +70,25 @@ def without_padding_slots(
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """``(slots, values)`` for an ``index_copy_`` that leaves the negative slots (padding rows and tokens)
     unwritten. On the CPU their rows are dropped; on CUDA, where dropping them would sync with the host
-    (this runs inside decode graphs under ``PEGAINFER_DISABLE_TRITON``), they write the first row's values
-    into the first row's slot, a second identical write. The first row must be a real one."""
+    (this runs inside graphs: V3.2's indexer keys, every cache under ``PEGAINFER_DISABLE_TRITON``), they
+    repeat the first row's write (:func:`padding_as_first_row`)."""
     if not slot_mapping.is_cuda:
         if bool((slot_mapping < 0).any()):
             keep = slot_mapping >= 0
             return slot_mapping[keep], tuple(v[keep] for v in values)
         return slot_mapping, values
+    return padding_as_first_row(slot_mapping, *values)
+
+
+def padding_as_first_row(
+    slot_mapping: torch.Tensor, *values: torch.Tensor
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Padding rows (negative slots) rewritten to the first row's slot and values, without a host sync: a
+    second identical write when the first row is real, as in every step (tokens fill from the front). A
+    batch of padding only (a graph captured over placeholder inputs, before any request holds a page)
+    writes its first row into slot 0."""
     pad = slot_mapping < 0
-    slots = torch.where(pad, slot_mapping[:1], slot_mapping)
+    slots = torch.where(pad, slot_mapping[:1].clamp(min=0), slot_mapping)
     shape = (-1,) + (1,) * (values[0].dim() - 1) if values else (-1,)
     return slots, tuple(torch.where(pad.view(shape), v[:1], v) for v in values)
 
