@@ -5,6 +5,7 @@ each ``--batches`` size, against the bytes a step must read, and HF transformers
     python bench/deepseek.py --out bench/results/deepseek.jsonl --commit <sha>
     python bench/deepseek.py --shape moonlight --batches 1,16 --skip-kernels --out ...   # a whole ~16B model
     python bench/deepseek.py --fp8 --batches 1 --skip-kernels --out ...   # float8 experts (no peer)
+    python bench/deepseek.py --fp8-f16 --batches 1 --skip-kernels --out ...   # the same on fp16 MMAs
     python bench/deepseek.py --batches 1 --skip-kernels --skip-peer --mtp --out ...   # MTP k=1 at batch 1
     python bench/deepseek.py --batches 1 --skip-kernels --skip-peer --mtp --mtp-bigram --out ...  # drafts right
     python bench/deepseek.py --shape v32 --ctx 4096 --batches 1 --skip-kernels --skip-peer --out ...  # V3.2
@@ -48,6 +49,7 @@ from common import (
     write_word_tokenizer,
 )  # fmt: skip
 
+from pegainfer.kernels import block_fp8_gemm, moe_pairs
 from pegainfer.layers.moe import BlockScales
 from pegainfer.ops import fused_moe
 from pegainfer.testing.speculative import force_drafts
@@ -58,20 +60,13 @@ from pegainfer_deepseek.mla_decode import (
     mla_decode_attention_triton,
 )
 from pegainfer_deepseek.moe import MoE
+from pegainfer_deepseek.published import FP8_QUANTIZATION, V3_SHAPE, V3_VOCAB
 from pegainfer_deepseek.tiny import deepseek_v3_config, deepseek_v32_config
 
-#: DeepSeek-V3's published config (671B), less the MTP layer; the layer count comes from ``--layers``.
-V3 = dict(
-    hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, first_k_dense_replace=1,
-    num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-    v_head_dim=128, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
-    norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=163840, rms_norm_eps=1e-6,
-    rope_theta=10000.0, num_nextn_predict_layers=0, torch_dtype="bfloat16",
-    rope_scaling={
-        "type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
-        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
-    },
-)  # fmt: skip
+#: DeepSeek-V3's published layer shapes (671B), with one dense layer before the MoE ones (published: three)
+#: so that a few ``--layers`` are mostly MoE, and no MTP layer (``--mtp`` adds one); the layer count comes
+#: from ``--layers``.
+V3 = dict(V3_SHAPE, first_k_dense_replace=1, num_nextn_predict_layers=0)
 #: A whole ~16B deepseek_v3-layout model that fits one GPU (about Moonlight-16B-A3B's shape).
 MOONLIGHT = dict(
     hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408, first_k_dense_replace=1,
@@ -81,12 +76,12 @@ MOONLIGHT = dict(
     rms_norm_eps=1e-5, rope_theta=50000.0, rope_scaling=None, num_nextn_predict_layers=0,
     torch_dtype="bfloat16",
 )  # fmt: skip
-#: DeepSeek-V3.2's published config: V3 with the DSA lightning indexer in every layer.
+#: DeepSeek-V3.2's layer shapes: the V3 above with the DSA lightning indexer in every layer (as published).
 V32 = dict(V3, index_n_heads=64, index_head_dim=128, index_topk=2048)
 #: shape name -> (config keys, vocabulary, figure prefix)
 SHAPES = {
-    "v3": (V3, 129280, "deepseek"),
-    "v32": (V32, 129280, "deepseek_v32"),
+    "v3": (V3, V3_VOCAB, "deepseek"),
+    "v32": (V32, V3_VOCAB, "deepseek_v32"),
     "moonlight": (MOONLIGHT, 163840, "deepseek_moonlight"),
 }
 
@@ -105,9 +100,7 @@ def checkpoint_folder(
     if layers is not None:
         config["num_hidden_layers"] = layers
     if fp8:
-        config["quantization_config"] = {
-            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]
-        }  # fmt: skip
+        config["quantization_config"] = dict(FP8_QUANTIZATION)
     (folder / "config.json").write_text(json.dumps(config))
     return folder
 
@@ -355,6 +348,11 @@ def main() -> None:
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--skip-kernels", action="store_true", help="no MLA / fused MoE microbenchmarks")
     parser.add_argument("--fp8", action="store_true", help="a block-FP8 checkpoint: float8 routed experts")
+    parser.add_argument(
+        "--fp8-f16",
+        action="store_true",
+        help="decode rows' float8 weights on fp16 MMAs (block_fp8_gemm / moe_pairs F16_DECODE); figures _fp8_f16",
+    )
     parser.add_argument("--mtp", action="store_true", help="also batch-1 decode with MTP drafting (k=1)")
     parser.add_argument(
         "--mtp-bigram",
@@ -372,6 +370,8 @@ def main() -> None:
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--commit", default=None)
     args = parser.parse_args()
+    if args.fp8_f16:
+        args.fp8 = block_fp8_gemm.F16_DECODE = moe_pairs.F16_DECODE = True
     results = Results(args.out or Path(os.devnull), "python " + " ".join(sys.argv), args.commit)
     try:
         ceil = measure_ceilings()
@@ -409,7 +409,9 @@ def main() -> None:
         for tokens in () if args.skip_kernels else (1, 32):
             for fp8 in (False, True):
                 moe = bench_fused_moe(tokens, read_bw, fp8)
-                tag = f"deepseek.fused_moe{'_fp8' if fp8 else ''}.bs{tokens}"
+                tag = (
+                    f"deepseek.fused_moe{('_fp8_f16' if args.fp8_f16 else '_fp8') if fp8 else ''}.bs{tokens}"
+                )
                 results.add(f"{tag}.ms", moe["ms"], "ms")
                 results.add(f"{tag}.bandwidth_utilization", moe["read_ratio"], "fraction")
         gc.collect()
@@ -418,7 +420,7 @@ def main() -> None:
         shape, vocab, prefix = SHAPES[args.shape]
         layers = args.layers if args.layers is not None else (None if args.shape == "moonlight" else 4)
         folder = checkpoint_folder(shape, vocab, layers, args.fp8)
-        prefix += "_fp8" if args.fp8 else ""
+        prefix += "_fp8_f16" if args.fp8_f16 else "_fp8" if args.fp8 else ""
         batches = [int(b) for b in args.batches.split(",") if b]
         llm = build(
             folder,

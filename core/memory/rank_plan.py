@@ -112,14 +112,17 @@ def plan_rank_memory(
     tp: TensorParallel,
     *,
     graphs: bool,
+    budget: int | None = None,
 ) -> MemoryPlan:
-    """This rank's plan, with the page count every rank of ``tp`` can hold (a collective at tp > 1)."""
+    """This rank's plan, with the page count every rank of ``tp`` can hold (a collective at tp > 1).
+    ``budget``: the bytes the rank may hold, given instead of asked of its device (a plan for a GPU this
+    process has not got, as ``pegainfer_deepseek.sizing`` makes); None: ``memory_budget``."""
     sched = config.scheduler
     caching = prefix_caching_enabled(loaded, config)
     transients = step_transients(loaded, config, graphs=graphs)
     reserved = sum(t.bytes_for(sched.max_num_batched_tokens, sched.max_num_seqs) for t in transients)
     plan = plan_memory(
-        budget=memory_budget(loaded, config, reserved),
+        budget=memory_budget(loaded, config, reserved) if budget is None else budget,
         weight_bytes=loaded.weight_bytes,
         specs=specs,
         transients=transients,

@@ -146,9 +146,14 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
             logger.warning("%d checkpoint tensors were not used, e.g. %s", len(unused), ", ".join(unused[:3]))
         reader.close()
     model.eval()
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = parameter_bytes(model)
     logger.info("loaded %s from %s (%s, %s)", registration.name, folder, dtype, device)
     return LoadedModel(model, registration, hf_config, folder, device, dtype, max_model_len, weight_bytes)
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """What ``model``'s parameters take: the weight bytes the memory plan counts."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 @torch.no_grad()
