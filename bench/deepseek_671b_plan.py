@@ -2,7 +2,8 @@
 an H200, computed on the CPU: the rank's model built on torch's meta device (no memory), its weight bytes
 by part, its KV bytes a token, the transients the engine's plan reserves and the pages that fit
 (``pegainfer_deepseek.sizing``). A computed plan, not a measurement: it prints a table (``--out``: into
-that file as well) and writes no bench/results record.
+that file as well) and writes no bench/results record. ``write_folder`` gives the weightless checkpoint
+folder the eight-GPU serving benchmark starts from (``bench/serve.sh deepseek_v3_671b_tp8``).
 
     python bench/deepseek_671b_plan.py                      # tp=8, 64 x 4096-token requests, 8192-token steps
     python bench/deepseek_671b_plan.py --max-model-len 0 --max-num-seqs 128 --max-num-batched-tokens 4096
@@ -17,9 +18,12 @@ drafting (``--speculative-tokens``); its bytes are shown apart either way.
 from __future__ import annotations
 
 import argparse
+import json
+import tempfile
 from pathlib import Path
 
 from pegainfer.config.schema import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from pegainfer.text.tiny_tokenizer import write_tiny_tokenizer
 from pegainfer_deepseek.published import deepseek_v3_published_config
 from pegainfer_deepseek.sizing import (
     build_on_meta,
@@ -97,6 +101,20 @@ def plan_table(args: argparse.Namespace) -> str:
         f"{sched.max_num_seqs * model.max_model_len * per_token / GIB:.2f} GiB)",
     ]
     return "\n".join(lines)
+
+
+def write_folder() -> Path:
+    """A checkpoint folder of the published config (FP8 blocks, the MTP layer) without weights, for
+    ``pegainfer serve ... model.load_format=dummy tp=8`` (``bench/serve.sh deepseek_v3_671b_tp8``): its
+    config.json and a word tokenizer with a word for every id, so streams carry one text chunk a token."""
+    from common import write_word_tokenizer
+
+    folder = Path(tempfile.mkdtemp(prefix="deepseek-671b-"))
+    config = deepseek_v3_published_config()
+    write_tiny_tokenizer(folder)
+    write_word_tokenizer(folder, config["vocab_size"])
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
 
 
 def main() -> None:

@@ -58,6 +58,7 @@ from common import (
     stop_decoding,
     timed_decode,
     timed_steps_ms,
+    write_word_tokenizer,
 )  # fmt: skip
 
 from pegainfer.engine.llm import LLM
@@ -122,9 +123,13 @@ SHAPES = {
 }
 
 
-def checkpoint_folder(shape: dict) -> Path:
+def checkpoint_folder(shape: dict, full_vocab_tokenizer: bool = False) -> Path:
+    """config.json and a tokenizer (over every id with ``full_vocab_tokenizer``, for serving); weights come
+    from load_format=dummy."""
     folder = Path(tempfile.mkdtemp(prefix="qwen35-bench-"))
     write_tiny_tokenizer(folder)
+    if full_vocab_tokenizer:
+        write_word_tokenizer(folder, shape["vocab_size"])
     (folder / "config.json").write_text(json.dumps(shape))
     return folder
 
