@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -15,7 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
-from pegainfer.config.schema import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from pegainfer.config.schema import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from pegainfer.engine.llm import LLM
 from pegainfer.sampling.sampling_params import RequestOutputKind, SamplingParams
 
@@ -91,10 +99,16 @@ def build(
     speculative_tokens: int = 0,
     block_size: int | None = None,
     dtype: str = "bfloat16",
+    tp: int = 1,
 ) -> LLM:
     """An engine on the GPU (bf16 unless ``dtype`` says otherwise) with random weights of ``folder``'s
     config.json shape (drafting ``speculative_tokens`` tokens a step with the model's own draft layers),
-    ``block_size``-token pages (None: the engine's default)."""
+    ``block_size``-token pages (None: the engine's default), over ``tp`` GPUs (rank 0 in this process:
+    ``llm.engine.executor.runner`` is its shard; NVLink multicast off in every rank, as these hosts
+    require)."""
+    if tp > 1:
+        for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+            os.environ[name] = "0" if name == "NCCL_NVLS_ENABLE" else "1"
     return LLM.from_config(
         EngineConfig(
             model=ModelConfig(
@@ -106,6 +120,7 @@ def build(
                 **({} if block_size is None else {"block_size": block_size}),
             ),
             speculative=SpeculativeConfig(num_tokens=speculative_tokens),
+            parallel=ParallelConfig(tensor_parallel_size=tp),
             device="cuda",
             enforce_eager=enforce_eager,
         )

@@ -2,7 +2,11 @@
 HF transformers peer, against the ceilings measured in the same run.
 
     python bench/qwen3_14b.py --out bench/results/qwen3_14b.jsonl
+    python bench/qwen3_14b.py --tp 2 --batches 1,64 --sync-batches "" --out ...   # decode over two GPUs
 
+With ``--tp N`` only decode runs (prefill and the peer are one-GPU figures): the bytes are one GPU's
+shard (rank 0's weights, its KV heads) over the one GPU's ceiling, the 2-GPU roofline of the tensor-
+parallel issue, in figures ``qwen3_14b.decode.tpN.*``; run it beside a ``--tp 1`` call on the same host.
 Figures are appended to the JSONL file (one object per figure) and a short table is printed last.
 """
 
@@ -106,7 +110,10 @@ def bench_decode(
     check_all_running(engine, batch)
     host_ms = step_ms - (engine.wait_time_s - waited) * 1e3 / steps
     graphs = engine.executor.runner.graphs
-    gpu_ms = cuda_time_ms(lambda: graphs.run(batch), reps=10) if graphs is not None else float("nan")
+    alone = getattr(engine.executor, "size", 1) == 1  # a tensor-parallel graph needs every rank
+    gpu_ms = (
+        cuda_time_ms(lambda: graphs.run(batch), reps=10) if graphs is not None and alone else float("nan")
+    )
     stop_decoding(engine, ids)  # its step reads the last pending step back, so the next run starts clean
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
@@ -182,7 +189,15 @@ def main() -> None:
         help="batch rows up to which projections use the skinny kernel",
     )
     parser.add_argument("--profile-host", type=int, default=0, help="cProfile the host at this decode batch")
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="decode over this many GPUs (figures qwen3_14b.decode.tpN.*: one GPU's shard of the bytes)",
+    )
     args = parser.parse_args()
+    if args.tp > 1:
+        args.skip_prefill = args.skip_peer = True
     if args.skinny_rows is not None:
         skinny_gemm.DISPATCH_ROWS = args.skinny_rows
     batches = [int(b) for b in args.batches.split(",")]
@@ -197,10 +212,12 @@ def main() -> None:
     rng = random.Random(0)
     folder = checkpoint_folder(args.layers)
     cfg = {**QWEN3_14B, "num_hidden_layers": args.layers}
-    kv_per_token = args.layers * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    # One GPU's share: its KV heads (tp divides them), its shard of every weight (rank 0's model, here).
+    kv_per_token = args.layers * 2 * cfg["num_key_value_heads"] // args.tp * cfg["head_dim"] * 2
     table = []
     decode = {}
-    llm = build(folder, max_num_seqs=max(batches), max_model_len=args.ctx + args.steps + 128)
+    tp = "" if args.tp == 1 else f"tp{args.tp}."  # in the decode figures' names
+    llm = build(folder, max_num_seqs=max(batches), max_model_len=args.ctx + args.steps + 128, tp=args.tp)
     model = llm.engine.executor.runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     embed_bytes = model.embed_tokens.numel() * model.embed_tokens.element_size()
@@ -210,12 +227,14 @@ def main() -> None:
         # Each step reads every weight once (the embedding table only for the batch's rows) and the KV.
         read = weight_bytes - embed_bytes + batch * d["ctx"] * kv_per_token
         util = read / (d["step_ms"] / 1e3) / bw
-        goal = {1: 0.9, 64: 0.8}.get(batch)
-        results.add(f"qwen3_14b.decode.bs{batch}.step_ms", d["step_ms"], "ms")
-        results.add(f"qwen3_14b.decode.bs{batch}.gpu_ms", d["gpu_ms"], "ms")
-        results.add(f"qwen3_14b.decode.bs{batch}.tok_per_s", batch * 1e3 / d["step_ms"], "tok/s")
-        results.add(f"qwen3_14b.decode.bs{batch}.bandwidth_utilization", util, "fraction", goal)
-        results.add(f"qwen3_14b.decode.bs{batch}.host_ms", d["host_ms"], "ms")
+        goal = ({1: 0.9, 64: 0.8} if args.tp == 1 else {1: 0.75, 64: 0.7}).get(batch)
+        name = f"qwen3_14b.decode.{tp}bs{batch}"
+        results.add(f"{name}.step_ms", d["step_ms"], "ms")
+        if args.tp == 1:  # rank 0's graph alone cannot run: its all-reduces wait for the other ranks
+            results.add(f"{name}.gpu_ms", d["gpu_ms"], "ms")
+        results.add(f"{name}.tok_per_s", batch * 1e3 / d["step_ms"], "tok/s")
+        results.add(f"{name}.bandwidth_utilization", util, "fraction", goal)
+        results.add(f"{name}.host_ms", d["host_ms"], "ms")
         table.append(
             f"decode bs{batch:<4} {d['step_ms']:8.2f} ms/step (GPU {d['gpu_ms']:6.2f}, host {d['host_ms']:5.2f})  "
             f"{batch * 1e3 / d['step_ms']:9.1f} tok/s  bandwidth {util:6.1%}"
@@ -224,15 +243,15 @@ def main() -> None:
         d = bench_decode(llm, batch, args.ctx, args.steps, rng, async_scheduling=False)
         read = weight_bytes - embed_bytes + batch * d["ctx"] * kv_per_token
         util = read / (d["step_ms"] / 1e3) / bw
-        results.add(f"qwen3_14b.decode_sync.bs{batch}.step_ms", d["step_ms"], "ms")
-        results.add(f"qwen3_14b.decode_sync.bs{batch}.bandwidth_utilization", util, "fraction")
+        results.add(f"qwen3_14b.decode_sync.{tp}bs{batch}.step_ms", d["step_ms"], "ms")
+        results.add(f"qwen3_14b.decode_sync.{tp}bs{batch}.bandwidth_utilization", util, "fraction")
         table.append(
             f"decode bs{batch:<4} {d['step_ms']:8.2f} ms/step with async scheduling off ({util:6.1%})"
         )
     if decode:
         host_batch = 64 if 64 in decode else batches[-1]
         host_ms = decode[host_batch]["host_ms"]
-        results.add(f"qwen3_14b.host.bs{host_batch}.cpu_ms_per_step", host_ms, "ms", 1.0)
+        results.add(f"qwen3_14b.host.{tp}bs{host_batch}.cpu_ms_per_step", host_ms, "ms", 1.0)
         table.append(f"host time at bs{host_batch}: {host_ms:.2f} ms/step (wall minus waits for the GPU)")
     del llm
     gc.collect()
