@@ -4,6 +4,7 @@ and HF transformers eager as the peer at batch 1.
 
     python bench/qwen35.py                          # the 9B-style shape, batches 1 and 16, prints a table
     python bench/qwen35.py --shapes 9b,27b --out bench/results/qwen35.jsonl   # also appends the records
+    python bench/qwen35.py --shapes 27b --batches 1 --tp 2 --out ...   # decode over two GPUs
 
 Shapes: ``9b`` is transformers' ``Qwen3_5TextConfig`` defaults (the "Qwen3.5-9B style" configuration:
 hidden 4096, 32 layers, GDN 16 key / 32 value heads of 128, attention 16/4 heads of 256); ``27b`` is a
@@ -13,7 +14,8 @@ against the published config before quoting figures). Weights come from ``model.
 A decode step reads every weight once (the embedding table only for the batch's rows), the KV of the
 full-attention layers and, per row, each GDN layer's fp32 state (read and written) and conv window: that
 many bytes at the measured HBM copy bandwidth is the ceiling (``floor_ms``); ``bandwidth_utilization`` is
-``floor_ms / step_ms``. ``--reference-gdn`` also times decode with the GDN decode rows on the torch
+``floor_ms / step_ms``. With ``--tp N`` only decode runs and the bytes are one GPU's shard (rank 0's
+weights, its share of the KV and GDN heads): figures ``qwen35_S.decode.tpN.*``. ``--reference-gdn`` also times decode with the GDN decode rows on the torch
 reference (``PEGAINFER_QWEN35_GDN_KERNELS=0``), for the kernels' share.
 
 ``35b_a3b`` is transformers' ``Qwen3_5MoeTextConfig`` defaults (hidden 2048, 40 layers, 256 experts of 512,
@@ -166,9 +168,12 @@ def distinct_experts(llm, step) -> list[int]:
     return seen
 
 
-def step_bytes(model, batch: int, ctx: float, experts_per_layer: list[int] | None = None) -> float:
-    """Bytes one decode step must move: weights (of the MoE layers' routed experts only those the step's
-    router chose, ``experts_per_layer``), KV of the full-attention layers, GDN slot states."""
+def step_bytes(
+    model, batch: int, ctx: float, experts_per_layer: list[int] | None = None, tp: int = 1
+) -> float:
+    """Bytes one decode step must move on one GPU: weights (``model`` is one rank's shard; of the MoE
+    layers' routed experts only those the step's router chose, ``experts_per_layer``), KV of the
+    full-attention layers, GDN slot states (their heads split over ``tp`` ranks)."""
     from pegainfer_qwen35.moe import SparseMoE
 
     c = model.config
@@ -188,7 +193,7 @@ def step_bytes(model, batch: int, ctx: float, experts_per_layer: list[int] | Non
     state = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
     window = c.conv_dim * (c.conv_kernel - 1)
     recurrent = linear * batch * 2 * 4 * (state + window)  # fp32, read and written
-    return weights + kv + recurrent
+    return weights + (kv + recurrent) / tp
 
 
 def bench_decode(llm: LLM, vocab: int, batch: int, ctx: int, steps: int, rng: random.Random) -> dict:
@@ -201,7 +206,10 @@ def bench_decode(llm: LLM, vocab: int, batch: int, ctx: int, steps: int, rng: ra
     check_all_running(engine, batch)
     host_ms = step_ms - (engine.wait_time_s - waited) * 1e3 / steps
     graphs = engine.executor.runner.graphs
-    gpu_ms = cuda_time_ms(lambda: graphs.run(batch), reps=10) if graphs is not None else float("nan")
+    alone = getattr(engine.executor, "size", 1) == 1  # a tensor-parallel graph needs every rank
+    gpu_ms = (
+        cuda_time_ms(lambda: graphs.run(batch), reps=10) if graphs is not None and alone else float("nan")
+    )
     stop_decoding(engine, ids)
     return {
         "step_ms": step_ms,
@@ -356,8 +364,13 @@ def main() -> None:
         help="MTP runs on near-bigram weights (drafts right; _near_bigram)",
     )
     parser.add_argument("--commit", default=None)
+    parser.add_argument(
+        "--tp", type=int, default=1, help="decode only, over this many GPUs (figures qwen35_S.decode.tpN.*)"
+    )
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",") if b]
+    if args.tp > 1:  # prefill, MTP, the GDN reference and the peer are one-GPU figures
+        args.prefill, args.mtp, args.reference_gdn, args.skip_peer = "", "", False, True
     results = Results(args.out or Path(os.devnull), "python " + " ".join(sys.argv), args.commit)
     ceil = measure_ceilings()
     torch.cuda.empty_cache()
@@ -383,24 +396,30 @@ def main() -> None:
         for variant, switch in variants:
             os.environ["PEGAINFER_QWEN35_GDN_KERNELS"] = switch  # read at every forward (and capture)
             llm = build(
-                folder, max_num_seqs=max(batches), max_model_len=longest + 64, gpu_memory_utilization=0.85
+                folder,
+                max_num_seqs=max(batches),
+                max_model_len=longest + 64,
+                gpu_memory_utilization=0.85,
+                tp=args.tp,
             )
             model = llm.engine.executor.runner.model
             tag = f"qwen35_{name}" + ("" if variant == "kernels" else f".{variant}")
             for batch in batches:
                 d = bench_decode(llm, vocab, batch, args.ctx, args.steps, rng)
-                floor_ms = step_bytes(model, batch, d["ctx"], d["experts"]) / bw * 1e3
+                floor_ms = step_bytes(model, batch, d["ctx"], d["experts"], args.tp) / bw * 1e3
                 util = floor_ms / d["step_ms"]
                 if variant == "kernels":
                     decode[batch] = d
-                results.add(f"{tag}.decode.bs{batch}.step_ms", d["step_ms"], "ms")
-                results.add(f"{tag}.decode.bs{batch}.gpu_ms", d["gpu_ms"], "ms")
-                results.add(f"{tag}.decode.bs{batch}.floor_ms", floor_ms, "ms")
-                results.add(f"{tag}.decode.bs{batch}.bandwidth_utilization", util, "fraction")
-                results.add(f"{tag}.decode.bs{batch}.host_ms", d["host_ms"], "ms")
+                key = f"{tag}.decode.{'' if args.tp == 1 else f'tp{args.tp}.'}bs{batch}"
+                results.add(f"{key}.step_ms", d["step_ms"], "ms")
+                if args.tp == 1:
+                    results.add(f"{key}.gpu_ms", d["gpu_ms"], "ms")
+                results.add(f"{key}.floor_ms", floor_ms, "ms")
+                results.add(f"{key}.bandwidth_utilization", util, "fraction")
+                results.add(f"{key}.host_ms", d["host_ms"], "ms")
                 if d["experts"]:
                     mean = sum(d["experts"]) / len(d["experts"])
-                    results.add(f"{tag}.decode.bs{batch}.distinct_experts_per_layer", mean, "experts")
+                    results.add(f"{key}.distinct_experts_per_layer", mean, "experts")
                 table.append(
                     f"{tag:<24} decode bs{batch:<3} {d['step_ms']:7.2f} ms/step (GPU {d['gpu_ms']:6.2f}, "
                     f"host {d['host_ms']:5.2f}; floor {floor_ms:6.2f})  {batch * 1e3 / d['step_ms']:8.1f} "
