@@ -109,7 +109,7 @@ def _block_fp8_gemm_kernel(
             # The tile's columns share one quantization tile: the row's one scale on the fp32 partial sum.
             scale = tile_scale(s_rows, k + offset, N, offs_n, QBLOCK)
             if F16:
-                acc += float8_dot_f16(w, x) * scale[:, None]
+                acc += float8_dot_f16(w, x, scale[:, None])
             else:
                 acc += mma(cast_to(w.to(tl.float32), dtype, FIX), tl.trans(x), FIX, PREC) * scale[:, None]
         elif SPAN > 1:  # whole quantization tiles side by side, from a tile boundary

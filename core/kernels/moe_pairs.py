@@ -81,7 +81,7 @@ def _scaled_dot(
     """``w @ aᵀ`` ``[BLOCK_N, 16]`` in fp32: a float8 ``w`` enters in ``a``'s dtype (exact in bf16), or with
     ``F16`` on fp16 MMAs (``float8_dot_f16``), and the dot is scaled by its quantization tile's one scale."""
     if F16:
-        return float8_dot_f16(w, a) * tl.load(scale_ptr)
+        return float8_dot_f16(w, a, tl.load(scale_ptr))
     elif QUANT:
         w = cast_to(w.to(tl.float32), a.dtype, FIX)
         return mma(w, tl.trans(a), FIX, PREC) * tl.load(scale_ptr)

@@ -96,10 +96,10 @@ def widen_float8(
 
 
 @triton.jit
-def float8_dot_f16(w, x):
-    """``w @ xᵀ`` in fp32 ``[BLOCK_N, BLOCK_M]`` for float8 values ``w`` ``[BLOCK_N, BLOCK_K]`` and 16-bit
-    rows ``x`` ``[BLOCK_M, BLOCK_K]``, on fp16 tensor cores (the caller scales the sum by the block's
-    quantization scales, so the block must lie inside one tile).
+def float8_dot_f16(w, x, scale):
+    """``(w @ xᵀ) * scale`` in fp32 ``[BLOCK_N, BLOCK_M]`` for float8 values ``w`` ``[BLOCK_N, BLOCK_K]``
+    lying inside one quantization tile, ``scale`` their rows' scales of it (``[BLOCK_N, 1]``, or one
+    scalar), and 16-bit rows ``x`` ``[BLOCK_M, BLOCK_K]``, on fp16 tensor cores.
 
     Widening e4m3 to bf16 takes three conversions an element on Hopper (through fp16 and fp32), to fp16
     one for two; the conversion units, not the read, are the suspected bound of the widened forms (a
@@ -108,7 +108,9 @@ def float8_dot_f16(w, x):
     fp32 sum: exact for bf16 rows (8-bit significands fit fp16's 11; only magnitudes under 2^-28 of the
     row's largest reach fp16's subnormals) and for fp16 ones, so the result is the widened form's."""
     x16, undo = as_f16_rows(x)
-    return tl.dot(w.to(tl.float16), tl.trans(x16), out_dtype=tl.float32) * undo[None, :]
+    # One product of the scale and the power: the power alone (up to 2^113) could overflow fp32 on a sum
+    # that the scale brings back into range.
+    return tl.dot(w.to(tl.float16), tl.trans(x16), out_dtype=tl.float32) * (scale * undo[None, :])
 
 
 @triton.jit
@@ -189,7 +191,7 @@ def _skinny_gemm_kernel(
         if NORM:
             sq += x.to(tl.float32) * x.to(tl.float32)
         if F16:
-            acc += float8_dot_f16(w, x) * tile_scale(s_rows, 0, N, offs_n, QBLOCK)[:, None]
+            acc += float8_dot_f16(w, x, tile_scale(s_rows, 0, N, offs_n, QBLOCK)[:, None])
         else:
             acc += mma(w, tl.trans(x).to(w.dtype), FIX, PREC)
         x_ptrs += BLOCK_K
@@ -201,7 +203,7 @@ def _skinny_gemm_kernel(
         if NORM:
             sq += x.to(tl.float32) * x.to(tl.float32)
         if F16:
-            acc += float8_dot_f16(w, x) * tile_scale(s_rows, k, N, offs_n, QBLOCK)[:, None]
+            acc += float8_dot_f16(w, x, tile_scale(s_rows, k, N, offs_n, QBLOCK)[:, None])
         else:
             w = widen_float8(w, s_rows, k, K, col_ok, QBLOCK, SPAN, BLOCK_N, BLOCK_K, dtype, FIX)
             acc += mma(w, tl.trans(x).to(w.dtype), FIX, PREC)
@@ -337,7 +339,7 @@ def _skinny_gemm_stream_k_kernel(
             if NORM:
                 sq += x.to(tl.float32) * x.to(tl.float32)
             if F16:
-                acc += float8_dot_f16(w, x) * tile_scale(s_rows, i * BLOCK_K, N, offs_n, QBLOCK)[:, None]
+                acc += float8_dot_f16(w, x, tile_scale(s_rows, i * BLOCK_K, N, offs_n, QBLOCK)[:, None])
             else:
                 w = widen_float8(
                     w, s_rows, i * BLOCK_K, K, col_ok, QBLOCK, SPAN, BLOCK_N, BLOCK_K, dtype, FIX

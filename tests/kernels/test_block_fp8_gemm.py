@@ -161,6 +161,29 @@ def test_the_dispatch_takes_f16_operands_when_set(monkeypatch, dtype):
     assert decode_config(big, 1) == Fp8GemmConfig(16, 32, 128)
 
 
+@pytest.mark.parametrize(
+    "config", [SkinnyConfig(32, 128, f16=True), Fp8GemmConfig(16, 32, 128, f16=True)], ids=["skinny", "tiles"]
+)
+def test_f16_operands_stay_finite_where_the_product_is(config):
+    """A bf16 row near fp32's top (1e38) times small scales: the power of two that undoes x's scaling is
+    applied together with the weight's scale, so the sum does not overflow on the way to a finite result."""
+    gen = torch.Generator().manual_seed(5)
+    w = BlockFP8Weight(64, 256, 128)
+    values = (torch.randn(64, 256, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    w.load_rows(slice(0, 64), values, torch.full((64, 2), 1e-3))
+    w = w.to(DEVICE)
+    x = _x(gen, 1, 256, dtype=torch.float32) * 1e-3
+    x[0, 7] = 1e38
+    x = x.to(torch.bfloat16)
+    exact = _exact(x, w)
+    assert torch.isfinite(exact).all()
+    if isinstance(config, SkinnyConfig):
+        out = skinny_linear_triton(x, w, config=config)
+    else:
+        out = block_fp8_linear_triton(x, w, config=config)
+    assert rel_err(out, exact) < 2**-8
+
+
 def test_f16_operands_are_refused_where_they_would_not_be_exact():
     gen = torch.Generator().manual_seed(1)
     w = _weight(gen, 32, 256, 128)
