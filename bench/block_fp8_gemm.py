@@ -8,9 +8,7 @@ weight copies (>= 2 GB of float8) that the weights come from HBM, not L2; achiev
 float8 weight's and its scales' bytes / time, against the decode ceiling measured in the same run (the
 higher of the copy and streaming-read rates). Prefill rows are compute: TFLOP/s beside cuBLAS's bf16.
 ``--sweep`` tries tile shapes, warps and pipeline depths and reports the best beside the default
-heuristic (``pegainfer.kernels.block_fp8_gemm.default_config``). Up to the dispatch's decode rows the
-dispatch's tiles are also timed on the other operand form (float8 values widened to bf16, or on fp16
-MMAs: ``block_fp8_gemm.F16_DECODE``).
+heuristic (``pegainfer.kernels.block_fp8_gemm.default_config``).
 """
 
 from __future__ import annotations
@@ -29,13 +27,11 @@ from common import Results, cuda_time_ms, measure_ceilings, per_call_ms  # noqa:
 
 from pegainfer.kernels.block_fp8_gemm import (  # noqa: E402
     DECODE_ROWS,
-    F16_DECODE,
     Fp8GemmConfig,
     block_fp8_linear_triton,
-    decode_config,
     default_config,
 )
-from pegainfer.kernels.skinny_gemm import DISPATCH_ROWS, SkinnyConfig, skinny_linear_triton  # noqa: E402
+from pegainfer.kernels.skinny_gemm import SkinnyConfig, skinny_linear_triton  # noqa: E402
 from pegainfer.layers.block_fp8 import BlockFP8Weight  # noqa: E402
 
 # name -> (N, K): MLA's stacked q_a|kv_a, q_b, o_proj; the dense layer's gate|up and down; the shared
@@ -64,20 +60,18 @@ def sweep_configs(m: int) -> list[Fp8GemmConfig | SkinnyConfig]:
     if m <= DECODE_ROWS:
         block_m = max(16, 1 << (m - 1).bit_length())
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        # fp16 operands (f16) take loads inside one 128-column quantization tile.
         skinny = [
-            SkinnyConfig(bn, bk, warps, stages, stream_k=sk, programs=sms if sk else 0, f16=f16)
-            for bn, bk, warps, stages, sk, f16 in itertools.product(
-                (32, 64), (128, 256), (4, 8), (4, 6), (False, True), (False, True)
+            SkinnyConfig(bn, bk, warps, stages, stream_k=sk, programs=sms if sk else 0)
+            for bn, bk, warps, stages, sk in itertools.product(
+                (32, 64), (128, 256), (4, 8), (4, 6), (False, True)
             )
-            if not (f16 and bk > 128)
         ]
         return skinny + [
-            Fp8GemmConfig(block_m, bn, bk, warps, stages, f16=f16)
-            for bn, bk, (warps, stages), f16 in itertools.product(
-                (16, 32, 64, 128), (128, 256, 512), ((4, 4), (4, 6), (8, 4)), (False, True)
+            Fp8GemmConfig(block_m, bn, bk, warps, stages)
+            for bn, bk, (warps, stages) in itertools.product(
+                (16, 32, 64, 128), (128, 256, 512), ((4, 4), (4, 6), (8, 4))
             )
-            if bn * bk <= 128 * 256 and not (f16 and bk > 128)
+            if bn * bk <= 128 * 256
         ]
     return [
         Fp8GemmConfig(bm, bn, bk, warps, stages)
@@ -108,15 +102,9 @@ def measure_shape(
             cublas = per_call_ms([partial(F.linear, x, d) for d in dense])
             util = nbytes / (ours / 1e3) / bw
             line = f"ours {ours * 1e3:7.1f} us ({util:.1%} of the ceiling on fp8 bytes), own tiles {own * 1e3:.1f}"
+            line += f" | bf16: skinny {bf16 * 1e3:.1f} us, cuBLAS {cublas * 1e3:.1f} us"
             results.add(f"{tag}.bandwidth_utilization", util, "fraction")
             results.add(f"{tag}.vs_bf16_skinny", bf16 / ours, "ratio")
-            if m <= DISPATCH_ROWS:  # the dispatch's tiles on the other operand form
-                form = "widened" if F16_DECODE else "f16"
-                other = decode_config(ws[0], m, not F16_DECODE)
-                t = per_call_ms([partial(block_fp8_linear_triton, x, w, config=other) for w in ws])
-                line += f", {form} {t * 1e3:.1f}"
-                results.add(f"{tag}.{form}_bandwidth_utilization", nbytes / (t / 1e3) / bw, "fraction")
-            line += f" | bf16: skinny {bf16 * 1e3:.1f} us, cuBLAS {cublas * 1e3:.1f} us"
         else:
             ours = cuda_time_ms(partial(block_fp8_linear_triton, x, ws[0]))  # the dispatch: widened
             own = cuda_time_ms(partial(block_fp8_linear_triton, x, ws[0], config=cfg))

@@ -5,7 +5,6 @@ each ``--batches`` size, against the bytes a step must read, and HF transformers
     python bench/deepseek.py --out bench/results/deepseek.jsonl --commit <sha>
     python bench/deepseek.py --shape moonlight --batches 1,16 --skip-kernels --out ...   # a whole ~16B model
     python bench/deepseek.py --fp8 --batches 1 --skip-kernels --out ...   # float8 experts (no peer)
-    python bench/deepseek.py --fp8-f16 --batches 1 --skip-kernels --out ...   # the same on fp16 MMAs
     python bench/deepseek.py --batches 1 --skip-kernels --skip-peer --mtp --out ...   # MTP k=1 at batch 1
     python bench/deepseek.py --batches 1 --skip-kernels --skip-peer --mtp --mtp-bigram --out ...  # drafts right
     python bench/deepseek.py --shape v32 --ctx 4096 --batches 1 --skip-kernels --skip-peer --out ...  # V3.2
@@ -53,7 +52,6 @@ from common import (
     write_word_tokenizer,
 )  # fmt: skip
 
-from pegainfer.kernels import block_fp8_gemm, moe_pairs
 from pegainfer.layers.moe import BlockScales
 from pegainfer.ops import fused_moe
 from pegainfer.testing.speculative import force_drafts
@@ -354,11 +352,6 @@ def main() -> None:
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--skip-kernels", action="store_true", help="no MLA / fused MoE microbenchmarks")
     parser.add_argument("--fp8", action="store_true", help="a block-FP8 checkpoint: float8 routed experts")
-    parser.add_argument(
-        "--fp8-f16",
-        action="store_true",
-        help="decode rows' float8 weights on fp16 MMAs (block_fp8_gemm / moe_pairs F16_DECODE); figures _fp8_f16",
-    )
     parser.add_argument("--mtp", action="store_true", help="also batch-1 decode with MTP drafting (k=1)")
     parser.add_argument(
         "--mtp-bigram",
@@ -379,8 +372,6 @@ def main() -> None:
         "--tp", type=int, default=1, help="decode only, over this many GPUs (figures ...decode.tpN.*)"
     )
     args = parser.parse_args()
-    if args.fp8_f16:
-        args.fp8 = block_fp8_gemm.F16_DECODE = moe_pairs.F16_DECODE = True
     if args.shape == "v3_671b" and not args.fp8:
         parser.error("--shape v3_671b runs in FP8 blocks (--fp8): 1.3 TB of bf16 fits no eight GPUs")
     if args.tp > 1:  # the kernels, the peer and MTP drafting are one-GPU figures
@@ -424,9 +415,7 @@ def main() -> None:
         for tokens in () if args.skip_kernels else (1, 32):
             for fp8 in (False, True):
                 moe = bench_fused_moe(tokens, read_bw, fp8)
-                tag = (
-                    f"deepseek.fused_moe{('_fp8_f16' if args.fp8_f16 else '_fp8') if fp8 else ''}.bs{tokens}"
-                )
+                tag = f"deepseek.fused_moe{'_fp8' if fp8 else ''}.bs{tokens}"
                 results.add(f"{tag}.ms", moe["ms"], "ms")
                 results.add(f"{tag}.bandwidth_utilization", moe["read_ratio"], "fraction")
         gc.collect()
@@ -437,7 +426,7 @@ def main() -> None:
         layers = args.layers if args.layers is not None else (None if whole else 4)
         folder = checkpoint_folder(shape, vocab, layers, args.fp8)
         if args.shape != "v3_671b":  # always FP8
-            prefix += "_fp8_f16" if args.fp8_f16 else "_fp8" if args.fp8 else ""
+            prefix += "_fp8" if args.fp8 else ""
         batches = [int(b) for b in args.batches.split(",") if b]
         llm = build(
             folder,

@@ -57,8 +57,6 @@ TILES = [
 # The pair path's tiles, swept one launch at a time (the other at its default); float8 keeps the
 # columns per load inside a 128-wide scale tile.
 PAIR_K = (64, 128) if args.fp8 else (64, 128, 256)
-# Float8 experts also on fp16 MMAs (PairTiles.f16), the two launches together.
-PAIR_F16 = (False, True) if args.fp8 else (False,)
 PAIR_GATE_UP = [
     dict(gate_up_n=n, gate_up_k=k, gate_up_stages=s)
     for n, k, s in itertools.product((16, 32, 64), PAIR_K, (3, 4, 5))
@@ -126,14 +124,10 @@ for name, (E, H, inter, K) in CASES.items():
             # How many programs share gate|up's columns first, then each launch's tiles.
             k = 128 if args.fp8 else 256
             base = dict(gate_up_n=64, gate_up_k=128, gate_up_stages=4, down_n=64, down_k=k, down_stages=3)
-            split = [{**base, "gate_up_split": s, "f16": f} for s in (1, 2, 4) for f in PAIR_F16]
-            tuned = best_of(pairs, split, used, "split")
+            tuned = best_of(pairs, [{**base, "gate_up_split": s} for s in (1, 2, 4)], used, "split")
             tuned = best_of(pairs, [{**tuned, **g} for g in PAIR_GATE_UP], used, "gate_up tiles")
             tuned = best_of(pairs, [{**tuned, **d} for d in PAIR_DOWN], used, "down tiles")
-        forms = [("default", {}), ("tuned at T=1", tuned)]
-        if args.fp8:  # the defaults on the other operand form
-            forms.append(("default, f16 " + str(not default.f16), {"f16": not default.f16}))
-        for label, knobs in forms:
+        for label, knobs in (("default", {}), ("tuned at T=1", tuned)):
             p = graph_time_ms(lambda knobs=knobs: pairs(**knobs), calls=CALLS)
             print(
                 f"{name} T={T}: pairs, {label} tiles {p * 1e3:.1f} us {used / (p / 1e3) / bw:.1%}", flush=True

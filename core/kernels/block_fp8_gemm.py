@@ -8,9 +8,7 @@ a kernel tile's columns sit inside one quantization tile (``BLOCK_K`` dividing t
 the columns starting on a tile boundary) each row's fp32 partial sum is scaled once per tile; where it
 spans whole tiles (``BLOCK_K`` a multiple of the block) each row's few scales broadcast over their tiles
 in registers; otherwise (shards that start inside a tile) each element's scale is gathered. The activations stay 16-bit:
-decode is bound by the weight read, not by the multiply. With ``f16`` (``Fp8GemmConfig``, ``F16_DECODE``)
-the float8 values enter fp16 MMAs instead, x's rows scaled by powers of two: the same products with a
-third of the conversions (``skinny_gemm.float8_dot_f16``).
+decode is bound by the weight read, not by the multiply.
 
 As in the skinny GEMM, ``w`` is the wide operand (``[BLOCK_N, BLOCK_K] @ [BLOCK_K, BLOCK_M]``), and the
 epilogue is the skinny GEMM's: bias, SiLU·mul of interleaved gate|up rows, the residual add in place.
@@ -27,7 +25,7 @@ import torch.nn.functional as F
 from pegainfer.kernels import skinny_gemm
 from pegainfer.kernels._triton import cast_to, dot_precision, interp_bf16, mma, num_sms, tl, triton
 from pegainfer.kernels.activations import silu_mul
-from pegainfer.kernels.skinny_gemm import float8_dot_f16, load_block, tile_epilogue, tile_scale, widen_float8
+from pegainfer.kernels.skinny_gemm import load_block, tile_epilogue, widen_float8
 from pegainfer.layers.block_fp8 import BlockFP8Weight
 
 #: Rows of x up to which one program's tile covers them all (decode); above, 64-row tiles.
@@ -37,12 +35,6 @@ DECODE_ROWS = 64
 #: where widening costs one pass over the weight (~0.2 ms for DeepSeek-V3's dense gate|up): the
 #: cross-over estimated from those figures is ~140 rows (not swept).
 WIDEN_ROWS = 128
-
-#: Whether decode rows' float8 weights enter fp16 MMAs (``skinny_gemm.float8_dot_f16``: the same result, a
-#: third of the conversions) instead of being widened to x's dtype. Off until a GPU measures it (``bench/
-#: block_fp8_gemm.py`` times both; ``bench/deepseek.py --fp8-f16`` the step); a module setting so a
-#: benchmark can compare both forms in one process.
-F16_DECODE = False
 
 _WIDENED: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
@@ -54,9 +46,6 @@ class Fp8GemmConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 4
-    #: Where a load lies inside one quantization tile, the float8 values enter fp16 MMAs
-    #: (``skinny_gemm.float8_dot_f16``) instead of x's dtype; 16-bit x only.
-    f16: bool = False
 
 
 @triton.jit
@@ -88,7 +77,6 @@ def _block_fp8_gemm_kernel(
     RESIDUAL: tl.constexpr,
     FIX: tl.constexpr,
     PREC: tl.constexpr,
-    F16: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     m0 = tl.program_id(1) * BLOCK_M
@@ -107,11 +95,8 @@ def _block_fp8_gemm_kernel(
         w = load_block(w_ptrs, k, K, offs_k, col_ok, EVEN_K)
         if UNIFORM:
             # The tile's columns share one quantization tile: the row's one scale on the fp32 partial sum.
-            scale = tile_scale(s_rows, k + offset, N, offs_n, QBLOCK)
-            if F16:
-                acc += float8_dot_f16(w, x, scale[:, None])
-            else:
-                acc += mma(cast_to(w.to(tl.float32), dtype, FIX), tl.trans(x), FIX, PREC) * scale[:, None]
+            scale = tl.load(s_rows + (k + offset) // QBLOCK, mask=offs_n < N, other=0.0)
+            acc += mma(cast_to(w.to(tl.float32), dtype, FIX), tl.trans(x), FIX, PREC) * scale[:, None]
         elif SPAN > 1:  # whole quantization tiles side by side, from a tile boundary
             w = widen_float8(w, s_rows, k, K, col_ok, QBLOCK, SPAN, BLOCK_N, BLOCK_K, dtype, FIX)
             acc += mma(w, tl.trans(x), FIX, PREC)
@@ -194,25 +179,6 @@ def default_config(n: int, m: int, block: int, sms: int = 132, element_size: int
     return Fp8GemmConfig(max(16, triton.next_power_of_2(m)), block_n, block_k)
 
 
-def decode_config(
-    w: BlockFP8Weight, rows: int, f16: bool = False
-) -> Fp8GemmConfig | skinny_gemm.SkinnyConfig:
-    """The tiles decode rows of ``w`` (columns from a tile boundary) take: measured best at one row on
-    the H200 (``bench/block_fp8_gemm.py --sweep``, 2026-12-05, DeepSeek-V3's projections), for 20k+ rows
-    (dense gate|up, q_b) this kernel with 32-row tiles and six loads in flight (dense gate|up 128.7 -> 87.4
-    us, q_b 19.9 -> 15.3), otherwise the skinny GEMM's float8 form in 64 x 256 tiles, stream-K from K 4096
-    (o_proj 58.1 -> 49.1, q_a|kv_a 11.5 -> 11.0, shared gate|up 17.9 -> 17.1, dense down 65.0 -> 61.8,
-    shared down 8.6 as before). With ``f16`` the same forms in 128-column loads, each inside one 128-column
-    quantization tile, on fp16 MMAs (not yet timed)."""
-    n, k = w.shape
-    f16 = f16 and w.block % 128 == 0
-    spans = 256 % w.block == 0 and (256 // w.block) & (256 // w.block - 1) == 0
-    if n < 20_000 and (f16 or spans or w.block % 256 == 0):
-        return skinny_gemm.SkinnyConfig(64, 128 if f16 else 256, stream_k=k >= 4096, f16=f16)
-    block_m = max(16, triton.next_power_of_2(rows))
-    return Fp8GemmConfig(block_m, 32, 128, num_stages=6 if k >= 4096 else 4, f16=f16)
-
-
 def block_fp8_linear_triton(
     x: torch.Tensor,
     w: BlockFP8Weight,
@@ -220,22 +186,32 @@ def block_fp8_linear_triton(
     *,
     silu: bool = False,
     residual: torch.Tensor | None = None,
-    config: Fp8GemmConfig | skinny_gemm.SkinnyConfig | None = None,
+    config: Fp8GemmConfig | None = None,
 ) -> torch.Tensor:
     """``x @ w.T (+ bias)`` for ``x`` ``[..., K]`` of any row count, in ``x``'s dtype. ``silu``: ``w``'s rows
     alternate gate, up (``layers.activation.interleave_gate_up``), returns ``silu(gate) * up``
     ``[..., N / 2]``; ``residual``: returns ``residual + x @ w.T``, written into ``residual`` in place.
 
-    Unless ``config`` names the tiles (this kernel's or the skinny GEMM's float8 form): ``WIDEN_ROWS`` and
-    more take cuBLAS over the weight widened into a scratch; decode rows (up to ``skinny_gemm.
-    DISPATCH_ROWS``) of a weight whose columns start on a tile boundary take :func:`decode_config`'s."""
+    Unless ``config`` names this kernel's tiles: ``WIDEN_ROWS`` and more take cuBLAS over the weight
+    widened into a scratch; decode rows (up to ``skinny_gemm.DISPATCH_ROWS``) of a weight whose columns
+    start on a tile boundary take the tiles that measured best at one row on the H200 (``bench/
+    block_fp8_gemm.py --sweep``, 2026-12-05, DeepSeek-V3's projections): for 20k+ rows (dense gate|up,
+    q_b) this kernel with 32-row tiles and six loads in flight (dense gate|up 128.7 -> 87.4 us, q_b
+    19.9 -> 15.3), otherwise the skinny GEMM's float8 form in 64 x 256 tiles, stream-K from K 4096
+    (o_proj 58.1 -> 49.1, q_a|kv_a 11.5 -> 11.0, shared gate|up 17.9 -> 17.1, dense down 65.0 -> 61.8,
+    shared down 8.6 as before)."""
     rows = x.numel() // max(x.shape[-1], 1)
     if config is None and rows >= WIDEN_ROWS:
         return _widened_linear(x, w, bias, silu, residual)
     if config is None and w.offset == 0 and rows <= skinny_gemm.DISPATCH_ROWS:
-        config = decode_config(w, rows, F16_DECODE and x.element_size() == 2)
-    if isinstance(config, skinny_gemm.SkinnyConfig):
-        return skinny_gemm.skinny_linear_triton(x, w, bias, silu=silu, residual=residual, config=config)
+        n, k = w.shape
+        spans = 256 % w.block == 0 and (256 // w.block) & (256 // w.block - 1) == 0
+        if n < 20_000 and (spans or w.block % 256 == 0):
+            skinny = skinny_gemm.SkinnyConfig(64, 256, stream_k=k >= 4096)
+            return skinny_gemm.skinny_linear_triton(x, w, bias, silu=silu, residual=residual, config=skinny)
+        config = Fp8GemmConfig(
+            max(16, triton.next_power_of_2(rows)), 32, 128, num_stages=6 if k >= 4096 else 4
+        )
     weight, scale = w.weight, w.scale
     n, k = weight.shape
     x2 = x.reshape(-1, x.shape[-1])
@@ -260,17 +236,13 @@ def block_fp8_linear_triton(
     if m:
         cfg = config or default_config(n, m, w.block, num_sms(x.device), x.element_size())
         uniform = w.block % cfg.block_k == 0 and w.offset % cfg.block_k == 0
-        if cfg.f16 and not (uniform and x.element_size() == 2):
-            raise ValueError(
-                "f16 takes loads inside one quantization tile, from a load boundary, and 16-bit x"
-            )
         span = cfg.block_k // w.block if cfg.block_k % w.block == 0 and not w.offset else 1
         _block_fp8_gemm_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))](
             x2, weight, scale, bias if bias is not None else x2, out, out,
             m, n, k, x2.stride(0), weight.stride(0), scale.stride(0), out.stride(0), out.stride(0), w.offset,
             QBLOCK=w.block, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UNIFORM=uniform, SPAN=span if span & (span - 1) == 0 else 1,
             EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, SILU=silu, RESIDUAL=residual is not None,
-            FIX=interp_bf16(x.dtype), PREC=dot_precision(x.dtype), F16=cfg.f16, num_warps=cfg.num_warps,
+            FIX=interp_bf16(x.dtype), PREC=dot_precision(x.dtype), num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )  # fmt: skip
     return out.reshape(*x.shape[:-1], n_out)

@@ -42,17 +42,12 @@ from pegainfer.kernels._triton import (
     triton,
 )
 from pegainfer.kernels.fused_moe import check_args, combine_choices
-from pegainfer.kernels.skinny_gemm import float8_dot_f16
 from pegainfer.layers.moe import BlockScales
 
 #: Most tokens the pair path takes (the grouped path reads an expert once for all its tokens): bf16 and
 #: float8 experts (the grouped path measured faster at 4 float8 tokens).
 PAIR_TOKENS = 4
 PAIR_TOKENS_FP8 = 2
-#: Whether float8 experts enter fp16 MMAs (``PairTiles.f16``) by default: off until a GPU measures it
-#: (``bench/fused_moe_tiles.py --pairs --fp8`` times both); a module setting, as
-#: ``block_fp8_gemm.F16_DECODE``, so a benchmark can compare both forms in one process.
-F16_DECODE = False
 
 
 @dataclass(frozen=True)
@@ -70,19 +65,13 @@ class PairTiles:
     down_k: int = 128
     down_stages: int = 3
     num_warps: int = 4
-    #: Float8 experts enter fp16 MMAs (``skinny_gemm.float8_dot_f16``) instead of the activations' dtype.
-    f16: bool = False
 
 
 @triton.jit
-def _scaled_dot(
-    w, a, scale_ptr, QUANT: tl.constexpr, F16: tl.constexpr, FIX: tl.constexpr, PREC: tl.constexpr
-):  # fmt: skip
-    """``w @ aᵀ`` ``[BLOCK_N, 16]`` in fp32: a float8 ``w`` enters in ``a``'s dtype (exact in bf16), or with
-    ``F16`` on fp16 MMAs (``float8_dot_f16``), and the dot is scaled by its quantization tile's one scale."""
-    if F16:
-        return float8_dot_f16(w, a, tl.load(scale_ptr))
-    elif QUANT:
+def _scaled_dot(w, a, scale_ptr, QUANT: tl.constexpr, FIX: tl.constexpr, PREC: tl.constexpr):
+    """``w @ aᵀ`` ``[BLOCK_N, 16]`` in fp32: a float8 ``w`` enters in ``a``'s dtype (exact in bf16) and the
+    dot is scaled by its quantization tile's one scale."""
+    if QUANT:
         w = cast_to(w.to(tl.float32), a.dtype, FIX)
         return mma(w, tl.trans(a), FIX, PREC) * tl.load(scale_ptr)
     else:
@@ -117,7 +106,6 @@ def _pair_gate_up_kernel(
     stride_scol,
     scale_offset,
     QUANT: tl.constexpr,
-    F16: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     TOP_K: tl.constexpr,
@@ -153,8 +141,8 @@ def _pair_gate_up_kernel(
         g = tl.load(g_ptrs + k, mask=n_ok & k_ok[None, :], other=0.0)
         u = tl.load(u_ptrs + k, mask=n_ok & k_ok[None, :], other=0.0)
         s = scales + k // BLOCK_COLS * stride_scol
-        acc_g += _scaled_dot(g, a, s, QUANT, F16, FIX, PREC)
-        acc_u += _scaled_dot(u, a, s + stride_shalf, QUANT, F16, FIX, PREC)
+        acc_g += _scaled_dot(g, a, s, QUANT, FIX, PREC)
+        acc_u += _scaled_dot(u, a, s + stride_shalf, QUANT, FIX, PREC)
     # Columns 1..15 are zeros: the sum over them is column 0 exactly.
     out = part_ptr + (split * num_pairs + pair).to(tl.int64) * 2 * inter + offs_n
     tl.store(out, tl.sum(acc_g, 1), mask=offs_n < inter)
@@ -204,7 +192,6 @@ def _pair_down_kernel(
     stride_scol,
     scale_offset,
     QUANT: tl.constexpr,
-    F16: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -228,18 +215,16 @@ def _pair_down_kernel(
         k_ok = _columns_ok(k, offs_k, inter, EVEN_K)
         a = _pair_act(part_ptr, pair, k, offs_k, k_ok, num_pairs, inter, SPLIT, dtype, FIX)
         w = tl.load(w_ptrs + k, mask=n_ok & k_ok[None, :], other=0.0)
-        s = scales + (k + scale_offset) // BLOCK_COLS * stride_scol
-        acc += _scaled_dot(w, a, s, QUANT, F16, FIX, PREC)
+        acc += _scaled_dot(w, a, scales + (k + scale_offset) // BLOCK_COLS * stride_scol, QUANT, FIX, PREC)
     y = tl.sum(acc, 1) * tl.load(weights_ptr + pair).to(tl.float32)
     tl.store(y_ptr + pair * hidden + offs_n, cast_to(y, dtype, FIX), mask=offs_n < hidden)
 
 
-def default_tiles(pairs: int, inter: int, sms: int, f16: bool = False) -> PairTiles:
+def default_tiles(pairs: int, inter: int, sms: int) -> PairTiles:
     """The default tiles, with gate|up's columns split in two where that still fits one wave of programs
     over the ``sms`` multiprocessors (measured at 1 token: Qwen3.5-35B-A3B's 64 programs 21.0 -> 20.4 us
-    split in two, 23.9 in four; Moonlight's 132 and DeepSeek-V3's 256 slower split); ``f16``: float8
-    experts on fp16 MMAs."""
-    tiles = PairTiles(f16=f16)
+    split in two, 23.9 in four; Moonlight's 132 and DeepSeek-V3's 256 slower split)."""
+    tiles = PairTiles()
     programs = pairs * triton.cdiv(inter, tiles.gate_up_n)
     return dataclasses.replace(tiles, gate_up_split=2) if 2 * programs <= sms else tiles
 
@@ -282,15 +267,12 @@ def fused_moe_pairs(
     top_k = ids.shape[1]
     inter = down.shape[2]
     pairs = tokens * top_k
-    f16 = F16_DECODE and scales is not None and x.element_size() == 2
-    t = tiles or default_tiles(pairs, inter, num_sms(x.device), f16)
+    t = tiles or default_tiles(pairs, inter, num_sms(x.device))
     if not takes_pairs(x, scales, t):
         raise ValueError(
             f"the pair path takes 1..{PAIR_TOKENS} tokens (float8: 1..{PAIR_TOKENS_FP8}, aligned scale "
             f"tiles), got {tokens}"
         )
-    if t.f16 and not (scales is not None and x.element_size() == 2):
-        raise ValueError("f16 tiles take float8 experts and 16-bit activations")
     ids = ids.contiguous()
     weights = weights.contiguous()
     part = torch.empty(t.gate_up_split, pairs, 2 * inter, dtype=torch.float32, device=x.device)
@@ -301,7 +283,7 @@ def fused_moe_pairs(
     block_rows, block_cols = scales.block if quant else (1, 1)
     offset = scales.offset if quant else 0
     flags = dict(
-        QUANT=quant, F16=t.f16, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, SPLIT=t.gate_up_split,
+        QUANT=quant, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, SPLIT=t.gate_up_split,
         PREC=dot_precision(x.dtype), FIX=interp_bf16(x.dtype), num_warps=t.num_warps,
     )  # fmt: skip
     _pair_gate_up_kernel[(pairs, triton.cdiv(inter, t.gate_up_n), t.gate_up_split)](

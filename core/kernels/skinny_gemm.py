@@ -63,9 +63,6 @@ class SkinnyConfig:
     num_stages: int = 4
     stream_k: bool = False
     programs: int = 0
-    #: Block-FP8 weights whose loads lie inside one quantization tile enter fp16 MMAs (``float8_dot_f16``)
-    #: instead of being widened to x's dtype; 16-bit x only.
-    f16: bool = False
 
 
 @triton.jit
@@ -93,43 +90,6 @@ def widen_float8(
         )
         wf = tl.reshape(w.to(tl.float32), (BLOCK_N, SPAN, BLOCK_K // SPAN)) * scale[:, :, None]
         return cast_to(tl.reshape(wf, (BLOCK_N, BLOCK_K)), DTYPE, FIX)
-
-
-@triton.jit
-def float8_dot_f16(w, x, scale):
-    """``(w @ xᵀ) * scale`` in fp32 ``[BLOCK_N, BLOCK_M]`` for float8 values ``w`` ``[BLOCK_N, BLOCK_K]``
-    lying inside one quantization tile, ``scale`` their rows' scales of it (``[BLOCK_N, 1]``, or one
-    scalar), and 16-bit rows ``x`` ``[BLOCK_M, BLOCK_K]``, on fp16 tensor cores.
-
-    Widening e4m3 to bf16 takes three conversions an element on Hopper (through fp16 and fp32), to fp16
-    one for two; the conversion units, not the read, are the suspected bound of the widened forms (a
-    decode GEMM over float8 weights ran at 38-68% of the read ceiling, bf16 weights at ~93%). Each row
-    of ``x`` enters times the power of two that puts its largest magnitude in [2^14, 2^15), undone on the
-    fp32 sum: exact for bf16 rows (8-bit significands fit fp16's 11; only magnitudes under 2^-28 of the
-    row's largest reach fp16's subnormals) and for fp16 ones, so the result is the widened form's."""
-    x16, undo = as_f16_rows(x)
-    # One product of the scale and the power: the power alone (up to 2^113) could overflow fp32 on a sum
-    # that the scale brings back into range.
-    return tl.dot(w.to(tl.float16), tl.trans(x16), out_dtype=tl.float32) * (scale * undo[None, :])
-
-
-@triton.jit
-def as_f16_rows(x):
-    """``(rows, undo)``: the 16-bit rows ``x`` in fp16, each times the power of two that puts its largest
-    magnitude in [2^14, 2^15) (exact: see :func:`float8_dot_f16`), and ``undo`` ``[BLOCK_M]`` fp32, the
-    powers' inverses, for the product's fp32 sums."""
-    xf = x.to(tl.float32)
-    # The largest magnitude's biased exponent; a zero row (padding) takes a finite scale.
-    e = tl.maximum((tl.max(tl.abs(xf), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF, 30)
-    up = ((268 - e) << 23).to(tl.float32, bitcast=True)  # 2^(141 - e)
-    undo = ((e - 14) << 23).to(tl.float32, bitcast=True)  # 2^(e - 141)
-    return (xf * up[:, None]).to(tl.float16), undo
-
-
-@triton.jit
-def tile_scale(s_rows, k, N, offs_n, QBLOCK: tl.constexpr):
-    """Each row's scale of the quantization tile holding column ``k`` (``s_rows``: the rows' scale pointers)."""
-    return tl.load(s_rows + k // QBLOCK, mask=offs_n < N, other=0.0)
 
 
 @triton.jit
@@ -162,7 +122,6 @@ def _skinny_gemm_kernel(
     PDL: tl.constexpr,
     QBLOCK: tl.constexpr = 1,
     SPAN: tl.constexpr = 0,
-    F16: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -184,29 +143,22 @@ def _skinny_gemm_kernel(
         # The weights are constant: fetch the first block while the previous kernel is still finishing,
         # and only then wait for it (x is its output).
         w = load_block(w_ptrs, 0, K, offs_k, col_ok, EVEN_K)
-        if not F16:
-            w = widen_float8(w, s_rows, 0, K, col_ok, QBLOCK, SPAN, BLOCK_N, BLOCK_K, dtype, FIX)
+        w = widen_float8(w, s_rows, 0, K, col_ok, QBLOCK, SPAN, BLOCK_N, BLOCK_K, dtype, FIX)
         pdl_start(PDL)
         x = load_block(x_ptrs, 0, K, offs_k, row_ok, EVEN_K)
         if NORM:
             sq += x.to(tl.float32) * x.to(tl.float32)
-        if F16:
-            acc += float8_dot_f16(w, x, tile_scale(s_rows, 0, N, offs_n, QBLOCK)[:, None])
-        else:
-            acc += mma(w, tl.trans(x).to(w.dtype), FIX, PREC)
+        acc += mma(w, tl.trans(x).to(w.dtype), FIX, PREC)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         k0 = BLOCK_K
     for k in range(k0, K, BLOCK_K):
         x = load_block(x_ptrs, k, K, offs_k, row_ok, EVEN_K)
         w = load_block(w_ptrs, k, K, offs_k, col_ok, EVEN_K)
+        w = widen_float8(w, s_rows, k, K, col_ok, QBLOCK, SPAN, BLOCK_N, BLOCK_K, dtype, FIX)
         if NORM:
             sq += x.to(tl.float32) * x.to(tl.float32)
-        if F16:
-            acc += float8_dot_f16(w, x, tile_scale(s_rows, k, N, offs_n, QBLOCK)[:, None])
-        else:
-            w = widen_float8(w, s_rows, k, K, col_ok, QBLOCK, SPAN, BLOCK_N, BLOCK_K, dtype, FIX)
-            acc += mma(w, tl.trans(x).to(w.dtype), FIX, PREC)
+        acc += mma(w, tl.trans(x).to(w.dtype), FIX, PREC)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     tile_epilogue(
@@ -304,7 +256,6 @@ def _skinny_gemm_stream_k_kernel(
     PDL: tl.constexpr,
     QBLOCK: tl.constexpr = 1,
     SPAN: tl.constexpr = 0,
-    F16: tl.constexpr = False,
 ):
     """The same GEMM over a flat list of work units, (output tile, BLOCK_K column block) in tile order:
     program ``p`` takes units ``[p * UNITS, (p + 1) * UNITS)``, so every multiprocessor streams the same
@@ -336,15 +287,10 @@ def _skinny_gemm_stream_k_kernel(
         for i in range(kb, ke):
             x = load_block(x_ptrs, i * BLOCK_K, K, offs_k, row_ok, EVEN_K)
             w = load_block(w_ptrs, i * BLOCK_K, K, offs_k, col_ok, EVEN_K)
+            w = widen_float8(w, s_rows, i * BLOCK_K, K, col_ok, QBLOCK, SPAN, BLOCK_N, BLOCK_K, dtype, FIX)
             if NORM:
                 sq += x.to(tl.float32) * x.to(tl.float32)
-            if F16:
-                acc += float8_dot_f16(w, x, tile_scale(s_rows, i * BLOCK_K, N, offs_n, QBLOCK)[:, None])
-            else:
-                w = widen_float8(
-                    w, s_rows, i * BLOCK_K, K, col_ok, QBLOCK, SPAN, BLOCK_N, BLOCK_K, dtype, FIX
-                )
-                acc += mma(w, tl.trans(x).to(w.dtype), FIX, PREC)
+            acc += mma(w, tl.trans(x).to(w.dtype), FIX, PREC)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         sq_rows = tl.sum(sq, 1)
@@ -468,8 +414,7 @@ def skinny_linear_triton(
 
     A 16-bit ``x`` may meet an fp32 ``w`` (a router's logits): x is upcast in the loop, the result fp32,
     as ``F.linear(x.float(), w)`` without the cast's launch. A block-FP8 ``w`` whose columns start on a
-    tile boundary is widened tile by tile with its rows' scales (W8A16), the result in ``x``'s dtype; with
-    ``config.f16`` it enters fp16 MMAs unwidened (:func:`float8_dot_f16`, the same result)."""
+    tile boundary is widened tile by tile with its rows' scales (W8A16), the result in ``x``'s dtype."""
     n, k = w.shape
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -496,8 +441,6 @@ def skinny_linear_triton(
         if cfg.block_k % w.block and w.block % cfg.block_k:
             raise ValueError(f"{cfg.block_k}-column loads neither span nor divide {w.block}-column tiles")
         span = max(1, cfg.block_k // w.block)
-    if cfg.f16 and not (quant and w.block % cfg.block_k == 0 and x.element_size() == 2):
-        raise ValueError("f16 takes a block-FP8 w in loads inside one quantization tile and 16-bit x")
     block_m = max(16, triton.next_power_of_2(m))
     n_out = n // 2 if silu else n
     if residual is None:
@@ -517,7 +460,7 @@ def skinny_linear_triton(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, NORM=norm_eps is not None, SILU=silu,
         RESIDUAL=residual is not None, FIX=interp_bf16(out_dtype), PREC=dot_precision(out_dtype),
-        QBLOCK=w.block if quant else 1, SPAN=span, F16=cfg.f16,
+        QBLOCK=w.block if quant else 1, SPAN=span,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **(pdl_launch(x) if _one_program_per_sm(cfg, block_m, x) else NO_PDL),
     )  # fmt: skip

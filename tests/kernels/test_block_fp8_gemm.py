@@ -13,11 +13,9 @@ import pytest
 import torch
 from kernel_helpers import DEVICE, rel_err
 
-from pegainfer.kernels import block_fp8_gemm
 from pegainfer.kernels.block_fp8_gemm import (
     Fp8GemmConfig,
     block_fp8_linear_triton,
-    decode_config,
     default_config,
     dequantize_into,
     widened_scratch,
@@ -97,102 +95,6 @@ def test_skinny_gemm_float8_form(dtype, m, n, k, block, config):
         out = skinny_linear_triton(x, w, bias, config=config)
     assert out.dtype == dtype
     assert rel_err(out, block_fp8_linear_ref(x.float(), w, bias.float())) < TOL[dtype]
-
-
-def _exact(x: torch.Tensor, w: BlockFP8Weight) -> torch.Tensor:
-    """The product in float64 over the float8 values times their scales, unrounded."""
-    scale = w.scale.double().repeat_interleave(w.block, dim=1).narrow(1, w.offset, w.shape[1])
-    return x.double() @ (w.weight.double() * scale).T
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize(
-    ("m", "n", "k", "block", "offset", "config"),
-    [
-        (1, 64, 256, 128, 0, Fp8GemmConfig(16, 32, 128, f16=True)),
-        (3, 70, 200, 128, 64, Fp8GemmConfig(16, 32, 64, f16=True)),  # ragged, columns from a load boundary
-        (70, 96, 128, 128, 0, Fp8GemmConfig(32, 32, 64, num_stages=2, f16=True)),  # rows over three programs
-        (1, 64, 256, 128, 0, SkinnyConfig(32, 128, f16=True)),
-        (3, 70, 200, 64, 0, SkinnyConfig(32, 32, f16=True)),  # ragged, two loads a tile
-        (16, 96, 512, 128, 0, SkinnyConfig(32, 128, stream_k=True, programs=5, f16=True)),
-    ],
-    ids=["tiles", "tiles-offset", "tiles-rows", "skinny", "skinny-ragged", "stream_k"],
-)
-def test_f16_operands_give_the_exact_product(dtype, m, n, k, block, offset, config):
-    """Float8 weights on fp16 MMAs, x scaled by a power of two per row: the product of the float8 values
-    and x's 16-bit values, exact but for the fp32 sum and the output's rounding (the widened form rounds
-    each scaled weight to x's dtype first). Rows of very different magnitudes and a zero row included."""
-    gen = torch.Generator().manual_seed(m * 31 + k)
-    w = _weight(gen, n, k, block, offset)
-    x = _x(gen, m, k, dtype=torch.float32)
-    # bf16 rows past fp16's range (65504) and far below it; fp16 rows whose outputs stay normal fp16.
-    low, top = (-20, 8) if dtype == torch.bfloat16 else (-3, 2)
-    x = (x * torch.logspace(low, top, m, device=x.device)[:, None]).to(dtype)
-    if m > 2:
-        x[m // 2] = 0  # a padding row
-    if isinstance(config, SkinnyConfig):
-        out = skinny_linear_triton(x, w, config=config)
-    else:
-        out = block_fp8_linear_triton(x, w, config=config)
-    exact = _exact(x, w)
-    assert out.dtype == dtype
-    for row in range(m):  # each row against its own scale: the tiny rows must not flush to zero
-        if row == m // 2 and m > 2:
-            assert not out[row].any()
-        else:
-            assert rel_err(out[row], exact[row]) < 2**-8
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_the_dispatch_takes_f16_operands_when_set(monkeypatch, dtype):
-    """``F16_DECODE`` on: decode rows of 16-bit x take the same tiles in loads inside one quantization tile
-    on fp16 MMAs; fp32 x keeps the widened form. Either way the product is the reference's."""
-    gen = torch.Generator().manual_seed(4)
-    w = _weight(gen, 96, 512, 128)
-    x = _x(gen, 2, 512, dtype=dtype)
-    widened = block_fp8_linear_triton(x, w)
-    monkeypatch.setattr(block_fp8_gemm, "F16_DECODE", True)
-    assert rel_err(block_fp8_linear_triton(x, w), block_fp8_linear_ref(x.float(), w)) < TOL[dtype]
-    assert rel_err(block_fp8_linear_triton(x, w), widened) < TOL[dtype]
-    assert decode_config(w, 2, f16=True) == SkinnyConfig(64, 128, f16=True)
-    assert decode_config(w, 2) == SkinnyConfig(64, 256)
-    big = BlockFP8Weight(24576, 1536, 128)  # q_b's shape: 20k+ rows take this kernel's 32-row tiles
-    assert decode_config(big, 1, f16=True) == Fp8GemmConfig(16, 32, 128, f16=True)
-    assert decode_config(big, 1) == Fp8GemmConfig(16, 32, 128)
-
-
-@pytest.mark.parametrize(
-    "config", [SkinnyConfig(32, 128, f16=True), Fp8GemmConfig(16, 32, 128, f16=True)], ids=["skinny", "tiles"]
-)
-def test_f16_operands_stay_finite_where_the_product_is(config):
-    """A bf16 row near fp32's top (1e38) times small scales: the power of two that undoes x's scaling is
-    applied together with the weight's scale, so the sum does not overflow on the way to a finite result."""
-    gen = torch.Generator().manual_seed(5)
-    w = BlockFP8Weight(64, 256, 128)
-    values = (torch.randn(64, 256, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
-    w.load_rows(slice(0, 64), values, torch.full((64, 2), 1e-3))
-    w = w.to(DEVICE)
-    x = _x(gen, 1, 256, dtype=torch.float32) * 1e-3
-    x[0, 7] = 1e38
-    x = x.to(torch.bfloat16)
-    exact = _exact(x, w)
-    assert torch.isfinite(exact).all()
-    if isinstance(config, SkinnyConfig):
-        out = skinny_linear_triton(x, w, config=config)
-    else:
-        out = block_fp8_linear_triton(x, w, config=config)
-    assert rel_err(out, exact) < 2**-8
-
-
-def test_f16_operands_are_refused_where_they_would_not_be_exact():
-    gen = torch.Generator().manual_seed(1)
-    w = _weight(gen, 32, 256, 128)
-    with pytest.raises(ValueError, match="16-bit x"):
-        block_fp8_linear_triton(
-            _x(gen, 1, 256, dtype=torch.float32), w, config=Fp8GemmConfig(16, 32, 128, f16=True)
-        )
-    with pytest.raises(ValueError, match="16-bit x"):  # a load over two quantization tiles
-        skinny_linear_triton(_x(gen, 1, 256, dtype=torch.bfloat16), w, config=SkinnyConfig(32, 256, f16=True))
 
 
 def test_skinny_gemm_refuses_float8_columns_inside_a_tile():

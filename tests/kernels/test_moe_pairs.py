@@ -92,37 +92,6 @@ def test_fp8_pairs_match_the_dequantized_reference(dtype, block, offset, tiles):
     torch.testing.assert_close(ours.float(), ref.float(), **TOL[dtype])
 
 
-@pytest.mark.parametrize("tiles", [SMALL, SPLIT], ids=["one-split", "three-splits"])
-def test_fp8_pairs_on_f16_operands_equal_the_widened_form(tiles):
-    """The float8 values on fp16 MMAs with x's rows scaled by powers of two: the same exact products as
-    the values widened to bf16, so the same sums but for their order; a token past fp16's range (65504)
-    included, which fp16 alone would make infinite."""
-    x, weights, ids, gate_up, down = moe_case(2, 3, 7, 40, 24, torch.bfloat16, seed=11)
-    x[1] *= 1e5
-    q_gate_up, q_down, scales = quantized_experts(gate_up, down, (16, 16), 0)
-    f16 = dataclasses.replace(tiles, f16=True)
-    ours = fused_moe_pairs(x, weights, ids, q_gate_up, q_down, scales=scales, tiles=f16)
-    widened = fused_moe_pairs(x, weights, ids, q_gate_up, q_down, scales=scales, tiles=tiles)
-    for token in range(2):  # each token at its own scale
-        torch.testing.assert_close(ours[token].float(), widened[token].float(), atol=0, rtol=2**-7)
-    with pytest.raises(ValueError, match="16-bit"):
-        fused_moe_pairs(x.float(), weights, ids, q_gate_up, q_down, scales=scales, tiles=f16)
-
-
-def test_f16_default_tiles_follow_the_module_setting(monkeypatch):
-    assert default_tiles(8, 2048, 132) == PairTiles()
-    assert default_tiles(8, 2048, 132, f16=True) == PairTiles(f16=True)
-    x, weights, ids, gate_up, down = moe_case(1, 2, 4, 256, 128, torch.bfloat16, seed=2)
-    q_gate_up, q_down, scales = quantized_experts(gate_up, down, (128, 128), 0)
-    widened = fused_moe_pairs(x, weights, ids, q_gate_up, q_down, scales=scales)
-    monkeypatch.setattr(moe_pairs, "F16_DECODE", True)
-    seen = []
-    monkeypatch.setattr(moe_pairs, "default_tiles", lambda *a: seen.append(a[-1]) or default_tiles(*a))
-    ours = fused_moe_pairs(x, weights, ids, q_gate_up, q_down, scales=scales)
-    assert seen == [True]
-    torch.testing.assert_close(ours.float(), widened.float(), atol=0, rtol=2**-7)
-
-
 def test_which_routings_take_the_pair_path():
     x, weights, ids, gate_up, down = moe_case(PAIR_TOKENS + 1, 2, 6, 32, 32, torch.float32, seed=2)
     assert takes_pairs(x[:1], None) and takes_pairs(x[:PAIR_TOKENS], None)
