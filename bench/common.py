@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import platform
 import statistics
 import subprocess
@@ -104,11 +103,7 @@ def build(
     """An engine on the GPU (bf16 unless ``dtype`` says otherwise) with random weights of ``folder``'s
     config.json shape (drafting ``speculative_tokens`` tokens a step with the model's own draft layers),
     ``block_size``-token pages (None: the engine's default), over ``tp`` GPUs (rank 0 in this process:
-    ``llm.engine.executor.runner`` is its shard; NVLink multicast off in every rank, as these hosts
-    require)."""
-    if tp > 1:
-        for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
-            os.environ[name] = "0" if name == "NCCL_NVLS_ENABLE" else "1"
+    ``llm.engine.executor.runner`` is its shard; the engine turns NVLink multicast off in every rank)."""
     return LLM.from_config(
         EngineConfig(
             model=ModelConfig(
@@ -209,6 +204,15 @@ def timed_decode(llm, prompt: list[int], tokens: int) -> tuple[list[int], float,
         (tokens - 1) / (times[1] - times[0]),
         float("nan") if rate is None else rate,
     )
+
+
+def decode_graph_ms(engine, batch: int) -> float:
+    """GPU milliseconds of one replay of the ``batch``-row decode graph alone; NaN without graphs or over
+    several ranks (rank 0's graph waits in its all-reduces for the others, which only a step runs)."""
+    graphs = engine.executor.runner.graphs
+    if graphs is None or getattr(engine.executor, "size", 1) > 1:
+        return float("nan")
+    return cuda_time_ms(lambda: graphs.run(batch), reps=10)
 
 
 def timed_steps_ms(engine, steps: int) -> float:

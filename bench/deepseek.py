@@ -53,6 +53,7 @@ from common import (
 )  # fmt: skip
 
 from pegainfer.layers.moe import BlockScales
+from pegainfer.model.model_loader import parameter_bytes
 from pegainfer.ops import fused_moe
 from pegainfer.testing.speculative import force_drafts
 from pegainfer.text.tiny_tokenizer import write_tiny_tokenizer
@@ -231,7 +232,7 @@ def distinct_experts(llm, prompts_step) -> list[int]:
 
 def step_bytes(llm, batch: int, ctx: float, experts_per_layer: list[int], shape: dict) -> float:
     model = llm.engine.executor.runner.model
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total = parameter_bytes(model)
     routed = per_expert = 0
     for m in model.modules():
         if isinstance(m, MoE):

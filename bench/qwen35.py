@@ -52,7 +52,7 @@ from common import (
     Results,
     build,
     check_all_running,
-    cuda_time_ms,
+    decode_graph_ms,
     greedy,
     make_near_bigram,
     measure_ceilings,
@@ -64,6 +64,7 @@ from common import (
 )  # fmt: skip
 
 from pegainfer.engine.llm import LLM
+from pegainfer.model.model_loader import parameter_bytes
 from pegainfer.testing.speculative import force_drafts
 from pegainfer.text.tiny_tokenizer import write_tiny_tokenizer
 
@@ -177,7 +178,7 @@ def step_bytes(
     from pegainfer_qwen35.moe import SparseMoE
 
     c = model.config
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = parameter_bytes(model)
     moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
     if moes:
         if experts_per_layer is None or len(experts_per_layer) != len(moes):
@@ -205,11 +206,7 @@ def bench_decode(llm: LLM, vocab: int, batch: int, ctx: int, steps: int, rng: ra
     step_ms = timed_steps_ms(engine, steps)
     check_all_running(engine, batch)
     host_ms = step_ms - (engine.wait_time_s - waited) * 1e3 / steps
-    graphs = engine.executor.runner.graphs
-    alone = getattr(engine.executor, "size", 1) == 1  # a tensor-parallel graph needs every rank
-    gpu_ms = (
-        cuda_time_ms(lambda: graphs.run(batch), reps=10) if graphs is not None and alone else float("nan")
-    )
+    gpu_ms = decode_graph_ms(engine, batch)
     stop_decoding(engine, ids)
     return {
         "step_ms": step_ms,

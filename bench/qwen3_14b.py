@@ -28,7 +28,7 @@ from common import (
     Results,
     build,
     check_all_running,
-    cuda_time_ms,
+    decode_graph_ms,
     greedy,
     measure_ceilings,
     start_decoding,
@@ -38,6 +38,7 @@ from common import (
 
 from pegainfer.engine.llm import LLM
 from pegainfer.kernels import skinny_gemm
+from pegainfer.model.model_loader import parameter_bytes
 from pegainfer.text.tiny_tokenizer import write_tiny_tokenizer
 
 QWEN3_14B = {
@@ -109,11 +110,7 @@ def bench_decode(
     step_ms = (time.perf_counter() - t0) * 1e3 / steps
     check_all_running(engine, batch)
     host_ms = step_ms - (engine.wait_time_s - waited) * 1e3 / steps
-    graphs = engine.executor.runner.graphs
-    alone = getattr(engine.executor, "size", 1) == 1  # a tensor-parallel graph needs every rank
-    gpu_ms = (
-        cuda_time_ms(lambda: graphs.run(batch), reps=10) if graphs is not None and alone else float("nan")
-    )
+    gpu_ms = decode_graph_ms(engine, batch)
     stop_decoding(engine, ids)  # its step reads the last pending step back, so the next run starts clean
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
@@ -219,7 +216,7 @@ def main() -> None:
     tp = "" if args.tp == 1 else f"tp{args.tp}."  # in the decode figures' names
     llm = build(folder, max_num_seqs=max(batches), max_model_len=args.ctx + args.steps + 128, tp=args.tp)
     model = llm.engine.executor.runner.model
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = parameter_bytes(model)
     embed_bytes = model.embed_tokens.numel() * model.embed_tokens.element_size()
     for batch in [] if args.skip_decode else batches:
         d = bench_decode(llm, batch, args.ctx, args.steps, rng, profile=batch == args.profile_host)

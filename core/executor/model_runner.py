@@ -46,7 +46,7 @@ from pegainfer.memory.rank_plan import plan_rank_memory
 from pegainfer.model.model_api import ForwardBatch, StateCheckpoints
 from pegainfer.model.model_loader import load_model
 from pegainfer.parallel.distributed import TensorParallel
-from pegainfer.scheduling.speculative import draft_buffer_specs
+from pegainfer.scheduling.speculative import paged_buffer_specs
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +77,7 @@ class ModelRunner:
         self.model = model = loaded.model
         self.device = loaded.device
         num_spec = config.speculative.num_tokens
-        # Drafting adds the draft layers' caches to the pages (same block table as the main layers).
-        specs = [*model.buffer_specs(), *draft_buffer_specs(model, num_spec)]
+        specs = paged_buffer_specs(model, num_spec)
         graphs = self.device.type == "cuda" and model.decode_graphs
         self.plan = plan_rank_memory(loaded, config, specs, tp, graphs=graphs and not config.enforce_eager)
         if tp.rank == 0:

@@ -48,6 +48,12 @@ if TYPE_CHECKING:
 AppendToken = Callable[[Request, int, PositionLogprobs | None], bool]
 
 
+def paged_buffer_specs(model: CausalLM, num_tokens: int) -> list[BufferSpec]:
+    """What a rank's pages hold: the model's caches and, drafting ``num_tokens`` tokens a step, its draft
+    layers' (on the same block table as the main layers)."""
+    return [*model.buffer_specs(), *draft_buffer_specs(model, num_tokens)]
+
+
 def draft_buffer_specs(model: CausalLM, num_tokens: int) -> list[BufferSpec]:
     """The caches drafting adds to the model's (none when off); a ConfigError when the model cannot draft.
 

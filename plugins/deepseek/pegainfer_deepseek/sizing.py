@@ -18,7 +18,7 @@ from pegainfer.memory.rank_plan import plan_rank_memory
 from pegainfer.model.model_loader import LoadedModel, parameter_bytes, pick_dtype, plugin_model_config
 from pegainfer.parallel.distributed import TensorParallel
 from pegainfer.plugins.registry import get_model_registry
-from pegainfer.scheduling.speculative import draft_buffer_specs
+from pegainfer.scheduling.speculative import paged_buffer_specs
 from pegainfer_deepseek.model import DeepseekV3ForCausalLM
 
 #: The parts a rank's weight bytes are told in, in table order.
@@ -94,7 +94,7 @@ def parameter_count(model: DeepseekV3ForCausalLM) -> int:
 def kv_bytes_per_token(model: DeepseekV3ForCausalLM, engine: EngineConfig) -> int:
     """What a token's pages take on the rank: every layer's latent cache (and the MTP layers' when
     drafting)."""
-    specs = [*model.buffer_specs(), *draft_buffer_specs(model, engine.speculative.num_tokens)]
+    specs = paged_buffer_specs(model, engine.speculative.num_tokens)
     return sum(spec.bytes_per_token for spec in specs)
 
 
@@ -115,7 +115,7 @@ def gpu_plan(
         model.max_model_len,
         parameter_bytes(model),
     )
-    specs = [*model.buffer_specs(), *draft_buffer_specs(model, engine.speculative.num_tokens)]
+    specs = paged_buffer_specs(model, engine.speculative.num_tokens)
     return plan_rank_memory(
         loaded,
         engine,
