@@ -124,10 +124,14 @@ def _block_fp8_linear(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if use_triton(x):
+        if w.fp8_activations:
+            from pegainfer.kernels import block_fp8_w8a8
+
+            return block_fp8_w8a8.block_fp8_w8a8_triton(x, w, bias, silu=silu, residual=residual)
         from pegainfer.kernels import block_fp8_gemm
 
         return block_fp8_gemm.block_fp8_linear_triton(x, w, bias, silu=silu, residual=residual)
-    return block_fp8_linear_ref(x, w, bias, silu=silu, residual=residual)
+    return block_fp8_linear_ref(x, w, bias, silu=silu, residual=residual, fp8_activations=w.fp8_activations)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

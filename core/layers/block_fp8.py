@@ -1,4 +1,4 @@
-"""A projection's weight kept in block FP8 (W8A16), and the torch reference of its GEMM.
+"""A projection's weight kept in block FP8, and the torch references of its GEMM (W8A16, W8A8).
 
 DeepSeek's FP8 checkpoints store ``X.weight`` as float8_e4m3fn with one float32 scale per 128 × 128
 tile. :class:`BlockFP8Weight` keeps the float8 values and gives every *row* its tiles' scales along the
@@ -9,7 +9,10 @@ bytes per row per 128 columns (3% of the float8 bytes). Only the columns may sta
 
 The kernel (``pegainfer.kernels.block_fp8_gemm``) multiplies the float8 values (exact in bf16) and scales
 each row's partial sum per tile; the reference dequantizes the whole weight first, exactly as the
-checkpoint reader dequantizes at load (the fp32 product, then the model's dtype).
+checkpoint reader dequantizes at load (the fp32 product, then the model's dtype). With FP8 activations
+(the checkpoints' ``activation_scheme: dynamic``) each row's group of columns that shares a weight tile
+is quantized to float8 as well, with its own scale, and both operands meet on the FP8 tensor cores
+(``pegainfer.kernels.block_fp8_w8a8``).
 """
 
 from __future__ import annotations
@@ -20,17 +23,25 @@ from torch import nn
 
 from pegainfer.layers.activation import silu_mul
 
+#: The largest finite float8_e4m3fn: a quantized block's largest magnitude maps to it.
+FP8_MAX = 448.0
+#: A floor under an activation group's largest magnitude, so an all-zero group gets a finite scale.
+ACT_AMAX_FLOOR = 1e-10
+
 
 class BlockFP8Weight(nn.Module):
     """``weight`` float8_e4m3fn ``[N, K]`` and ``scale`` float32 ``[N, ceil((offset + K) / block)]``,
-    uninitialised (filled by ``load_rows``) on the current default device."""
+    uninitialised (filled by ``load_rows``) on the current default device. ``fp8_activations``: its GEMM
+    quantizes the activations per row and tile too (W8A8, ``kernels.block_fp8_w8a8``), else they stay
+    16-bit (W8A16, ``kernels.block_fp8_gemm``)."""
 
-    def __init__(self, n: int, k: int, block: int, offset: int = 0) -> None:
+    def __init__(self, n: int, k: int, block: int, offset: int = 0, fp8_activations: bool = False) -> None:
         super().__init__()
         if not 0 <= offset < block:
             raise ValueError(f"a column offset must lie inside the first tile: 0 <= {offset} < {block}")
         self.block = block
         self.offset = offset
+        self.fp8_activations = fp8_activations
         tiles = -(-(offset + k) // block)
         self.weight = nn.Parameter(torch.empty(n, k, dtype=torch.float8_e4m3fn), requires_grad=False)
         self.scale = nn.Parameter(torch.empty(n, tiles, dtype=torch.float32), requires_grad=False)
@@ -80,10 +91,39 @@ def block_fp8_linear_ref(
     *,
     silu: bool = False,
     residual: torch.Tensor | None = None,
+    fp8_activations: bool = False,
 ) -> torch.Tensor:
     """``x @ w.T (+ bias)`` in ``x``'s dtype over the dequantized weight; ``silu``: the rows alternate
-    gate, up and the result is ``silu(gate) * up``; ``residual``: returns ``residual + y``, a new tensor."""
-    y = F.linear(x, w.dequantize(x.dtype), bias)
+    gate, up and the result is ``silu(gate) * up``; ``residual``: returns ``residual + y``, a new tensor.
+    ``fp8_activations`` (W8A8): ``x`` quantized per row and weight tile first
+    (:func:`quantize_activations_ref`), the product of the two dequantized operands in fp32."""
+    if fp8_activations:
+        q, scale = quantize_activations_ref(x, w.block, w.offset)
+        y32 = F.linear(dequantize_activations(q, scale, w.block, w.offset), w.dequantize(torch.float32))
+        y = (y32 if bias is None else y32 + bias.float()).to(x.dtype)
+    else:
+        y = F.linear(x, w.dequantize(x.dtype), bias)
     if silu:
         return silu_mul(y)
     return y if residual is None else residual + y
+
+
+def quantize_activations_ref(
+    x: torch.Tensor, group: int, offset: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token-group FP8 activations: ``(q, scale)`` with ``q`` float8_e4m3fn of ``x``'s shape and
+    ``scale`` float32 ``[..., ceil((offset + K) / group)]``; group ``g`` holds columns ``[g·group - offset,
+    (g+1)·group - offset)`` (a weight's tile grid: ``BlockFP8Weight.offset``), divided by its largest
+    magnitude over 448 (floored at ``ACT_AMAX_FLOOR``) and rounded to nearest even. ``q · scale``
+    approximates ``x`` to e4m3's 3 mantissa bits."""
+    k = x.shape[-1]
+    groups = -(-(offset + k) // group)
+    padded = F.pad(x.float(), (offset, groups * group - k - offset)).unflatten(-1, (groups, group))
+    scale = padded.abs().amax(-1).clamp(min=ACT_AMAX_FLOOR) / FP8_MAX
+    q = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.flatten(-2)[..., offset : offset + k].contiguous(), scale
+
+
+def dequantize_activations(q: torch.Tensor, scale: torch.Tensor, group: int, offset: int = 0) -> torch.Tensor:
+    """float32 ``q · scale`` of :func:`quantize_activations_ref`'s output."""
+    return q.float() * scale.repeat_interleave(group, dim=-1)[..., offset : offset + q.shape[-1]]

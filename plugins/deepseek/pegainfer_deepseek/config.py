@@ -12,6 +12,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pydantic import StrictBool
+
 from pegainfer.config.schema import ModelConfig
 from pegainfer.errors import CheckpointError
 from pegainfer.layers.rotary_yarn import YarnScaling
@@ -74,6 +76,9 @@ class DeepseekV3Dims:
     #: ``model.quantization=fp8`` on a checkpoint that is not FP8: the routed experts and the projections
     #: of attention and the dense feed-forwards are quantized to block FP8 (``QUANTIZE_BLOCK``) at load.
     quantize_at_load: bool = False
+    #: The block-FP8 projections (attention's, the dense and shared feed-forwards') quantize their input
+    #: activations per token and 128 columns (W8A8): ``model.fp8_activations``.
+    fp8_activations: bool = True
 
     @property
     def fp8_block(self) -> tuple[int, int] | None:
@@ -257,6 +262,11 @@ def parse_quantization(qc: dict[str, Any] | None) -> Fp8Config | None:
         )
     if qc.get("fmt", "e4m3") != "e4m3":
         raise CheckpointError(f"config.json: FP8 format {qc.get('fmt')!r} is not supported (only 'e4m3')")
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise CheckpointError(
+            f"config.json: FP8 activation_scheme {qc.get('activation_scheme')!r} is not supported (only "
+            "'dynamic': activations quantized per token and tile as they run)"
+        )
     return Fp8Config((int(block[0]), int(block[1])))
 
 
@@ -274,3 +284,9 @@ class DeepseekModelConfig(ModelConfig):
     anyway."""
 
     quantization: Literal["fp8"] | None = None
+    #: Block-FP8 projections quantize their activations per token and 128-column group as they run (W8A8,
+    #: the FP8 tensor cores): what DeepSeek's checkpoints declare (``activation_scheme: dynamic``), how
+    #: the model was trained, and how vLLM and SGLang serve it. ``false`` keeps the activations 16-bit
+    #: (W8A16: the dequantized model's outputs to the bf16 GEMM's rounding, a slower decode). The routed
+    #: experts keep 16-bit activations either way.
+    fp8_activations: StrictBool = True

@@ -44,6 +44,7 @@ class DecoderLayer(nn.Module):
                 tp=tp,
                 fp8_block=dims.fp8_block,
                 fp8_checkpoint=dims.fp8 is not None,
+                fp8_activations=dims.fp8_activations,
             )  # fmt: skip
         )
 

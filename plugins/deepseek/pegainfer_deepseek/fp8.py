@@ -22,12 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from pegainfer.errors import CheckpointError
-from pegainfer.layers.block_fp8 import BlockFP8Weight, row_scales
+from pegainfer.layers.block_fp8 import FP8_MAX, BlockFP8Weight, row_scales
 from pegainfer.model.checkpoint import CheckpointReader
 from pegainfer.parallel.sharding import Shard
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

@@ -83,17 +83,18 @@ class MLAttention(nn.Module):
         # q_b / o_proj stay float8 (``BlockFP8Weight``); kv_b_proj, whose halves the absorbed decode
         # multiplies per head, is dequantized.
         block = dims.fp8_block
-        self.in_proj = projection(self.q_rows + rkv + dr, h, dtype, block)
+        act8 = dims.fp8_activations
+        self.in_proj = projection(self.q_rows + rkv + dr, h, dtype, block, fp8_activations=act8)
         if rq is not None:
             self.q_a_layernorm = param(rq, dtype=dtype)
-            self.q_b_proj = projection(q_out, rq, dtype, block)
+            self.q_b_proj = projection(q_out, rq, dtype, block, fp8_activations=act8)
         self.kv_a_layernorm = param(rkv, dtype=dtype)
         self.kv_b_proj = param(nh * (dims.qk_nope_head_dim + dims.v_head_dim), rkv, dtype=dtype)
         o_cols = nh * dims.v_head_dim
         # A checkpoint's tiles need not start at this rank's first column; weights quantized at load are
         # tiled from it.
         offset = tp.rank * o_cols % block[1] if block is not None and dims.fp8 is not None else 0
-        self.o_proj = projection(h, o_cols, dtype, block, offset)
+        self.o_proj = projection(h, o_cols, dtype, block, offset, act8)
         biased = dims.attention_bias
         # q_a_proj and kv_a_proj_with_mqa carry the bias; q_proj has none (its rows' share stays zero).
         self.in_bias = param(self.q_rows + rkv + dr, dtype=dtype) if biased else None

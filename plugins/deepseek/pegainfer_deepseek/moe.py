@@ -46,7 +46,8 @@ class SwiGLU(nn.Module):
 
     With ``fp8_block`` both weights are block FP8 (``BlockFP8Weight``: a checkpoint's float8 values, or
     plain ones quantized at load); ``fp8_checkpoint``: they come from an FP8 checkpoint, whose tiles need
-    not start at this rank's first feature."""
+    not start at this rank's first feature; ``fp8_activations``: their GEMMs quantize the activations too
+    (W8A8)."""
 
     def __init__(
         self,
@@ -59,16 +60,17 @@ class SwiGLU(nn.Module):
         what: str = "intermediate_size",
         fp8_block: tuple[int, int] | None = None,
         fp8_checkpoint: bool = False,
+        fp8_activations: bool = False,
     ) -> None:
         super().__init__()
         tp = tp or TensorParallel()
         self.intermediate = intermediate
         self.local = local = tp.split(intermediate, what)
         self.limit = limit
-        self.gate_up_proj = projection(2 * local, hidden, dtype, fp8_block)
+        self.gate_up_proj = projection(2 * local, hidden, dtype, fp8_block, fp8_activations=fp8_activations)
         # down's columns are this rank's features: a checkpoint's tiles need not start at the first one.
         offset = tp.rank * local % fp8_block[1] if fp8_block is not None and fp8_checkpoint else 0
-        self.down_proj = projection(hidden, local, dtype, fp8_block, offset)
+        self.down_proj = projection(hidden, local, dtype, fp8_block, offset, fp8_activations)
 
     @property
     def interleaved(self) -> bool:
@@ -186,6 +188,7 @@ class MoE(nn.Module):
                 what="moe_intermediate_size * n_shared_experts",
                 fp8_block=dims.fp8_block,
                 fp8_checkpoint=dims.fp8 is not None,
+                fp8_activations=dims.fp8_activations,
             )
             if dims.n_shared_experts
             else None

@@ -14,11 +14,16 @@ def param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 def projection(
-    n: int, k: int, dtype: torch.dtype, fp8_block: tuple[int, int] | None, offset: int = 0
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    fp8_block: tuple[int, int] | None,
+    offset: int = 0,
+    fp8_activations: bool = False,
 ) -> nn.Parameter | BlockFP8Weight:
     """A projection's ``[n, k]`` weight: block FP8 on ``fp8_block``'s columns (``offset``: where column 0
-    sits in its first tile) when the model keeps FP8 weights, else a parameter in ``dtype``. Filled by
-    ``fp8.load_projection``; ``ops.linear`` takes either."""
+    sits in its first tile; ``fp8_activations``: W8A8) when the model keeps FP8 weights, else a parameter
+    in ``dtype``. Filled by ``fp8.load_projection``; ``ops.linear`` takes either."""
     if fp8_block is None:
         return param(n, k, dtype=dtype)
-    return BlockFP8Weight(n, k, fp8_block[1], offset)
+    return BlockFP8Weight(n, k, fp8_block[1], offset, fp8_activations)

@@ -18,7 +18,13 @@ from safetensors import safe_open
 
 from pegainfer import LLM, SamplingParams
 from pegainfer.config.compose import build_engine_config, compose
-from pegainfer.testing.conformance import hf_greedy, unused_checkpoint_tensors
+from pegainfer.errors import CheckpointError
+from pegainfer.testing.conformance import (
+    conformance_engine,
+    hf_greedy,
+    teacher_forced_errors,
+    unused_checkpoint_tensors,
+)
 from pegainfer_deepseek.tiny import UNALIGNED_SHAPE, write_fp8_copy
 
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -35,9 +41,12 @@ def folders(tiny_checkpoint_factory, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fp8_llm(folders):
-    # Drafting on, so the MTP layer is built and loaded (its dequantized weights are checked too).
-    return LLM(
-        str(folders[0]), dtype="float32", device="cpu", cpu_kv_cache_bytes=4 << 20, speculative_num_tokens=1
+    """16-bit activations (W8A16): the model whose outputs must equal the dequantized checkpoint's.
+    Drafting on, so the MTP layer is built and loaded (its dequantized weights are checked too)."""
+    from pegainfer.testing.conformance import conformance_engine
+
+    return conformance_engine(
+        "deepseek", folders[0], "model.fp8_activations=false", "speculative.num_tokens=1"
     )
 
 
@@ -177,9 +186,30 @@ def test_greedy_equals_the_dequantized_model(fp8_llm, folders):
     assert dense == hf_greedy(folders[1], prompts, 16)
 
 
-def test_scales_without_quantization_config_are_refused(folders, tmp_path):
-    from pegainfer.errors import CheckpointError
+def test_fp8_activations_cost_a_stated_error(folders):
+    """The default, W8A8 (the checkpoint's ``activation_scheme: dynamic``): the projections' inputs are
+    quantized per token and 128 columns (the routed experts' are not). Teacher-forced logits against
+    transformers on the dequantized weights (relative L2): W8A16 at ~2e-6 (``test_greedy_equals_the_
+    dequantized_model``), W8A8 at 0.150 / 0.123 (prefill / decode) on this checkpoint: e4m3's 3 mantissa
+    bits on every projection's input, in a random 2-layer model with no residual stream to dominate the
+    noise, as in ``test_quantization_fp8_quantizes_a_plain_checkpoint``."""
+    w8a8 = conformance_engine("deepseek", folders[0])
+    attention = w8a8.engine.executor.runner.model.layers[1].self_attn
+    assert attention.o_proj.fp8_activations and attention.in_proj.fp8_activations
+    prefill, decode = teacher_forced_errors(w8a8, folders[1])
+    assert 1e-3 < prefill < 0.25 and 1e-3 < decode < 0.25, (prefill, decode)
 
+
+def test_static_activation_scales_are_refused(folders, tmp_path):
+    broken = Path(shutil.copytree(folders[0], tmp_path / "static"))
+    config = json.loads((broken / "config.json").read_text())
+    config["quantization_config"]["activation_scheme"] = "static"
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="activation_scheme 'static' is not supported"):
+        LLM(str(broken), dtype="float32", device="cpu")
+
+
+def test_scales_without_quantization_config_are_refused(folders, tmp_path):
     broken = Path(shutil.copytree(folders[0], tmp_path / "broken"))
     config = json.loads((broken / "config.json").read_text())
     del config["quantization_config"]
@@ -212,13 +242,14 @@ def test_quantization_fp8_quantizes_a_plain_checkpoint(tiny_checkpoint_factory):
     unquantized model is at 1.9e-6 / 2.2e-6 (prefill / decode), the quantized one at 0.153 / 0.180 on this
     checkpoint (0.033 / 0.039 with only the experts quantized): e4m3 keeps 3 mantissa bits (~3.6% rms
     error a weight), and a random 3-layer model has no residual stream to dominate the eight quantized
-    projections' noise, as a trained one does."""
-    from pegainfer.testing.conformance import conformance_engine, teacher_forced_errors
+    projections' noise, as a trained one does. (Activations 16-bit here: the weights' cost alone.)"""
     from pegainfer_deepseek.fp8 import quantize_blocks
 
     source = tiny_checkpoint_factory("deepseek_v3", seed=5, **UNALIGNED_SHAPE)
     plain = conformance_engine("deepseek", source)
-    quantized = conformance_engine("deepseek", source, "model.quantization=fp8")
+    quantized = conformance_engine(
+        "deepseek", source, "model.quantization=fp8", "model.fp8_activations=false"
+    )
     moe = quantized.engine.executor.runner.model.layers[1].mlp
     assert moe.experts_down.dtype == torch.float8_e4m3fn and moe.scale_offset == 0
     with safe_open(str(source / "model.safetensors"), framework="pt") as f:
@@ -238,7 +269,6 @@ def test_quantization_fp8_quantizes_a_plain_checkpoint(tiny_checkpoint_factory):
 
 def test_quantization_key_is_validated(tiny_checkpoint_factory):
     from pegainfer.errors import ConfigError
-    from pegainfer.testing.conformance import conformance_engine
 
     with pytest.raises(ConfigError, match="quantization"):
         conformance_engine("deepseek", tiny_checkpoint_factory("deepseek_v3"), "model.quantization=int4")
@@ -256,7 +286,7 @@ def test_an_expert_left_unquantized_is_quantized_at_load(folders, tmp_path):
         name = f"model.layers.1.mlp.experts.2.{proj}.weight"
         tensors[name] = _hand_dequantize(tensors[name], tensors.pop(name + "_scale_inv"))
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    mixed = LLM(str(folder), dtype="float32", device="cpu", cpu_kv_cache_bytes=4 << 20)
+    mixed = conformance_engine("deepseek", folder, "model.fp8_activations=false")
     moe = mixed.engine.executor.runner.model.layers[1].mlp
     assert moe.experts_down.dtype == torch.float8_e4m3fn
     rng = random.Random(3)

@@ -67,24 +67,52 @@ def test_accepted_mtp_drafts_give_the_non_speculative_output(aligned_deepseek: P
     )
 
 
-def test_fp8_checkpoint_gives_one_ranks_tokens(tiny_checkpoint_factory, tmp_path: Path) -> None:
-    # 4 heads, 288 dense and 48 expert features: each rank's rows and columns start inside a 128x128
-    # scale block (q_b_proj rows 64, kv_b_proj rows 80, o_proj columns 48, experts 24, dense 144).
+def _fp8_engine(folder: Path, tp: int, *overrides: str) -> LLM:
+    from pegainfer.config.compose import build_engine_config, compose
+
+    args = [
+        "model=deepseek",
+        f"model.path={folder}",
+        "model.dtype=float32",
+        "device=cpu",
+        f"cache.cpu_kv_cache_bytes={8 << 20}",
+    ]
+    return LLM.from_config(build_engine_config(compose("generate", [*args, f"tp={tp}", *overrides])))
+
+
+@pytest.mark.parametrize(
+    ("shape", "overrides"),
+    [
+        # 4 heads, 288 dense and 48 expert features: each rank's rows and columns start inside a 128x128
+        # scale block (q_b_proj rows 64, kv_b_proj rows 80, o_proj columns 48, experts 24, dense 144).
+        # 16-bit activations: W8A8 quantizes a rank's part of a tile as its own group, which one rank
+        # does not, so only W8A16 is the same model there.
+        ({"intermediate_size": 288, "moe_intermediate_size": 48}, ["model.fp8_activations=false"]),
+        # W8A8 where the row-parallel inputs split on tile boundaries (o_proj 128 columns a rank, dense
+        # down 128, shared down 128): each rank's activation groups are one rank's.
+        ({"intermediate_size": 256, "moe_intermediate_size": 128, "v_head_dim": 64}, []),
+    ],
+    ids=["w8a16-unaligned", "w8a8-aligned"],
+)
+def test_fp8_checkpoint_gives_one_ranks_tokens(
+    tiny_checkpoint_factory, tmp_path: Path, shape, overrides
+) -> None:
     source = tiny_checkpoint_factory(
         "deepseek_v3",
         seed=5,
         hidden_size=160,
-        intermediate_size=288,
-        moe_intermediate_size=48,
         q_lora_rank=144,
         kv_lora_rank=136,
         num_hidden_layers=2,
+        **shape,
     )
     folder = write_fp8_copy(source, tmp_path / "fp8")
     prompts = random_prompts(3, [7, 19, 30])
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    one, _ = _steps(_llm(folder, 1), prompts, params)
-    llm = _llm(folder, 2)
+    one_llm = _fp8_engine(folder, 1, *overrides)
+    one, _ = _steps(one_llm, prompts, params)
+    assert one_llm.engine.executor.runner.model.layers[0].mlp.down_proj.fp8_activations == (not overrides)
+    llm = _fp8_engine(folder, 2, *overrides)
     try:
         assert _steps(llm, prompts, params)[0] == one
     finally:

@@ -1,0 +1,221 @@
+"""Block-FP8 GEMM on the FP8 tensor cores (W8A8): ``y = x @ w.T`` for a float8 weight with per-row tile
+scales (``pegainfer.layers.block_fp8.BlockFP8Weight``), the activations quantized per token and per
+group of columns that shares one weight tile, beside its torch reference ``block_fp8_linear_ref(...,
+fp8_activations=True)``.
+
+Both operands enter the MMA as float8, straight from shared memory: nothing widens the weight in
+registers (the W8A16 kernel, ``block_fp8_gemm``, does, and measured at 38-78% of the read rate at batch
+1 where bf16 weights stream at ~93%). Each tile's fp32 partial sum is scaled by the weight row's tile
+scale and the activation row's group scale before it joins the accumulator: every 128-column product
+is promoted to fp32 at once, as DeepSeek-V3's report prescribes for Hopper's FP8 accumulation.
+
+Decode rows quantize their x tile inside the loop (a 16-row tile is a few registers a thread, and no
+launch is added); more rows are quantized first by :func:`quantize_activations` (one pass over x) and
+stream float8 tiles. As in the skinny GEMM, ``w`` is the wide operand (``[BLOCK_N, 128] @ [128,
+BLOCK_M]``), and the epilogue is the skinny GEMM's: bias, SiLU·mul of interleaved gate|up rows, the
+residual add in place. A weight whose columns start inside a tile (a shard, ``offset``) quantizes x in
+groups on the weight's tile grid: the loop steps over whole tiles from column ``-offset``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pegainfer.kernels._triton import HAS_TRITON, interp_bf16, interpreting, num_sms, tl, triton
+from pegainfer.kernels.skinny_gemm import tile_epilogue
+from pegainfer.layers.block_fp8 import ACT_AMAX_FLOOR, FP8_MAX, BlockFP8Weight
+
+#: Rows of x up to which each program quantizes its own x tiles (decode); above, one pass first.
+INLINE_ROWS = 16
+
+if HAS_TRITON:
+    _FLOOR = tl.constexpr(ACT_AMAX_FLOOR)
+    _FP8_MAX = tl.constexpr(FP8_MAX)
+
+
+@triton.jit
+def to_e4m3(x, INTERP: tl.constexpr):
+    """fp32 ``x`` (within ±448) as float8_e4m3fn, rounded to nearest even. With ``INTERP`` (Triton's
+    interpreter, whose cast rounds values just under a power of two down a binade) the value is first
+    rounded on its bits, so the cast only meets values it holds exactly."""
+    if INTERP:
+        bits = x.to(tl.uint32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+        # Below 2^-6 e4m3 is subnormal: multiples of 2^-9 (1.5 * 2^23 rounds an fp32 to an integer).
+        sub = (x * 512.0 + 12582912.0) - 12582912.0
+        sub = tl.where(sub == 0.0, x * 0.0, sub / 512.0)  # keeps -0's sign
+        x = tl.where(tl.abs(x) < 0.015625, sub, normal)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def quantize_group(x, INTERP: tl.constexpr):
+    """``x`` fp32 ``[rows, group]``: its float8 values and each row's scale (largest magnitude / 448)."""
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), _FLOOR), _FP8_MAX)
+    q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -_FP8_MAX, _FP8_MAX)
+    return to_e4m3(q, INTERP), scale
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, offset,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    g = tl.program_id(1)
+    cols = g * GROUP - offset + tl.arange(0, GROUP)
+    ok = (rows[:, None] < M) & (cols[None, :] >= 0) & (cols[None, :] < K)
+    rows64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + rows64 * stride_xm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    q, scale = quantize_group(x, INTERP)
+    tl.store(q_ptr + rows64 * stride_qm + cols[None, :], q, mask=ok)
+    tl.store(s_ptr + rows.to(tl.int64) * stride_sm + g, scale, mask=rows < M)
+
+
+def quantize_activations(x: torch.Tensor, group: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layers.block_fp8.quantize_activations_ref`` of ``x`` ``[M, K]`` on the GPU: ``(float8 [M, K],
+    float32 scales [M, groups])``, group ``g`` holding columns ``[g·group - offset, (g+1)·group - offset)``."""
+    m, k = x.shape
+    groups = -(-(k + offset) // group)
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    if m:
+        rows = 8
+        _quantize_kernel[(triton.cdiv(m, rows), groups)](
+            x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), offset,
+            GROUP=group, ROWS=rows, INTERP=interpreting(), num_warps=4,
+        )  # fmt: skip
+    return q, s
+
+
+@triton.jit
+def _w8a8_gemm_kernel(
+    x_ptr,
+    xs_ptr,
+    w_ptr,
+    s_ptr,
+    bias_ptr,
+    res_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xsm,
+    stride_wn,
+    stride_sn,
+    stride_rm,
+    stride_om,
+    offset,
+    QBLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INLINE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    FIX: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    m0 = tl.program_id(1) * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = offs_m[:, None] < M
+    col_ok = offs_n[:, None] < N
+    cols = tl.arange(0, QBLOCK) - offset
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + cols[None, :]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + cols[None, :]
+    s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
+    xs_rows = xs_ptr + offs_m.to(tl.int64) * stride_xsm
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for t in range(0, tl.cdiv(K + offset, QBLOCK)):
+        if ALIGNED:  # K a multiple of the tile, from a tile boundary: no column mask
+            w = tl.load(w_ptrs, mask=col_ok, other=0.0)
+            x = tl.load(x_ptrs, mask=row_ok, other=0.0)
+        else:
+            c = t * QBLOCK + cols
+            c_ok = (c >= 0) & (c < K)
+            w = tl.load(w_ptrs, mask=col_ok & c_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=row_ok & c_ok[None, :], other=0.0)
+        w_scale = tl.load(s_rows + t, mask=offs_n < N, other=0.0)
+        if INLINE:
+            xq, x_scale = quantize_group(x.to(tl.float32), INTERP)
+        else:
+            xq = x
+            x_scale = tl.load(xs_rows + t, mask=offs_m < M, other=0.0)
+        if INTERP:  # the interpreter's dot of float8 blocks: exact through fp32
+            part = tl.dot(w.to(tl.float32), tl.trans(xq.to(tl.float32)), input_precision="ieee")
+        else:
+            part = tl.dot(w, tl.trans(xq))
+        acc += part * w_scale[:, None] * x_scale[None, :]
+        x_ptrs += QBLOCK
+        w_ptrs += QBLOCK
+    first = m0.to(tl.int64)
+    tile_epilogue(
+        acc, tl.zeros((BLOCK_M,), dtype=tl.float32), pid_n, bias_ptr, res_ptr + first * stride_rm,
+        out_ptr + first * stride_om, M - m0, N, K, stride_rm, stride_om, 0.0,
+        BLOCK_M, BLOCK_N, HAS_BIAS, False, SILU, RESIDUAL, FIX,
+    )  # fmt: skip
+
+
+def default_tiles(n: int, m: int, sms: int = 132) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)``: decode rows in one 16..64-row tile, the widest
+    weight tiles (128, 64, 32 rows) that still give every multiprocessor a program; prefill 64 x 128."""
+    if m > 64:
+        return 64, 128, 8, 4
+    block_n = next((b for b in (128, 64) if triton.cdiv(n, b) >= sms), 32)
+    return max(16, triton.next_power_of_2(m)), block_n, 4, 6
+
+
+def block_fp8_w8a8_triton(
+    x: torch.Tensor,
+    w: BlockFP8Weight,
+    bias: torch.Tensor | None = None,
+    *,
+    silu: bool = False,
+    residual: torch.Tensor | None = None,
+    tiles: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` for ``x`` ``[..., K]`` of any row count, in ``x``'s dtype, the activations
+    quantized per row and weight tile. ``silu``: ``w``'s rows alternate gate, up, returns ``silu(gate) *
+    up`` ``[..., N / 2]``; ``residual``: returns ``residual + x @ w.T``, written into ``residual`` in
+    place. ``tiles``: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` instead of :func:`default_tiles`."""
+    weight, scale = w.weight, w.scale
+    n, k = weight.shape
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if x2.shape[1] != k:
+        raise ValueError(f"x has {x2.shape[1]} columns; the weight {tuple(weight.shape)} needs {k}")
+    if weight.stride(-1) != 1 or scale.stride(-1) != 1:
+        raise ValueError("block_fp8_w8a8 needs a weight and scales with contiguous rows")
+    if silu and (residual is not None or n % 2):
+        raise ValueError("silu takes an even number of interleaved gate, up rows and no residual")
+    m = x2.shape[0]
+    n_out = n // 2 if silu else n
+    if residual is None:
+        out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    else:
+        if residual.shape != (*x.shape[:-1], n) or residual.dtype != x.dtype or not residual.is_contiguous():
+            raise ValueError(
+                f"residual {tuple(residual.shape)} {residual.dtype} must be x @ w.T's, contiguous"
+            )
+        out = residual.view(m, n)
+    if m:
+        block_m, block_n, warps, stages = tiles or default_tiles(n, m, num_sms(x.device))
+        inline = m <= INLINE_ROWS
+        xs = x2
+        if not inline:
+            x2, xs = quantize_activations(x2, w.block, w.offset)
+        _w8a8_gemm_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+            x2, xs, weight, scale, bias if bias is not None else scale, out, out,
+            m, n, k, x2.stride(0), xs.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
+            out.stride(0), w.offset,
+            QBLOCK=w.block, BLOCK_M=block_m, BLOCK_N=block_n, INLINE=inline,
+            ALIGNED=w.offset == 0 and k % w.block == 0, HAS_BIAS=bias is not None, SILU=silu,
+            RESIDUAL=residual is not None, FIX=interp_bf16(x.dtype), INTERP=interpreting(),
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+    return out.reshape(*x.shape[:-1], n_out)
