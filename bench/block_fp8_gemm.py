@@ -1,5 +1,5 @@
-"""Block-FP8 GEMM (W8A16) at DeepSeek-V3's projection shapes: our Triton kernel against the bf16 forms a
-dequantized checkpoint would run (our skinny kernel at decode rows, cuBLAS).
+"""Block-FP8 GEMMs at DeepSeek-V3's projection shapes: our W8A16 and W8A8 Triton kernels against the bf16
+forms a dequantized checkpoint would run (our skinny kernel at decode rows, cuBLAS).
 
     python bench/block_fp8_gemm.py [--rows 1,16,64,2048] [--sweep] [--commit C] [--out bench/results/block_fp8_gemm.jsonl]
 
@@ -7,6 +7,8 @@ Decode rows (M <= 64) are timed as the decode step runs them: inside a CUDA grap
 weight copies (>= 2 GB of float8) that the weights come from HBM, not L2; achieved bandwidth = the
 float8 weight's and its scales' bytes / time, against the decode ceiling measured in the same run (the
 higher of the copy and streaming-read rates). Prefill rows are compute: TFLOP/s beside cuBLAS's bf16.
+The W8A8 kernel's figures (``...w8a8...``) include its quantization of x (in its loop at decode rows, a
+pass before it above).
 ``--sweep`` tries tile shapes, warps and pipeline depths and reports the best beside the default
 heuristic (``pegainfer.kernels.block_fp8_gemm.default_config``).
 """
@@ -31,6 +33,7 @@ from pegainfer.kernels.block_fp8_gemm import (  # noqa: E402
     block_fp8_linear_triton,
     default_config,
 )
+from pegainfer.kernels.block_fp8_w8a8 import block_fp8_w8a8_triton  # noqa: E402
 from pegainfer.kernels.skinny_gemm import SkinnyConfig, skinny_linear_triton  # noqa: E402
 from pegainfer.layers.block_fp8 import BlockFP8Weight  # noqa: E402
 
@@ -100,20 +103,27 @@ def measure_shape(
             own = per_call_ms([partial(block_fp8_linear_triton, x, w, config=cfg) for w in ws])
             bf16 = per_call_ms([partial(skinny_linear_triton, x, d) for d in dense])
             cublas = per_call_ms([partial(F.linear, x, d) for d in dense])
-            util = nbytes / (ours / 1e3) / bw
+            w8a8 = per_call_ms([partial(block_fp8_w8a8_triton, x, w) for w in ws])
+            util, util8 = nbytes / (ours / 1e3) / bw, nbytes / (w8a8 / 1e3) / bw
             line = f"ours {ours * 1e3:7.1f} us ({util:.1%} of the ceiling on fp8 bytes), own tiles {own * 1e3:.1f}"
+            line += f" | w8a8 {w8a8 * 1e3:.1f} us ({util8:.1%})"
             line += f" | bf16: skinny {bf16 * 1e3:.1f} us, cuBLAS {cublas * 1e3:.1f} us"
             results.add(f"{tag}.bandwidth_utilization", util, "fraction")
             results.add(f"{tag}.vs_bf16_skinny", bf16 / ours, "ratio")
+            results.add(f"{tag}.w8a8.bandwidth_utilization", util8, "fraction")
+            results.add(f"{tag}.w8a8.vs_bf16_skinny", bf16 / w8a8, "ratio")
         else:
             ours = cuda_time_ms(partial(block_fp8_linear_triton, x, ws[0]))  # the dispatch: widened
             own = cuda_time_ms(partial(block_fp8_linear_triton, x, ws[0], config=cfg))
             cublas = cuda_time_ms(partial(F.linear, x, dense[0]))
-            tflops = 2 * m * n * k / (ours / 1e3) / 1e12
+            w8a8 = cuda_time_ms(partial(block_fp8_w8a8_triton, x, ws[0]))
+            tflops, tflops8 = (2 * m * n * k / (t / 1e3) / 1e12 for t in (ours, w8a8))
             line = f"ours {ours * 1e3:7.1f} us ({tflops:.0f} TFLOP/s), own tiles {own * 1e3:.1f}"
-            line += f" | cuBLAS bf16 {cublas * 1e3:.1f} us"
+            line += f" | w8a8 {w8a8 * 1e3:.1f} us ({tflops8:.0f} TFLOP/s) | cuBLAS bf16 {cublas * 1e3:.1f} us"
             results.add(f"{tag}.tflops", tflops, "TFLOP/s")
             results.add(f"{tag}.vs_cublas_bf16", cublas / ours, "ratio")
+            results.add(f"{tag}.w8a8.tflops", tflops8, "TFLOP/s")
+            results.add(f"{tag}.w8a8.vs_cublas_bf16", cublas / w8a8, "ratio")
         print(f"{name:14s} M={m:5d} {line} rel err {err:.2e} {cfg}", flush=True)
         if m in sweep:
             timed = []
