@@ -182,8 +182,9 @@ def bench_mla_sparse(batch: int, ctx: int, topk: int, heads: int, copy_bw: float
     return {"ms": sparse_ms, "dense_ms": dense_ms, "copy_ratio": ratio}
 
 
-def bench_fused_moe(tokens: int, read_bw: float, fp8: bool = False) -> dict:
-    """DeepSeek-V3's routed experts (256 of 7168 → 2048, top-8), bf16 or block-FP8 (128×128 tiles)."""
+def bench_fused_moe(tokens: int, read_bw: float, fp8: bool = False, act8: bool = False) -> dict:
+    """DeepSeek-V3's routed experts (256 of 7168 → 2048, top-8), bf16 or block-FP8 (128×128 tiles; ``act8``:
+    W8A8, the activations quantized per token and tile)."""
     experts, hidden, inter, k = 256, 7168, 2048, 8
     dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda") * 0.01).to(dtype)
@@ -193,7 +194,7 @@ def bench_fused_moe(tokens: int, read_bw: float, fp8: bool = False) -> dict:
         tiles_i, tiles_h = inter // 128, hidden // 128
         scales = BlockScales(
             torch.rand(experts, 2, tiles_i, tiles_h, device="cuda"), torch.rand(experts, tiles_h, tiles_i, device="cuda"),
-            (128, 128),
+            (128, 128), fp8_activations=act8,
         )  # fmt: skip
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     ids = torch.stack([torch.randperm(experts, device="cuda")[:k] for _ in range(tokens)])
@@ -414,9 +415,9 @@ def main() -> None:
             results.add(f"{tag}.dense_ctx8192_ms", sparse["dense_ms"], "ms")
             results.add(f"{tag}.copy_bandwidth_ratio", sparse["copy_ratio"], "fraction")
         for tokens in () if args.skip_kernels else (1, 32):
-            for fp8 in (False, True):
-                moe = bench_fused_moe(tokens, read_bw, fp8)
-                tag = f"deepseek.fused_moe{'_fp8' if fp8 else ''}.bs{tokens}"
+            for fp8, act8 in ((False, False), (True, False), (True, True)):
+                moe = bench_fused_moe(tokens, read_bw, fp8, act8)
+                tag = f"deepseek.fused_moe{'_fp8' if fp8 else ''}{'_w8a8' if act8 else ''}.bs{tokens}"
                 results.add(f"{tag}.ms", moe["ms"], "ms")
                 results.add(f"{tag}.bandwidth_utilization", moe["read_ratio"], "fraction")
         gc.collect()

@@ -21,71 +21,13 @@ from __future__ import annotations
 
 import torch
 
-from pegainfer.kernels._triton import HAS_TRITON, interp_bf16, interpreting, num_sms, tl, triton
+from pegainfer.kernels._triton import interp_bf16, interpreting, num_sms, tl, triton
+from pegainfer.kernels.act_quant import dot_fp8, quantize_activations, quantize_group
 from pegainfer.kernels.skinny_gemm import tile_epilogue
-from pegainfer.layers.block_fp8 import ACT_AMAX_FLOOR, FP8_MAX, BlockFP8Weight
+from pegainfer.layers.block_fp8 import BlockFP8Weight
 
 #: Rows of x up to which each program quantizes its own x tiles (decode); above, one pass first.
 INLINE_ROWS = 16
-
-if HAS_TRITON:
-    _FLOOR = tl.constexpr(ACT_AMAX_FLOOR)
-    _FP8_MAX = tl.constexpr(FP8_MAX)
-
-
-@triton.jit
-def to_e4m3(x, INTERP: tl.constexpr):
-    """fp32 ``x`` (within ±448) as float8_e4m3fn, rounded to nearest even. With ``INTERP`` (Triton's
-    interpreter, whose cast rounds values just under a power of two down a binade) the value is first
-    rounded on its bits, so the cast only meets values it holds exactly."""
-    if INTERP:
-        bits = x.to(tl.uint32, bitcast=True)
-        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
-        # Below 2^-6 e4m3 is subnormal: multiples of 2^-9 (1.5 * 2^23 rounds an fp32 to an integer).
-        sub = (x * 512.0 + 12582912.0) - 12582912.0
-        sub = tl.where(sub == 0.0, x * 0.0, sub / 512.0)  # keeps -0's sign
-        x = tl.where(tl.abs(x) < 0.015625, sub, normal)
-    return x.to(tl.float8e4nv)
-
-
-@triton.jit
-def quantize_group(x, INTERP: tl.constexpr):
-    """``x`` fp32 ``[rows, group]``: its float8 values and each row's scale (largest magnitude / 448)."""
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), _FLOOR), _FP8_MAX)
-    q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -_FP8_MAX, _FP8_MAX)
-    return to_e4m3(q, INTERP), scale
-
-
-@triton.jit
-def _quantize_kernel(
-    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, offset,
-    GROUP: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr,
-):  # fmt: skip
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    g = tl.program_id(1)
-    cols = g * GROUP - offset + tl.arange(0, GROUP)
-    ok = (rows[:, None] < M) & (cols[None, :] >= 0) & (cols[None, :] < K)
-    rows64 = rows.to(tl.int64)[:, None]
-    x = tl.load(x_ptr + rows64 * stride_xm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    q, scale = quantize_group(x, INTERP)
-    tl.store(q_ptr + rows64 * stride_qm + cols[None, :], q, mask=ok)
-    tl.store(s_ptr + rows.to(tl.int64) * stride_sm + g, scale, mask=rows < M)
-
-
-def quantize_activations(x: torch.Tensor, group: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``layers.block_fp8.quantize_activations_ref`` of ``x`` ``[M, K]`` on the GPU: ``(float8 [M, K],
-    float32 scales [M, groups])``, group ``g`` holding columns ``[g·group - offset, (g+1)·group - offset)``."""
-    m, k = x.shape
-    groups = -(-(k + offset) // group)
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
-    if m:
-        rows = 8
-        _quantize_kernel[(triton.cdiv(m, rows), groups)](
-            x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), offset,
-            GROUP=group, ROWS=rows, INTERP=interpreting(), num_warps=4,
-        )  # fmt: skip
-    return q, s
 
 
 @triton.jit
@@ -145,11 +87,7 @@ def _w8a8_gemm_kernel(
         else:
             xq = x
             x_scale = tl.load(xs_rows + t, mask=offs_m < M, other=0.0)
-        if INTERP:  # the interpreter's dot of float8 blocks: exact through fp32
-            part = tl.dot(w.to(tl.float32), tl.trans(xq.to(tl.float32)), input_precision="ieee")
-        else:
-            part = tl.dot(w, tl.trans(xq))
-        acc += part * w_scale[:, None] * x_scale[None, :]
+        acc += dot_fp8(w, tl.trans(xq), INTERP) * w_scale[:, None] * x_scale[None, :]
         x_ptrs += QBLOCK
         w_ptrs += QBLOCK
     first = m0.to(tl.int64)

@@ -20,7 +20,10 @@ Block-FP8 experts (with ``BlockScales``) stay float8 in memory (W8A16), so a ste
 bf16 experts. Where every kernel tile sits inside one quantization tile (the usual case: 64-wide kernel
 tiles in 128 × 128 blocks, shards starting on a 64 boundary) the float8 values enter the dot as they are
 (exact in bf16) and the dot's fp32 result is scaled by the tile's one scale; otherwise each element is
-scaled as it is loaded. fp32 accumulation; the torch reference is ``pegainfer.layers.moe.routed_experts``.
+scaled as it is loaded. With FP8 activations (``BlockScales.fp8_activations``, W8A8) x and the activation
+are quantized first (``kernels.act_quant``, one pass each) and, in tiles inside one quantization tile,
+meet the float8 weights on the tensor cores, each row's dot scaled by its group's scale. fp32
+accumulation; the torch reference is ``pegainfer.layers.moe.routed_experts``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pegainfer.kernels._triton import (
     cast_to,
     dot_precision,
     interp_bf16,
+    interpreting,
     mma,
     next_pow2,
     shared_memory_per_sm,
@@ -38,6 +42,7 @@ from pegainfer.kernels._triton import (
     triton,
     use_kernel,
 )
+from pegainfer.kernels.act_quant import dot_fp8, quantize_activations
 from pegainfer.layers.moe import BlockScales, combine_routed
 
 #: Most (token, choice) pairs the one-program sort takes; larger routings sort with torch ops.
@@ -156,18 +161,22 @@ def _weight_tile(
     mask_s,
     QUANT: tl.constexpr,
     UNIFORM: tl.constexpr,
+    ACT8: tl.constexpr,
     DTYPE: tl.constexpr,
     FIX: tl.constexpr,
 ):
     """A weight tile in the activations' dtype; float8 ones times their tile scales, gathered per element
-    unless ``UNIFORM`` (then the caller scales the dot by :func:`_tile_scale`)."""
+    unless ``UNIFORM`` (then the caller scales the dot by :func:`_tile_scale`). Where it meets float8
+    activations (``ACT8``): kept float8 in a uniform tile, else scaled per element in fp32."""
     w = tl.load(ptr, mask=mask, other=0.0)
-    if QUANT:
+    if QUANT and not (ACT8 and UNIFORM):
         if UNIFORM:
             w = cast_to(w.to(tl.float32), DTYPE, FIX)
         else:
             scale = tl.load(scale_ptr + scale_rows + scale_cols, mask=mask_s, other=0.0)
-            w = cast_to(w.to(tl.float32) * scale, DTYPE, FIX)
+            w = w.to(tl.float32) * scale
+            if not ACT8:
+                w = cast_to(w, DTYPE, FIX)
     return w
 
 
@@ -181,6 +190,29 @@ def _tile_scale(scale_ptr, scale_row, scale_col, QUANT: tl.constexpr, UNIFORM: t
 
 
 @triton.jit
+def _act_dot(
+    a, w, xs_rows, rows_ok, k0, offs_k, mask_k, col_offset,
+    ACT8: tl.constexpr, UNIFORM: tl.constexpr, BLOCK_COLS: tl.constexpr, FIX: tl.constexpr,
+    PREC: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """``a @ w`` in fp32. With ``ACT8`` ``a`` holds float8 activations whose per-row group scales start at
+    ``xs_rows`` (groups of ``BLOCK_COLS`` columns from column ``-col_offset``): where the tile lies in one
+    group (``UNIFORM``) both float8 operands meet on the tensor cores and the dot is scaled per row;
+    otherwise (a shard's tiles across kernel tiles) each element of both is scaled and the dot runs in
+    fp32 (rounding either to ``DTYPE`` could move a product past the reference's by an ulp of it)."""
+    if ACT8:
+        if UNIFORM:
+            scale = tl.load(xs_rows + (k0 + col_offset) // BLOCK_COLS, mask=rows_ok, other=0.0)
+            return dot_fp8(a, w, INTERP) * scale[:, None]
+        else:
+            groups = ((offs_k + col_offset) // BLOCK_COLS)[None, :]
+            scale = tl.load(xs_rows[:, None] + groups, mask=rows_ok[:, None] & mask_k[None, :], other=0.0)
+            return mma(a.to(tl.float32) * scale, w, False, "tf32x3")
+    else:
+        return mma(a, w, FIX, PREC)
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,
     w_ptr,
@@ -188,11 +220,13 @@ def _gate_up_kernel(
     rows_ptr,
     block_expert_ptr,
     scale_ptr,
+    xs_ptr,
     num_pairs,
     num_experts,
     hidden,
     inter,
     stride_x,
+    stride_xs,
     stride_we,
     stride_wn,
     stride_act,
@@ -203,6 +237,7 @@ def _gate_up_kernel(
     scale_offset,
     QUANT: tl.constexpr,
     UNIFORM: tl.constexpr,
+    ACT8: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     TOP_K: tl.constexpr,
@@ -211,6 +246,7 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PREC: tl.constexpr,
     FIX: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
@@ -224,6 +260,8 @@ def _gate_up_kernel(
         scales = scale_ptr + expert.to(tl.int64) * stride_se
         scale_rows = ((offs_n + scale_offset) // BLOCK_ROWS)[None, :] * stride_srow  # I: the weight's rows
         scale_row = (tl.program_id(1) * BLOCK_N + scale_offset) // BLOCK_ROWS * stride_srow
+        dtype: tl.constexpr = act_ptr.dtype.element_ty
+        xs_rows = xs_ptr + token * stride_xs
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
@@ -238,17 +276,19 @@ def _gate_up_kernel(
             scale_cols = (offs_k // BLOCK_COLS)[:, None] * stride_scol
             wg = _weight_tile(
                 w + offs_n[None, :] * stride_wn + offs_k[:, None], wk, scales, scale_rows, scale_cols, wk,
-                QUANT, UNIFORM, a.dtype, FIX,
+                QUANT, UNIFORM, ACT8, dtype, FIX,
             )  # fmt: skip
             wu = _weight_tile(
                 w + (inter + offs_n[None, :]) * stride_wn + offs_k[:, None], wk, scales + stride_shalf,
-                scale_rows, scale_cols, wk, QUANT, UNIFORM, a.dtype, FIX,
+                scale_rows, scale_cols, wk, QUANT, UNIFORM, ACT8, dtype, FIX,
             )  # fmt: skip
             scale_col = k0 // BLOCK_COLS * stride_scol
-            acc_g += mma(a, wg, FIX, DOT_PREC) * _tile_scale(scales, scale_row, scale_col, QUANT, UNIFORM)
-            acc_u += mma(a, wu, FIX, DOT_PREC) * _tile_scale(
-                scales + stride_shalf, scale_row, scale_col, QUANT, UNIFORM
-            )
+            acc_g += _act_dot(
+                a, wg, xs_rows, live, k0, offs_k, mask_k, 0, ACT8, UNIFORM, BLOCK_COLS, FIX, DOT_PREC, INTERP
+            ) * _tile_scale(scales, scale_row, scale_col, QUANT, UNIFORM)  # fmt: skip
+            acc_u += _act_dot(
+                a, wu, xs_rows, live, k0, offs_k, mask_k, 0, ACT8, UNIFORM, BLOCK_COLS, FIX, DOT_PREC, INTERP
+            ) * _tile_scale(scales + stride_shalf, scale_row, scale_col, QUANT, UNIFORM)  # fmt: skip
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         out = act_ptr + pair.to(tl.int64)[:, None] * stride_act + offs_n[None, :]
         tl.store(out, cast_to(act, act_ptr.dtype.element_ty, FIX), mask=live[:, None] & mask_n[None, :])
@@ -263,11 +303,13 @@ def _down_kernel(
     rows_ptr,
     block_expert_ptr,
     scale_ptr,
+    xs_ptr,
     num_pairs,
     num_experts,
     hidden,
     inter,
     stride_act,
+    stride_xs,
     stride_we,
     stride_wn,
     stride_y,
@@ -277,6 +319,7 @@ def _down_kernel(
     scale_offset,
     QUANT: tl.constexpr,
     UNIFORM: tl.constexpr,
+    ACT8: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -284,6 +327,7 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PREC: tl.constexpr,
     FIX: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
@@ -297,6 +341,8 @@ def _down_kernel(
         scales = scale_ptr + expert.to(tl.int64) * stride_se
         scale_rows = (offs_n // BLOCK_ROWS)[None, :] * stride_srow  # H: the weight's rows
         scale_row = tl.program_id(1) * BLOCK_N // BLOCK_ROWS * stride_srow
+        dtype: tl.constexpr = y_ptr.dtype.element_ty
+        xs_rows = xs_ptr + pair64 * stride_xs
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -310,10 +356,13 @@ def _down_kernel(
             scale_cols = ((offs_k + scale_offset) // BLOCK_COLS)[:, None] * stride_scol  # I: its columns
             wd = _weight_tile(
                 w + offs_n[None, :] * stride_wn + offs_k[:, None], wk, scales, scale_rows, scale_cols, wk,
-                QUANT, UNIFORM, a.dtype, FIX,
+                QUANT, UNIFORM, ACT8, dtype, FIX,
             )  # fmt: skip
             scale_col = (k0 + scale_offset) // BLOCK_COLS * stride_scol
-            acc += mma(a, wd, FIX, DOT_PREC) * _tile_scale(scales, scale_row, scale_col, QUANT, UNIFORM)
+            acc += _act_dot(
+                a, wd, xs_rows, live, k0, offs_k, mask_k, scale_offset, ACT8, UNIFORM, BLOCK_COLS, FIX, DOT_PREC,
+                INTERP,
+            ) * _tile_scale(scales, scale_row, scale_col, QUANT, UNIFORM)  # fmt: skip
         scale = tl.load(weights_ptr + pair64, mask=live, other=0.0).to(tl.float32)
         out = y_ptr + pair64[:, None] * stride_y + offs_n[None, :]
         tl.store(
@@ -454,20 +503,26 @@ def fused_moe_triton(
     uniform = (
         block_rows % block_n == 0 and block_cols % block_k == 0 and offset % block_n == offset % block_k == 0
     )
+    # W8A8: x and the activation quantized first (one pass each), on H's tiles and on I's from the offset.
+    act8 = quant and scales.fp8_activations
+    x_in, x_s = quantize_activations(x, block_cols) if act8 else (x, x)
     _gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
-        x, gate_up, act, rows, block_expert, gu_s, pairs, num_experts, hidden, inter,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
+        x_in, gate_up, act, rows, block_expert, gu_s, x_s, pairs, num_experts, hidden, inter,
+        x_in.stride(0), x_s.stride(0) if act8 else 0, gate_up.stride(0), gate_up.stride(1), act.stride(0),
         gu_s.stride(0) if quant else 0, gu_s.stride(1) if quant else 0, gu_s.stride(2) if quant else 0,
         gu_s.stride(3) if quant else 0, offset,
-        QUANT=quant, UNIFORM=uniform, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, TOP_K=top_k,
-        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PREC=prec, FIX=fix, num_warps=num_warps,
-        num_stages=num_stages,
+        QUANT=quant, UNIFORM=uniform, ACT8=act8, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, TOP_K=top_k,
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PREC=prec, FIX=fix, INTERP=interpreting(),
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+    act_in, act_s = quantize_activations(act, block_cols, offset) if act8 else (act, act)
     _down_kernel[(blocks, triton.cdiv(hidden, block_n))](
-        act, down, weights.flatten().contiguous(), y, rows, block_expert, d_s, pairs, num_experts, hidden, inter,
-        act.stride(0), down.stride(0), down.stride(1), y.stride(0),
+        act_in, down, weights.flatten().contiguous(), y, rows, block_expert, d_s, act_s, pairs, num_experts,
+        hidden, inter, act_in.stride(0), act_s.stride(0) if act8 else 0, down.stride(0), down.stride(1),
+        y.stride(0),
         d_s.stride(0) if quant else 0, d_s.stride(1) if quant else 0, d_s.stride(2) if quant else 0, offset,
-        QUANT=quant, UNIFORM=uniform, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, BLOCK_M=bm, BLOCK_N=block_n,
-        BLOCK_K=block_k, DOT_PREC=prec, FIX=fix, num_warps=num_warps, num_stages=num_stages,
+        QUANT=quant, UNIFORM=uniform, ACT8=act8, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, BLOCK_M=bm,
+        BLOCK_N=block_n, BLOCK_K=block_k, DOT_PREC=prec, FIX=fix, INTERP=interpreting(), num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
     return combine_choices(y, top_k, add, residual)

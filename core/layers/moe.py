@@ -5,7 +5,9 @@ Experts are stacked: gate|up ``[E, 2I, H]`` (each expert's gate rows, then its u
 
 Block-FP8 experts (DeepSeek's checkpoints) stay in float8 with :class:`BlockScales`: every weight tile of
 ``block`` (rows, columns) has one float32 scale, and an expert is dequantized only where it is used (here
-for the experts that received tokens, in the kernels tile by tile).
+for the experts that received tokens, in the kernels tile by tile). With ``fp8_activations`` (W8A8) each
+expert's two GEMMs take their input quantized per token and weight tile too
+(``layers.block_fp8.quantize_activations_ref``).
 """
 
 from __future__ import annotations
@@ -16,18 +18,22 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pegainfer.layers.block_fp8 import dequantize_activations, quantize_activations_ref
+
 
 @dataclass(frozen=True)
 class BlockScales:
     """The float32 tile scales of stacked float8 experts: ``gate_up`` ``[E, 2, tiles_I, tiles_H]`` (the gate's,
     then the up's: each half is its own ``[I, H]`` matrix), ``down`` ``[E, tiles_H, tiles_I]``. ``block`` is
     a tile's (rows, columns); ``offset`` is where feature 0 of this rank's ``I`` sits in its first tile
-    (a tensor-parallel shard need not start on a tile boundary)."""
+    (a tensor-parallel shard need not start on a tile boundary); ``fp8_activations``: the GEMMs quantize
+    their inputs per token and tile of columns (W8A8)."""
 
     gate_up: torch.Tensor
     down: torch.Tensor
     block: tuple[int, int]
     offset: int = 0
+    fp8_activations: bool = False
 
     def __post_init__(self) -> None:
         # One offset serves the gate/up rows (tiles of block[0]) and down's columns (tiles of block[1]).
@@ -85,11 +91,31 @@ def routed_experts(
         picks = (flat_ids == expert).nonzero().squeeze(1)
         tokens = token_of[picks]
         w_gate_up, w_down = gate_up[expert], down[expert]
-        if scales is not None:
-            w_gate_up, w_down = scales.dequantize(expert, w_gate_up, w_down, x.dtype)
-        y = swiglu(x[tokens], w_gate_up, w_down, limit)
+        if scales is not None and scales.fp8_activations:
+            y = _swiglu_w8a8(x[tokens], *scales.dequantize(expert, w_gate_up, w_down, torch.float32), scales)
+        else:
+            if scales is not None:
+                w_gate_up, w_down = scales.dequantize(expert, w_gate_up, w_down, x.dtype)
+            y = swiglu(x[tokens], w_gate_up, w_down, limit)
         out.index_add_(0, tokens, (y * flat_weights[picks, None]).to(out.dtype))
     return out
+
+
+def _swiglu_w8a8(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, scales: BlockScales
+) -> torch.Tensor:
+    """``swiglu`` with both GEMMs W8A8 (fp32 weights ``gate_up``, ``down`` dequantized): ``x`` quantized on
+    H's tiles, ``silu(gate) * up`` on I's (from the shard's ``offset``); each product in fp32. As in the
+    kernels, gate and up stay fp32 and the activation is rounded once to ``x``'s dtype before it is
+    quantized (a rounding step on either side could move it across a float8 rounding boundary)."""
+    group = scales.block[1]
+
+    def linear(a: torch.Tensor, w: torch.Tensor, offset: int) -> torch.Tensor:
+        q, s = quantize_activations_ref(a, group, offset)
+        return F.linear(dequantize_activations(q, s, group, offset), w)
+
+    gate, up = linear(x, gate_up, 0).chunk(2, dim=-1)
+    return linear((F.silu(gate) * up).to(x.dtype), down, scales.offset).to(x.dtype)
 
 
 def combine_routed(

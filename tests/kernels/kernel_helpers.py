@@ -76,9 +76,10 @@ def moe_case(tokens, k, experts, hidden, inter, dtype, seed):
     return x, weights, ids, gate_up, down
 
 
-def quantized_experts(gate_up, down, block, offset):
+def quantized_experts(gate_up, down, block, offset, fp8_activations=False):
     """Float8 experts with per-tile scales, as a tensor-parallel rank holds them: its features start
-    ``offset`` into their first tile (the tiles before are cut off), so tiles and kernel tiles do not align."""
+    ``offset`` into their first tile (the tiles before are cut off), so tiles and kernel tiles do not align;
+    ``fp8_activations``: their GEMMs are W8A8."""
     fp8_max = torch.finfo(torch.float8_e4m3fn).max
 
     def quantize(w, row_offset, col_offset):  # w [E, R, C]; the shard starts at (row_offset, col_offset)
@@ -96,5 +97,5 @@ def quantized_experts(gate_up, down, block, offset):
     gate, gate_s = quantize(gate_up[:, :inter], offset, 0)
     up, up_s = quantize(gate_up[:, inter:], offset, 0)
     down_q, down_s = quantize(down, 0, offset)
-    scales = BlockScales(torch.stack([gate_s, up_s], dim=1), down_s, block, offset)
+    scales = BlockScales(torch.stack([gate_s, up_s], dim=1), down_s, block, offset, fp8_activations)
     return torch.cat([gate, up], dim=1), down_q, scales

@@ -13,7 +13,8 @@ import pytest
 import torch
 from kernel_helpers import DEVICE, rel_err
 
-from pegainfer.kernels.block_fp8_w8a8 import block_fp8_w8a8_triton, default_tiles, quantize_activations
+from pegainfer.kernels.act_quant import quantize_activations
+from pegainfer.kernels.block_fp8_w8a8 import block_fp8_w8a8_triton, default_tiles
 from pegainfer.layers.activation import interleave_gate_up
 from pegainfer.layers.block_fp8 import (
     BlockFP8Weight,

@@ -8,6 +8,7 @@ one, compiled, and the ``gpu``-marked cases at DeepSeek-V3's expert shape inside
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -137,16 +138,24 @@ def test_decode_pipeline_fits_the_devices_shared_memory(
     [((16, 16), 0), ((16, 32), 0), ((32, 32), 16), ((32, 32), 5)],
     ids=["aligned", "oblong", "shard-offset-on-a-kernel-tile", "shard-offset"],
 )
-def test_fp8_experts_match_the_dequantized_reference(dtype, block, offset):
+@pytest.mark.parametrize("act8", [False, True], ids=["w8a16", "w8a8"])
+def test_fp8_experts_match_the_dequantized_reference(dtype, block, offset, act8):
     """Float8 experts dequantized in the kernels equal the reference loop over the same float8 experts (each
     dequantized whole), with tiles wider than a kernel tile and a shard that starts inside its first tile:
-    the first three cases scale each dot by its tile's one scale, the last scales every element."""
+    the first three cases scale each dot by its tile's one scale, the last scales every element. W8A8:
+    x and the activation quantized per token and tile of columns (on I's tiles from the shard's offset),
+    the float8 operands multiplied as they are where a kernel tile sits in one scale tile."""
     x, weights, ids, gate_up, down = moe_case(6, 3, 7, 40, 24, dtype, seed=7)
-    q_gate_up, q_down, scales = quantized_experts(gate_up, down, block, offset)
+    q_gate_up, q_down, scales = quantized_experts(gate_up, down, block, offset, fp8_activations=act8)
     ours = fused_moe_triton(x, weights, ids, q_gate_up, q_down, scales=scales, block_n=16, block_k=16)
     ref = routed_experts(x, weights, ids, q_gate_up, q_down, scales=scales)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(ours.float(), ref.float(), **tol)
+    if act8:  # the activations' rounding is in both: far from the W8A16 reference
+        w8a16 = routed_experts(
+            x, weights, ids, q_gate_up, q_down, scales=dataclasses.replace(scales, fp8_activations=False)
+        )
+        assert (ref.float() - w8a16.float()).norm() > 5e-3 * w8a16.float().norm()
     # The dequantized experts are the originals within float8's rounding (a tile's scale misplaced by the
     # offset would be off by the ratio of two tiles' maxima).
     for e in range(gate_up.shape[0]):
@@ -155,13 +164,14 @@ def test_fp8_experts_match_the_dequantized_reference(dtype, block, offset):
             assert (ours_w - orig.float()).norm() < 0.04 * orig.float().norm()
 
 
+@pytest.mark.parametrize("act8", [False, True], ids=["w8a16", "w8a8"])
 @pytest.mark.parametrize("offset", [0, 24], ids=["aligned", "shard-offset"])
-def test_fp8_experts_at_the_default_decode_tiles(offset):
+def test_fp8_experts_at_the_default_decode_tiles(offset, act8):
     """Float8 experts in DeepSeek's 128 x 128 scale tiles at the tiles ``fused_moe_triton`` picks for a
     decode batch (64 x 128 weight tiles): one scale a kernel tile when aligned, per element past a shard
     offset; widths no tile divides."""
     x, weights, ids, gate_up, down = moe_case(1, 4, 6, 200, 72, torch.bfloat16, seed=11)
-    q_gate_up, q_down, scales = quantized_experts(gate_up, down, (128, 128), offset)
+    q_gate_up, q_down, scales = quantized_experts(gate_up, down, (128, 128), offset, fp8_activations=act8)
     ours = fused_moe_triton(x, weights, ids, q_gate_up, q_down, scales=scales)
     ref = routed_experts(x, weights, ids, q_gate_up, q_down, scales=scales)
     torch.testing.assert_close(ours.float(), ref.float(), atol=3e-2, rtol=3e-2)

@@ -76,8 +76,8 @@ class DeepseekV3Dims:
     #: ``model.quantization=fp8`` on a checkpoint that is not FP8: the routed experts and the projections
     #: of attention and the dense feed-forwards are quantized to block FP8 (``QUANTIZE_BLOCK``) at load.
     quantize_at_load: bool = False
-    #: The block-FP8 projections (attention's, the dense and shared feed-forwards') quantize their input
-    #: activations per token and 128 columns (W8A8): ``model.fp8_activations``.
+    #: The block-FP8 weights' GEMMs (projections and routed experts) quantize their input activations per
+    #: token and 128 columns (W8A8): ``model.fp8_activations``.
     fp8_activations: bool = True
 
     @property
@@ -284,9 +284,9 @@ class DeepseekModelConfig(ModelConfig):
     anyway."""
 
     quantization: Literal["fp8"] | None = None
-    #: Block-FP8 projections quantize their activations per token and 128-column group as they run (W8A8,
-    #: the FP8 tensor cores): what DeepSeek's checkpoints declare (``activation_scheme: dynamic``), how
-    #: the model was trained, and how vLLM and SGLang serve it. ``false`` keeps the activations 16-bit
-    #: (W8A16: the dequantized model's outputs to the bf16 GEMM's rounding, a slower decode). The routed
-    #: experts keep 16-bit activations either way.
+    #: Block-FP8 weights (projections and routed experts) have their GEMMs' inputs quantized per token and
+    #: 128-column group as they run (W8A8, the FP8 tensor cores): what DeepSeek's checkpoints declare
+    #: (``activation_scheme: dynamic``), how the model was trained, and how vLLM and SGLang serve it.
+    #: ``false`` keeps the activations 16-bit (W8A16: the dequantized model's outputs to the bf16 GEMM's
+    #: rounding).
     fp8_activations: StrictBool = True

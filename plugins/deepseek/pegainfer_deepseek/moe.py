@@ -210,7 +210,11 @@ class MoE(nn.Module):
         if not self.fp8_block:
             return None
         return BlockScales(
-            self.experts_gate_up_scale, self.experts_down_scale, self.fp8_block, self.scale_offset
+            self.experts_gate_up_scale,
+            self.experts_down_scale,
+            self.fp8_block,
+            self.scale_offset,
+            self.dims.fp8_activations,
         )
 
     def load(self, reader: WeightReader, prefix: str) -> None:

@@ -2,7 +2,8 @@
 transformers and as one rank (single, batched, logprobs, seeded sampling, chunked prefill with
 preemption), V3 drafting with its MTP layer (random drafts, and an aligned MTP layer whose drafts are
 accepted: still the non-speculative greedy output), a block-FP8 checkpoint whose shard boundaries fall
-inside its 128x128 scale blocks, and DeepSeek-V4's refusal through the engine. Async scheduling is not
+inside its 128x128 scale blocks (16-bit activations) and one whose shards are tile-aligned (W8A8), and
+DeepSeek-V4's refusal through the engine. Async scheduling is not
 available for these models (they do not embed on the device).
 
 What each rank holds is checked without engines in ``test_deepseek_tp_sharding.py``.
@@ -89,8 +90,8 @@ def _fp8_engine(folder: Path, tp: int, *overrides: str) -> LLM:
         # does not, so only W8A16 is the same model there.
         ({"intermediate_size": 288, "moe_intermediate_size": 48}, ["model.fp8_activations=false"]),
         # W8A8 where the row-parallel inputs split on tile boundaries (o_proj 128 columns a rank, dense
-        # down 128, shared down 128): each rank's activation groups are one rank's.
-        ({"intermediate_size": 256, "moe_intermediate_size": 128, "v_head_dim": 64}, []),
+        # down 128, the experts' down 128, shared down 256): each rank's activation groups are one rank's.
+        ({"intermediate_size": 256, "moe_intermediate_size": 256, "v_head_dim": 64}, []),
     ],
     ids=["w8a16-unaligned", "w8a8-aligned"],
 )
