@@ -15,6 +15,7 @@ from kernel_helpers import DEVICE, rel_err
 
 from pegainfer.kernels.act_quant import quantize_activations
 from pegainfer.kernels.block_fp8_w8a8 import block_fp8_w8a8_triton, default_tiles
+from pegainfer.kernels.skinny_gemm import SkinnyConfig, skinny_linear_triton
 from pegainfer.layers.activation import interleave_gate_up
 from pegainfer.layers.block_fp8 import (
     BlockFP8Weight,
@@ -128,3 +129,23 @@ def test_deepseek_v3_shapes_on_the_gpu(m, n, k):
     x = _x(gen, m, k, dtype=torch.bfloat16)
     ref = block_fp8_linear_ref(x.float(), w, fp8_activations=True)
     assert rel_err(block_fp8_w8a8_triton(x, w), ref) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "config",
+    [SkinnyConfig(32, 128), SkinnyConfig(32, 128, stream_k=True, programs=5)],
+    ids=["one-program-a-tile", "stream_k"],
+)
+def test_skinny_gemm_w8a8_form(dtype, config):
+    """The skinny GEMM's W8A8 form (a weight with ``fp8_activations``): each load of x, one quantization
+    tile's columns, quantized in the loop; tiles split over programs included."""
+    gen = torch.Generator().manual_seed(11)
+    w = _weight(gen, 70, 384, 128)
+    w.fp8_activations = True
+    x = _x(gen, 3, 384, dtype=dtype)
+    bias = _x(gen, 70, dtype=dtype)
+    out = skinny_linear_triton(x, w, bias, config=config)
+    assert rel_err(out, block_fp8_linear_ref(x.float(), w, bias.float(), fp8_activations=True)) < TOL[dtype]
+    with pytest.raises(ValueError, match="one 128-column tile"):
+        skinny_linear_triton(x, w, config=SkinnyConfig(32, 256))
