@@ -11,7 +11,9 @@ is promoted to fp32 at once, as DeepSeek-V3's report prescribes for Hopper's FP8
 
 Decode rows quantize their x tile inside the loop (a 16-row tile is a few registers a thread, and no
 launch is added); more rows are quantized first by :func:`quantize_activations` (one pass over x) and
-stream float8 tiles. As in the skinny GEMM, ``w`` is the wide operand (``[BLOCK_N, 128] @ [128,
+stream float8 tiles. Decode rows of a projection too narrow to give every multiprocessor a share of
+64-row tiles take the skinny GEMM's W8A8 form split over the multiprocessors instead
+(:func:`stream_k_config`). As in the skinny GEMM, ``w`` is the wide operand (``[BLOCK_N, 128] @ [128,
 BLOCK_M]``), and the epilogue is the skinny GEMM's: bias, SiLU·mul of interleaved gate|up rows, the
 residual add in place. A weight whose columns start inside a tile (a shard, ``offset``) quantizes x in
 groups on the weight's tile grid: the loop steps over whole tiles from column ``-offset``.
@@ -21,9 +23,10 @@ from __future__ import annotations
 
 import torch
 
+from pegainfer.kernels import skinny_gemm
 from pegainfer.kernels._triton import interp_bf16, interpreting, num_sms, tl, triton
 from pegainfer.kernels.act_quant import dot_fp8, quantize_activations, quantize_group
-from pegainfer.kernels.skinny_gemm import tile_epilogue
+from pegainfer.kernels.skinny_gemm import SkinnyConfig, tile_epilogue
 from pegainfer.layers.block_fp8 import BlockFP8Weight
 
 #: Rows of x up to which each program quantizes its own x tiles (decode); above, one pass first.
@@ -100,11 +103,29 @@ def _w8a8_gemm_kernel(
 
 def default_tiles(n: int, m: int, sms: int = 132) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps, num_stages)``: decode rows in one 16..64-row tile, the widest
-    weight tiles (128, 64, 32 rows) that still give every multiprocessor a program; prefill 64 x 128."""
+    weight tiles (128, 64, then 32 rows) whose programs fill at least 80% of their last wave over the
+    ``sms`` multiprocessors; prefill 64 x 128. Not swept on a GPU yet."""
     if m > 64:
         return 64, 128, 8, 4
-    block_n = next((b for b in (128, 64) if triton.cdiv(n, b) >= sms), 32)
+
+    def fill(block_n: int) -> float:
+        tiles = triton.cdiv(n, block_n)
+        return tiles / (triton.cdiv(tiles, sms) * sms)
+
+    block_n = next((b for b in (128, 64) if fill(b) >= 0.8), 32)
     return max(16, triton.next_power_of_2(m)), block_n, 4, 6
+
+
+def stream_k_config(n: int, k: int, m: int, block: int, sms: int = 132) -> SkinnyConfig | None:
+    """The skinny GEMM's W8A8 form split evenly over the multiprocessors (stream-K) for decode rows of a
+    projection whose 64-row tiles fill under 80% of their last wave and whose rows are long (K >= 4096);
+    None elsewhere. The rule is the bf16 skinny GEMM's (``skinny_gemm.default_config``), where the split
+    measured faster on such shapes (DeepSeek-V3's kv_a 13.8 -> 6.3 us, Qwen3-14B's down 57.6 -> 45.0);
+    for W8A8 it is not measured yet (no GPU was lent when it was written)."""
+    tiles = triton.cdiv(n, 64)
+    if m > skinny_gemm.DISPATCH_ROWS or k < 4096 or tiles >= 0.8 * triton.cdiv(tiles, sms) * sms:
+        return None
+    return SkinnyConfig(32 if n <= 4096 and k <= 8192 else 64, block, stream_k=True)
 
 
 def block_fp8_w8a8_triton(
@@ -119,9 +140,16 @@ def block_fp8_w8a8_triton(
     """``x @ w.T (+ bias)`` for ``x`` ``[..., K]`` of any row count, in ``x``'s dtype, the activations
     quantized per row and weight tile. ``silu``: ``w``'s rows alternate gate, up, returns ``silu(gate) *
     up`` ``[..., N / 2]``; ``residual``: returns ``residual + x @ w.T``, written into ``residual`` in
-    place. ``tiles``: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` instead of :func:`default_tiles`."""
+    place. ``tiles``: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of this kernel instead of the
+    dispatch (:func:`stream_k_config`, else :func:`default_tiles`)."""
     weight, scale = w.weight, w.scale
     n, k = weight.shape
+    rows = x.numel() // max(k, 1)
+    split = None if tiles is not None or w.offset else stream_k_config(n, k, rows, w.block, num_sms(x.device))
+    if split is not None:
+        return skinny_gemm.skinny_linear_triton(
+            x, w, bias, silu=silu, residual=residual, config=split, fp8_activations=True
+        )
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()

@@ -427,6 +427,7 @@ def skinny_linear_triton(
     norm_eps: float | None = None,
     silu: bool = False,
     residual: torch.Tensor | None = None,
+    fp8_activations: bool | None = None,
 ) -> torch.Tensor:
     """The Triton path of :func:`skinny_linear` for ``x`` ``[..., K]`` with at most ``MAX_ROWS`` rows.
     Each option moves a neighbouring op of a decoder layer into the GEMM, where it costs no extra pass:
@@ -440,8 +441,8 @@ def skinny_linear_triton(
     A 16-bit ``x`` may meet an fp32 ``w`` (a router's logits): x is upcast in the loop, the result fp32,
     as ``F.linear(x.float(), w)`` without the cast's launch. A block-FP8 ``w`` whose columns start on a
     tile boundary is widened tile by tile with its rows' scales (W8A16), the result in ``x``'s dtype; one
-    with ``fp8_activations`` (W8A8) stays float8 and meets x quantized per row and tile in the loop
-    (loads of one quantization tile's columns)."""
+    with ``fp8_activations`` (W8A8; the argument, where given, overrides the weight's flag) stays float8
+    and meets x quantized per row and tile in the loop (loads of one quantization tile's columns)."""
     n, k = w.shape
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -463,7 +464,7 @@ def skinny_linear_triton(
         raise ValueError(f"x {x.dtype} with w {w.dtype}: only 16-bit x meets an fp32 w (upcast in the loop)")
     out_dtype = x.dtype if quant else w.dtype
     cfg = config or default_config(n, k, m, out_dtype.itemsize, num_sms(x.device))
-    act8 = quant and w.fp8_activations
+    act8 = quant and (w.fp8_activations if fp8_activations is None else fp8_activations)
     span = 0
     if act8:  # a load is one quantization tile, its x columns one activation group; w stays float8
         if cfg.block_k != w.block:

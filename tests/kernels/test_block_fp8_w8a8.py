@@ -14,7 +14,7 @@ import torch
 from kernel_helpers import DEVICE, rel_err
 
 from pegainfer.kernels.act_quant import quantize_activations
-from pegainfer.kernels.block_fp8_w8a8 import block_fp8_w8a8_triton, default_tiles
+from pegainfer.kernels.block_fp8_w8a8 import block_fp8_w8a8_triton, default_tiles, stream_k_config
 from pegainfer.kernels.skinny_gemm import SkinnyConfig, skinny_linear_triton
 from pegainfer.layers.activation import interleave_gate_up
 from pegainfer.layers.block_fp8 import (
@@ -113,8 +113,13 @@ def test_silu_of_interleaved_gate_up_and_the_residual_add(m):
 
 
 def test_default_tiles_fill_the_multiprocessors():
-    assert default_tiles(2112, 1) == (16, 32, 4, 6)  # DeepSeek-V3's q_a|kv_a: 66 programs of 32 rows
-    assert default_tiles(24576, 1)[1] == 128
+    """The widest weight tiles whose programs fill 80% of their last wave: DeepSeek-V3's q_b (24576 rows)
+    in 64-row tiles (384 programs, 97% of three waves; 128-row tiles fill 73%), o_proj (7168) in 64
+    (85% of one wave), the shared gate|up (4096) in 32 (97%)."""
+    assert default_tiles(24576, 1) == (16, 64, 4, 6)
+    assert default_tiles(7168, 1)[1] == 64
+    assert default_tiles(4096, 16)[1] == 32
+    assert default_tiles(32768, 1)[1] == 128  # 256 programs: 97% of two waves
     assert default_tiles(24576, 4096)[:2] == (64, 128)
 
 
@@ -149,3 +154,19 @@ def test_skinny_gemm_w8a8_form(dtype, config):
     assert rel_err(out, block_fp8_linear_ref(x.float(), w, bias.float(), fp8_activations=True)) < TOL[dtype]
     with pytest.raises(ValueError, match="one 128-column tile"):
         skinny_linear_triton(x, w, config=SkinnyConfig(32, 256))
+
+
+def test_narrow_projections_split_over_the_multiprocessors():
+    """Decode rows of DeepSeek-V3's q_a|kv_a (2112 x 7168: 33 tiles of 64 rows) and the shared gate|up
+    (4096 x 7168: 64) take the stream-K split; o_proj (112 tiles, 85% of a wave), q_b (24576 rows), short
+    rows (K 2048) and prefill rows do not. The dispatch's answer equals the reference."""
+    assert stream_k_config(2112, 7168, 1, 128) == SkinnyConfig(32, 128, stream_k=True)
+    assert stream_k_config(4096, 7168, 4, 128) == SkinnyConfig(32, 128, stream_k=True)
+    assert stream_k_config(7168, 16384, 1, 128) is None
+    assert stream_k_config(24576, 1536, 1, 128) is None and stream_k_config(7168, 2048, 1, 128) is None
+    assert stream_k_config(2112, 7168, 64, 128) is None
+    gen = torch.Generator().manual_seed(2)
+    w = _weight(gen, 40, 4096, 128)
+    x = _x(gen, 2, 4096, dtype=torch.float32)
+    assert stream_k_config(40, 4096, 2, 128) is not None
+    assert rel_err(block_fp8_w8a8_triton(x, w), block_fp8_linear_ref(x, w, fp8_activations=True)) < 1e-5
