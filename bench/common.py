@@ -15,10 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
+from pegainfer.config.compose import build_model_config
 from pegainfer.config.schema import (
     CacheConfig,
     EngineConfig,
-    ModelConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -99,16 +99,17 @@ def build(
     block_size: int | None = None,
     dtype: str = "bfloat16",
     tp: int = 1,
+    model_keys: dict | None = None,
 ) -> LLM:
     """An engine on the GPU (bf16 unless ``dtype`` says otherwise) with random weights of ``folder``'s
     config.json shape (drafting ``speculative_tokens`` tokens a step with the model's own draft layers),
     ``block_size``-token pages (None: the engine's default), over ``tp`` GPUs (rank 0 in this process:
-    ``llm.engine.executor.runner`` is its shard; the engine turns NVLink multicast off in every rank)."""
+    ``llm.engine.executor.runner`` is its shard; the engine turns NVLink multicast off in every rank);
+    ``model_keys``: the model plugin's own ``model.*`` keys."""
+    model = {"path": str(folder), "load_format": "dummy", "dtype": dtype, "max_model_len": max_model_len}
     return LLM.from_config(
         EngineConfig(
-            model=ModelConfig(
-                path=str(folder), load_format="dummy", dtype=dtype, max_model_len=max_model_len
-            ),
+            model=build_model_config({**model, **(model_keys or {})}),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=16384),
             cache=CacheConfig(
                 gpu_memory_utilization=gpu_memory_utilization,

@@ -354,6 +354,11 @@ def main() -> None:
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--skip-kernels", action="store_true", help="no MLA / fused MoE microbenchmarks")
     parser.add_argument("--fp8", action="store_true", help="a block-FP8 checkpoint: float8 routed experts")
+    parser.add_argument(
+        "--fp8-activations",
+        action="store_true",
+        help="with --fp8: W8A8 (model.fp8_activations=true), figures deepseek_fp8_w8a8.*",
+    )
     parser.add_argument("--mtp", action="store_true", help="also batch-1 decode with MTP drafting (k=1)")
     parser.add_argument(
         "--mtp-bigram",
@@ -428,7 +433,7 @@ def main() -> None:
         layers = args.layers if args.layers is not None else (None if whole else 4)
         folder = checkpoint_folder(shape, vocab, layers, args.fp8)
         if args.shape != "v3_671b":  # always FP8
-            prefix += "_fp8" if args.fp8 else ""
+            prefix += ("_fp8_w8a8" if args.fp8_activations else "_fp8") if args.fp8 else ""
         batches = [int(b) for b in args.batches.split(",") if b]
         llm = build(
             folder,
@@ -436,6 +441,7 @@ def main() -> None:
             max_model_len=args.ctx + args.steps + 128,
             block_size=args.block_size,
             tp=args.tp,
+            model_keys={"fp8_activations": args.fp8_activations},
         )
         page = "" if args.block_size is None else f".page{args.block_size}"  # decode figures only
         rng = random.Random(0)

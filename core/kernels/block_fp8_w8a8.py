@@ -9,12 +9,14 @@ registers (the W8A16 kernel, ``block_fp8_gemm``, does, and measured at 38-78% of
 scale and the activation row's group scale before it joins the accumulator: every 128-column product
 is promoted to fp32 at once, as DeepSeek-V3's report prescribes for Hopper's FP8 accumulation.
 
-Decode rows quantize their x tile inside the loop (a 16-row tile is a few registers a thread, and no
-launch is added); more rows are quantized first by :func:`quantize_activations` (one pass over x) and
-stream float8 tiles. Decode rows of a projection too narrow to give every multiprocessor a share of
-64-row tiles take the skinny GEMM's W8A8 form split over the multiprocessors instead
-(:func:`stream_k_config`). As in the skinny GEMM, ``w`` is the wide operand (``[BLOCK_N, 128] @ [128,
-BLOCK_M]``), and the epilogue is the skinny GEMM's: bias, SiLU·mul of interleaved gate|up rows, the
+x is quantized first by :func:`quantize_activations` (one pass over x, one launch) and the loop streams
+float8 tiles of both. The first form quantized each x tile inside the loop (no launch added), as did
+the skinny GEMM's stream-K W8A8 form and the experts' pair path beside it: DeepSeek-V3's FP8 step at
+batch 1 took 5.47 ms on an H100 against W8A16's 1.85 in the same call (4f1c1e8 vs 9a7e995, records in
+``bench/results/deepseek.jsonl``), so those forms were removed; why they lost (each tile's reduction,
+division and conversion between its loads and the tensor cores is the suspect) was not measured.
+
+As in the skinny GEMM, ``w`` is the wide operand (``[BLOCK_N, 128] @ [128, BLOCK_M]``), and the epilogue is the skinny GEMM's: bias, SiLU·mul of interleaved gate|up rows, the
 residual add in place. A weight whose columns start inside a tile (a shard, ``offset``) quantizes x in
 groups on the weight's tile grid: the loop steps over whole tiles from column ``-offset``.
 """
@@ -23,14 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from pegainfer.kernels import skinny_gemm
 from pegainfer.kernels._triton import interp_bf16, interpreting, num_sms, tl, triton
-from pegainfer.kernels.act_quant import dot_fp8, quantize_activations, quantize_group
-from pegainfer.kernels.skinny_gemm import SkinnyConfig, tile_epilogue
+from pegainfer.kernels.act_quant import dot_fp8, quantize_activations
+from pegainfer.kernels.skinny_gemm import tile_epilogue
 from pegainfer.layers.block_fp8 import BlockFP8Weight
-
-#: Rows of x up to which each program quantizes its own x tiles (decode); above, one pass first.
-INLINE_ROWS = 16
 
 
 @triton.jit
@@ -55,7 +53,6 @@ def _w8a8_gemm_kernel(
     QBLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    INLINE: tl.constexpr,
     ALIGNED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
@@ -85,12 +82,8 @@ def _w8a8_gemm_kernel(
             w = tl.load(w_ptrs, mask=col_ok & c_ok[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=row_ok & c_ok[None, :], other=0.0)
         w_scale = tl.load(s_rows + t, mask=offs_n < N, other=0.0)
-        if INLINE:
-            xq, x_scale = quantize_group(x.to(tl.float32), INTERP)
-        else:
-            xq = x
-            x_scale = tl.load(xs_rows + t, mask=offs_m < M, other=0.0)
-        acc += dot_fp8(w, tl.trans(xq), INTERP) * w_scale[:, None] * x_scale[None, :]
+        x_scale = tl.load(xs_rows + t, mask=offs_m < M, other=0.0)
+        acc += dot_fp8(w, tl.trans(x), INTERP) * w_scale[:, None] * x_scale[None, :]
         x_ptrs += QBLOCK
         w_ptrs += QBLOCK
     first = m0.to(tl.int64)
@@ -116,18 +109,6 @@ def default_tiles(n: int, m: int, sms: int = 132) -> tuple[int, int, int, int]:
     return max(16, triton.next_power_of_2(m)), block_n, 4, 6
 
 
-def stream_k_config(n: int, k: int, m: int, block: int, sms: int = 132) -> SkinnyConfig | None:
-    """The skinny GEMM's W8A8 form split evenly over the multiprocessors (stream-K) for decode rows of a
-    projection whose 64-row tiles fill under 80% of their last wave and whose rows are long (K >= 4096);
-    None elsewhere. The rule is the bf16 skinny GEMM's (``skinny_gemm.default_config``), where the split
-    measured faster on such shapes (DeepSeek-V3's kv_a 13.8 -> 6.3 us, Qwen3-14B's down 57.6 -> 45.0);
-    for W8A8 it is not measured yet (no GPU was lent when it was written)."""
-    tiles = triton.cdiv(n, 64)
-    if m > skinny_gemm.DISPATCH_ROWS or k < 4096 or tiles >= 0.8 * triton.cdiv(tiles, sms) * sms:
-        return None
-    return SkinnyConfig(32 if n <= 4096 and k <= 8192 else 64, block, stream_k=True)
-
-
 def block_fp8_w8a8_triton(
     x: torch.Tensor,
     w: BlockFP8Weight,
@@ -140,16 +121,9 @@ def block_fp8_w8a8_triton(
     """``x @ w.T (+ bias)`` for ``x`` ``[..., K]`` of any row count, in ``x``'s dtype, the activations
     quantized per row and weight tile. ``silu``: ``w``'s rows alternate gate, up, returns ``silu(gate) *
     up`` ``[..., N / 2]``; ``residual``: returns ``residual + x @ w.T``, written into ``residual`` in
-    place. ``tiles``: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of this kernel instead of the
-    dispatch (:func:`stream_k_config`, else :func:`default_tiles`)."""
+    place. ``tiles``: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` instead of :func:`default_tiles`."""
     weight, scale = w.weight, w.scale
     n, k = weight.shape
-    rows = x.numel() // max(k, 1)
-    split = None if tiles is not None or w.offset else stream_k_config(n, k, rows, w.block, num_sms(x.device))
-    if split is not None:
-        return skinny_gemm.skinny_linear_triton(
-            x, w, bias, silu=silu, residual=residual, config=split, fp8_activations=True
-        )
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -171,15 +145,12 @@ def block_fp8_w8a8_triton(
         out = residual.view(m, n)
     if m:
         block_m, block_n, warps, stages = tiles or default_tiles(n, m, num_sms(x.device))
-        inline = m <= INLINE_ROWS
-        xs = x2
-        if not inline:
-            x2, xs = quantize_activations(x2, w.block, w.offset)
+        x2, xs = quantize_activations(x2, w.block, w.offset)
         _w8a8_gemm_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
             x2, xs, weight, scale, bias if bias is not None else scale, out, out,
             m, n, k, x2.stride(0), xs.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
             out.stride(0), w.offset,
-            QBLOCK=w.block, BLOCK_M=block_m, BLOCK_N=block_n, INLINE=inline,
+            QBLOCK=w.block, BLOCK_M=block_m, BLOCK_N=block_n,
             ALIGNED=w.offset == 0 and k % w.block == 0, HAS_BIAS=bias is not None, SILU=silu,
             RESIDUAL=residual is not None, FIX=interp_bf16(x.dtype), INTERP=interpreting(),
             num_warps=warps, num_stages=stages,

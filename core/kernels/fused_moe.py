@@ -486,6 +486,7 @@ def fused_moe_triton(
     # Decode batches take the smallest tensor-core tile; larger ones fill bigger blocks per expert.
     bm = block_m or (16 if pairs <= 4 * num_experts else 64)
     default_k, default_stages = default_pipeline(bm, block_n, x, gate_up)
+    chosen = block_k is not None or num_stages is not None
     block_k = block_k or default_k
     num_stages = num_stages or default_stages
     rows, block_expert = expert_blocks(ids, num_experts, bm)
@@ -505,6 +506,10 @@ def fused_moe_triton(
     )
     # W8A8: x and the activation quantized first (one pass each), on H's tiles and on I's from the offset.
     act8 = quant and scales.fp8_activations
+    if act8 and not uniform and not chosen:
+        # fp32 operands per element: the 128-column, four-stage pipeline needs 248 KiB of shared
+        # memory (an H100 has 227).
+        block_k, num_stages = 64, 3
     x_in, x_s = quantize_activations(x, block_cols) if act8 else (x, x)
     _gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
         x_in, gate_up, act, rows, block_expert, gu_s, x_s, pairs, num_experts, hidden, inter,

@@ -17,10 +17,10 @@ narrow one:
 
 A pair reads its expert whole, so two tokens choosing one expert read it twice: :func:`takes_pairs` keeps
 this path to a few tokens, where it measured faster. Block-FP8 experts take it where every kernel tile sits
-inside one quantization tile (its one scale multiplies the dot); else the grouped path. With FP8
-activations (``BlockScales.fp8_activations``) each load of the pair's row (x for gate|up, the activation
-for down) is one quantization tile's columns, quantized in the loop and multiplied as float8. Graph-safe, no host
-sync. Measured on the H200 (``python bench/fused_moe_tiles.py --pairs [--fp8]``, 2026-12-04, 16 calls a
+inside one quantization tile (its one scale multiplies the dot); else the grouped path, as W8A8 experts
+(``BlockScales.fp8_activations``) do: quantizing the pair's row in this path's loops measured slow (see
+``kernels.block_fp8_w8a8``), and the grouped path quantizes x and the activation in a pass each.
+Graph-safe, no host sync. Measured on the H200 (``python bench/fused_moe_tiles.py --pairs [--fp8]``, 2026-12-04, 16 calls a
 graph to fresh experts; grouped -> pairs): Qwen3.5-35B-A3B's experts at 1 token 27.4 -> 19.6 us (40.8% ->
 57.0% of the read rate), 4 tokens 63.3 -> 56.2, 8 tokens 112.6 -> 96.5; DeepSeek-V3's 178.1 -> 169.5 at 1,
 632.9 -> 618.0 at 4, 1146 -> 1156 at 8; Moonlight's 35.9 -> 32.3 at 1, 100.7 -> 97.7 at 4, 156.4 -> 158.7
@@ -38,13 +38,11 @@ from pegainfer.kernels._triton import (
     cast_to,
     dot_precision,
     interp_bf16,
-    interpreting,
     mma,
     num_sms,
     tl,
     triton,
 )
-from pegainfer.kernels.act_quant import dot_fp8, quantize_group
 from pegainfer.kernels.fused_moe import check_args, combine_choices
 from pegainfer.layers.moe import BlockScales
 
@@ -72,17 +70,10 @@ class PairTiles:
 
 
 @triton.jit
-def _scaled_dot(
-    w, a, scale_ptr, QUANT: tl.constexpr, ACT8: tl.constexpr, FIX: tl.constexpr, PREC: tl.constexpr,
-    INTERP: tl.constexpr,
-):  # fmt: skip
+def _scaled_dot(w, a, scale_ptr, QUANT: tl.constexpr, FIX: tl.constexpr, PREC: tl.constexpr):
     """``w @ aᵀ`` ``[BLOCK_N, 16]`` in fp32: a float8 ``w`` enters in ``a``'s dtype (exact in bf16) and the
-    dot is scaled by its quantization tile's one scale; with ``ACT8`` ``a`` (one quantization tile's
-    columns) is quantized too and both meet as float8, the dot scaled by both scales."""
-    if ACT8:
-        q, a_scale = quantize_group(a.to(tl.float32), INTERP)
-        return dot_fp8(w, tl.trans(q), INTERP) * tl.load(scale_ptr) * a_scale[None, :]
-    elif QUANT:
+    dot is scaled by its quantization tile's one scale."""
+    if QUANT:
         w = cast_to(w.to(tl.float32), a.dtype, FIX)
         return mma(w, tl.trans(a), FIX, PREC) * tl.load(scale_ptr)
     else:
@@ -117,8 +108,6 @@ def _pair_gate_up_kernel(
     stride_scol,
     scale_offset,
     QUANT: tl.constexpr,
-    ACT8: tl.constexpr,
-    INTERP: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     TOP_K: tl.constexpr,
@@ -154,8 +143,8 @@ def _pair_gate_up_kernel(
         g = tl.load(g_ptrs + k, mask=n_ok & k_ok[None, :], other=0.0)
         u = tl.load(u_ptrs + k, mask=n_ok & k_ok[None, :], other=0.0)
         s = scales + k // BLOCK_COLS * stride_scol
-        acc_g += _scaled_dot(g, a, s, QUANT, ACT8, FIX, PREC, INTERP)
-        acc_u += _scaled_dot(u, a, s + stride_shalf, QUANT, ACT8, FIX, PREC, INTERP)
+        acc_g += _scaled_dot(g, a, s, QUANT, FIX, PREC)
+        acc_u += _scaled_dot(u, a, s + stride_shalf, QUANT, FIX, PREC)
     # Columns 1..15 are zeros: the sum over them is column 0 exactly.
     out = part_ptr + (split * num_pairs + pair).to(tl.int64) * 2 * inter + offs_n
     tl.store(out, tl.sum(acc_g, 1), mask=offs_n < inter)
@@ -205,8 +194,6 @@ def _pair_down_kernel(
     stride_scol,
     scale_offset,
     QUANT: tl.constexpr,
-    ACT8: tl.constexpr,
-    INTERP: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -230,8 +217,7 @@ def _pair_down_kernel(
         k_ok = _columns_ok(k, offs_k, inter, EVEN_K)
         a = _pair_act(part_ptr, pair, k, offs_k, k_ok, num_pairs, inter, SPLIT, dtype, FIX)
         w = tl.load(w_ptrs + k, mask=n_ok & k_ok[None, :], other=0.0)
-        s = scales + (k + scale_offset) // BLOCK_COLS * stride_scol
-        acc += _scaled_dot(w, a, s, QUANT, ACT8, FIX, PREC, INTERP)
+        acc += _scaled_dot(w, a, scales + (k + scale_offset) // BLOCK_COLS * stride_scol, QUANT, FIX, PREC)
     y = tl.sum(acc, 1) * tl.load(weights_ptr + pair).to(tl.float32)
     tl.store(y_ptr + pair * hidden + offs_n, cast_to(y, dtype, FIX), mask=offs_n < hidden)
 
@@ -253,11 +239,9 @@ def takes_pairs(x: torch.Tensor, scales: BlockScales | None, tiles: PairTiles | 
         return 0 < x.shape[0] <= PAIR_TOKENS
     t = tiles or PairTiles()
     rows, cols = scales.block
-    # W8A8: a load of columns is one activation group (it is quantized whole).
-    groups_fit = not scales.fp8_activations or cols == t.gate_up_k == t.down_k
     return (
         0 < x.shape[0] <= PAIR_TOKENS_FP8
-        and groups_fit
+        and not scales.fp8_activations  # W8A8: the grouped path, which quantizes x and act in a pass
         and rows % t.gate_up_n == 0
         and rows % t.down_n == 0
         and cols % t.gate_up_k == 0
@@ -302,8 +286,7 @@ def fused_moe_pairs(
     block_rows, block_cols = scales.block if quant else (1, 1)
     offset = scales.offset if quant else 0
     flags = dict(
-        QUANT=quant, ACT8=quant and scales.fp8_activations, INTERP=interpreting(),
-        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, SPLIT=t.gate_up_split,
+        QUANT=quant, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, SPLIT=t.gate_up_split,
         PREC=dot_precision(x.dtype), FIX=interp_bf16(x.dtype), num_warps=t.num_warps,
     )  # fmt: skip
     _pair_gate_up_kernel[(pairs, triton.cdiv(inter, t.gate_up_n), t.gate_up_split)](

@@ -31,7 +31,6 @@ from pegainfer.kernels._triton import (
     cast_to,
     dot_precision,
     interp_bf16,
-    interpreting,
     mma,
     num_sms,
     pdl_launch,
@@ -41,7 +40,6 @@ from pegainfer.kernels._triton import (
     triton,
     use_kernel,
 )
-from pegainfer.kernels.act_quant import dot_fp8, quantize_group
 from pegainfer.kernels.activations import silu_mul_ref
 from pegainfer.layers.block_fp8 import BlockFP8Weight
 from pegainfer.layers.norm import rms_norm as rms_norm_ref
@@ -95,16 +93,6 @@ def widen_float8(
 
 
 @triton.jit
-def act8_dot(w, x, s_rows, k, n_ok, QBLOCK: tl.constexpr, INTERP: tl.constexpr):
-    """``w @ xᵀ`` in fp32 for a float8 ``w`` tile of one quantization tile's columns (W8A8): ``x``'s rows
-    quantized per row as one group (``kernels.act_quant``), both float8 operands on the tensor cores, the
-    dot scaled by each weight row's tile scale and each x row's group scale."""
-    q, x_scale = quantize_group(x.to(tl.float32), INTERP)
-    w_scale = tl.load(s_rows + k // QBLOCK, mask=n_ok, other=0.0)
-    return dot_fp8(w, tl.trans(q), INTERP) * w_scale[:, None] * x_scale[None, :]
-
-
-@triton.jit
 def _skinny_gemm_kernel(
     x_ptr,
     w_ptr,
@@ -134,8 +122,6 @@ def _skinny_gemm_kernel(
     PDL: tl.constexpr,
     QBLOCK: tl.constexpr = 1,
     SPAN: tl.constexpr = 0,
-    ACT8: tl.constexpr = False,
-    INTERP: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -162,10 +148,7 @@ def _skinny_gemm_kernel(
         x = load_block(x_ptrs, 0, K, offs_k, row_ok, EVEN_K)
         if NORM:
             sq += x.to(tl.float32) * x.to(tl.float32)
-        if ACT8:
-            acc += act8_dot(w, x, s_rows, 0, offs_n < N, QBLOCK, INTERP)
-        else:
-            acc += mma(w, tl.trans(x).to(w.dtype), FIX, PREC)
+        acc += mma(w, tl.trans(x).to(w.dtype), FIX, PREC)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         k0 = BLOCK_K
@@ -175,10 +158,7 @@ def _skinny_gemm_kernel(
         w = widen_float8(w, s_rows, k, K, col_ok, QBLOCK, SPAN, BLOCK_N, BLOCK_K, dtype, FIX)
         if NORM:
             sq += x.to(tl.float32) * x.to(tl.float32)
-        if ACT8:
-            acc += act8_dot(w, x, s_rows, k, offs_n < N, QBLOCK, INTERP)
-        else:
-            acc += mma(w, tl.trans(x).to(w.dtype), FIX, PREC)
+        acc += mma(w, tl.trans(x).to(w.dtype), FIX, PREC)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     tile_epilogue(
@@ -276,8 +256,6 @@ def _skinny_gemm_stream_k_kernel(
     PDL: tl.constexpr,
     QBLOCK: tl.constexpr = 1,
     SPAN: tl.constexpr = 0,
-    ACT8: tl.constexpr = False,
-    INTERP: tl.constexpr = False,
 ):
     """The same GEMM over a flat list of work units, (output tile, BLOCK_K column block) in tile order:
     program ``p`` takes units ``[p * UNITS, (p + 1) * UNITS)``, so every multiprocessor streams the same
@@ -312,10 +290,7 @@ def _skinny_gemm_stream_k_kernel(
             w = widen_float8(w, s_rows, i * BLOCK_K, K, col_ok, QBLOCK, SPAN, BLOCK_N, BLOCK_K, dtype, FIX)
             if NORM:
                 sq += x.to(tl.float32) * x.to(tl.float32)
-            if ACT8:
-                acc += act8_dot(w, x, s_rows, i * BLOCK_K, offs_n < N, QBLOCK, INTERP)
-            else:
-                acc += mma(w, tl.trans(x).to(w.dtype), FIX, PREC)
+            acc += mma(w, tl.trans(x).to(w.dtype), FIX, PREC)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         sq_rows = tl.sum(sq, 1)
@@ -427,7 +402,6 @@ def skinny_linear_triton(
     norm_eps: float | None = None,
     silu: bool = False,
     residual: torch.Tensor | None = None,
-    fp8_activations: bool | None = None,
 ) -> torch.Tensor:
     """The Triton path of :func:`skinny_linear` for ``x`` ``[..., K]`` with at most ``MAX_ROWS`` rows.
     Each option moves a neighbouring op of a decoder layer into the GEMM, where it costs no extra pass:
@@ -440,9 +414,7 @@ def skinny_linear_triton(
 
     A 16-bit ``x`` may meet an fp32 ``w`` (a router's logits): x is upcast in the loop, the result fp32,
     as ``F.linear(x.float(), w)`` without the cast's launch. A block-FP8 ``w`` whose columns start on a
-    tile boundary is widened tile by tile with its rows' scales (W8A16), the result in ``x``'s dtype; one
-    with ``fp8_activations`` (W8A8; the argument, where given, overrides the weight's flag) stays float8
-    and meets x quantized per row and tile in the loop (loads of one quantization tile's columns)."""
+    tile boundary is widened tile by tile with its rows' scales (W8A16), the result in ``x``'s dtype."""
     n, k = w.shape
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -464,12 +436,8 @@ def skinny_linear_triton(
         raise ValueError(f"x {x.dtype} with w {w.dtype}: only 16-bit x meets an fp32 w (upcast in the loop)")
     out_dtype = x.dtype if quant else w.dtype
     cfg = config or default_config(n, k, m, out_dtype.itemsize, num_sms(x.device))
-    act8 = quant and (w.fp8_activations if fp8_activations is None else fp8_activations)
     span = 0
-    if act8:  # a load is one quantization tile, its x columns one activation group; w stays float8
-        if cfg.block_k != w.block:
-            raise ValueError(f"W8A8 takes loads of one {w.block}-column tile, not {cfg.block_k} columns")
-    elif quant:  # a load spans whole quantization tiles or lies inside one
+    if quant:  # a load spans whole quantization tiles or lies inside one
         if cfg.block_k % w.block and w.block % cfg.block_k:
             raise ValueError(f"{cfg.block_k}-column loads neither span nor divide {w.block}-column tiles")
         span = max(1, cfg.block_k // w.block)
@@ -492,7 +460,7 @@ def skinny_linear_triton(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, NORM=norm_eps is not None, SILU=silu,
         RESIDUAL=residual is not None, FIX=interp_bf16(out_dtype), PREC=dot_precision(out_dtype),
-        QBLOCK=w.block if quant else 1, SPAN=span, ACT8=act8, INTERP=interpreting(),
+        QBLOCK=w.block if quant else 1, SPAN=span,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **(pdl_launch(x) if _one_program_per_sm(cfg, block_m, x) else NO_PDL),
     )  # fmt: skip

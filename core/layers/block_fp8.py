@@ -119,7 +119,10 @@ def quantize_activations_ref(
     k = x.shape[-1]
     groups = -(-(offset + k) // group)
     padded = F.pad(x.float(), (offset, groups * group - k - offset)).unflatten(-1, (groups, group))
-    scale = padded.abs().amax(-1).clamp(min=ACT_AMAX_FLOOR) / FP8_MAX
+    amax = padded.abs().amax(-1).clamp(min=ACT_AMAX_FLOOR)
+    # A true division (by a tensor): CUDA's tensor-by-Python-scalar division multiplies by the reciprocal,
+    # one ulp off the kernels' correctly rounded quotient.
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.flatten(-2)[..., offset : offset + k].contiguous(), scale
 

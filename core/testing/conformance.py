@@ -122,6 +122,7 @@ def teacher_forced_logits(llm: Any, tokens: Sequence[int], prefill: int) -> torc
 
 def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     """``||ours - ref|| / ||ref||``: the logits tolerance the equivalence tests state."""
+    ours, ref = ours.cpu(), ref.cpu()  # ours may come from a GPU engine, transformers' from the CPU
     return (torch.linalg.vector_norm(ours - ref) / torch.linalg.vector_norm(ref)).item()
 
 

@@ -3,8 +3,10 @@ weights, scales and activations.
 
 The quantizer is exact: the kernel's float8 values and scales equal the reference's bit for bit. The
 GEMM multiplies the same float8 operands (their products are exact in fp32) and applies both scales
-per tile, where the reference multiplies the dequantized operands in fp32: the two differ only in fp32
-rounding, so fp32 outputs agree to 1e-5 and 16-bit ones to their own rounding.
+per tile, where the reference multiplies the dequantized operands in fp32. Through the interpreter the
+two differ only in fp32 rounding; Hopper's FP8 tensor cores add up a tile's 128 products with fewer
+mantissa bits than fp32 (~14, DeepSeek-V3's report; measured 7.7e-5 relative on an H100), so fp32
+outputs are held to 2e-4 and 16-bit ones to their own rounding.
 """
 
 from __future__ import annotations
@@ -14,8 +16,7 @@ import torch
 from kernel_helpers import DEVICE, rel_err
 
 from pegainfer.kernels.act_quant import quantize_activations
-from pegainfer.kernels.block_fp8_w8a8 import block_fp8_w8a8_triton, default_tiles, stream_k_config
-from pegainfer.kernels.skinny_gemm import SkinnyConfig, skinny_linear_triton
+from pegainfer.kernels.block_fp8_w8a8 import block_fp8_w8a8_triton, default_tiles
 from pegainfer.layers.activation import interleave_gate_up
 from pegainfer.layers.block_fp8 import (
     BlockFP8Weight,
@@ -24,7 +25,7 @@ from pegainfer.layers.block_fp8 import (
     quantize_activations_ref,
 )
 
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+TOL = {torch.float32: 2e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 def _weight(gen, n: int, k: int, block: int, offset: int = 0) -> BlockFP8Weight:
@@ -67,10 +68,10 @@ def test_reference_groups_follow_the_weight_tiles():
 @pytest.mark.parametrize(
     ("m", "n", "k", "block", "offset", "tiles"),
     [
-        (1, 64, 256, 128, 0, (16, 32, 4, 2)),  # a decode row: x quantized in the loop
+        (1, 64, 256, 128, 0, (16, 32, 4, 2)),  # a decode row
         (3, 70, 200, 128, 0, (16, 32, 4, 2)),  # ragged N and K
         (5, 48, 160, 64, 40, (16, 16, 4, 2)),  # columns from inside a tile: groups on the weight's grid
-        (20, 40, 96, 32, 0, None),  # x quantized first; the default tiles
+        (20, 40, 96, 32, 0, None),  # the default tiles
         (70, 96, 256, 128, 0, (32, 32, 4, 2)),  # rows over three programs
         (130, 36, 64, 128, 7, None),  # prefill's default tiles, columns offset
     ],
@@ -89,7 +90,7 @@ def test_matches_the_w8a8_reference(dtype, m, n, k, block, offset, tiles):
     assert 5e-3 < rel_err(ref, block_fp8_linear_ref(x.float(), w, bias.float())) < 6e-2
 
 
-@pytest.mark.parametrize("m", [2, 80], ids=["inline", "quantized-first"])
+@pytest.mark.parametrize("m", [2, 80], ids=["decode", "prefill"])
 def test_silu_of_interleaved_gate_up_and_the_residual_add(m):
     gen = torch.Generator().manual_seed(m)
     inter, hidden = 48, 256
@@ -103,13 +104,13 @@ def test_silu_of_interleaved_gate_up_and_the_residual_add(m):
     x = _x(gen, m, hidden, dtype=torch.float32)
     act = block_fp8_w8a8_triton(x, gate_up, silu=True)
     assert act.shape == (m, inter)
-    assert rel_err(act, block_fp8_linear_ref(x, gate_up, silu=True, fp8_activations=True)) < 1e-5
+    assert rel_err(act, block_fp8_linear_ref(x, gate_up, silu=True, fp8_activations=True)) < TOL[x.dtype]
     down = _weight(gen, hidden, inter, 128)
     residual = _x(gen, m, hidden, dtype=torch.float32)
     expected = residual + block_fp8_linear_ref(act, down, fp8_activations=True)
     out = block_fp8_w8a8_triton(act, down, residual=residual)
     assert out.data_ptr() == residual.data_ptr()  # in place
-    assert rel_err(out, expected) < 1e-5
+    assert rel_err(out, expected) < TOL[x.dtype]
 
 
 def test_default_tiles_fill_the_multiprocessors():
@@ -134,39 +135,3 @@ def test_deepseek_v3_shapes_on_the_gpu(m, n, k):
     x = _x(gen, m, k, dtype=torch.bfloat16)
     ref = block_fp8_linear_ref(x.float(), w, fp8_activations=True)
     assert rel_err(block_fp8_w8a8_triton(x, w), ref) < 1e-2
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize(
-    "config",
-    [SkinnyConfig(32, 128), SkinnyConfig(32, 128, stream_k=True, programs=5)],
-    ids=["one-program-a-tile", "stream_k"],
-)
-def test_skinny_gemm_w8a8_form(dtype, config):
-    """The skinny GEMM's W8A8 form (a weight with ``fp8_activations``): each load of x, one quantization
-    tile's columns, quantized in the loop; tiles split over programs included."""
-    gen = torch.Generator().manual_seed(11)
-    w = _weight(gen, 70, 384, 128)
-    w.fp8_activations = True
-    x = _x(gen, 3, 384, dtype=dtype)
-    bias = _x(gen, 70, dtype=dtype)
-    out = skinny_linear_triton(x, w, bias, config=config)
-    assert rel_err(out, block_fp8_linear_ref(x.float(), w, bias.float(), fp8_activations=True)) < TOL[dtype]
-    with pytest.raises(ValueError, match="one 128-column tile"):
-        skinny_linear_triton(x, w, config=SkinnyConfig(32, 256))
-
-
-def test_narrow_projections_split_over_the_multiprocessors():
-    """Decode rows of DeepSeek-V3's q_a|kv_a (2112 x 7168: 33 tiles of 64 rows) and the shared gate|up
-    (4096 x 7168: 64) take the stream-K split; o_proj (112 tiles, 85% of a wave), q_b (24576 rows), short
-    rows (K 2048) and prefill rows do not. The dispatch's answer equals the reference."""
-    assert stream_k_config(2112, 7168, 1, 128) == SkinnyConfig(32, 128, stream_k=True)
-    assert stream_k_config(4096, 7168, 4, 128) == SkinnyConfig(32, 128, stream_k=True)
-    assert stream_k_config(7168, 16384, 1, 128) is None
-    assert stream_k_config(24576, 1536, 1, 128) is None and stream_k_config(7168, 2048, 1, 128) is None
-    assert stream_k_config(2112, 7168, 64, 128) is None
-    gen = torch.Generator().manual_seed(2)
-    w = _weight(gen, 40, 4096, 128)
-    x = _x(gen, 2, 4096, dtype=torch.float32)
-    assert stream_k_config(40, 4096, 2, 128) is not None
-    assert rel_err(block_fp8_w8a8_triton(x, w), block_fp8_linear_ref(x, w, fp8_activations=True)) < 1e-5

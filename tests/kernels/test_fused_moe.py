@@ -149,7 +149,9 @@ def test_fp8_experts_match_the_dequantized_reference(dtype, block, offset, act8)
     q_gate_up, q_down, scales = quantized_experts(gate_up, down, block, offset, fp8_activations=act8)
     ours = fused_moe_triton(x, weights, ids, q_gate_up, q_down, scales=scales, block_n=16, block_k=16)
     ref = routed_experts(x, weights, ids, q_gate_up, q_down, scales=scales)
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    # fp32: Hopper's FP8 tensor cores add a tile's products with ~14 mantissa bits (W8A8 on a GPU).
+    fp32_tol = 2e-4 if act8 else 1e-5
+    tol = dict(atol=fp32_tol, rtol=fp32_tol) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(ours.float(), ref.float(), **tol)
     if act8:  # the activations' rounding is in both: far from the W8A16 reference
         w8a16 = routed_experts(

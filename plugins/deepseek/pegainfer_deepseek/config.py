@@ -78,7 +78,7 @@ class DeepseekV3Dims:
     quantize_at_load: bool = False
     #: The block-FP8 weights' GEMMs (projections and routed experts) quantize their input activations per
     #: token and 128 columns (W8A8): ``model.fp8_activations``.
-    fp8_activations: bool = True
+    fp8_activations: bool = False
 
     @property
     def fp8_block(self) -> tuple[int, int] | None:
@@ -284,9 +284,9 @@ class DeepseekModelConfig(ModelConfig):
     anyway."""
 
     quantization: Literal["fp8"] | None = None
-    #: Block-FP8 weights (projections and routed experts) have their GEMMs' inputs quantized per token and
-    #: 128-column group as they run (W8A8, the FP8 tensor cores): what DeepSeek's checkpoints declare
-    #: (``activation_scheme: dynamic``), how the model was trained, and how vLLM and SGLang serve it.
-    #: ``false`` keeps the activations 16-bit (W8A16: the dequantized model's outputs to the bf16 GEMM's
-    #: rounding).
-    fp8_activations: StrictBool = True
+    #: ``true``: block-FP8 weights (projections and routed experts) have their GEMMs' inputs quantized per
+    #: token and 128-column group as they run (W8A8, the FP8 tensor cores): what DeepSeek's checkpoints
+    #: declare (``activation_scheme: dynamic``), how the model was trained, and how vLLM and SGLang serve
+    #: it. ``false`` (the default until W8A8 measures faster here: see docs/benchmarks.md) keeps them
+    #: 16-bit (W8A16: the dequantized model's outputs to the bf16 GEMM's rounding).
+    fp8_activations: StrictBool = False

@@ -181,7 +181,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         dims = DeepseekV3Dims.from_hf_config(hf_config)
         if getattr(model_config, "quantization", None) == "fp8" and dims.fp8 is None:
             dims = dataclasses.replace(dims, quantize_at_load=True)
-        dims = dataclasses.replace(dims, fp8_activations=getattr(model_config, "fp8_activations", True))
+        dims = dataclasses.replace(dims, fp8_activations=getattr(model_config, "fp8_activations", False))
         return cls(dims, dtype=dtype, max_model_len=max_model_len, tp=tp, drafting=drafting)
 
     @staticmethod

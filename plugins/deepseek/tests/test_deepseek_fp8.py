@@ -187,14 +187,14 @@ def test_greedy_equals_the_dequantized_model(fp8_llm, folders):
 
 
 def test_fp8_activations_cost_a_stated_error(folders):
-    """The default, W8A8 (the checkpoint's ``activation_scheme: dynamic``): every block-FP8 GEMM's input
+    """W8A8 (``model.fp8_activations=true``, the checkpoint's ``activation_scheme: dynamic``): every GEMM's input
     (projections and routed experts) is quantized per token and 128 columns. Teacher-forced logits
     against transformers on the dequantized weights (relative L2): W8A16 at ~2e-6 (``test_greedy_equals_
     the_dequantized_model``), W8A8 at 0.153 / 0.125 (prefill / decode) on this checkpoint (0.150 / 0.123
     with the experts' activations 16-bit): e4m3's 3 mantissa bits on every GEMM's input, in a random
     2-layer model with no residual stream to dominate the noise, as in ``test_quantization_fp8_quantizes_
     a_plain_checkpoint``."""
-    w8a8 = conformance_engine("deepseek", folders[0])
+    w8a8 = conformance_engine("deepseek", folders[0], "model.fp8_activations=true")
     attention = w8a8.engine.executor.runner.model.layers[1].self_attn
     assert attention.o_proj.fp8_activations and attention.in_proj.fp8_activations
     assert w8a8.engine.executor.runner.model.layers[1].mlp._scales().fp8_activations

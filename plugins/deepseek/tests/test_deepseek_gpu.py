@@ -158,10 +158,10 @@ def _fp8_engine(folder, *overrides: str) -> LLM:
 @pytest.mark.parametrize("act8", [False, True], ids=["w8a16", "w8a8"])
 def test_fp8_checkpoint_as_accurate_as_hf_on_its_dequantized_weights(gpu_checkpoint, tmp_path, act8):
     """The same model as a block-FP8 checkpoint (128x128 tiles): projections and experts stay float8, at
-    prefill rows and in the decode graphs. W8A16 (``model.fp8_activations=false``): the reference is
-    transformers on the dequantized weights, by the same gate: ours no further from its fp32 than its
-    bf16 is. W8A8 (the default) adds the activations' e4m3 rounding on every GEMM's input, which the gate
-    does not allow for: its teacher-forced logits are held to the relative L2 bound of the CPU test
+    prefill rows and in the decode graphs. W8A16 (the default): the reference is transformers on the
+    dequantized weights, by the same gate: ours no further from its fp32 than its bf16 is. W8A8
+    (``model.fp8_activations=true``) adds the activations' e4m3 rounding on every GEMM's input, which
+    the gate does not allow for: its teacher-forced logits are held to the relative L2 bound of the CPU test
     (``test_fp8_activations_cost_a_stated_error``: 0.153 / 0.125 there, bound 0.25). Either way graph
     decode gives the tokens of eager decode: prompts past the prefill graphs' 64 tokens and at most 8
     rows a step, so both modes run every projection through the same kernels (a prefill graph's rows
@@ -170,7 +170,7 @@ def test_fp8_checkpoint_as_accurate_as_hf_on_its_dequantized_weights(gpu_checkpo
     prefill only their uncached tails, in other steps, and round differently; seen on an H100)."""
     fp8 = write_fp8_copy(gpu_checkpoint, tmp_path / "fp8")
     dequantized = write_fp8_copy(gpu_checkpoint, tmp_path / "dequantized", dequantized=True)
-    mode = [] if act8 else ["model.fp8_activations=false"]
+    mode = [f"model.fp8_activations={str(act8).lower()}"]
     rng = random.Random(4)
     prompts = [[rng.randrange(990) for _ in range(n)] for n in (97, 70, 150, 65)]
     llm = _fp8_engine(fp8, *mode)

@@ -91,7 +91,10 @@ def _fp8_engine(folder: Path, tp: int, *overrides: str) -> LLM:
         ({"intermediate_size": 288, "moe_intermediate_size": 48}, ["model.fp8_activations=false"]),
         # W8A8 where the row-parallel inputs split on tile boundaries (o_proj 128 columns a rank, dense
         # down 128, the experts' down 128, shared down 256): each rank's activation groups are one rank's.
-        ({"intermediate_size": 256, "moe_intermediate_size": 256, "v_head_dim": 64}, []),
+        (
+            {"intermediate_size": 256, "moe_intermediate_size": 256, "v_head_dim": 64},
+            ["model.fp8_activations=true"],
+        ),
     ],
     ids=["w8a16-unaligned", "w8a8-aligned"],
 )
@@ -112,7 +115,8 @@ def test_fp8_checkpoint_gives_one_ranks_tokens(
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     one_llm = _fp8_engine(folder, 1, *overrides)
     one, _ = _steps(one_llm, prompts, params)
-    assert one_llm.engine.executor.runner.model.layers[0].mlp.down_proj.fp8_activations == (not overrides)
+    act8 = overrides == ["model.fp8_activations=true"]
+    assert one_llm.engine.executor.runner.model.layers[0].mlp.down_proj.fp8_activations == act8
     llm = _fp8_engine(folder, 2, *overrides)
     try:
         assert _steps(llm, prompts, params)[0] == one
