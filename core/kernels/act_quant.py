@@ -1,10 +1,9 @@
-"""Per-token-group FP8 activations on the GPU: the quantizer of the W8A8 kernels (block-FP8 projections,
-``block_fp8_w8a8``; float8 experts, ``fused_moe`` and ``moe_pairs``) and its in-kernel pieces.
+"""Per-token-group FP8 activations on the GPU: the pass that quantizes x before a W8A8 GEMM (block-FP8
+projections, ``block_fp8_w8a8``; float8 experts, ``fused_moe``) and the float8 dot those GEMMs share.
 
 A row's group of columns (the columns one weight tile spans) is divided by its largest magnitude over 448
-and rounded to e4m3, as ``layers.block_fp8.quantize_activations_ref`` does, bit for bit: the kernels that
-quantize their own tiles (decode) and the pass that quantizes a whole tensor first (more rows) give the
-same float8 values and scales.
+and rounded to e4m3, as ``layers.block_fp8.quantize_activations_ref`` does, bit for bit (both divide
+correctly rounded).
 """
 
 from __future__ import annotations

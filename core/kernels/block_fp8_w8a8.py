@@ -131,6 +131,8 @@ def block_fp8_w8a8_triton(
         raise ValueError(f"x has {x2.shape[1]} columns; the weight {tuple(weight.shape)} needs {k}")
     if weight.stride(-1) != 1 or scale.stride(-1) != 1:
         raise ValueError("block_fp8_w8a8 needs a weight and scales with contiguous rows")
+    if w.block < 32:
+        raise ValueError(f"W8A8 takes quantization tiles of 32+ columns (the FP8 MMA's K), not {w.block}")
     if silu and (residual is not None or n % 2):
         raise ValueError("silu takes an even number of interleaved gate, up rows and no residual")
     m = x2.shape[0]

@@ -506,6 +506,8 @@ def fused_moe_triton(
     )
     # W8A8: x and the activation quantized first (one pass each), on H's tiles and on I's from the offset.
     act8 = quant and scales.fp8_activations
+    # The FP8 tensor cores multiply 32 columns at a time: narrower loads take the per-element form.
+    uniform = uniform and not (act8 and block_k < 32)
     if act8 and not uniform and not chosen:
         # fp32 operands per element: the 128-column, four-stage pipeline needs 248 KiB of shared
         # memory (an H100 has 227).

@@ -135,3 +135,9 @@ def test_deepseek_v3_shapes_on_the_gpu(m, n, k):
     x = _x(gen, m, k, dtype=torch.bfloat16)
     ref = block_fp8_linear_ref(x.float(), w, fp8_activations=True)
     assert rel_err(block_fp8_w8a8_triton(x, w), ref) < 1e-2
+
+
+def test_tiles_narrower_than_the_fp8_mma_are_refused():
+    gen = torch.Generator().manual_seed(1)
+    with pytest.raises(ValueError, match="32\\+ columns"):
+        block_fp8_w8a8_triton(_x(gen, 1, 64, dtype=torch.float32), _weight(gen, 16, 64, 16))

@@ -134,29 +134,47 @@ def test_decode_pipeline_fits_the_devices_shared_memory(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
-    "block, offset",
-    [((16, 16), 0), ((16, 32), 0), ((32, 32), 16), ((32, 32), 5)],
-    ids=["aligned", "oblong", "shard-offset-on-a-kernel-tile", "shard-offset"],
+    "block, offset, act8",
+    [
+        ((16, 16), 0, False),
+        ((16, 32), 0, False),
+        ((32, 32), 16, False),
+        ((32, 32), 5, False),
+        ((32, 32), 0, True),
+        ((16, 16), 0, True),
+        ((64, 64), 32, True),
+        ((32, 32), 5, True),
+    ],
+    ids=[
+        "aligned",
+        "oblong",
+        "shard-offset-on-a-kernel-tile",
+        "shard-offset",
+        "w8a8-aligned",
+        "w8a8-narrower-than-the-mma",
+        "w8a8-shard-offset-on-a-kernel-tile",
+        "w8a8-shard-offset",
+    ],
 )
-@pytest.mark.parametrize("act8", [False, True], ids=["w8a16", "w8a8"])
 def test_fp8_experts_match_the_dequantized_reference(dtype, block, offset, act8):
     """Float8 experts dequantized in the kernels equal the reference loop over the same float8 experts (each
     dequantized whole), with tiles wider than a kernel tile and a shard that starts inside its first tile:
-    the first three cases scale each dot by its tile's one scale, the last scales every element. W8A8:
-    x and the activation quantized per token and tile of columns (on I's tiles from the shard's offset),
-    the float8 operands multiplied as they are where a kernel tile sits in one scale tile."""
-    x, weights, ids, gate_up, down = moe_case(6, 3, 7, 40, 24, dtype, seed=7)
+    the first three W8A16 cases scale each dot by its tile's one scale, the last scales every element.
+    W8A8: x and the activation quantized per token and tile of columns (on I's tiles from the shard's
+    offset), the float8 operands multiplied as they are where a 32-column load sits in one scale tile
+    (the FP8 tensor cores take 32 columns at a time), per element in fp32 elsewhere."""
+    x, weights, ids, gate_up, down = moe_case(6, 3, 7, 40, 24 if block[1] < 64 else 72, dtype, seed=7)
     q_gate_up, q_down, scales = quantized_experts(gate_up, down, block, offset, fp8_activations=act8)
-    ours = fused_moe_triton(x, weights, ids, q_gate_up, q_down, scales=scales, block_n=16, block_k=16)
+    block_k = 32 if act8 and block[1] >= 32 else 16
+    ours = fused_moe_triton(x, weights, ids, q_gate_up, q_down, scales=scales, block_n=16, block_k=block_k)
     ref = routed_experts(x, weights, ids, q_gate_up, q_down, scales=scales)
     # fp32: Hopper's FP8 tensor cores add a tile's products with ~14 mantissa bits (W8A8 on a GPU).
     fp32_tol = 2e-4 if act8 else 1e-5
     tol = dict(atol=fp32_tol, rtol=fp32_tol) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(ours.float(), ref.float(), **tol)
     if act8:  # the activations' rounding is in both: far from the W8A16 reference
-        w8a16 = routed_experts(
-            x, weights, ids, q_gate_up, q_down, scales=dataclasses.replace(scales, fp8_activations=False)
-        )
+        w8a16_scales = dataclasses.replace(scales, fp8_activations=False)
+        w8a16 = routed_experts(x, weights, ids, q_gate_up, q_down, scales=w8a16_scales)
         assert (ref.float() - w8a16.float()).norm() > 5e-3 * w8a16.float().norm()
     # The dequantized experts are the originals within float8's rounding (a tile's scale misplaced by the
     # offset would be off by the ratio of two tiles' maxima).
