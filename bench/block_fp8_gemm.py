@@ -7,8 +7,7 @@ Decode rows (M <= 64) are timed as the decode step runs them: inside a CUDA grap
 weight copies (>= 2 GB of float8) that the weights come from HBM, not L2; achieved bandwidth = the
 float8 weight's and its scales' bytes / time, against the decode ceiling measured in the same run (the
 higher of the copy and streaming-read rates). Prefill rows are compute: TFLOP/s beside cuBLAS's bf16.
-The W8A8 kernel's figures (``...w8a8...``) include its quantization of x (in its loop at decode rows, a
-pass before it above).
+The W8A8 kernel's figures (``...w8a8...``) include its quantization of x (a pass before the GEMM).
 ``--sweep`` tries tile shapes, warps and pipeline depths and reports the best beside the default
 heuristic (``pegainfer.kernels.block_fp8_gemm.default_config``).
 """

@@ -379,6 +379,8 @@ def main() -> None:
         "--tp", type=int, default=1, help="decode only, over this many GPUs (figures ...decode.tpN.*)"
     )
     args = parser.parse_args()
+    if args.fp8_activations and not args.fp8:
+        parser.error("--fp8-activations quantizes the activations of an FP8 checkpoint's GEMMs: add --fp8")
     if args.shape == "v3_671b" and not args.fp8:
         parser.error("--shape v3_671b runs in FP8 blocks (--fp8): 1.3 TB of bf16 fits no eight GPUs")
     if args.tp > 1:  # the kernels, the peer and MTP drafting are one-GPU figures
@@ -433,7 +435,8 @@ def main() -> None:
         layers = args.layers if args.layers is not None else (None if whole else 4)
         folder = checkpoint_folder(shape, vocab, layers, args.fp8)
         if args.shape != "v3_671b":  # always FP8
-            prefix += ("_fp8_w8a8" if args.fp8_activations else "_fp8") if args.fp8 else ""
+            prefix += "_fp8" if args.fp8 else ""
+        prefix += "_w8a8" if args.fp8_activations else ""
         batches = [int(b) for b in args.batches.split(",") if b]
         llm = build(
             folder,

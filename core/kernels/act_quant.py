@@ -81,3 +81,21 @@ def dot_fp8(a, b, INTERP: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+_FP8_MMA: dict[int, bool] = {}
+
+
+def check_fp8_mma(device: torch.device) -> None:
+    """Raise a clear error where ``device`` has no FP8 tensor cores (CUDA compute capability below 8.9):
+    a W8A8 GEMM would fail to compile there. CPU tensors (Triton's interpreter) pass."""
+    if device.type != "cuda":
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _FP8_MMA:
+        _FP8_MMA[index] = torch.cuda.get_device_capability(index) >= (8, 9)
+    if not _FP8_MMA[index]:
+        raise RuntimeError(
+            f"W8A8 needs FP8 tensor cores (compute capability 8.9+), which {torch.cuda.get_device_name(index)} "
+            "lacks: set model.fp8_activations=false"
+        )

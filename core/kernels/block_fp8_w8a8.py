@@ -16,7 +16,8 @@ batch 1 took 5.47 ms on an H100 against W8A16's 1.85 in the same call (4f1c1e8 v
 ``bench/results/deepseek.jsonl``), so those forms were removed; why they lost (each tile's reduction,
 division and conversion between its loads and the tensor cores is the suspect) was not measured.
 
-As in the skinny GEMM, ``w`` is the wide operand (``[BLOCK_N, 128] @ [128, BLOCK_M]``), and the epilogue is the skinny GEMM's: bias, SiLU·mul of interleaved gate|up rows, the
+As in the skinny GEMM, ``w`` is the wide operand (``[BLOCK_N, QBLOCK] @ [QBLOCK, BLOCK_M]``, a quantization
+tile's columns a step), and the epilogue is the skinny GEMM's: bias, SiLU·mul of interleaved gate|up rows, the
 residual add in place. A weight whose columns start inside a tile (a shard, ``offset``) quantizes x in
 groups on the weight's tile grid: the loop steps over whole tiles from column ``-offset``.
 """
@@ -26,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from pegainfer.kernels._triton import interp_bf16, interpreting, num_sms, tl, triton
-from pegainfer.kernels.act_quant import dot_fp8, quantize_activations
+from pegainfer.kernels.act_quant import check_fp8_mma, dot_fp8, quantize_activations
 from pegainfer.kernels.skinny_gemm import tile_epilogue
 from pegainfer.layers.block_fp8 import BlockFP8Weight
 
@@ -131,8 +132,12 @@ def block_fp8_w8a8_triton(
         raise ValueError(f"x has {x2.shape[1]} columns; the weight {tuple(weight.shape)} needs {k}")
     if weight.stride(-1) != 1 or scale.stride(-1) != 1:
         raise ValueError("block_fp8_w8a8 needs a weight and scales with contiguous rows")
-    if w.block < 32:
-        raise ValueError(f"W8A8 takes quantization tiles of 32+ columns (the FP8 MMA's K), not {w.block}")
+    if w.block not in (32, 64, 128):
+        raise ValueError(
+            f"W8A8 takes quantization tiles of 32, 64 or 128 columns (the FP8 MMA's K is 32+; wider tiles "
+            f"overflow the pipeline's shared memory), not {w.block}"
+        )
+    check_fp8_mma(x.device)
     if silu and (residual is not None or n % 2):
         raise ValueError("silu takes an even number of interleaved gate, up rows and no residual")
     m = x2.shape[0]

@@ -42,7 +42,7 @@ from pegainfer.kernels._triton import (
     triton,
     use_kernel,
 )
-from pegainfer.kernels.act_quant import dot_fp8, quantize_activations
+from pegainfer.kernels.act_quant import check_fp8_mma, dot_fp8, quantize_activations
 from pegainfer.layers.moe import BlockScales, combine_routed
 
 #: Most (token, choice) pairs the one-program sort takes; larger routings sort with torch ops.
@@ -199,7 +199,7 @@ def _act_dot(
     ``xs_rows`` (groups of ``BLOCK_COLS`` columns from column ``-col_offset``): where the tile lies in one
     group (``UNIFORM``) both float8 operands meet on the tensor cores and the dot is scaled per row;
     otherwise (a shard's tiles across kernel tiles) each element of both is scaled and the dot runs in
-    fp32 (rounding either to ``DTYPE`` could move a product past the reference's by an ulp of it)."""
+    fp32 (rounding either to the activations' dtype could move a product off the reference's)."""
     if ACT8:
         if UNIFORM:
             scale = tl.load(xs_rows + (k0 + col_offset) // BLOCK_COLS, mask=rows_ok, other=0.0)
@@ -463,7 +463,8 @@ def fused_moe_triton(
     num_stages: int | None = None,
 ) -> torch.Tensor:
     """The Triton path of ``ops.fused_moe``; float8 experts with ``scales`` are dequantized tile by tile
-    (the dots run in the activations' dtype); ``add`` ``[T, H]`` is added to the result where given; with
+    (the dots run in the activations' dtype), or meet float8 activations (W8A8, ``scales.fp8_
+    activations``); ``add`` ``[T, H]`` is added to the result where given; with
     ``residual`` ``[T, H]`` the result is added
     to it in place and ``residual`` returned (all in the launch that sums the choices); the other keyword
     knobs are for the benchmark.
@@ -499,19 +500,26 @@ def fused_moe_triton(
     d_s = scales.down if quant else x
     block_rows, block_cols = scales.block if quant else (1, 1)
     offset = scales.offset if quant else 0
-    # Every kernel tile inside one quantization tile: gate/up tiles n (offset) by block_n and k by block_k,
-    # down tiles n by block_n and k (offset) by block_k.
-    uniform = (
-        block_rows % block_n == 0 and block_cols % block_k == 0 and offset % block_n == offset % block_k == 0
-    )
     # W8A8: x and the activation quantized first (one pass each), on H's tiles and on I's from the offset.
     act8 = quant and scales.fp8_activations
-    # The FP8 tensor cores multiply 32 columns at a time: narrower loads take the per-element form.
-    uniform = uniform and not (act8 and block_k < 32)
+    if act8:
+        check_fp8_mma(x.device)
+        if block_cols not in (32, 64, 128):
+            raise ValueError(f"W8A8 experts take scale tiles of 32, 64 or 128 columns, not {block_cols}")
+
+    def uniform_tiles(block_k: int) -> bool:
+        """Every kernel tile inside one quantization tile (gate/up tiles n from the offset by block_n and
+        k by block_k; down tiles n by block_n and k from the offset by block_k); W8A8's float8 dots also
+        need 32+ columns (the FP8 MMA's K), else the per-element form."""
+        inside = block_cols % block_k == 0 and offset % block_n == offset % block_k == 0
+        return block_rows % block_n == 0 and inside and not (act8 and block_k < 32)
+
+    uniform = uniform_tiles(block_k)
     if act8 and not uniform and not chosen:
         # fp32 operands per element: the 128-column, four-stage pipeline needs 248 KiB of shared
         # memory (an H100 has 227).
         block_k, num_stages = 64, 3
+        uniform = uniform_tiles(block_k)
     x_in, x_s = quantize_activations(x, block_cols) if act8 else (x, x)
     _gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
         x_in, gate_up, act, rows, block_expert, gu_s, x_s, pairs, num_experts, hidden, inter,

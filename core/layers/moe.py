@@ -92,6 +92,8 @@ def routed_experts(
         tokens = token_of[picks]
         w_gate_up, w_down = gate_up[expert], down[expert]
         if scales is not None and scales.fp8_activations:
+            if limit is not None:
+                raise ValueError("W8A8 experts take no SwiGLU limit (DeepSeek-V4's clamp)")
             y = _swiglu_w8a8(x[tokens], *scales.dequantize(expert, w_gate_up, w_down, torch.float32), scales)
         else:
             if scales is not None:

@@ -134,16 +134,16 @@ def test_decode_pipeline_fits_the_devices_shared_memory(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
-    "block, offset, act8",
+    "block, offset, act8, block_k",
     [
-        ((16, 16), 0, False),
-        ((16, 32), 0, False),
-        ((32, 32), 16, False),
-        ((32, 32), 5, False),
-        ((32, 32), 0, True),
-        ((16, 16), 0, True),
-        ((64, 64), 32, True),
-        ((32, 32), 5, True),
+        ((16, 16), 0, False, 16),
+        ((16, 32), 0, False, 16),
+        ((32, 32), 16, False, 16),
+        ((32, 32), 5, False, 16),
+        ((32, 32), 0, True, 32),
+        ((32, 32), 0, True, 16),
+        ((64, 64), 32, True, 32),
+        ((32, 32), 5, True, 32),
     ],
     ids=[
         "aligned",
@@ -156,7 +156,7 @@ def test_decode_pipeline_fits_the_devices_shared_memory(
         "w8a8-shard-offset",
     ],
 )
-def test_fp8_experts_match_the_dequantized_reference(dtype, block, offset, act8):
+def test_fp8_experts_match_the_dequantized_reference(dtype, block, offset, act8, block_k):
     """Float8 experts dequantized in the kernels equal the reference loop over the same float8 experts (each
     dequantized whole), with tiles wider than a kernel tile and a shard that starts inside its first tile:
     the first three W8A16 cases scale each dot by its tile's one scale, the last scales every element.
@@ -165,7 +165,6 @@ def test_fp8_experts_match_the_dequantized_reference(dtype, block, offset, act8)
     (the FP8 tensor cores take 32 columns at a time), per element in fp32 elsewhere."""
     x, weights, ids, gate_up, down = moe_case(6, 3, 7, 40, 24 if block[1] < 64 else 72, dtype, seed=7)
     q_gate_up, q_down, scales = quantized_experts(gate_up, down, block, offset, fp8_activations=act8)
-    block_k = 32 if act8 and block[1] >= 32 else 16
     ours = fused_moe_triton(x, weights, ids, q_gate_up, q_down, scales=scales, block_n=16, block_k=block_k)
     ref = routed_experts(x, weights, ids, q_gate_up, q_down, scales=scales)
     # fp32: Hopper's FP8 tensor cores add a tile's products with ~14 mantissa bits (W8A8 on a GPU).

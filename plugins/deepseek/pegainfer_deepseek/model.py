@@ -272,7 +272,8 @@ class DeepseekV3ForCausalLM(CausalLM):
         (or V3.2's indexer selection over it, whichever is larger: they run one after the other); with
         V3.2's indexer, each prefill token's and each decode row's selection over ``max_model_len``
         positions (the decode graphs' static bound; a prefill graph's tokens are decode rows too); with
-        block-FP8 projections, the largest one widened to the compute dtype (prefill's cuBLAS operand)."""
+        block-FP8 projections, the largest one widened to the compute dtype (prefill's cuBLAS operand), or
+        under W8A8 each token's widest GEMM input quantized (a byte a value, 4 per 128 for the scales)."""
         d, size = self.dims, self.tp.size
         dtype_bytes = dtype_size(self.dtype)
         attention = mla.prefill_scratch_bytes(d, d.num_heads // size, self.max_model_len, dtype_bytes)
@@ -303,10 +304,13 @@ class DeepseekV3ForCausalLM(CausalLM):
             )
             specs.append(TransientSpec("deepseek_indexer_prefill", bytes_per_token=self.max_model_len))
             attention = max(attention, indexer.prefill_scratch_bytes(d, self.max_model_len, dtype_bytes))
-        if d.fp8_block is not None:  # prefill widens one block-FP8 projection at a time
+        if d.fp8_block is not None and not d.fp8_activations:  # prefill widens one projection at a time
             specs.append(
                 TransientSpec("deepseek_fp8_widened_weight", bytes_fixed=widened_bytes(self, self.dtype))
             )
+        elif d.fp8_block is not None:  # W8A8: a GEMM's input quantized (float8 and its fp32 group scales)
+            widest = max(d.hidden_size, d.q_lora_rank or 0, d.num_heads * d.v_head_dim, d.intermediate_size)
+            specs.append(TransientSpec("deepseek_fp8_activations", bytes_per_token=widest + widest // 32))
         return [
             TransientSpec("deepseek_activations", bytes_per_token=widths * dtype_bytes),
             TransientSpec("deepseek_prefill_attention", bytes_fixed=attention),

@@ -43,8 +43,6 @@ def folders(tiny_checkpoint_factory, tmp_path_factory):
 def fp8_llm(folders):
     """16-bit activations (W8A16): the model whose outputs must equal the dequantized checkpoint's.
     Drafting on, so the MTP layer is built and loaded (its dequantized weights are checked too)."""
-    from pegainfer.testing.conformance import conformance_engine
-
     return conformance_engine(
         "deepseek", folders[0], "model.fp8_activations=false", "speculative.num_tokens=1"
     )
@@ -200,6 +198,25 @@ def test_fp8_activations_cost_a_stated_error(folders):
     assert w8a8.engine.executor.runner.model.layers[1].mlp._scales().fp8_activations
     prefill, decode = teacher_forced_errors(w8a8, folders[1])
     assert 1e-3 < prefill < 0.25 and 1e-3 < decode < 0.25, (prefill, decode)
+
+
+def test_memory_plan_reserves_what_each_fp8_form_allocates(fp8_llm, folders):
+    """W8A16's prefill widens its largest projection into a scratch in the compute dtype; W8A8 never
+    does, and instead holds a token's widest GEMM input quantized (a byte a value, 4 per 128 for scales)."""
+    from pegainfer.layers.block_fp8 import widened_bytes
+
+    model = fp8_llm.engine.executor.runner.model
+    w8a16 = {t.role: t for t in model.transient_specs()}
+    assert w8a16["deepseek_fp8_widened_weight"].bytes_fixed == widened_bytes(model, model.dtype) > 0
+    assert "deepseek_fp8_activations" not in w8a16
+    w8a8_model = conformance_engine(
+        "deepseek", folders[0], "model.fp8_activations=true"
+    ).engine.executor.runner.model
+    w8a8 = {t.role: t for t in w8a8_model.transient_specs()}
+    d = w8a8_model.dims
+    widest = max(d.hidden_size, d.q_lora_rank, d.num_heads * d.v_head_dim, d.intermediate_size)
+    assert "deepseek_fp8_widened_weight" not in w8a8
+    assert w8a8["deepseek_fp8_activations"].bytes_per_token == widest + widest // 32
 
 
 def test_static_activation_scales_are_refused(folders, tmp_path):

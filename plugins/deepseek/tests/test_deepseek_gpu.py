@@ -182,7 +182,7 @@ def test_fp8_checkpoint_as_accurate_as_hf_on_its_dequantized_weights(gpu_checkpo
         if act8:
             prefill_err, decode_err = teacher_forced_errors(llm, dequantized)
             print(f"W8A8 teacher-forced relative L2: prefill {prefill_err:.3f}, decode {decode_err:.3f}")
-            assert prefill_err < 0.25 and decode_err < 0.25
+            assert 1e-3 < prefill_err < 0.25 and 1e-3 < decode_err < 0.25  # W8A16 would sit near bf16's
         else:
             prefill = Bf16AccuracyReport(dequantized)
             logits = _prefill_logits(llm.engine, prompts)
