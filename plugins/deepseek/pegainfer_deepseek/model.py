@@ -223,6 +223,9 @@ class DeepseekV3ForCausalLM(CausalLM):
             self.mtp = nn.ModuleList()
         for module in self.mtp:
             module.load(weights, f"model.layers.{module.layer_index}.")
+            module.share_tables(
+                self.embed_tokens, self.lm_head if self.lm_head is not None else self.embed_tokens
+            )
         self._skip_unbuilt_mtp_layers(reader)
 
     def _skip_unbuilt_mtp_layers(self, reader: CheckpointReader) -> None:

@@ -235,3 +235,34 @@ def test_no_draft_module_without_drafting(tiny_deepseek):
     model.load_weights(reader)
     assert any(n.startswith(f"model.layers.{model.dims.num_layers}.") for n in reader.names())
     assert reader.unused() == []
+
+
+def test_mtp_takes_the_main_tables_where_the_checkpoint_repeats_them(tiny_deepseek, tmp_path):
+    """DeepSeek-V3's MTP module shares the embedding and head; its checkpoint stores copies (the tiny one
+    too). Where the copies equal the main model's, the module holds the main tensors and the loaded
+    weights shrink by both tables; where one differs, the module keeps its own copy of that one. Outputs
+    of the sharing model are covered by the speculative tests, which load these checkpoints."""
+    from safetensors.torch import save_file
+
+    from pegainfer.config.schema import EngineConfig, ModelConfig, SpeculativeConfig
+    from pegainfer.model.model_loader import load_model
+
+    def loaded(folder):
+        config = EngineConfig(
+            model=ModelConfig(path=str(folder)), speculative=SpeculativeConfig(num_tokens=1), device="cpu"
+        )
+        return load_model(config)
+
+    shared = loaded(tiny_deepseek)
+    model = shared.model
+    assert model.mtp[0].embed_tokens is model.embed_tokens and model.mtp[0].head is model.lm_head
+    apart = Path(shutil.copytree(tiny_deepseek, tmp_path / "apart"))
+    tensors = load_file(str(apart / "model.safetensors"))
+    head = f"model.layers.{model.dims.num_layers}.shared_head.head.weight"
+    tensors[head] = tensors[head] * 1.5
+    save_file(tensors, str(apart / "model.safetensors"))
+    own = loaded(apart)
+    assert own.model.mtp[0].embed_tokens is own.model.embed_tokens
+    assert own.model.mtp[0].head is not own.model.lm_head
+    table = model.lm_head.numel() * model.lm_head.element_size()
+    assert own.weight_bytes - shared.weight_bytes == table
