@@ -137,7 +137,9 @@ def test_deepseek_v3_shapes_on_the_gpu(m, n, k):
     assert rel_err(block_fp8_w8a8_triton(x, w), ref) < 1e-2
 
 
-def test_tiles_narrower_than_the_fp8_mma_are_refused():
+def test_tiles_the_kernel_cannot_take_are_refused():
+    """Quantization tiles under 32 columns (the FP8 MMA's K) or over 128 (the pipeline's shared memory)."""
     gen = torch.Generator().manual_seed(1)
-    with pytest.raises(ValueError, match="32\\+ columns"):
-        block_fp8_w8a8_triton(_x(gen, 1, 64, dtype=torch.float32), _weight(gen, 16, 64, 16))
+    for block in (16, 256):
+        with pytest.raises(ValueError, match="32, 64 or 128 columns"):
+            block_fp8_w8a8_triton(_x(gen, 1, 256, dtype=torch.float32), _weight(gen, 16, 256, block))
