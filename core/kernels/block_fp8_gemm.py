@@ -165,6 +165,30 @@ def _widened_linear(
     return y if residual is None else residual.add_(y)
 
 
+def gemm_operands(
+    x: torch.Tensor, w: BlockFP8Weight, silu: bool, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x2, out)`` of a block-FP8 GEMM (this module's or ``block_fp8_w8a8``'s): ``x`` as ``[M, K]`` rows
+    with contiguous columns, and the ``[M, N]`` output (``[M, N / 2]`` with ``silu``; ``residual``'s
+    storage where given), after checking that the operands fit together."""
+    n, k = w.shape
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if x2.shape[1] != k:
+        raise ValueError(f"x has {x2.shape[1]} columns; the weight {tuple(w.shape)} needs {k}")
+    if w.weight.stride(-1) != 1 or w.scale.stride(-1) != 1:
+        raise ValueError("a block-FP8 GEMM needs a weight and scales with contiguous rows")
+    if silu and (residual is not None or n % 2):
+        raise ValueError("silu takes an even number of interleaved gate, up rows and no residual")
+    m = x2.shape[0]
+    if residual is None:
+        return x2, torch.empty(m, n // 2 if silu else n, dtype=x.dtype, device=x.device)
+    if residual.shape != (*x.shape[:-1], n) or residual.dtype != x.dtype or not residual.is_contiguous():
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must be x @ w.T's, contiguous")
+    return x2, residual.view(m, n)
+
+
 def default_config(n: int, m: int, block: int, sms: int = 132, element_size: int = 2) -> Fp8GemmConfig:
     """Tiles not yet swept on a GPU (``python bench/skinny_gemm.py --fp8`` measures them): decode rows in
     one 16..64-row tile, the weight in 128-column loads (one quantization tile of DeepSeek's) and the
@@ -214,25 +238,9 @@ def block_fp8_linear_triton(
         )
     weight, scale = w.weight, w.scale
     n, k = weight.shape
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    if x2.shape[1] != k:
-        raise ValueError(f"x has {x2.shape[1]} columns; the weight {tuple(weight.shape)} needs {k}")
-    if weight.stride(-1) != 1 or scale.stride(-1) != 1:
-        raise ValueError("block_fp8_linear needs a weight and scales with contiguous rows")
-    if silu and (residual is not None or n % 2):
-        raise ValueError("silu takes an even number of interleaved gate, up rows and no residual")
+    x2, out = gemm_operands(x, w, silu, residual)
     m = x2.shape[0]
-    n_out = n // 2 if silu else n
-    if residual is None:
-        out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
-    else:
-        if residual.shape != (*x.shape[:-1], n) or residual.dtype != x.dtype or not residual.is_contiguous():
-            raise ValueError(
-                f"residual {tuple(residual.shape)} {residual.dtype} must be x @ w.T's, contiguous"
-            )
-        out = residual.view(m, n)
+    n_out = out.shape[1]
     if m:
         cfg = config or default_config(n, m, w.block, num_sms(x.device), x.element_size())
         uniform = w.block % cfg.block_k == 0 and w.offset % cfg.block_k == 0

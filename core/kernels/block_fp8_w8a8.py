@@ -28,6 +28,7 @@ import torch
 
 from pegainfer.kernels._triton import interp_bf16, interpreting, num_sms, tl, triton
 from pegainfer.kernels.act_quant import check_fp8_mma, dot_fp8, quantize_activations
+from pegainfer.kernels.block_fp8_gemm import gemm_operands
 from pegainfer.kernels.skinny_gemm import tile_epilogue
 from pegainfer.layers.block_fp8 import BlockFP8Weight
 
@@ -125,31 +126,15 @@ def block_fp8_w8a8_triton(
     place. ``tiles``: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` instead of :func:`default_tiles`."""
     weight, scale = w.weight, w.scale
     n, k = weight.shape
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    if x2.shape[1] != k:
-        raise ValueError(f"x has {x2.shape[1]} columns; the weight {tuple(weight.shape)} needs {k}")
-    if weight.stride(-1) != 1 or scale.stride(-1) != 1:
-        raise ValueError("block_fp8_w8a8 needs a weight and scales with contiguous rows")
     if w.block not in (32, 64, 128):
         raise ValueError(
             f"W8A8 takes quantization tiles of 32, 64 or 128 columns (the FP8 MMA's K is 32+; wider tiles "
             f"overflow the pipeline's shared memory), not {w.block}"
         )
-    check_fp8_mma(x.device)
-    if silu and (residual is not None or n % 2):
-        raise ValueError("silu takes an even number of interleaved gate, up rows and no residual")
+    x2, out = gemm_operands(x, w, silu, residual)
     m = x2.shape[0]
-    n_out = n // 2 if silu else n
-    if residual is None:
-        out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
-    else:
-        if residual.shape != (*x.shape[:-1], n) or residual.dtype != x.dtype or not residual.is_contiguous():
-            raise ValueError(
-                f"residual {tuple(residual.shape)} {residual.dtype} must be x @ w.T's, contiguous"
-            )
-        out = residual.view(m, n)
+    n_out = out.shape[1]
+    check_fp8_mma(x.device)
     if m:
         block_m, block_n, warps, stages = tiles or default_tiles(n, m, num_sms(x.device))
         x2, xs = quantize_activations(x2, w.block, w.offset)
