@@ -424,3 +424,24 @@ def test_model_demo_picks_whose_demo_runs_without_a_path(
     assert hf_config["model_type"].startswith("qwen3_5")
     with pytest.raises(ConfigError, match="no model.path given, and demo_model: unknown model 'nosuch'"):
         resolve_registration(EngineConfig(demo_model="nosuch"))
+
+
+def test_teacher_forced_logits_copy_each_steps_output(llm, monkeypatch):
+    """A decode graph returns its static logits buffer, rewritten by the next replay: the harness keeps a
+    copy of each step's rows (seen on a GPU: every decode row held the last step's logits)."""
+    from pegainfer.testing.conformance import teacher_forced_logits
+
+    tokens = PROMPT + [3, 8, 13]
+    fresh = teacher_forced_logits(llm, tokens, prefill=len(PROMPT))
+    executor, execute = llm.engine.executor, llm.engine.executor.execute
+    static: dict[str, torch.Tensor] = {}
+
+    def replay(batch):  # the logits written into one buffer, as a graph's output
+        out = execute(batch)
+        if out.logits is not None and len(batch.chunks[0].token_ids) == 1:
+            buffer = static.setdefault("logits", torch.empty_like(out.logits))
+            out.logits = buffer.copy_(out.logits)
+        return out
+
+    monkeypatch.setattr(executor, "execute", replay)
+    assert torch.equal(teacher_forced_logits(llm, tokens, prefill=len(PROMPT)), fresh)

@@ -114,7 +114,8 @@ def teacher_forced_logits(llm: Any, tokens: Sequence[int], prefill: int) -> torc
                 serial=request.serial,
             )
             out = engine.executor.execute(ModelBatch([chunk]))
-            rows.append(out.all_logits[request.request_id] if chunk.all_logits else out.logits)
+            # A copy: a decode graph's logits are its static output, rewritten by the next replay.
+            rows.append((out.all_logits[request.request_id] if chunk.all_logits else out.logits).clone())
         return torch.cat(rows).float()
     finally:
         buffers.free(request)
