@@ -102,6 +102,51 @@ def _tile_tokens(
 
 
 @triton.jit
+def _attend(
+    q, qp, cache_ptr, table, idx, start, end, scale_log2, stride_cblk, stride_ctok, offs_r, offs_p, offs_v,
+    mask_r, mask_p, mask_v, RKV: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_V: tl.constexpr, V_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, GATHER: tl.constexpr,
+    DOT_PREC: tl.constexpr, FIX: tl.constexpr,
+):  # fmt: skip
+    """Online softmax of the queries ``q``/``qp`` over positions ``[start, end)`` of a row: its running
+    max, sum and unnormalised output. ``GATHER``: position ``n`` is the ``n``-th the row's indices list
+    (``idx``), else the row's ``n``-th token."""
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        valid = offs_n < end
+        if GATHER:
+            pos = tl.load(idx + offs_n, mask=valid, other=0)
+            block = tl.load(table + pos // PAGE, mask=valid, other=0).to(tl.int64)
+            tok = block * stride_cblk + (pos % PAGE) * stride_ctok
+        else:
+            tok = _tile_tokens(table, n0, offs_n, valid, stride_cblk, stride_ctok, PAGE, BLOCK_N)
+        c = tl.load(
+            cache_ptr + tok[:, None] + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0
+        )
+        kp = tl.load(
+            cache_ptr + tok[:, None] + RKV + offs_p[None, :], mask=valid[:, None] & mask_p[None, :], other=0.0
+        )
+        s = (mma(q, tl.trans(c), FIX, DOT_PREC) + mma(qp, tl.trans(kp), FIX, DOT_PREC)) * scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: a tile holds at least one key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if V_SPLITS == 1:
+            cv = c
+        else:  # this program's slice of the tile it just read (from L1/L2)
+            cv = tl.load(
+                cache_ptr + tok[:, None] + offs_v[None, :], mask=valid[:, None] & mask_v[None, :], other=0.0
+            )
+        acc = acc * alpha[:, None] + mma(cast_to(p, c.dtype, FIX), cv, FIX, DOT_PREC)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _mla_decode_partial_kernel(
     q_lat_ptr,
     q_pe_ptr,
@@ -177,46 +222,26 @@ def _mla_decode_partial_kernel(
             mask=mask_h[:, None] & mask_p[None, :],
             other=0.0,
         )
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
         table = tables_ptr + row64 * stride_bt
-        for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            valid = offs_n < end
-            if SPARSE:
-                if gather:
-                    pos = tl.load(idx_ptr + row64 * stride_ib + offs_n, mask=valid, other=0)
-                    block = tl.load(table + pos // PAGE, mask=valid, other=0).to(tl.int64)
-                    tok = block * stride_cblk + (pos % PAGE) * stride_ctok
-                else:
-                    tok = _tile_tokens(table, n0, offs_n, valid, stride_cblk, stride_ctok, PAGE, BLOCK_N)
+        idx = idx_ptr + row64 * stride_ib
+        # The form is chosen once a program, outside the loop: a branch inside it kept Triton from
+        # pipelining the loads of either form.
+        if SPARSE:
+            if gather:
+                m_i, l_i, acc = _attend(
+                    q, qp, cache_ptr, table, idx, start, end, scale_log2, stride_cblk, stride_ctok, offs_r, offs_p,
+                    offs_v, mask_r, mask_p, mask_v, RKV, PAGE, BLOCK_H, BLOCK_V, V_SPLITS, BLOCK_N, True, DOT_PREC, FIX,
+                )  # fmt: skip
             else:
-                tok = _tile_tokens(table, n0, offs_n, valid, stride_cblk, stride_ctok, PAGE, BLOCK_N)
-            c = tl.load(
-                cache_ptr + tok[:, None] + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0
-            )
-            kp = tl.load(
-                cache_ptr + tok[:, None] + RKV + offs_p[None, :],
-                mask=valid[:, None] & mask_p[None, :],
-                other=0.0,
-            )
-            s = (mma(q, tl.trans(c), FIX, DOT_PREC) + mma(qp, tl.trans(kp), FIX, DOT_PREC)) * scale_log2
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: a tile holds at least one key
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if V_SPLITS == 1:
-                cv = c
-            else:  # this program's slice of the tile it just read (from L1/L2)
-                cv = tl.load(
-                    cache_ptr + tok[:, None] + offs_v[None, :],
-                    mask=valid[:, None] & mask_v[None, :],
-                    other=0.0,
-                )
-            acc = acc * alpha[:, None] + mma(cast_to(p, c.dtype, FIX), cv, FIX, DOT_PREC)
-            m_i = m_new
+                m_i, l_i, acc = _attend(
+                    q, qp, cache_ptr, table, idx, start, end, scale_log2, stride_cblk, stride_ctok, offs_r, offs_p,
+                    offs_v, mask_r, mask_p, mask_v, RKV, PAGE, BLOCK_H, BLOCK_V, V_SPLITS, BLOCK_N, False, DOT_PREC, FIX,
+                )  # fmt: skip
+        else:
+            m_i, l_i, acc = _attend(
+                q, qp, cache_ptr, table, idx, start, end, scale_log2, stride_cblk, stride_ctok, offs_r, offs_p,
+                offs_v, mask_r, mask_p, mask_v, RKV, PAGE, BLOCK_H, BLOCK_V, V_SPLITS, BLOCK_N, False, DOT_PREC, FIX,
+            )  # fmt: skip
         if SPLIT:
             part = (row64 * num_heads + heads) * num_splits + split
             tl.store(part_m_ptr + part, m_i, mask=mask_h)
