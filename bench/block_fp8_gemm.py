@@ -50,9 +50,12 @@ SHAPES = {
 
 
 def random_weight(n: int, k: int) -> BlockFP8Weight:
+    """Random float8 values with a checkpoint's scales: one per 128 x 128 tile, shared by its rows."""
     w = BlockFP8Weight(n, k, 128).cuda()
     values = (torch.randn(n, k, device="cuda") * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
-    w.load_rows(slice(0, n), values, torch.rand(n, w.scale.shape[1], device="cuda") * 1e-3)
+    tiles = torch.rand(-(-n // 128), w.scale.shape[1], device="cuda") * 1e-3
+    w.load_rows(slice(0, n), values, tiles.repeat_interleave(128, dim=0)[:n])
+    w.settle_scales()
     return w
 
 

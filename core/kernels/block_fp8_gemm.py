@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from pegainfer.kernels import skinny_gemm
 from pegainfer.kernels._triton import cast_to, dot_precision, interp_bf16, mma, num_sms, tl, triton
 from pegainfer.kernels.activations import silu_mul
-from pegainfer.kernels.skinny_gemm import load_block, tile_epilogue, widen_float8
+from pegainfer.kernels.skinny_gemm import load_block, scale_rows, tile_epilogue, widen_float8
 from pegainfer.layers.block_fp8 import BlockFP8Weight
 
 #: Rows of x up to which one program's tile covers them all (decode); above, 64-row tiles.
@@ -77,6 +77,7 @@ def _block_fp8_gemm_kernel(
     RESIDUAL: tl.constexpr,
     FIX: tl.constexpr,
     PREC: tl.constexpr,
+    SCALE_PERIOD: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     m0 = tl.program_id(1) * BLOCK_M
@@ -87,7 +88,7 @@ def _block_fp8_gemm_kernel(
     col_ok = offs_n[:, None] < N
     x_ptrs = x_ptr + (m0 + offs_m)[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
+    s_rows = scale_rows(s_ptr, offs_n, pid_n * BLOCK_N, stride_sn, SCALE_PERIOD)
     dtype: tl.constexpr = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
@@ -250,7 +251,7 @@ def block_fp8_linear_triton(
             m, n, k, x2.stride(0), weight.stride(0), scale.stride(0), out.stride(0), out.stride(0), w.offset,
             QBLOCK=w.block, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UNIFORM=uniform, SPAN=span if span & (span - 1) == 0 else 1,
             EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, SILU=silu, RESIDUAL=residual is not None,
-            FIX=interp_bf16(x.dtype), PREC=dot_precision(x.dtype), num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            FIX=interp_bf16(x.dtype), PREC=dot_precision(x.dtype), SCALE_PERIOD=w.scale_period(cfg.block_n),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out.reshape(*x.shape[:-1], n_out)

@@ -5,7 +5,8 @@ tile. :class:`BlockFP8Weight` keeps the float8 values and gives every *row* its 
 columns (``scale`` ``[N, tiles]``): a row order the tiles do not follow (gate and up rows interleaved,
 two projections stacked, a tensor-parallel shard that starts inside a tile) stays expressible, for 4
 bytes per row per 128 columns (3% of the float8 bytes). Only the columns may start inside a tile: column
-``c`` of the weight takes its row's scale ``(c + offset) // block``.
+``c`` of the weight takes its row's scale ``(c + offset) // block``. Once loaded, the weight notes which
+rows share their scales (``settle_scales``), so the GEMMs load one scale a tile of rows, not one a row.
 
 The kernel (``pegainfer.kernels.block_fp8_gemm``) multiplies the float8 values (exact in bf16) and scales
 each row's partial sum per tile; the reference dequantizes the whole weight first, exactly as the
@@ -45,6 +46,9 @@ class BlockFP8Weight(nn.Module):
         tiles = -(-(offset + k) // block)
         self.weight = nn.Parameter(torch.empty(n, k, dtype=torch.float8_e4m3fn), requires_grad=False)
         self.scale = nn.Parameter(torch.empty(n, tiles, dtype=torch.float32), requires_grad=False)
+        #: How the loaded rows share their scales (:meth:`settle_scales`): ``(group, period)``, inside
+        #: every aligned group of ``group`` rows the rows ``period`` apart share one; None: not examined.
+        self.scale_groups: tuple[int, int] | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -63,12 +67,44 @@ class BlockFP8Weight(nn.Module):
         with torch.no_grad():
             target_w.copy_(weight)
             target_s.copy_(scale)
+        self.scale_groups = None  # until the loader settles the whole weight again
+
+    def settle_scales(self) -> None:
+        """Find the groups of rows that share their scales, once the weight is loaded: a checkpoint's
+        128 x 128 tiles give every aligned group of 128 rows one scale row (period 1), or, with gate and
+        up rows interleaved, the even and the odd rows of a group one each (period 2); a shard that starts
+        inside a tile shares in smaller groups or not at all. The GEMMs then load one or two scales a
+        tile of rows instead of one a row (:meth:`scale_period`)."""
+        self.scale_groups = None
+        scale = self.scale
+        rows = torch.arange(scale.shape[0], device=scale.device)
+        for period in (1, 2):
+            for group in (128, 64, 32, 16):
+                if torch.equal(scale, scale[rows - rows % group + rows % period]):
+                    self.scale_groups = (group, period)
+                    return
+
+    def scale_period(self, block_n: int) -> int:
+        """How a GEMM tiling the rows by ``block_n`` may load the scales (``kernels.skinny_gemm.
+        scale_rows``): 1 or 2 where every tile lies inside one group of rows sharing them, else 0
+        (each row its own)."""
+        if self.scale_groups is None:
+            return 0
+        group, period = self.scale_groups
+        return period if group % block_n == 0 and block_n % period == 0 else 0
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight in ``dtype``: each element times its scale in fp32, then rounded once."""
         k = self.weight.shape[1]
         scale = self.scale.repeat_interleave(self.block, dim=1).narrow(1, self.offset, k)
         return (self.weight.float() * scale).to(dtype)
+
+
+def settle_scales(model: nn.Module) -> None:
+    """:meth:`BlockFP8Weight.settle_scales` of every block-FP8 weight in ``model`` (after loading)."""
+    for module in model.modules():
+        if isinstance(module, BlockFP8Weight):
+            module.settle_scales()
 
 
 def widened_bytes(model: nn.Module, dtype: torch.dtype) -> int:

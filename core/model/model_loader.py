@@ -12,6 +12,7 @@ import torch
 
 from pegainfer.config.schema import EngineConfig, ModelConfig, validate_section
 from pegainfer.errors import CheckpointError, ConfigError
+from pegainfer.layers.block_fp8 import BlockFP8Weight, settle_scales
 from pegainfer.model.checkpoint import CheckpointReader, checkpoint_dtype, parse_dtype, read_hf_config
 from pegainfer.model.model_api import CausalLM
 from pegainfer.parallel.distributed import TensorParallel
@@ -145,6 +146,7 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
         if unused:
             logger.warning("%d checkpoint tensors were not used, e.g. %s", len(unused), ", ".join(unused[:3]))
         reader.close()
+    settle_scales(model)
     model.eval()
     weight_bytes = parameter_bytes(model)
     logger.info("loaded %s from %s (%s, %s)", registration.name, folder, dtype, device)
@@ -175,3 +177,7 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
         rows = param.view(-1, param.shape[-1]) if param.dim() >= 2 else param.view(1, -1)
         for slab in rows.split(max(1, _DUMMY_SLAB_ELEMENTS // rows.shape[1])):
             slab.copy_(torch.empty_like(slab, dtype=torch.float32).normal_(mean, std, generator=gen))
+    for module in model.modules():
+        if isinstance(module, BlockFP8Weight):  # as a checkpoint's tiles: aligned groups of rows share scales
+            index = torch.arange(module.scale.shape[0], device=module.scale.device)
+            module.scale.copy_(module.scale[index - index % module.block])

@@ -97,6 +97,68 @@ def test_skinny_gemm_float8_form(dtype, m, n, k, block, config):
     assert rel_err(out, block_fp8_linear_ref(x.float(), w, bias.float())) < TOL[dtype]
 
 
+def _shared_weight(gen, n: int, k: int, group: int, interleaved: bool) -> BlockFP8Weight:
+    """A weight whose rows share scales as a checkpoint's tiles of ``group`` rows make them share (gate
+    and up interleaved: two such weights' rows alternating), settled."""
+    halves = [_weight(gen, n // 2 if interleaved else n, k, 128) for _ in range(2 if interleaved else 1)]
+    for half in halves:
+        rows = torch.arange(half.shape[0], device=half.scale.device)
+        half.scale.copy_(half.scale[rows - rows % group])
+    if interleaved:
+        w = BlockFP8Weight(n, k, 128).to(DEVICE)
+        w.load_rows(
+            slice(0, n),
+            interleave_gate_up(halves[0].weight, halves[1].weight),
+            interleave_gate_up(halves[0].scale, halves[1].scale),
+        )
+    else:
+        w = halves[0]
+    w.settle_scales()
+    return w
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["period1", "period2"])
+def test_rows_sharing_scales_are_found(interleaved):
+    gen = torch.Generator().manual_seed(5)
+    w = _shared_weight(gen, 200, 256, 64, interleaved)
+    assert w.scale_groups == ((128, 2) if interleaved else (64, 1))  # 64-row tiles, alternating: 128 rows
+    assert w.scale_period(32) == (2 if interleaved else 1)
+    assert w.scale_period(256) == 0  # a tile of rows would span groups
+    w.load_rows(slice(0, 1), w.weight[:1].clone(), w.scale[:1] * 2)
+    assert w.scale_groups is None and w.scale_period(32) == 0  # loading again: examined anew
+    w.settle_scales()
+    assert w.scale_groups is None  # row 0 alone differs: every row its own
+    own = _weight(gen, 40, 64, 32)
+    own.settle_scales()
+    assert own.scale_groups is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["period1", "period2"])
+@pytest.mark.parametrize(
+    ("m", "n", "k", "config"),
+    [
+        (1, 96, 256, SkinnyConfig(32, 256)),  # two quantization tiles a load
+        (3, 96, 512, SkinnyConfig(32, 128, stream_k=True, programs=5)),  # tiles split over programs
+        (2, 100, 384, Fp8GemmConfig(16, 32, 128)),  # this module's kernel, one scale per tile row
+        (2, 100, 384, Fp8GemmConfig(16, 32, 256)),  # two a load
+    ],
+    ids=["skinny", "stream_k", "tiles", "tiles-span2"],
+)
+def test_tiles_load_the_scales_their_rows_share(dtype, interleaved, m, n, k, config):
+    """A tile of rows inside one group of rows that share their scales loads them once (or twice,
+    alternating): the same result as every row's own."""
+    gen = torch.Generator().manual_seed(m + n + k)
+    w = _shared_weight(gen, n, k, 32, interleaved)
+    assert w.scale_period(config.block_n) == (2 if interleaved else 1)
+    x = _x(gen, m, k, dtype=dtype)
+    run = skinny_linear_triton if isinstance(config, SkinnyConfig) else block_fp8_linear_triton
+    out = run(x, w, config=config)
+    assert rel_err(out, block_fp8_linear_ref(x.float(), w)) < TOL[dtype]
+    w.scale_groups = None  # each row's own scales: the same sums
+    torch.testing.assert_close(run(x, w, config=config), out, atol=0, rtol=0)
+
+
 def test_skinny_gemm_refuses_float8_columns_inside_a_tile():
     gen = torch.Generator().manual_seed(0)
     with pytest.raises(ValueError, match="tile boundary"):

@@ -166,6 +166,9 @@ def test_experts_and_projections_stay_float8_in_memory(fp8_llm, folders):
         assert torch.equal(o_proj.scale, tiles.repeat_interleave(128, dim=0)[: o_proj.shape[0]])
     assert model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float8_e4m3fn
     assert model.layers[1].self_attn.kv_b_proj.dtype == torch.float32  # dequantized at load
+    # Settled at load: a tile's 128 rows share their scales, gate and up rows (interleaved) alternately.
+    assert o_proj.scale_groups == (128, 1)
+    assert model.layers[0].mlp.gate_up_proj.scale_groups == (128, 2)
 
 
 def test_greedy_equals_the_dequantized_model(fp8_llm, folders):
@@ -246,9 +249,12 @@ def test_dummy_weights_fill_the_float8_experts(folders):
                              "device=cpu", f"cache.cpu_kv_cache_bytes={4 << 20}"])
     )  # fmt: skip
     llm = LLM.from_config(config)
-    moe = llm.engine.executor.runner.model.layers[1].mlp
+    model = llm.engine.executor.runner.model
+    moe = model.layers[1].mlp
     assert moe.experts_gate_up.dtype == torch.float8_e4m3fn
     assert moe.experts_gate_up.float().std() > 0 and moe.experts_down_scale.float().std() > 0
+    o_proj = model.layers[1].self_attn.o_proj  # its rows share scales in tiles, as a checkpoint's do
+    assert o_proj.scale_groups == (128, 1) and o_proj.scale.float().std() > 0
     out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=PARAMS, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == PARAMS.max_tokens
 
