@@ -48,6 +48,7 @@ class BlockFP8Weight(nn.Module):
         self.scale = nn.Parameter(torch.empty(n, tiles, dtype=torch.float32), requires_grad=False)
         #: How the loaded rows share their scales (:meth:`settle_scales`): ``(group, period)``, inside
         #: every aligned group of ``group`` rows the rows ``period`` apart share one; None: not examined.
+        #: Scales change only through ``load_rows`` or a state dict, both of which reset it.
         self.scale_groups: tuple[int, int] | None = None
 
     @property
@@ -68,6 +69,10 @@ class BlockFP8Weight(nn.Module):
             target_w.copy_(weight)
             target_s.copy_(scale)
         self.scale_groups = None  # until the loader settles the whole weight again
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        super()._load_from_state_dict(*args, **kwargs)
+        self.scale_groups = None  # scales written past load_rows: examined anew by settle_scales
 
     def settle_scales(self) -> None:
         """Find the groups of rows that share their scales, once the weight is loaded: a checkpoint's

@@ -164,7 +164,9 @@ _DUMMY_SLAB_ELEMENTS = 1 << 26
 
 @torch.no_grad()
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
-    """Random weights of the real shapes: matrices ~ N(0, 1/fan_in), vectors (norms, biases) ~ 1 + N(0, 0.1²)."""
+    """Random weights of the real shapes: matrices ~ N(0, 1/fan_in), vectors (norms, biases) ~ 1 + N(0, 0.1²);
+    block-FP8 projections' scales shared by aligned groups of ``block`` rows, as a checkpoint's square
+    tiles share them."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for param in model.parameters():
         mean, std = (0.0, param.shape[-1] ** -0.5) if param.dim() >= 2 else (1.0, 0.1)

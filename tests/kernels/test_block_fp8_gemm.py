@@ -131,6 +131,9 @@ def test_rows_sharing_scales_are_found(interleaved):
     own = _weight(gen, 40, 64, 32)
     own.settle_scales()
     assert own.scale_groups is None
+    shared = _shared_weight(gen, 64, 64, 32, False)
+    shared.load_state_dict({k: v.clone() for k, v in shared.state_dict().items()})
+    assert shared.scale_groups is None  # scales from a state dict: not yet examined
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -241,10 +244,16 @@ def test_default_config_fills_the_multiprocessors():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 2112, 7168), (16, 7168, 2048), (300, 4096, 7168)])
-def test_deepseek_v3_shapes_on_the_gpu(m, n, k):
+@pytest.mark.parametrize("scales", ["own", "tiles", "interleaved"])
+def test_deepseek_v3_shapes_on_the_gpu(m, n, k, scales):
     """DeepSeek-V3's q_a|kv_a at a decode row, the shared down at 16 rows and a 300-token prefill of the
-    shared gate|up, with the default tiles, in bf16 against the fp32 product."""
+    shared gate|up, with the default tiles, in bf16 against the fp32 product: scales of each row's own, of
+    a checkpoint's 128-row tiles, and of tiles with gate and up rows interleaved."""
     gen = torch.Generator().manual_seed(n)
-    w = _weight(gen, n, k, 128)
+    w = (
+        _weight(gen, n, k, 128)
+        if scales == "own"
+        else _shared_weight(gen, n, k, 128, scales == "interleaved")
+    )
     x = _x(gen, m, k, dtype=torch.bfloat16)
     assert rel_err(block_fp8_linear_triton(x, w), block_fp8_linear_ref(x.float(), w)) < 1e-2

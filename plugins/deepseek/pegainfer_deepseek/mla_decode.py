@@ -223,7 +223,7 @@ def _mla_decode_partial_kernel(
             other=0.0,
         )
         table = tables_ptr + row64 * stride_bt
-        idx = idx_ptr + row64 * stride_ib
+        idx = idx_ptr + row64 * stride_ib  # dense launches pass a stand-in pointer, never read
         # The form is chosen once a program, outside the loop: a branch inside it kept Triton from
         # pipelining the loads of either form.
         if SPARSE:
