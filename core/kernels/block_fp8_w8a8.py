@@ -29,7 +29,7 @@ import torch
 from pegainfer.kernels._triton import interp_bf16, interpreting, num_sms, tl, triton
 from pegainfer.kernels.act_quant import check_fp8_mma, dot_fp8, quantize_activations
 from pegainfer.kernels.block_fp8_gemm import gemm_operands
-from pegainfer.kernels.skinny_gemm import tile_epilogue
+from pegainfer.kernels.skinny_gemm import scale_rows, tile_epilogue
 from pegainfer.layers.block_fp8 import BlockFP8Weight
 
 
@@ -61,6 +61,7 @@ def _w8a8_gemm_kernel(
     RESIDUAL: tl.constexpr,
     FIX: tl.constexpr,
     INTERP: tl.constexpr,
+    SCALE_PERIOD: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     m0 = tl.program_id(1) * BLOCK_M
@@ -71,7 +72,7 @@ def _w8a8_gemm_kernel(
     cols = tl.arange(0, QBLOCK) - offset
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + cols[None, :]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + cols[None, :]
-    s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
+    s_rows = scale_rows(s_ptr, offs_n, pid_n * BLOCK_N, stride_sn, SCALE_PERIOD)
     xs_rows = xs_ptr + offs_m.to(tl.int64) * stride_xsm
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for t in range(0, tl.cdiv(K + offset, QBLOCK)):
@@ -145,6 +146,6 @@ def block_fp8_w8a8_triton(
             QBLOCK=w.block, BLOCK_M=block_m, BLOCK_N=block_n,
             ALIGNED=w.offset == 0 and k % w.block == 0, HAS_BIAS=bias is not None, SILU=silu,
             RESIDUAL=residual is not None, FIX=interp_bf16(x.dtype), INTERP=interpreting(),
-            num_warps=warps, num_stages=stages,
+            SCALE_PERIOD=w.scale_period(block_n), num_warps=warps, num_stages=stages,
         )  # fmt: skip
     return out.reshape(*x.shape[:-1], n_out)

@@ -113,6 +113,32 @@ def test_silu_of_interleaved_gate_up_and_the_residual_add(m):
     assert rel_err(out, expected) < TOL[x.dtype]
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["period1", "period2"])
+def test_tiles_load_the_scales_their_rows_share(interleaved):
+    """Rows sharing their scales in tiles (gate and up interleaved: alternately), settled: a tile of rows
+    loads one or two scales, with the sums of every row's own."""
+    gen = torch.Generator().manual_seed(9)
+    halves = [_weight(gen, 48, 256, 128) for _ in range(2)]
+    for half in halves:
+        rows = torch.arange(48, device=half.scale.device)
+        half.scale.copy_(half.scale[rows - rows % 32])
+    w = BlockFP8Weight(96, 256, 128).to(DEVICE)
+    pair = (halves[0], halves[1]) if interleaved else (halves[0], halves[0])
+    w.load_rows(
+        slice(0, 96),
+        interleave_gate_up(pair[0].weight, pair[1].weight),
+        interleave_gate_up(pair[0].scale, pair[1].scale),
+    )
+    w.settle_scales()
+    tiles = (16, 32, 4, 2)
+    assert w.scale_period(tiles[1]) == (2 if interleaved else 1)
+    x = _x(gen, 3, 256, dtype=torch.bfloat16)
+    out = block_fp8_w8a8_triton(x, w, tiles=tiles)
+    assert rel_err(out, block_fp8_linear_ref(x.float(), w, fp8_activations=True)) < TOL[x.dtype]
+    w.scale_groups = None  # each row's own scales
+    torch.testing.assert_close(block_fp8_w8a8_triton(x, w, tiles=tiles), out, atol=0, rtol=0)
+
+
 def test_default_tiles_fill_the_multiprocessors():
     """The widest weight tiles whose programs fill 80% of their last wave: DeepSeek-V3's q_b (24576 rows)
     in 64-row tiles (384 programs, 97% of three waves; 128-row tiles fill 73%), o_proj (7168) in 64
