@@ -34,6 +34,7 @@ from pegainfer.kernels.block_fp8_gemm import (  # noqa: E402
 )
 from pegainfer.kernels.block_fp8_w8a8 import block_fp8_w8a8_triton  # noqa: E402
 from pegainfer.kernels.skinny_gemm import SkinnyConfig, skinny_linear_triton  # noqa: E402
+from pegainfer.layers.activation import interleave_gate_up  # noqa: E402
 from pegainfer.layers.block_fp8 import BlockFP8Weight  # noqa: E402
 
 # name -> (N, K): MLA's stacked q_a|kv_a, q_b, o_proj; the dense layer's gate|up and down; the shared
@@ -49,12 +50,16 @@ SHAPES = {
 }
 
 
-def random_weight(n: int, k: int) -> BlockFP8Weight:
-    """Random float8 values with a checkpoint's scales: one per 128 x 128 tile, shared by its rows."""
+def random_weight(n: int, k: int, gate_up: bool = False) -> BlockFP8Weight:
+    """Random float8 values with a checkpoint's scales: one per 128 x 128 tile, shared by its rows; with
+    ``gate_up`` two such halves' rows interleaved, as the engine keeps a gate|up projection (its tiles
+    then load two scales, alternating)."""
     w = BlockFP8Weight(n, k, 128).cuda()
     values = (torch.randn(n, k, device="cuda") * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
-    tiles = torch.rand(-(-n // 128), w.scale.shape[1], device="cuda") * 1e-3
-    w.load_rows(slice(0, n), values, tiles.repeat_interleave(128, dim=0)[:n])
+    halves = 2 if gate_up else 1
+    tiles = torch.rand(halves, -(-n // halves // 128), w.scale.shape[1], device="cuda") * 1e-3
+    scales = [t.repeat_interleave(128, dim=0)[: n // halves] for t in tiles]
+    w.load_rows(slice(0, n), values, interleave_gate_up(*scales) if gate_up else scales[0])
     w.settle_scales()
     return w
 
@@ -92,7 +97,7 @@ def measure_shape(
 ) -> None:
     n, k = SHAPES[name]
     nbytes = n * k + n * -(-k // 128) * 4  # float8 values and per-row scales
-    ws = [random_weight(n, k) for _ in range(max(2, -(-(2 << 30) // nbytes)))]
+    ws = [random_weight(n, k, "gate_up" in name) for _ in range(max(2, -(-(2 << 30) // nbytes)))]
     dense = [w.dequantize(torch.bfloat16) for w in ws[: max(2, -(-(2 << 30) // (2 * n * k)))]]
     for m in rows:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
