@@ -35,7 +35,7 @@ from pegainfer.kernels.block_fp8_gemm import (  # noqa: E402
 from pegainfer.kernels.block_fp8_w8a8 import block_fp8_w8a8_triton  # noqa: E402
 from pegainfer.kernels.skinny_gemm import SkinnyConfig, skinny_linear_triton  # noqa: E402
 from pegainfer.layers.activation import interleave_gate_up  # noqa: E402
-from pegainfer.layers.block_fp8 import BlockFP8Weight  # noqa: E402
+from pegainfer.layers.block_fp8 import BlockFP8Weight, row_scales  # noqa: E402
 
 # name -> (N, K): MLA's stacked q_a|kv_a, q_b, o_proj; the dense layer's gate|up and down; the shared
 # expert's (DeepSeek-V3, tp=1).
@@ -58,7 +58,7 @@ def random_weight(n: int, k: int, gate_up: bool = False) -> BlockFP8Weight:
     values = (torch.randn(n, k, device="cuda") * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
     halves = 2 if gate_up else 1
     tiles = torch.rand(halves, -(-n // halves // 128), w.scale.shape[1], device="cuda") * 1e-3
-    scales = [t.repeat_interleave(128, dim=0)[: n // halves] for t in tiles]
+    scales = [row_scales(t, 128, 0, n // halves) for t in tiles]
     w.load_rows(slice(0, n), values, interleave_gate_up(*scales) if gate_up else scales[0])
     w.settle_scales()
     return w

@@ -12,7 +12,7 @@ import torch
 
 from pegainfer.config.schema import EngineConfig, ModelConfig, validate_section
 from pegainfer.errors import CheckpointError, ConfigError
-from pegainfer.layers.block_fp8 import BlockFP8Weight, settle_scales
+from pegainfer.layers.block_fp8 import BlockFP8Weight, row_scales, settle_scales
 from pegainfer.model.checkpoint import CheckpointReader, checkpoint_dtype, parse_dtype, read_hf_config
 from pegainfer.model.model_api import CausalLM
 from pegainfer.parallel.distributed import TensorParallel
@@ -181,5 +181,5 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
             slab.copy_(torch.empty_like(slab, dtype=torch.float32).normal_(mean, std, generator=gen))
     for module in model.modules():
         if isinstance(module, BlockFP8Weight):  # as a checkpoint's tiles: aligned groups of rows share scales
-            index = torch.arange(module.scale.shape[0], device=module.scale.device)
-            module.scale.copy_(module.scale[index - index % module.block])
+            scale, block = module.scale, module.block
+            scale.copy_(row_scales(scale[::block], block, 0, scale.shape[0]))

@@ -1,5 +1,5 @@
 """Shared builders for the kernel tests: paged caches poisoned outside the written tokens, routed-experts
-cases (float8 ones included), metrics."""
+cases (float8 ones included), block-FP8 projection weights, metrics."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import os
 
 import torch
 
+from pegainfer.layers.activation import interleave_gate_up
+from pegainfer.layers.block_fp8 import BlockFP8Weight, row_scales
 from pegainfer.layers.moe import BlockScales
 
 #: Where the small (non-``gpu``) cases run: the interpreter on CPU tensors, else compiled on the GPU.
@@ -99,3 +101,35 @@ def quantized_experts(gate_up, down, block, offset, fp8_activations=False):
     down_q, down_s = quantize(down, 0, offset)
     scales = BlockScales(torch.stack([gate_s, up_s], dim=1), down_s, block, offset, fp8_activations)
     return torch.cat([gate, up], dim=1), down_q, scales
+
+
+def fp8_weight(gen, n: int, k: int, block: int, offset: int = 0) -> BlockFP8Weight:
+    """Random float8 values (spread over e4m3's range) with random positive per-row tile scales."""
+    w = BlockFP8Weight(n, k, block, offset)
+    values = (torch.randn(n, k, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(n, w.scale.shape[1], generator=gen) * 1e-2 + 1e-3
+    w.load_rows(slice(0, n), values, scale)
+    return w.to(DEVICE)
+
+
+def shared_fp8_weight(gen, n: int, k: int, group: int, interleaved: bool) -> BlockFP8Weight:
+    """A weight whose rows share scales as a checkpoint's tiles of ``group`` rows make them share (gate
+    and up interleaved: two such weights' rows alternating), settled."""
+    halves = [fp8_weight(gen, n // 2 if interleaved else n, k, 128) for _ in range(2 if interleaved else 1)]
+    for half in halves:
+        half.scale.copy_(row_scales(half.scale[::group], group, 0, half.shape[0]))
+    if interleaved:
+        w = BlockFP8Weight(n, k, 128).to(DEVICE)
+        w.load_rows(
+            slice(0, n),
+            interleave_gate_up(halves[0].weight, halves[1].weight),
+            interleave_gate_up(halves[0].scale, halves[1].scale),
+        )
+    else:
+        w = halves[0]
+    w.settle_scales()
+    return w
+
+
+def random_x(gen, *shape, dtype):
+    return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)

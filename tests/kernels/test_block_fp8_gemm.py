@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_helpers import DEVICE, rel_err
+from kernel_helpers import DEVICE, fp8_weight, random_x, rel_err, shared_fp8_weight
 
 from pegainfer.kernels.block_fp8_gemm import (
     Fp8GemmConfig,
@@ -25,19 +25,6 @@ from pegainfer.layers.activation import interleave_gate_up
 from pegainfer.layers.block_fp8 import BlockFP8Weight, block_fp8_linear_ref, row_scales, widened_bytes
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
-
-
-def _weight(gen, n: int, k: int, block: int, offset: int = 0) -> BlockFP8Weight:
-    """Random float8 values (spread over e4m3's range) with random positive per-row tile scales."""
-    w = BlockFP8Weight(n, k, block, offset)
-    values = (torch.randn(n, k, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
-    scale = torch.rand(n, w.scale.shape[1], generator=gen) * 1e-2 + 1e-3
-    w.load_rows(slice(0, n), values, scale)
-    return w.to(DEVICE)
-
-
-def _x(gen, *shape, dtype):
-    return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -64,9 +51,9 @@ def _x(gen, *shape, dtype):
 )
 def test_matches_the_dequantized_reference(dtype, m, n, k, block, offset, config):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
-    w = _weight(gen, n, k, block, offset)
-    x = _x(gen, m, k, dtype=dtype)
-    bias = _x(gen, n, dtype=dtype)
+    w = fp8_weight(gen, n, k, block, offset)
+    x = random_x(gen, m, k, dtype=dtype)
+    bias = random_x(gen, n, dtype=dtype)
     out = block_fp8_linear_triton(x, w, bias, config=config)
     ref = block_fp8_linear_ref(x.float(), w, bias.float())
     assert out.dtype == dtype and out.shape == (m, n)
@@ -86,9 +73,9 @@ def test_matches_the_dequantized_reference(dtype, m, n, k, block, offset, config
 )
 def test_skinny_gemm_float8_form(dtype, m, n, k, block, config):
     gen = torch.Generator().manual_seed(m * 7 + n)
-    w = _weight(gen, n, k, block)
-    x = _x(gen, m, k, dtype=dtype)
-    bias = _x(gen, n, dtype=dtype)
+    w = fp8_weight(gen, n, k, block)
+    x = random_x(gen, m, k, dtype=dtype)
+    bias = random_x(gen, n, dtype=dtype)
     if config is None:
         out = block_fp8_linear_triton(x, w, bias)
     else:
@@ -97,30 +84,10 @@ def test_skinny_gemm_float8_form(dtype, m, n, k, block, config):
     assert rel_err(out, block_fp8_linear_ref(x.float(), w, bias.float())) < TOL[dtype]
 
 
-def _shared_weight(gen, n: int, k: int, group: int, interleaved: bool) -> BlockFP8Weight:
-    """A weight whose rows share scales as a checkpoint's tiles of ``group`` rows make them share (gate
-    and up interleaved: two such weights' rows alternating), settled."""
-    halves = [_weight(gen, n // 2 if interleaved else n, k, 128) for _ in range(2 if interleaved else 1)]
-    for half in halves:
-        rows = torch.arange(half.shape[0], device=half.scale.device)
-        half.scale.copy_(half.scale[rows - rows % group])
-    if interleaved:
-        w = BlockFP8Weight(n, k, 128).to(DEVICE)
-        w.load_rows(
-            slice(0, n),
-            interleave_gate_up(halves[0].weight, halves[1].weight),
-            interleave_gate_up(halves[0].scale, halves[1].scale),
-        )
-    else:
-        w = halves[0]
-    w.settle_scales()
-    return w
-
-
 @pytest.mark.parametrize("interleaved", [False, True], ids=["period1", "period2"])
 def test_rows_sharing_scales_are_found(interleaved):
     gen = torch.Generator().manual_seed(5)
-    w = _shared_weight(gen, 200, 256, 64, interleaved)
+    w = shared_fp8_weight(gen, 200, 256, 64, interleaved)
     assert w.scale_groups == ((128, 2) if interleaved else (64, 1))  # 64-row tiles, alternating: 128 rows
     assert w.scale_period(32) == (2 if interleaved else 1)
     assert w.scale_period(256) == 0  # a tile of rows would span groups
@@ -128,10 +95,10 @@ def test_rows_sharing_scales_are_found(interleaved):
     assert w.scale_groups is None and w.scale_period(32) == 0  # loading again: examined anew
     w.settle_scales()
     assert w.scale_groups is None  # row 0 alone differs: every row its own
-    own = _weight(gen, 40, 64, 32)
+    own = fp8_weight(gen, 40, 64, 32)
     own.settle_scales()
     assert own.scale_groups is None
-    shared = _shared_weight(gen, 64, 64, 32, False)
+    shared = shared_fp8_weight(gen, 64, 64, 32, False)
     shared.load_state_dict({k: v.clone() for k, v in shared.state_dict().items()})
     assert shared.scale_groups is None  # scales from a state dict: not yet examined
 
@@ -152,9 +119,9 @@ def test_tiles_load_the_scales_their_rows_share(dtype, interleaved, m, n, k, con
     """A tile of rows inside one group of rows that share their scales loads them once (or twice,
     alternating): the same result as every row's own."""
     gen = torch.Generator().manual_seed(m + n + k)
-    w = _shared_weight(gen, n, k, 32, interleaved)
+    w = shared_fp8_weight(gen, n, k, 32, interleaved)
     assert w.scale_period(config.block_n) == (2 if interleaved else 1)
-    x = _x(gen, m, k, dtype=dtype)
+    x = random_x(gen, m, k, dtype=dtype)
     run = skinny_linear_triton if isinstance(config, SkinnyConfig) else block_fp8_linear_triton
     out = run(x, w, config=config)
     assert rel_err(out, block_fp8_linear_ref(x.float(), w)) < TOL[dtype]
@@ -165,7 +132,7 @@ def test_tiles_load_the_scales_their_rows_share(dtype, interleaved, m, n, k, con
 def test_skinny_gemm_refuses_float8_columns_inside_a_tile():
     gen = torch.Generator().manual_seed(0)
     with pytest.raises(ValueError, match="tile boundary"):
-        skinny_linear_triton(_x(gen, 1, 64, dtype=torch.float32), _weight(gen, 16, 64, 32, offset=8))
+        skinny_linear_triton(random_x(gen, 1, 64, dtype=torch.float32), fp8_weight(gen, 16, 64, 32, offset=8))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -173,19 +140,19 @@ def test_skinny_gemm_refuses_float8_columns_inside_a_tile():
 def test_silu_of_interleaved_gate_up_and_the_residual_add(dtype, m):
     gen = torch.Generator().manual_seed(m)
     inter, hidden = 48, 256
-    gate, up = _weight(gen, inter, hidden, 128), _weight(gen, inter, hidden, 128)
+    gate, up = fp8_weight(gen, inter, hidden, 128), fp8_weight(gen, inter, hidden, 128)
     gate_up = BlockFP8Weight(2 * inter, hidden, 128).to(DEVICE)
     gate_up.load_rows(
         slice(0, 2 * inter),
         interleave_gate_up(gate.weight, up.weight),
         interleave_gate_up(gate.scale, up.scale),
     )
-    x = _x(gen, m, hidden, dtype=dtype)
+    x = random_x(gen, m, hidden, dtype=dtype)
     act = block_fp8_linear_triton(x, gate_up, silu=True)
     assert act.shape == (m, inter)
     assert rel_err(act, block_fp8_linear_ref(x.float(), gate_up, silu=True)) < TOL[dtype]
-    down = _weight(gen, hidden, inter, 128)
-    residual = _x(gen, m, hidden, dtype=dtype)
+    down = fp8_weight(gen, hidden, inter, 128)
+    residual = random_x(gen, m, hidden, dtype=dtype)
     expected = residual.float() + block_fp8_linear_ref(act.float(), down)
     out = block_fp8_linear_triton(act, down, residual=residual)
     assert out.data_ptr() == residual.data_ptr()  # in place
@@ -195,15 +162,15 @@ def test_silu_of_interleaved_gate_up_and_the_residual_add(dtype, m):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_dequantize_kernel_rounds_as_the_reference(dtype):
     gen = torch.Generator().manual_seed(9)
-    w = _weight(gen, 40, 300, 128, offset=5)
+    w = fp8_weight(gen, 40, 300, 128, offset=5)
     out = dequantize_into(w, torch.empty(40, 300, dtype=dtype, device=DEVICE))
     assert torch.equal(out, w.dequantize(dtype))
 
 
 def test_prefill_rows_widen_into_one_growing_scratch():
     gen = torch.Generator().manual_seed(3)
-    small, large = _weight(gen, 16, 64, 32), _weight(gen, 48, 64, 32)
-    x = _x(gen, 130, 64, dtype=torch.float32)
+    small, large = fp8_weight(gen, 16, 64, 32), fp8_weight(gen, 48, 64, 32)
+    x = random_x(gen, 130, 64, dtype=torch.float32)
     for w in (small, large, small):
         assert rel_err(block_fp8_linear_triton(x, w), block_fp8_linear_ref(x, w)) < TOL[torch.float32]
     # One buffer a device and dtype: the smaller projection widens into the larger one's.
@@ -251,9 +218,9 @@ def test_deepseek_v3_shapes_on_the_gpu(m, n, k, scales):
     a checkpoint's 128-row tiles, and of tiles with gate and up rows interleaved."""
     gen = torch.Generator().manual_seed(n)
     w = (
-        _weight(gen, n, k, 128)
+        fp8_weight(gen, n, k, 128)
         if scales == "own"
-        else _shared_weight(gen, n, k, 128, scales == "interleaved")
+        else shared_fp8_weight(gen, n, k, 128, scales == "interleaved")
     )
-    x = _x(gen, m, k, dtype=torch.bfloat16)
+    x = random_x(gen, m, k, dtype=torch.bfloat16)
     assert rel_err(block_fp8_linear_triton(x, w), block_fp8_linear_ref(x.float(), w)) < 1e-2

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_helpers import DEVICE, rel_err
+from kernel_helpers import DEVICE, fp8_weight, random_x, rel_err, shared_fp8_weight
 
 from pegainfer.kernels.act_quant import quantize_activations
 from pegainfer.kernels.block_fp8_w8a8 import block_fp8_w8a8_triton, default_tiles
@@ -28,24 +28,11 @@ from pegainfer.layers.block_fp8 import (
 TOL = {torch.float32: 2e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
-def _weight(gen, n: int, k: int, block: int, offset: int = 0) -> BlockFP8Weight:
-    """Random float8 values (spread over e4m3's range) with random positive per-row tile scales."""
-    w = BlockFP8Weight(n, k, block, offset)
-    values = (torch.randn(n, k, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
-    scale = torch.rand(n, w.scale.shape[1], generator=gen) * 1e-2 + 1e-3
-    w.load_rows(slice(0, n), values, scale)
-    return w.to(DEVICE)
-
-
-def _x(gen, *shape, dtype):
-    return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(("m", "k", "offset"), [(3, 256, 0), (9, 300, 0), (5, 200, 40)])
 def test_quantizer_matches_the_reference_bit_for_bit(dtype, m, k, offset):
     gen = torch.Generator().manual_seed(m + k)
-    x = _x(gen, m, k, dtype=dtype) * torch.logspace(-4, 3, k).to(dtype).to(DEVICE)  # every binade
+    x = random_x(gen, m, k, dtype=dtype) * torch.logspace(-4, 3, k).to(dtype).to(DEVICE)  # every binade
     x[0, :10] = 0.0  # a group with zeros; row 1's first group all zero
     x[1, : 128 - offset] = 0.0
     q, s = quantize_activations(x, 128, offset)
@@ -79,9 +66,9 @@ def test_reference_groups_follow_the_weight_tiles():
 )
 def test_matches_the_w8a8_reference(dtype, m, n, k, block, offset, tiles):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
-    w = _weight(gen, n, k, block, offset)
-    x = _x(gen, m, k, dtype=dtype)
-    bias = _x(gen, n, dtype=dtype)
+    w = fp8_weight(gen, n, k, block, offset)
+    x = random_x(gen, m, k, dtype=dtype)
+    bias = random_x(gen, n, dtype=dtype)
     out = block_fp8_w8a8_triton(x, w, bias, tiles=tiles)
     ref = block_fp8_linear_ref(x.float(), w, bias.float(), fp8_activations=True)
     assert out.dtype == dtype and out.shape == (m, n)
@@ -94,19 +81,19 @@ def test_matches_the_w8a8_reference(dtype, m, n, k, block, offset, tiles):
 def test_silu_of_interleaved_gate_up_and_the_residual_add(m):
     gen = torch.Generator().manual_seed(m)
     inter, hidden = 48, 256
-    gate, up = _weight(gen, inter, hidden, 128), _weight(gen, inter, hidden, 128)
+    gate, up = fp8_weight(gen, inter, hidden, 128), fp8_weight(gen, inter, hidden, 128)
     gate_up = BlockFP8Weight(2 * inter, hidden, 128).to(DEVICE)
     gate_up.load_rows(
         slice(0, 2 * inter),
         interleave_gate_up(gate.weight, up.weight),
         interleave_gate_up(gate.scale, up.scale),
     )
-    x = _x(gen, m, hidden, dtype=torch.float32)
+    x = random_x(gen, m, hidden, dtype=torch.float32)
     act = block_fp8_w8a8_triton(x, gate_up, silu=True)
     assert act.shape == (m, inter)
     assert rel_err(act, block_fp8_linear_ref(x, gate_up, silu=True, fp8_activations=True)) < TOL[x.dtype]
-    down = _weight(gen, hidden, inter, 128)
-    residual = _x(gen, m, hidden, dtype=torch.float32)
+    down = fp8_weight(gen, hidden, inter, 128)
+    residual = random_x(gen, m, hidden, dtype=torch.float32)
     expected = residual + block_fp8_linear_ref(act, down, fp8_activations=True)
     out = block_fp8_w8a8_triton(act, down, residual=residual)
     assert out.data_ptr() == residual.data_ptr()  # in place
@@ -118,21 +105,10 @@ def test_tiles_load_the_scales_their_rows_share(interleaved):
     """Rows sharing their scales in tiles (gate and up interleaved: alternately), settled: a tile of rows
     loads one or two scales, with the sums of every row's own."""
     gen = torch.Generator().manual_seed(9)
-    halves = [_weight(gen, 48, 256, 128) for _ in range(2)]
-    for half in halves:
-        rows = torch.arange(48, device=half.scale.device)
-        half.scale.copy_(half.scale[rows - rows % 32])
-    w = BlockFP8Weight(96, 256, 128).to(DEVICE)
-    pair = (halves[0], halves[1]) if interleaved else (halves[0], halves[0])
-    w.load_rows(
-        slice(0, 96),
-        interleave_gate_up(pair[0].weight, pair[1].weight),
-        interleave_gate_up(pair[0].scale, pair[1].scale),
-    )
-    w.settle_scales()
+    w = shared_fp8_weight(gen, 96, 256, 32, interleaved)
     tiles = (16, 32, 4, 2)
     assert w.scale_period(tiles[1]) == (2 if interleaved else 1)
-    x = _x(gen, 3, 256, dtype=torch.bfloat16)
+    x = random_x(gen, 3, 256, dtype=torch.bfloat16)
     out = block_fp8_w8a8_triton(x, w, tiles=tiles)
     assert rel_err(out, block_fp8_linear_ref(x.float(), w, fp8_activations=True)) < TOL[x.dtype]
     w.scale_groups = None  # each row's own scales
@@ -157,8 +133,8 @@ def test_deepseek_v3_shapes_on_the_gpu(m, n, k):
     """DeepSeek-V3's q_a|kv_a at a decode row, the shared down at 16 rows and a 300-token prefill of the
     shared gate|up, with the default tiles, in bf16 against the fp32 W8A8 product."""
     gen = torch.Generator().manual_seed(n)
-    w = _weight(gen, n, k, 128)
-    x = _x(gen, m, k, dtype=torch.bfloat16)
+    w = fp8_weight(gen, n, k, 128)
+    x = random_x(gen, m, k, dtype=torch.bfloat16)
     ref = block_fp8_linear_ref(x.float(), w, fp8_activations=True)
     assert rel_err(block_fp8_w8a8_triton(x, w), ref) < 1e-2
 
@@ -168,4 +144,4 @@ def test_tiles_the_kernel_cannot_take_are_refused():
     gen = torch.Generator().manual_seed(1)
     for block in (16, 256):
         with pytest.raises(ValueError, match="32, 64 or 128 columns"):
-            block_fp8_w8a8_triton(_x(gen, 1, 256, dtype=torch.float32), _weight(gen, 16, 256, block))
+            block_fp8_w8a8_triton(random_x(gen, 1, 256, dtype=torch.float32), fp8_weight(gen, 16, 256, block))
