@@ -46,6 +46,9 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=1024)
     parser.add_argument("--fp8", action="store_true", help="deepseek: a block-FP8 checkpoint")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument(
+        "--trace", type=int, default=0, help="also list the first N kernels of one step in launch order"
+    )
     args = parser.parse_args()
     folder, vocab = checkpoint(args.model, args.shape, args.layers, args.fp8)
     llm = build(folder, max_num_seqs=args.batch, max_model_len=args.ctx + 64, enforce_eager=True)
@@ -73,6 +76,24 @@ def main() -> None:
     for e in rows[: args.top]:
         ms = e.device_time_total / 5 / 1e3
         print(f"{e.key[:80]:80s} {ms:8.3f} {e.count // 5:6d} {ms / total:6.1%}")
+    if args.trace:
+        print_trace(prof, args.trace)
+
+
+def print_trace(prof: torch.profiler.profile, count: int) -> None:
+    """The last step's first ``count`` kernels in launch order: duration and the idle gap before each
+    (eager launches, so gaps are the host's; a graph replays the same kernels back to back)."""
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    step = kernels[len(kernels) * 4 // 5 :]  # the fifth of five steps
+    print(f"{'#':>4s} {'us':>7s} {'gap':>6s} kernel")
+    end = step[0].time_range.start
+    for i, e in enumerate(step[:count]):
+        gap = e.time_range.start - end
+        end = e.time_range.end
+        print(f"{i:4d} {e.time_range.elapsed_us():7.1f} {gap:6.1f} {e.name[:100]}")
 
 
 if __name__ == "__main__":
