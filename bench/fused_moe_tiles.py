@@ -32,11 +32,6 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--fp8", action="store_true", help="DeepSeek-V3's experts in float8 with 128x128 scales")
 parser.add_argument("--pairs", action="store_true", help="the pair path (moe_pairs) and its tiles")
 parser.add_argument("--cases", default="", help="comma-separated expert shapes to run (default: all)")
-parser.add_argument(
-    "--sweeps",
-    default="split,gate_up,down,combine",
-    help="the pair path's sweeps at 1 token, in turn (a sweep left out keeps the tiles it would tune)",
-)
 args = parser.parse_args()
 bw = stream_read_bytes_per_s()
 print(f"stream read {bw / 1e12:.2f} TB/s", flush=True)
@@ -126,23 +121,13 @@ for name, (E, H, inter, K) in CASES.items():
             return [moe_pairs.fused_moe_pairs(x, w, r, gu, dn, scales=scales, tiles=tiles) for r in routes]
 
         if T == 1:
-            # How many programs share gate|up's columns first, then each launch's tiles, then down summing
-            # the choices itself (no combining launch) over the same down tiles.
-            sweeps = args.sweeps.split(",")
+            # How many programs share gate|up's columns first, then each launch's tiles.
             k = 128 if args.fp8 else 256
             base = dict(gate_up_n=64, gate_up_k=128, gate_up_stages=4, down_n=64, down_k=k, down_stages=3)
-            tuned = {}
-            if "split" in sweeps:
-                tuned = best_of(pairs, [{**base, "gate_up_split": s} for s in (1, 2, 4)], used, "split")
-            if "gate_up" in sweeps:
-                tuned = best_of(pairs, [{**tuned, **g} for g in PAIR_GATE_UP], used, "gate_up tiles")
-            if "down" in sweeps:
-                tuned = best_of(pairs, [{**tuned, **d} for d in PAIR_DOWN], used, "down tiles")
-            variants = [("default", {}), ("tuned at T=1", tuned)]
-            if "combine" in sweeps:
-                combined = [{**tuned, **d, "combine": True} for d in PAIR_DOWN]
-                variants.append(("summing in down, tuned at T=1", best_of(pairs, combined, used, "combine")))
-        for label, knobs in variants:
+            tuned = best_of(pairs, [{**base, "gate_up_split": s} for s in (1, 2, 4)], used, "split")
+            tuned = best_of(pairs, [{**tuned, **g} for g in PAIR_GATE_UP], used, "gate_up tiles")
+            tuned = best_of(pairs, [{**tuned, **d} for d in PAIR_DOWN], used, "down tiles")
+        for label, knobs in (("default", {}), ("tuned at T=1", tuned)):
             p = graph_time_ms(lambda knobs=knobs: pairs(**knobs), calls=CALLS)
             print(
                 f"{name} T={T}: pairs, {label} tiles {p * 1e3:.1f} us {used / (p / 1e3) / bw:.1%}", flush=True

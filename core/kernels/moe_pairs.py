@@ -67,9 +67,6 @@ class PairTiles:
     down_k: int = 128
     down_stages: int = 3
     num_warps: int = 4
-    #: Down sums each token's choices itself (one program per (token, tile), its pairs in turn), so the
-    #: combining launch goes; its tiles are ``down_*``.
-    combine: bool = False
 
 
 @triton.jit
@@ -225,75 +222,6 @@ def _pair_down_kernel(
     tl.store(y_ptr + pair * hidden + offs_n, cast_to(y, dtype, FIX), mask=offs_n < hidden)
 
 
-@triton.jit
-def _pair_down_combine_kernel(
-    part_ptr,
-    w_ptr,
-    ids_ptr,
-    weights_ptr,
-    add_ptr,
-    out_ptr,
-    scale_ptr,
-    num_pairs,
-    hidden,
-    inter,
-    stride_we,
-    stride_wn,
-    stride_se,
-    stride_srow,
-    stride_scol,
-    scale_offset,
-    QUANT: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_COLS: tl.constexpr,
-    SPLIT: tl.constexpr,
-    TOP_K: tl.constexpr,
-    HAS_ADD: tl.constexpr,
-    RESIDUAL: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    PREC: tl.constexpr,
-    FIX: tl.constexpr,
-):
-    """Program (token, tile): the down kernel's ``y`` of each of the token's pairs in turn, summed and
-    added as the combining launch does (same order, same roundings), for the tile's features. One loop
-    over (pair, column tile), so the loads of the next pair's weights are in flight while one finishes."""
-    token = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    n_ok = (offs_n < hidden)[:, None]
-    rows = offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    scale_row = (tl.program_id(1) * BLOCK_N) // BLOCK_ROWS * stride_srow
-    dtype: tl.constexpr = out_ptr.dtype.element_ty
-    k_tiles = tl.cdiv(inter, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, 16], tl.float32)
-    total = tl.zeros([BLOCK_N], tl.float32)
-    for i in range(0, TOP_K * k_tiles):
-        j = i // k_tiles
-        k = (i - j * k_tiles) * BLOCK_K
-        pair = token * TOP_K + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        k_ok = _columns_ok(k, offs_k, inter, EVEN_K)
-        a = _pair_act(part_ptr, pair, k, offs_k, k_ok, num_pairs, inter, SPLIT, dtype, FIX)
-        w = tl.load(w_ptr + expert * stride_we + rows + k, mask=n_ok & k_ok[None, :], other=0.0)
-        scales = scale_ptr + expert * stride_se + scale_row + (k + scale_offset) // BLOCK_COLS * stride_scol
-        acc += _scaled_dot(w, a, scales, QUANT, FIX, PREC)
-        # A pair's last column tile: its weighted output, rounded as the down kernel rounds y, joins the sum.
-        y = cast_to(tl.sum(acc, 1) * tl.load(weights_ptr + pair).to(tl.float32), dtype, FIX).to(tl.float32)
-        last = k + BLOCK_K >= inter
-        total += tl.where(last, y, 0.0)
-        acc = tl.where(last, 0.0, acc)
-    out = out_ptr + token * hidden + offs_n
-    if HAS_ADD:
-        total = cast_to(total, dtype, FIX).to(tl.float32)
-        total += tl.load(add_ptr + token * hidden + offs_n, mask=offs_n < hidden, other=0.0).to(tl.float32)
-    if RESIDUAL:
-        total = cast_to(total, dtype, FIX).to(tl.float32)
-        total += tl.load(out, mask=offs_n < hidden, other=0.0).to(tl.float32)
-    tl.store(out, cast_to(total, dtype, FIX), mask=offs_n < hidden)
-
-
 def default_tiles(pairs: int, inter: int, sms: int) -> PairTiles:
     """The default tiles, with gate|up's columns split in two where that still fits one wave of programs
     over the ``sms`` multiprocessors (measured at 1 token: Qwen3.5-35B-A3B's 64 programs 21.0 -> 20.4 us
@@ -351,6 +279,7 @@ def fused_moe_pairs(
     ids = ids.contiguous()
     weights = weights.contiguous()
     part = torch.empty(t.gate_up_split, pairs, 2 * inter, dtype=torch.float32, device=x.device)
+    y = x.new_empty(pairs, hidden)
     quant = scales is not None
     gu_s = scales.gate_up if quant else x
     d_s = scales.down if quant else x
@@ -367,21 +296,9 @@ def fused_moe_pairs(
         TOP_K=top_k, BLOCK_N=t.gate_up_n, BLOCK_K=t.gate_up_k, EVEN_K=hidden % t.gate_up_k == 0,
         num_stages=t.gate_up_stages, **flags,
     )  # fmt: skip
-    down_args = (
-        down.stride(0), down.stride(1), d_s.stride(0) if quant else 0, d_s.stride(1) if quant else 0,
-        d_s.stride(2) if quant else 0, offset,
+    _pair_down_kernel[(pairs, triton.cdiv(hidden, t.down_n))](
+        part, down, ids, weights, y, d_s, pairs, hidden, inter, down.stride(0), down.stride(1),
+        d_s.stride(0) if quant else 0, d_s.stride(1) if quant else 0, d_s.stride(2) if quant else 0, offset,
+        BLOCK_N=t.down_n, BLOCK_K=t.down_k, EVEN_K=inter % t.down_k == 0, num_stages=t.down_stages, **flags,
     )  # fmt: skip
-    down_flags = dict(
-        BLOCK_N=t.down_n, BLOCK_K=t.down_k, EVEN_K=inter % t.down_k == 0, num_stages=t.down_stages, **flags
-    )
-    grid = (tokens if t.combine else pairs, triton.cdiv(hidden, t.down_n))
-    if t.combine:
-        out = residual if residual is not None else x.new_empty(tokens, hidden)
-        _pair_down_combine_kernel[grid](
-            part, down, ids, weights, add if add is not None else out, out, d_s, pairs, hidden, inter,
-            *down_args, TOP_K=top_k, HAS_ADD=add is not None, RESIDUAL=residual is not None, **down_flags,
-        )  # fmt: skip
-        return out
-    y = x.new_empty(pairs, hidden)
-    _pair_down_kernel[grid](part, down, ids, weights, y, d_s, pairs, hidden, inter, *down_args, **down_flags)
     return combine_choices(y, top_k, add, residual)
