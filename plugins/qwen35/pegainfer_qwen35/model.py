@@ -127,7 +127,8 @@ class Qwen35DecoderLayer(nn.Module):
         if isinstance(self.mlp, DenseMLP):
             self.mlp(x, bufs, static_shapes=static, residual=x, norm=folded)
         else:
-            self.mlp(x, bufs, static_shapes=static, residual=x, norm=(self.post_attention_layernorm, eps))
+            normed = rms_norm_zero_centred(x, self.post_attention_layernorm, eps, out=bufs.normed)
+            self.mlp(normed, bufs, static_shapes=static, residual=x)
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         h = self.config.hidden_size

@@ -51,7 +51,7 @@ from pegainfer.parallel.distributed import TensorParallel
 from pegainfer.parallel.sharding import Shard, split, stitch
 from pegainfer_qwen35.config import Qwen35Config, Qwen35Shard
 from pegainfer_qwen35.pass_buffers import PassBuffers
-from pegainfer_qwen35.routing import norm_and_route, softmax_topk
+from pegainfer_qwen35.routing import softmax_topk
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -78,23 +78,14 @@ class SparseMoE(nn.Module):
         self.experts_gate_up = _param(e + s.shared_pieces, 2 * ie, h, dtype=dtype)
         self.experts_down = _param(e + s.shared_pieces, h, ie, dtype=dtype)
 
-    def route(
-        self, x: torch.Tensor, bufs: PassBuffers, norm: tuple[torch.Tensor, float] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(the experts' input rows, weights ``[T, k + m]`` in the model dtype, expert ids ``[T, k + m]``: the
-        top k, then the shared expert's ``m`` pieces). With ``norm`` (the zero-centred RMSNorm's weight and
-        eps) ``x`` is un-normed and normed here into ``bufs.normed`` (at decode on CUDA in the router's
-        launch: ``routing.norm_and_route``); else ``x`` is normed already."""
+    def route(self, x: torch.Tensor, bufs: PassBuffers) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights ``[T, k + m]`` in the model dtype, expert ids ``[T, k + m]``: the top k, then the shared
+        expert's ``m`` pieces) for the normed rows ``x``."""
         c = self.config
-        k, shared = c.num_experts_per_tok, self.shard.shared_pieces
-        if norm is not None:
-            normed = bufs.normed[: x.shape[0]]
-            weights, ids = norm_and_route(
-                x, norm[0], self.router, norm[1], k, c.norm_topk_prob, shared, normed, bufs.moe_router
-            )
-            return normed, weights, ids
         logits = torch.matmul(x, self.router.t(), out=bufs.moe_router)
-        return (x, *softmax_topk(logits, k, c.norm_topk_prob, x.dtype, shared))
+        return softmax_topk(
+            logits, c.num_experts_per_tok, c.norm_topk_prob, x.dtype, self.shard.shared_pieces
+        )
 
     def forward(
         self,
@@ -103,15 +94,13 @@ class SparseMoE(nn.Module):
         *,
         static_shapes: bool = False,
         residual: torch.Tensor | None = None,
-        norm: tuple[torch.Tensor, float] | None = None,
     ) -> torch.Tensor:
-        """Block output of the rows ``x`` ``[T, H]`` (into ``bufs.mlp_down`` off CUDA), normed by the block
-        with ``norm`` (see :meth:`route`), else normed already; with ``residual`` it is added to it in place
-        and ``residual`` returned.
+        """Block output of the normed rows ``x`` ``[T, H]`` (into ``bufs.mlp_down`` off CUDA); with
+        ``residual`` it is added to it in place and ``residual`` returned.
 
         ``static_shapes``: no host sync and no data-dependent shapes (the schedule for CUDA graphs).
         """
-        x, weights, experts = self.route(x, bufs, norm)
+        weights, experts = self.route(x, bufs)
         if ops.use_triton(x):
             # At tp=1, where no all-reduce comes between, the residual add rides the launch that sums the
             # choices.

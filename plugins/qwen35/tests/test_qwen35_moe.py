@@ -14,7 +14,6 @@ from pegainfer.testing.triton_kernels import KERNEL_DEVICE, requires_kernels
 from pegainfer_qwen35 import routing
 from pegainfer_qwen35.config import Qwen35Config
 from pegainfer_qwen35.moe import SparseMoE
-from pegainfer_qwen35.norms import rms_norm_zero_centred_ref
 from pegainfer_qwen35.pass_buffers import PassBuffers, pass_buffer_roles
 
 H, E, K, IE, IS = 32, 8, 3, 16, 24
@@ -71,36 +70,20 @@ def test_moe_block_matches_transformers(blocks, static_shapes):
 
 
 @requires_kernels
-@pytest.mark.parametrize("norm", [False, True], ids=["normed-rows", "norm-in-block"])
 @pytest.mark.parametrize("tokens", [1, 13], ids=["pairs", "grouped"])
-def test_moe_block_through_the_expert_kernels_matches_transformers(blocks, tokens, norm, monkeypatch):
+def test_moe_block_through_the_expert_kernels_matches_transformers(blocks, tokens, monkeypatch):
     """The CUDA path (selection kernel, then the routed experts and the shared expert's two pieces in one
     ``ops.fused_moe``) on the kernels' device: a decode step's token (one program per pair) and a prefill's
-    (grouped GEMMs); with ``norm`` the block norms the rows itself (for the decode token in the router's
-    launch, ``routing.norm_route_topk``)."""
+    (grouped GEMMs)."""
     ours, ref = blocks
     if KERNEL_DEVICE == "cpu":  # the interpreter on CPU tensors: take the CUDA branches anyway
         monkeypatch.setattr(ops, "use_triton", lambda t: True)
         monkeypatch.setattr(routing, "use_triton", lambda t: True)
     x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(2))
-    weight = torch.randn(H, generator=torch.Generator().manual_seed(4)) * 0.1
     bufs = PassBuffers(pass_buffer_roles(_config(), torch.float32), tokens, torch.device(KERNEL_DEVICE))
     residual = torch.randn(tokens, H, generator=torch.Generator().manual_seed(3))
     moe = copy.deepcopy(ours).to(KERNEL_DEVICE)
-    block_norm = (weight.to(KERNEL_DEVICE), 1e-6) if norm else None
     with torch.no_grad():
-        out = moe(x.to(KERNEL_DEVICE), bufs, residual=residual.clone().to(KERNEL_DEVICE), norm=block_norm)
-        expected = residual + ref((rms_norm_zero_centred_ref(x, weight, 1e-6) if norm else x)[None])[0]
+        out = moe(x.to(KERNEL_DEVICE), bufs, residual=residual.clone().to(KERNEL_DEVICE))
+        expected = residual + ref(x[None])[0]
     torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("static_shapes", [False, True], ids=["grouped", "static"])
-def test_moe_block_norms_its_rows_off_the_kernels(blocks, static_shapes):
-    ours, ref = blocks
-    x = torch.randn(3, H, generator=torch.Generator().manual_seed(5))
-    weight = torch.randn(H, generator=torch.Generator().manual_seed(6)) * 0.1
-    bufs = PassBuffers(pass_buffer_roles(_config(), torch.float32), 3, torch.device("cpu"))
-    with torch.no_grad():
-        out = ours(x, bufs, static_shapes=static_shapes, norm=(weight, 1e-6))
-        expected = ref(rms_norm_zero_centred_ref(x, weight, 1e-6)[None])[0]
-    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
