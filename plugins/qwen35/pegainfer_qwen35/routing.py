@@ -48,22 +48,34 @@ def _softmax_topk_kernel(
     token = tl.program_id(0).to(tl.int64)
     row = logits_ptr + token * stride_l
     expert = tl.arange(0, BLOCK_E)
-    valid = expert < NUM_EXPERTS
-    logit = tl.load(row + expert, mask=valid, other=float("-inf")).to(tl.float32)
-    e = tl.exp(logit - tl.max(logit, 0))
-    probs = e / tl.sum(e, 0)
-    choice = tl.where(valid, probs, -1.0)  # below every probability: padding is never picked
+    logit = tl.load(row + expert, mask=expert < NUM_EXPERTS, other=float("-inf")).to(tl.float32)
+    # The K best probabilities are the K best logits (softmax keeps the order): each pick is one max over
+    # int64 keys, the logit's bits made order-preserving as integers above BLOCK_E - 1 - expert (equal
+    # logits: the lower index wins). Every reduction is a barrier across the warps, latency a batch-1
+    # step pays: one a pick, where a max and then a min of the index were two.
+    bits = tl.where(logit == 0.0, 0.0, logit).to(tl.int32, bitcast=True)  # -0 ties with +0
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - expert).to(tl.int64)
+    never = -9223372036854775807  # the key of padding and of picks: below every logit's
+    key = tl.where(expert < NUM_EXPERTS, key, never)
     slot = tl.arange(0, BLOCK_K)
     ids = tl.zeros([BLOCK_K], dtype=tl.int32)
-    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+    picked = tl.full([BLOCK_K], float("-inf"), tl.float32)
     for i in tl.static_range(K):
-        top = tl.max(choice, 0)
-        pick = tl.min(tl.where(choice == top, expert, BLOCK_E), 0)
+        top = tl.max(key, 0)
+        pick = BLOCK_E - 1 - (top & 0xFFFFFFFF).to(tl.int32)
+        high = (top >> 32).to(tl.int32)
+        value = tl.where(high < 0, high ^ 0x7FFFFFFF, high).to(tl.float32, bitcast=True)
         ids = tl.where(slot == i, pick, ids)
-        weights = tl.where(slot == i, top, weights)
-        choice = tl.where(expert == pick, -2.0, choice)
+        picked = tl.where(slot == i, value, picked)
+        key = tl.where(expert == pick, never, key)
+    # The probabilities of the picks only: exp(l - max) over the row's sum, or over the picks' sum.
+    best = tl.max(picked, 0)
+    e = tl.exp(picked - best)  # 0 past the K picks
     if NORM:
-        weights = weights / tl.sum(weights, 0)
+        weights = e / tl.sum(e, 0)
+    else:
+        weights = e / tl.sum(tl.exp(logit - best), 0)
     dtype = weights_ptr.dtype.element_ty
     # Slots K .. K + SHARED - 1: the shared expert's pieces, gated as one.
     gate = 1.0 / (1.0 + tl.exp(-tl.load(row + NUM_EXPERTS).to(tl.float32)))
