@@ -50,7 +50,6 @@ __all__ = [
     "mma",
     "pdl_launch",
     "pdl_start",
-    "prefetch_l2",
 ]
 
 
@@ -179,19 +178,3 @@ def pdl_start(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(ptrs, nbytes):
-    """Ask the L2 cache to fetch ``nbytes`` from each address of ``ptrs`` (16-byte aligned, ``nbytes`` a
-    multiple of 16) without waiting for them: one bulk prefetch an address (Hopper on). A kernel launched
-    early (PDL) calls it for constant weights before :func:`pdl_start`, so the reads it will start with
-    fill the previous kernel's tail, when most multiprocessors are idle, and are L2 hits after the wait."""
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-        "=r,l,r",
-        [ptrs, nbytes + tl.zeros(ptrs.shape, tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )

@@ -22,7 +22,6 @@ the row before the loop with the norm's weight applied to each x tile (+0.15 ms:
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +35,6 @@ from pegainfer.kernels._triton import (
     num_sms,
     pdl_launch,
     pdl_start,
-    prefetch_l2,
     shared_memory_per_sm,
     tl,
     triton,
@@ -163,7 +161,6 @@ def _skinny_gemm_kernel(
     QBLOCK: tl.constexpr = 1,
     SPAN: tl.constexpr = 0,
     SCALE_PERIOD: tl.constexpr = 0,
-    PREFETCH: tl.constexpr = 0,
     CONV_K: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
@@ -184,10 +181,7 @@ def _skinny_gemm_kernel(
     k0 = 0
     if PDL:
         # The weights are constant: fetch the first block while the previous kernel is still finishing,
-        # the next PREFETCH bytes of each row into L2, and only then wait for it (x is its output).
-        if PREFETCH:
-            rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-            prefetch_l2(w_ptr + rows * stride_wn + BLOCK_K, PREFETCH)
+        # and only then wait for it (x is its output).
         w = load_block(w_ptrs, 0, K, offs_k, col_ok, EVEN_K)
         w = widen_float8(w, s_rows, 0, K, col_ok, QBLOCK, SPAN, BLOCK_N, BLOCK_K, dtype, FIX)
         pdl_start(PDL)
@@ -354,7 +348,6 @@ def _skinny_gemm_stream_k_kernel(
     QBLOCK: tl.constexpr = 1,
     SPAN: tl.constexpr = 0,
     SCALE_PERIOD: tl.constexpr = 0,
-    PREFETCH: tl.constexpr = 0,
     CONV_K: tl.constexpr = 0,
 ):
     """The same GEMM over a flat list of work units, (output tile, BLOCK_K column block) in tile order:
@@ -368,23 +361,10 @@ def _skinny_gemm_stream_k_kernel(
     n_tiles = tl.cdiv(N, BLOCK_N)
     u0 = pid * UNITS
     u1 = tl.minimum(u0 + UNITS, n_tiles * K_ITERS)
+    pdl_start(PDL)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     offs_t = tl.arange(0, BLOCK_N)
-    if PDL and PREFETCH:
-        # Before the wait, the first tile's weight columns this program reads (up to PREFETCH bytes a
-        # row) into L2: they fill the previous kernel's tail (see prefetch_l2).
-        t0 = u0 // K_ITERS
-        k0 = u0 - t0 * K_ITERS
-        nbytes = (
-            (tl.minimum(u1 - t0 * K_ITERS, K_ITERS) - k0)
-            * BLOCK_K
-            * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
-        )
-        nbytes = tl.minimum(nbytes, PREFETCH)
-        rows = tl.minimum(t0 * BLOCK_N + offs_t, N - 1).to(tl.int64)
-        prefetch_l2(w_ptr + rows * stride_wn + k0 * BLOCK_K, nbytes)
-    pdl_start(PDL)
     row_ok = offs_m[:, None] < M
     part_offs = offs_t[:, None] * BLOCK_M + offs_m[None, :]
     for tile in range(u0 // K_ITERS, (u1 - 1) // K_ITERS + 1):
@@ -505,23 +485,6 @@ def _stream_k_workspace(
 #: Launch arguments without programmatic dependent launch.
 NO_PDL = {"PDL": False, "launch_pdl": False}
 
-#: Bytes of each weight row a kernel launched early (PDL) asks into L2 before it waits for the previous
-#: kernel (0: none); ``PEGAINFER_L2_PREFETCH`` sets it. A module setting so a benchmark can sweep it.
-PREFETCH_BYTES = int(os.environ.get("PEGAINFER_L2_PREFETCH", "2048"))
-
-
-def _prefetch_bytes(cfg: SkinnyConfig, weight: torch.Tensor, k: int) -> int:
-    """The ``PREFETCH`` of a launch: whole 16-byte units inside every row (bulk prefetches need 16-byte
-    aligned ranges; a ragged last column block could run past the tensor's end), and for the per-tile
-    kernel only the columns after the first block, which it loads before the wait anyway."""
-    size = weight.element_size()
-    aligned = weight.data_ptr() % 16 == 0 and weight.stride(0) * size % 16 == 0
-    if not aligned or k % cfg.block_k or cfg.block_k * size % 16:
-        return 0
-    nbytes = PREFETCH_BYTES if cfg.stream_k else min(PREFETCH_BYTES, (k - cfg.block_k) * size)
-    return nbytes // 16 * 16
-
-
 def _one_program_per_sm(cfg: SkinnyConfig, block_m: int, x: torch.Tensor) -> bool:
     """Whether the pipeline's tiles take over half a multiprocessor's shared memory, so no two programs
     share one. Only such a GEMM is launched early (PDL): its waiting programs can then only take idle
@@ -615,8 +578,6 @@ def skinny_linear_triton(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **(pdl_launch(x) if _one_program_per_sm(cfg, block_m, x) else NO_PDL),
     )  # fmt: skip
-    if flags["PDL"]:
-        flags["PREFETCH"] = _prefetch_bytes(cfg, weight, k)
     if cfg.stream_k:
         n_tiles, k_iters = triton.cdiv(n, cfg.block_n), triton.cdiv(k, cfg.block_k)
         units = triton.cdiv(n_tiles * k_iters, cfg.programs or num_sms(x.device))
