@@ -124,10 +124,7 @@ for name, (E, H, inter, K) in CASES.items():
             # How many programs share gate|up's columns first, then each launch's tiles.
             k = 128 if args.fp8 else 256
             base = dict(gate_up_n=64, gate_up_k=128, gate_up_stages=4, down_n=64, down_k=k, down_stages=3)
-            sms = num_sms(x.device)
-            tuned = best_of(
-                pairs, [{**base, "gate_up_programs": p} for p in (0, sms, 2 * sms)], used, "gate_up programs"
-            )
+            tuned = best_of(pairs, [{**base, "gate_up_split": s} for s in (1, 2, 4)], used, "split")
             tuned = best_of(pairs, [{**tuned, **g} for g in PAIR_GATE_UP], used, "gate_up tiles")
             tuned = best_of(pairs, [{**tuned, **d} for d in PAIR_DOWN], used, "down tiles")
         for label, knobs in (("default", {}), ("tuned at T=1", tuned)):

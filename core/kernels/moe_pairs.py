@@ -5,13 +5,12 @@ buy nothing there: they cost the sort's launch and 16-row tensor-core tiles with
 operand. Here, as in the skinny GEMM, the weight tile is the wide operand and the pair's input row the
 narrow one:
 
-- ``gate_up``: a program per (pair, tile of ``BLOCK_N`` features) sums ``x[t] · Wg_eᵀ`` and
-  ``x[t] · Wu_eᵀ`` for expert ``e = ids[p]`` (stacked gate|up ``[E, 2I, H]``) in fp32. Small experts
-  (Qwen3.5-35B-A3B's 512 features at hidden 2048) make too few such programs to keep the memory system
-  busy; there the work, (pair, tile, column block) units, is split evenly over one program per
-  multiprocessor, a tile's columns over up to a few programs (stream-K).
-- ``down``: one program per (pair, tile of ``BLOCK_N`` hidden features) adds gate|up's partial sums as it
-  loads them, ``act = silu(gate) · up`` rounded as the grouped path rounds it, and stores
+- ``gate_up``: one program per (pair, tile of ``BLOCK_N`` features, split of the columns) sums
+  ``x[t] · Wg_eᵀ`` and ``x[t] · Wu_eᵀ`` for expert ``e = ids[p]`` (stacked gate|up ``[E, 2I, H]``) over its
+  share of the columns, in fp32. Small experts (Qwen3.5-35B-A3B's 512 features at hidden 2048) make too
+  few programs to keep the memory system busy; splitting the columns doubles them.
+- ``down``: one program per (pair, tile of ``BLOCK_N`` hidden features) adds the splits' sums as it loads
+  them, ``act = silu(gate) · up`` rounded as the grouped path rounds it, and stores
   ``y[p] = w[p] · (act · Wd_eᵀ)``;
 - the grouped path's last launch (:func:`pegainfer.kernels.fused_moe.combine_choices`) sums each token's
   choices in order and adds the shared experts' output and the residual.
@@ -55,16 +54,15 @@ PAIR_TOKENS_FP8 = 2
 
 @dataclass(frozen=True)
 class PairTiles:
-    """Tiles of the two launches: (features, columns per load, loads in flight) each, and gate|up's
-    programs: 0, one per (pair, tile); else that many, splitting the work evenly (stream-K: a tile's
-    columns may span several programs, whose fp32 partial sums are added where down loads them).
-    Each launch's tiles were within 2% of that launch's best in the sweep (27 tilings, 18 for float8)
+    """Tiles of the two launches: (features, columns per load, loads in flight) each, and how many
+    programs share one gate|up tile's columns (their fp32 partial sums are added where down loads them).
+    Each launch's default was within 2% of that launch's best in the sweep (27 tilings, 18 for float8)
     at each of the four expert shapes."""
 
     gate_up_n: int = 64
     gate_up_k: int = 128
     gate_up_stages: int = 3
-    gate_up_programs: int = 0
+    gate_up_split: int = 1
     down_n: int = 64
     down_k: int = 128
     down_stages: int = 3
@@ -109,66 +107,48 @@ def _pair_gate_up_kernel(
     stride_srow,
     stride_scol,
     scale_offset,
-    K_ITERS,
-    UNITS,
     QUANT: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr,
     PREC: tl.constexpr,
     FIX: tl.constexpr,
 ):
-    """Program ``p`` takes work units ``[p * UNITS, (p + 1) * UNITS)`` of the flat list of (pair, tile,
-    ``BLOCK_K`` column block) in that order, and stores the fp32 sums of each tile's columns it took, for
-    the tile's gate and up features, into ``part[slot, pair]`` (``[slots, P, 2I]``: gate, then up), slot
-    = ``p`` - the tile's first program (:func:`_tile_parts`)."""
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(inter, BLOCK_N)
-    u0 = pid * UNITS
-    u1 = tl.minimum(u0 + UNITS, num_pairs * n_tiles * K_ITERS)
+    """Program (pair, tile, split): the fp32 sums of its share of the columns for the tile's gate and up
+    features, into ``part[split, pair]`` (``[SPLIT, P, 2I]``: gate, then up)."""
+    pair = tl.program_id(0)
+    split = tl.program_id(2)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    token = (pair // TOP_K).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     # The pair's row is row 0 of a 16-row operand (the smallest tensor-core tile); the others load zeros.
     only_row = (tl.arange(0, 16) == 0)[:, None]
-    for t in range(u0 // K_ITERS, (u1 - 1) // K_ITERS + 1):
-        pair = t // n_tiles
-        tile = t % n_tiles
-        k0 = tl.maximum(u0 - t * K_ITERS, 0) * BLOCK_K
-        k1 = tl.minimum(tl.minimum(u1 - t * K_ITERS, K_ITERS) * BLOCK_K, hidden)
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        token = (pair // TOP_K).to(tl.int64)
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = (offs_n < inter)[:, None]
-        x_ptrs = x_ptr + token * stride_x + tl.arange(0, 16)[:, None] * 0 + offs_k[None, :]
-        g_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-        u_ptrs = g_ptrs + inter * stride_wn
-        scales = scale_ptr + expert * stride_se
-        scales += (tile * BLOCK_N + scale_offset) // BLOCK_ROWS * stride_srow
-        acc_g = tl.zeros([BLOCK_N, 16], tl.float32)
-        acc_u = tl.zeros([BLOCK_N, 16], tl.float32)
-        for k in range(k0, k1, BLOCK_K):
-            k_ok = _columns_ok(k, offs_k, hidden, EVEN_K)
-            a = tl.load(x_ptrs + k, mask=only_row & k_ok[None, :], other=0.0)
-            g = tl.load(g_ptrs + k, mask=n_ok & k_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs + k, mask=n_ok & k_ok[None, :], other=0.0)
-            s = scales + k // BLOCK_COLS * stride_scol
-            acc_g += _scaled_dot(g, a, s, QUANT, FIX, PREC)
-            acc_u += _scaled_dot(u, a, s + stride_shalf, QUANT, FIX, PREC)
-        # Columns 1..15 are zeros: the sum over them is column 0 exactly.
-        slot = pid - (t * K_ITERS) // UNITS
-        out = part_ptr + (slot * num_pairs + pair).to(tl.int64) * 2 * inter + offs_n
-        tl.store(out, tl.sum(acc_g, 1), mask=offs_n < inter)
-        tl.store(out + inter, tl.sum(acc_u, 1), mask=offs_n < inter)
-
-
-@triton.jit
-def _tile_parts(pair, feats, n_tiles, K_ITERS, UNITS, BLOCK_N: tl.constexpr):
-    """How many programs of gate|up summed parts of the tiles holding features ``feats`` of ``pair`` (the
-    slots ``[0, parts)`` of ``part`` they filled)."""
-    t = pair * n_tiles + feats // BLOCK_N
-    return ((t + 1) * K_ITERS - 1) // UNITS - (t * K_ITERS) // UNITS + 1
+    n_ok = (offs_n < inter)[:, None]
+    x_ptrs = x_ptr + token * stride_x + tl.arange(0, 16)[:, None] * 0 + offs_k[None, :]
+    g_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    u_ptrs = g_ptrs + inter * stride_wn
+    scales = scale_ptr + expert * stride_se
+    scales += (tl.program_id(1) * BLOCK_N + scale_offset) // BLOCK_ROWS * stride_srow
+    per_split = tl.cdiv(tl.cdiv(hidden, BLOCK_K), SPLIT) * BLOCK_K
+    acc_g = tl.zeros([BLOCK_N, 16], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, 16], tl.float32)
+    for k in range(split * per_split, tl.minimum(hidden, (split + 1) * per_split), BLOCK_K):
+        k_ok = _columns_ok(k, offs_k, hidden, EVEN_K)
+        a = tl.load(x_ptrs + k, mask=only_row & k_ok[None, :], other=0.0)
+        g = tl.load(g_ptrs + k, mask=n_ok & k_ok[None, :], other=0.0)
+        u = tl.load(u_ptrs + k, mask=n_ok & k_ok[None, :], other=0.0)
+        s = scales + k // BLOCK_COLS * stride_scol
+        acc_g += _scaled_dot(g, a, s, QUANT, FIX, PREC)
+        acc_u += _scaled_dot(u, a, s + stride_shalf, QUANT, FIX, PREC)
+    # Columns 1..15 are zeros: the sum over them is column 0 exactly.
+    out = part_ptr + (split * num_pairs + pair).to(tl.int64) * 2 * inter + offs_n
+    tl.store(out, tl.sum(acc_g, 1), mask=offs_n < inter)
+    tl.store(out + inter, tl.sum(acc_u, 1), mask=offs_n < inter)
 
 
 @triton.jit
@@ -180,23 +160,18 @@ def _pair_act(
     k_ok,
     num_pairs,
     inter,
-    K_ITERS,
-    UNITS,
-    SLOTS: tl.constexpr,
-    GU_N: tl.constexpr,
+    SPLIT: tl.constexpr,
     DTYPE: tl.constexpr,
     FIX: tl.constexpr,
 ):
-    """``silu(gate) * up`` of ``pair``'s features ``k + offs_k`` from gate|up's partial sums (added in
-    slot order), as row 0 of a ``[16, BLOCK_K]`` operand in ``DTYPE`` (rounded where the grouped path
-    rounds its ``act``)."""
-    parts = _tile_parts(pair, k + offs_k, tl.cdiv(inter, GU_N), K_ITERS, UNITS, GU_N)
+    """``silu(gate) * up`` of ``pair``'s features ``k + offs_k`` from the splits' partial sums, as row 0
+    of a ``[16, BLOCK_K]`` operand in ``DTYPE`` (rounded where the grouped path rounds its ``act``)."""
     gate = tl.zeros_like(offs_k).to(tl.float32)
     up = tl.zeros_like(offs_k).to(tl.float32)
-    for s in tl.static_range(SLOTS):
+    for s in tl.static_range(SPLIT):
         at = part_ptr + (s * num_pairs + pair).to(tl.int64) * 2 * inter + k + offs_k
-        gate += tl.load(at, mask=k_ok & (s < parts), other=0.0)
-        up += tl.load(at + inter, mask=k_ok & (s < parts), other=0.0)
+        gate += tl.load(at, mask=k_ok, other=0.0)
+        up += tl.load(at + inter, mask=k_ok, other=0.0)
     act = cast_to(gate / (1.0 + tl.exp(-gate)) * up, DTYPE, FIX)
     return tl.where((tl.arange(0, 16) == 0)[:, None], act[None, :], 0.0).to(DTYPE)
 
@@ -218,13 +193,10 @@ def _pair_down_kernel(
     stride_srow,
     stride_scol,
     scale_offset,
-    K_ITERS,
-    UNITS,
     QUANT: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
-    SLOTS: tl.constexpr,
-    GU_N: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -243,9 +215,7 @@ def _pair_down_kernel(
     acc = tl.zeros([BLOCK_N, 16], tl.float32)
     for k in range(0, inter, BLOCK_K):
         k_ok = _columns_ok(k, offs_k, inter, EVEN_K)
-        a = _pair_act(
-            part_ptr, pair, k, offs_k, k_ok, num_pairs, inter, K_ITERS, UNITS, SLOTS, GU_N, dtype, FIX
-        )
+        a = _pair_act(part_ptr, pair, k, offs_k, k_ok, num_pairs, inter, SPLIT, dtype, FIX)
         w = tl.load(w_ptrs + k, mask=n_ok & k_ok[None, :], other=0.0)
         acc += _scaled_dot(w, a, scales + (k + scale_offset) // BLOCK_COLS * stride_scol, QUANT, FIX, PREC)
     y = tl.sum(acc, 1) * tl.load(weights_ptr + pair).to(tl.float32)
@@ -253,13 +223,12 @@ def _pair_down_kernel(
 
 
 def default_tiles(pairs: int, inter: int, sms: int) -> PairTiles:
-    """The default tiles, with gate|up's work split evenly over one program per multiprocessor where one
-    program per tile fills under 80% of the ``sms`` (Qwen3.5-35B-A3B at 1 token: 9 pairs x 8 tiles; an
-    even split in two of 64 programs measured 21.0 -> 20.4 us, in four 23.9; Moonlight's 132 programs and
-    DeepSeek-V3's 256 fill their waves)."""
+    """The default tiles, with gate|up's columns split in two where that still fits one wave of programs
+    over the ``sms`` multiprocessors (measured at 1 token: Qwen3.5-35B-A3B's 64 programs 21.0 -> 20.4 us
+    split in two, 23.9 in four; Moonlight's 132 and DeepSeek-V3's 256 slower split)."""
     tiles = PairTiles()
     programs = pairs * triton.cdiv(inter, tiles.gate_up_n)
-    return dataclasses.replace(tiles, gate_up_programs=sms) if programs < 0.8 * sms else tiles
+    return dataclasses.replace(tiles, gate_up_split=2) if 2 * programs <= sms else tiles
 
 
 def takes_pairs(x: torch.Tensor, scales: BlockScales | None, tiles: PairTiles | None = None) -> bool:
@@ -309,12 +278,7 @@ def fused_moe_pairs(
         )
     ids = ids.contiguous()
     weights = weights.contiguous()
-    k_iters = triton.cdiv(hidden, t.gate_up_k)
-    work = pairs * triton.cdiv(inter, t.gate_up_n) * k_iters
-    units = triton.cdiv(work, t.gate_up_programs) if t.gate_up_programs else k_iters
-    # The most programs one tile's columns can span (one where every tile starts a program's units).
-    slots = 1 if units % k_iters == 0 else (k_iters - 1) // units + 2
-    part = torch.empty(slots, pairs, 2 * inter, dtype=torch.float32, device=x.device)
+    part = torch.empty(t.gate_up_split, pairs, 2 * inter, dtype=torch.float32, device=x.device)
     y = x.new_empty(pairs, hidden)
     quant = scales is not None
     gu_s = scales.gate_up if quant else x
@@ -322,20 +286,19 @@ def fused_moe_pairs(
     block_rows, block_cols = scales.block if quant else (1, 1)
     offset = scales.offset if quant else 0
     flags = dict(
-        QUANT=quant, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, PREC=dot_precision(x.dtype),
-        FIX=interp_bf16(x.dtype), num_warps=t.num_warps,
+        QUANT=quant, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, SPLIT=t.gate_up_split,
+        PREC=dot_precision(x.dtype), FIX=interp_bf16(x.dtype), num_warps=t.num_warps,
     )  # fmt: skip
-    _pair_gate_up_kernel[(triton.cdiv(work, units),)](
+    _pair_gate_up_kernel[(pairs, triton.cdiv(inter, t.gate_up_n), t.gate_up_split)](
         x, gate_up, ids, part, gu_s, pairs, hidden, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1),
         gu_s.stride(0) if quant else 0, gu_s.stride(1) if quant else 0, gu_s.stride(2) if quant else 0,
-        gu_s.stride(3) if quant else 0, offset, k_iters, units,
+        gu_s.stride(3) if quant else 0, offset,
         TOP_K=top_k, BLOCK_N=t.gate_up_n, BLOCK_K=t.gate_up_k, EVEN_K=hidden % t.gate_up_k == 0,
         num_stages=t.gate_up_stages, **flags,
     )  # fmt: skip
     _pair_down_kernel[(pairs, triton.cdiv(hidden, t.down_n))](
         part, down, ids, weights, y, d_s, pairs, hidden, inter, down.stride(0), down.stride(1),
         d_s.stride(0) if quant else 0, d_s.stride(1) if quant else 0, d_s.stride(2) if quant else 0, offset,
-        k_iters, units, SLOTS=slots, GU_N=t.gate_up_n, BLOCK_N=t.down_n, BLOCK_K=t.down_k,
-        EVEN_K=inter % t.down_k == 0, num_stages=t.down_stages, **flags,
+        BLOCK_N=t.down_n, BLOCK_K=t.down_k, EVEN_K=inter % t.down_k == 0, num_stages=t.down_stages, **flags,
     )  # fmt: skip
     return combine_choices(y, top_k, add, residual)
