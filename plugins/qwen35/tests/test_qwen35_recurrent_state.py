@@ -413,3 +413,48 @@ def test_a_long_chunk_beside_checkpoints_takes_the_chunked_form(path, monkeypatc
         torch.testing.assert_close(snaps["ssm"][snap], want["ssm"][slot], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(snaps["conv"][snap], want["conv"][slot], atol=0, rtol=0)
     assert (snaps["ssm"][5] == -7.0).all()
+
+
+# ------------------------------------------------------------------------- decode: conv in the projection
+
+
+@requires_kernels
+def test_decode_rows_take_the_conv_step_in_the_projections_epilogue(monkeypatch):
+    """A step of decode rows only, on the skinny GEMM: the conv step runs in in_proj's epilogue (no
+    conv launch of its own) and the output and both state pools are the torch path's; the rows include
+    a graph bucket's padding copy of row 0 (its slot untouched twice)."""
+    from pegainfer_qwen35 import gdn_kernels, projections
+    from pegainfer_qwen35.pass_buffers import PassBuffers, pass_buffer_roles
+
+    layer = _gdn_layer(21)
+    slots = [2, 0, 2]
+    gen = torch.Generator().manual_seed(22)
+    x = torch.randn(len(slots), layer.config.hidden_size, generator=gen)
+    spec = dict(layer.state_spec().shapes)
+    pools = {name: torch.randn(4, *shape, generator=gen) * 0.3 for name, shape in spec.items()}
+
+    def decode(tested):
+        dev = tested.in_proj.device
+        state = {name: pool.to(dev, copy=True) for name, pool in pools.items()}
+        rows = gated_deltanet.RecurrentRows(
+            [], torch.zeros(0, dtype=torch.int64, device=dev), 0, len(slots), torch.tensor(slots, device=dev)
+        )
+        bufs = PassBuffers(pass_buffer_roles(layer.config, torch.float32), len(slots), dev)
+        out = tested(x.to(dev), rows, state, bufs)
+        return out.cpu(), {name: pool.cpu() for name, pool in state.items()}
+
+    convs = []
+    with monkeypatch.context() as patch:
+        patch.setattr(gated_deltanet, "decode_kernels_on", lambda x: True)
+        patch.setattr(gated_deltanet, "takes_skinny", lambda x: True)
+        patch.setattr(projections, "takes_skinny", lambda x: True)
+        patch.setattr(gdn_kernels, "conv_update", lambda *a: convs.append(a))
+        tested = _gdn_layer(21).to(KERNEL_DEVICE)
+        out, state = decode(tested)
+    assert not convs, "the conv step ran as a launch of its own"
+    ref_out, ref_state = decode(layer)
+    torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
+    # The windows take in_proj's outputs: the kernel's and torch's GEMMs sum in another order.
+    torch.testing.assert_close(state["conv"], ref_state["conv"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state["ssm"], ref_state["ssm"], atol=1e-5, rtol=1e-5)
+    assert torch.equal(state["conv"][[1, 3]], pools["conv"][[1, 3]])
