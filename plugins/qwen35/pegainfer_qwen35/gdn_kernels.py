@@ -27,8 +27,7 @@ a segment in turn, the state held in registers from the first token to the last.
 dependent steps, so it serves short segments; fla's chunked kernels take long ones.
 
 :func:`gated_rms_norm` is the same norm as a kernel of its own, for rows the delta-rule kernels did not
-normalise (fla's prefill rows, and prefill programs narrower than a head; the decode kernel's narrow
-programs leave the norm to the last of a head's programs to finish).
+normalise (fla's prefill rows, and programs narrower than a head).
 
 Rounding follows the torch reference: the conv output and SiLU in the model dtype, ``beta`` rounded to
 the model dtype, the delta rule in fp32, ``o`` rounded before the gated norm, which rounds where
@@ -408,9 +407,6 @@ def _gdn_decode_kernel(
     stride_s_head,
     stride_s_k,
     slot_ptr,
-    count_ptr,
-    final_ptr,
-    stride_f,
     norm_w_ptr,
     out_ptr,
     stride_o,
@@ -425,12 +421,7 @@ def _gdn_decode_kernel(
     FIX: tl.constexpr,
     FIX_OUT: tl.constexpr,
     PDL: tl.constexpr,
-    SPLIT_NORM: tl.constexpr = False,
 ):
-    """With ``SPLIT_NORM`` (programs narrower than a head) each program writes its un-normed ``o`` columns
-    to ``out_ptr`` and the last of a (row, head)'s programs to arrive (``count_ptr``, one counter each,
-    zero between launches: that program resets it) gated-norms the whole head into ``final_ptr``, as
-    :func:`gated_rms_norm` would in a launch of its own."""
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1)
@@ -450,25 +441,10 @@ def _gdn_decode_kernel(
     owns = _and((kcols[:, None] < DK) & (vcols[None, :] < DV), owns)
     s, o = _delta_step(tl.load(s_ptrs, mask=owns, other=0.0), q, k, v, beta, decay)  # s: [DK, BV] fp32
     tl.store(s_ptrs, s, mask=owns)
-    z_row = z_ptr + row * stride_z + hv * DV
-    dtype: tl.constexpr = b_ptr.dtype.element_ty
     _store_out(
-        o, out_ptr + row * stride_o + hv * DV + vcols, z_row, norm_w_ptr, vcols, eps, dtype, DV, FUSE_NORM,
-        FIX, FIX_OUT,
+        o, out_ptr + row * stride_o + hv * DV + vcols, z_ptr + row * stride_z + hv * DV, norm_w_ptr, vcols,
+        eps, b_ptr.dtype.element_ty, DV, FUSE_NORM, FIX, FIX_OUT,
     )  # fmt: skip
-    if SPLIT_NORM:
-        # Every thread's columns are stored before the counter's release (one thread's atomic).
-        tl.debug_barrier()
-        counter = count_ptr + row * tl.num_programs(1) + hv
-        if tl.atomic_add(counter, 1, sem="acq_rel") == DV // BV - 1:
-            cols = tl.arange(0, DV)
-            # .cg: from L2, where the other programs' stores are, never a stale L1 line.
-            head = tl.load(out_ptr + row * stride_o + hv * DV + cols, cache_modifier=".cg").to(tl.float32)
-            _store_out(
-                head, final_ptr + row * stride_f + hv * DV + cols, z_row, norm_w_ptr, cols, eps, dtype, DV, True,
-                FIX, FIX_OUT,
-            )  # fmt: skip
-            tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
 def decode_tiles(rows: int, value_heads: int, dv: int, sms: int) -> tuple[int, int]:
@@ -508,33 +484,16 @@ def gdn_decode(
     slot pool ``[slots, Hv, dk, dv]`` fp32, updated in place at ``slots[row]``.
 
     ``block_v`` and ``num_warps`` (default: :func:`decode_tiles`): value columns per program and its
-    warps. Below dv (more programs for small batches) the programs write the un-normed ``o`` to a scratch
-    buffer and the last of each head's programs to finish normalises the head, in the same launch."""
+    warps. Below dv the programs write the un-normed ``o`` and :func:`gated_rms_norm` runs after (two
+    launches, more programs for small batches)."""
     rows = qkv.shape[0]
     if slots.shape[0] < rows:
         raise ValueError(f"gdn_decode: {slots.shape[0]} slots for {rows} rows")
     tiles = decode_tiles(rows, state.shape[1], state.shape[3], num_sms(state.device))
-    warps = num_warps or (None if block_v else tiles[1])
-    block_v = min(block_v or tiles[0], state.shape[3])
-    split = block_v < state.shape[3]
-    counters = _norm_counters(state.device, rows * state.shape[1]) if split and rows else slots
     return _delta_rule(
-        _gdn_decode_kernel, rows, (slots, counters, out, out.stride(0)), qkv, b, a, z, a_log, dt_bias,
-        norm_weight, state, out, num_key_heads, eps, block_v, warps, SPLIT_NORM=split,
+        _gdn_decode_kernel, rows, (slots,), qkv, b, a, z, a_log, dt_bias, norm_weight, state, out,
+        num_key_heads, eps, block_v or tiles[0], num_warps or (None if block_v else tiles[1]),
     )  # fmt: skip
-
-
-_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _norm_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Arrival counters of :func:`gdn_decode`'s split heads, zero between launches, kept per size so a
-    CUDA graph captures a fixed address. Launches on one stream may share them: a launch touches them
-    only after the previous kernel finished (``pdl_start``)."""
-    key = (device, n)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
 
 
 #: Value columns per program of :func:`gdn_prefill` (None: the whole head). A segment's tokens are a
@@ -648,7 +607,7 @@ def _delta_rule(
         **flags,
         **pdl_launch(qkv),
     )
-    if not fuse and not flags.get("SPLIT_NORM"):
+    if not fuse:
         gated_rms_norm(target.view(rows, hv, dv), z.view(rows, hv, dv), norm_weight, eps, out)
     return out
 

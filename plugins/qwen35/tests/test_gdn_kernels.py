@@ -88,17 +88,6 @@ def test_decode_step_matches_reference(dtype, block_v):
     assert torch.equal(windows[untouched], case.windows[untouched])
 
 
-def test_split_heads_normalise_in_the_last_program_and_leave_the_counters_at_zero():
-    """Narrow programs leave a head's gated norm to the last of its programs to arrive; that program resets
-    the head's counter, so the next launch (a graph replay: the same counters) normalises again."""
-    case = Case(rows=2, hk=2, hv=4, dk=16, dv=32, dtype=torch.float32, slots=[1, 4], seed=3)
-    first = case.kernels(8)[1]
-    assert all(int(c.abs().sum()) == 0 for c in gdn_kernels._COUNTERS.values()), "counters left non-zero"
-    second = case.kernels(8)[1]
-    assert torch.equal(first, second)
-    _close(second, case.reference()[1], torch.float32)
-
-
 def test_decode_tiles_split_the_heads_only_below_one_wave():
     """A batch whose (row, head) programs fill under one wave of multiprocessors takes narrow programs (the
     norm after); a full one keeps whole heads with the gated norm fused in."""
