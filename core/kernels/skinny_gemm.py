@@ -65,21 +65,6 @@ class SkinnyConfig:
     programs: int = 0
 
 
-@dataclass(frozen=True)
-class ConvStep:
-    """A depthwise causal conv's one-token step, then SiLU, on a GEMM's first ``C = weight.shape[0]``
-    output columns (Gated DeltaNet's conv1d at decode, in the epilogue of the projection that makes its
-    input): column ``c`` of row ``r``, as the GEMM rounded it, continues the window ``windows[slots[r],
-    c]`` (the ``K - 1`` inputs before it, fp32) and ``silu(conv)`` goes to ``out[r, c]``; the window is
-    shifted in place where the row owns its slot (a valid slot, and not a graph bucket's padding copy of
-    row 0). A tile owns its columns, so no two programs touch one window."""
-
-    weight: torch.Tensor  # [C, K]
-    windows: torch.Tensor  # [slots, C, K - 1] fp32
-    slots: torch.Tensor  # [rows]
-    out: torch.Tensor  # [rows, C]
-
-
 @triton.jit
 def load_block(ptrs, k, K, offs_k, rows_ok, EVEN_K: tl.constexpr):
     """The ``k``-th column block of x or w (``ptrs`` point at it), zero outside ``rows_ok`` and ``K``."""
@@ -139,14 +124,6 @@ def _skinny_gemm_kernel(
     stride_rm,
     stride_om,
     eps,
-    cw_ptr,
-    win_ptr,
-    stride_ws,
-    stride_wc,
-    slot_ptr,
-    co_ptr,
-    stride_co,
-    C,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -161,7 +138,6 @@ def _skinny_gemm_kernel(
     QBLOCK: tl.constexpr = 1,
     SPAN: tl.constexpr = 0,
     SCALE_PERIOD: tl.constexpr = 0,
-    CONV_K: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -205,11 +181,6 @@ def _skinny_gemm_kernel(
         acc, tl.sum(sq, 1), pid_n, bias_ptr, res_ptr, out_ptr, M, N, K, stride_rm, stride_om, eps,
         BLOCK_M, BLOCK_N, HAS_BIAS, NORM, SILU, RESIDUAL, FIX,
     )  # fmt: skip
-    if CONV_K:
-        conv_epilogue(
-            out_ptr, stride_om, pid_n, M, cw_ptr, win_ptr, stride_ws, stride_wc, slot_ptr, co_ptr, stride_co, C,
-            BLOCK_M, BLOCK_N, CONV_K, FIX,
-        )  # fmt: skip
 
 
 @triton.jit
@@ -266,44 +237,6 @@ def tile_epilogue(
 
 
 @triton.jit
-def conv_epilogue(
-    out_ptr, stride_om, tile, M, cw_ptr, win_ptr, stride_ws, stride_wc, slot_ptr, co_ptr, stride_co, C,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CONV_K: tl.constexpr, FIX: tl.constexpr,
-):  # fmt: skip
-    """The :class:`ConvStep` of output tile ``tile``'s columns below ``C``, from the outputs this program
-    just stored (read back after a barrier: exactly as rounded)."""
-    if tile * BLOCK_N < C:
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = offs_m < M
-        col_ok = offs_n < C
-        mask = row_ok[:, None] & col_ok[None, :]
-        tl.debug_barrier()
-        y = tl.load(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], mask=mask, other=0.0)
-        dtype = y.dtype
-        x = y.to(tl.float32)
-        slot = tl.load(slot_ptr + offs_m, mask=row_ok, other=-1).to(tl.int64)
-        first = tl.load(slot_ptr).to(tl.int64)
-        # A row updates its slot's window where the slot is valid and the row is not a padding copy of
-        # row 0 (a graph bucket's padding rows repeat row 0's slot); the others convolve zeros.
-        mine = (slot >= 0) & ((offs_m == 0) | (slot != first))
-        owns = mask & mine[:, None]
-        win = win_ptr + tl.maximum(slot, 0)[:, None] * stride_ws + offs_n[None, :] * stride_wc
-        w_last = tl.load(cw_ptr + offs_n * CONV_K + (CONV_K - 1), mask=col_ok, other=0.0)
-        acc = w_last.to(tl.float32)[None, :] * x
-        for j in tl.static_range(CONV_K - 1):
-            w_j = tl.load(cw_ptr + offs_n * CONV_K + j, mask=col_ok, other=0.0)
-            acc += w_j.to(tl.float32)[None, :] * tl.load(win + j, mask=owns, other=0.0)
-        act = cast_to(acc, dtype, FIX).to(tl.float32)
-        act = act / (1.0 + tl.exp(-act))
-        tl.store(co_ptr + offs_m[:, None] * stride_co + offs_n[None, :], cast_to(act, dtype, FIX), mask=mask)
-        # Shift the window: entry j takes entry j + 1 (read before it is overwritten), the last the input.
-        for j in tl.static_range(CONV_K - 2):
-            tl.store(win + j, tl.load(win + j + 1, mask=owns, other=0.0), mask=owns)
-        tl.store(win + (CONV_K - 2), x, mask=owns)
-
-
-@triton.jit
 def _skinny_gemm_stream_k_kernel(
     x_ptr,
     w_ptr,
@@ -323,14 +256,6 @@ def _skinny_gemm_stream_k_kernel(
     stride_rm,
     stride_om,
     eps,
-    cw_ptr,
-    win_ptr,
-    stride_ws,
-    stride_wc,
-    slot_ptr,
-    co_ptr,
-    stride_co,
-    C,
     K_ITERS,
     UNITS,
     SLOTS,
@@ -348,7 +273,6 @@ def _skinny_gemm_stream_k_kernel(
     QBLOCK: tl.constexpr = 1,
     SPAN: tl.constexpr = 0,
     SCALE_PERIOD: tl.constexpr = 0,
-    CONV_K: tl.constexpr = 0,
 ):
     """The same GEMM over a flat list of work units, (output tile, BLOCK_K column block) in tile order:
     program ``p`` takes units ``[p * UNITS, (p + 1) * UNITS)``, so every multiprocessor streams the same
@@ -392,11 +316,6 @@ def _skinny_gemm_stream_k_kernel(
                 acc, sq_rows, tile, bias_ptr, res_ptr, out_ptr, M, N, K, stride_rm, stride_om, eps,
                 BLOCK_M, BLOCK_N, HAS_BIAS, NORM, SILU, RESIDUAL, FIX,
             )  # fmt: skip
-            if CONV_K:
-                conv_epilogue(
-                    out_ptr, stride_om, tile, M, cw_ptr, win_ptr, stride_ws, stride_wc, slot_ptr, co_ptr,
-                    stride_co, C, BLOCK_M, BLOCK_N, CONV_K, FIX,
-                )  # fmt: skip
         else:
             first = (tile * K_ITERS) // UNITS
             parts = ((tile + 1) * K_ITERS - 1) // UNITS - first + 1
@@ -420,11 +339,6 @@ def _skinny_gemm_stream_k_kernel(
                     acc, sq_rows, tile, bias_ptr, res_ptr, out_ptr, M, N, K, stride_rm, stride_om, eps,
                     BLOCK_M, BLOCK_N, HAS_BIAS, NORM, SILU, RESIDUAL, FIX,
                 )  # fmt: skip
-                if CONV_K:
-                    conv_epilogue(
-                        out_ptr, stride_om, tile, M, cw_ptr, win_ptr, stride_ws, stride_wc, slot_ptr, co_ptr,
-                        stride_co, C, BLOCK_M, BLOCK_N, CONV_K, FIX,
-                    )  # fmt: skip
 
 
 def default_config(n: int, k: int, m: int = 1, element_size: int = 2, sms: int = 132) -> SkinnyConfig:
@@ -485,6 +399,7 @@ def _stream_k_workspace(
 #: Launch arguments without programmatic dependent launch.
 NO_PDL = {"PDL": False, "launch_pdl": False}
 
+
 def _one_program_per_sm(cfg: SkinnyConfig, block_m: int, x: torch.Tensor) -> bool:
     """Whether the pipeline's tiles take over half a multiprocessor's shared memory, so no two programs
     share one. Only such a GEMM is launched early (PDL): its waiting programs can then only take idle
@@ -504,7 +419,6 @@ def skinny_linear_triton(
     norm_eps: float | None = None,
     silu: bool = False,
     residual: torch.Tensor | None = None,
-    conv: ConvStep | None = None,
 ) -> torch.Tensor:
     """The Triton path of :func:`skinny_linear` for ``x`` ``[..., K]`` with at most ``MAX_ROWS`` rows.
     Each option moves a neighbouring op of a decoder layer into the GEMM, where it costs no extra pass:
@@ -513,9 +427,7 @@ def skinny_linear_triton(
       (``layers.norm.fold_rms_norm_weight``), as the kernel scales each output row by x's ``1 / rms``;
     - ``silu``: ``w``'s rows alternate gate, up (``layers.activation.interleave_gate_up``); returns
       ``silu(gate) * up``, ``[..., N / 2]``;
-    - ``residual``: returns ``residual + x @ w.T``, written into ``residual`` in place;
-    - ``conv``: a :class:`ConvStep` on the output's first columns, into ``conv.out`` (the output is
-      returned whole as well).
+    - ``residual``: returns ``residual + x @ w.T``, written into ``residual`` in place.
 
     A 16-bit ``x`` may meet an fp32 ``w`` (a router's logits): x is upcast in the loop, the result fp32,
     as ``F.linear(x.float(), w)`` without the cast's launch. A block-FP8 ``w`` whose columns start on a
@@ -537,8 +449,6 @@ def skinny_linear_triton(
         raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {m}")
     if silu and (residual is not None or n % 2):
         raise ValueError("silu takes an even number of interleaved gate, up rows and no residual")
-    if conv is not None:
-        _check_conv(conv, m, n, silu or residual is not None)
     if not quant and x.dtype != w.dtype and not (w.dtype == torch.float32 and x.element_size() == 2):
         raise ValueError(f"x {x.dtype} with w {w.dtype}: only 16-bit x meets an fp32 w (upcast in the loop)")
     out_dtype = x.dtype if quant else w.dtype
@@ -563,18 +473,11 @@ def skinny_linear_triton(
     args = (x2, weight, scale, bias if bias is not None else weight, out, out)
     strides = (m, n, k, x2.stride(0), weight.stride(0), scale.stride(0), out.stride(0), out.stride(0))
     eps = 0.0 if norm_eps is None else norm_eps
-    if conv is None:
-        conv_args = (out, out, 0, 0, out, out, 0, 0)
-    else:
-        win = conv.windows
-        conv_args = (conv.weight, win, win.stride(0), win.stride(1), conv.slots, conv.out, conv.out.stride(0))
-        conv_args += (conv.weight.shape[0],)
     flags = dict(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, NORM=norm_eps is not None, SILU=silu,
         RESIDUAL=residual is not None, FIX=interp_bf16(out_dtype), PREC=dot_precision(out_dtype),
         QBLOCK=w.block if quant else 1, SPAN=span, SCALE_PERIOD=w.scale_period(cfg.block_n) if quant else 0,
-        CONV_K=conv.weight.shape[1] if conv is not None else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **(pdl_launch(x) if _one_program_per_sm(cfg, block_m, x) else NO_PDL),
     )  # fmt: skip
@@ -584,25 +487,11 @@ def skinny_linear_triton(
         slots = (k_iters - 1) // units + 2  # the most programs one tile's columns can span
         ws = _stream_k_workspace(x.device, n_tiles, slots, cfg.block_n, block_m)
         _skinny_gemm_stream_k_kernel[(triton.cdiv(n_tiles * k_iters, units),)](
-            *args, *ws, *strides, eps, *conv_args, k_iters, units, slots, **flags
+            *args, *ws, *strides, eps, k_iters, units, slots, **flags
         )
     else:
-        _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](*args, *strides, eps, *conv_args, **flags)
+        _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](*args, *strides, eps, **flags)
     return out.reshape(*x.shape[:-1], n_out)
-
-
-def _check_conv(conv: ConvStep, m: int, n: int, other_epilogue: bool) -> None:
-    c, k = conv.weight.shape
-    win = conv.windows
-    if other_epilogue or c > n or k < 2 or not conv.weight.is_contiguous():
-        raise ValueError(
-            f"conv: a contiguous [C, K >= 2] weight over at most the {n} output columns, without silu or "
-            f"residual; got {tuple(conv.weight.shape)}"
-        )
-    if win.dim() != 3 or win.shape[1:] != (c, k - 1) or win.stride(2) != 1 or win.dtype != torch.float32:
-        raise ValueError(f"conv: windows must be fp32 [slots, {c}, {k - 1}], got {tuple(win.shape)}")
-    if conv.slots.shape[0] < m or conv.out.shape != (m, c) or conv.out.stride(1) != 1:
-        raise ValueError(f"conv: a slot per row and out [{m}, {c}] with contiguous rows are required")
 
 
 def skinny_linear_ref(

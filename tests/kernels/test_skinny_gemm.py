@@ -14,7 +14,6 @@ from pegainfer.kernels.activations import silu_mul_ref
 from pegainfer.kernels.skinny_gemm import (
     DISPATCH_ROWS,
     MAX_ROWS,
-    ConvStep,
     SkinnyConfig,
     _one_program_per_sm,
     default_config,
@@ -171,50 +170,6 @@ def test_residual_option_adds_in_place(dtype, m, n, k, config):
     assert ref is before and rel_err(residual, ref) < TOL[dtype]
 
 
-def _conv_step_ref(y, weight, windows, slots):
-    """The conv step on ``y``'s first columns, one row at a time: (silu(conv) rounded, windows after)."""
-    c, k = weight.shape
-    windows = windows.clone()
-    out = torch.empty(y.shape[0], c, dtype=y.dtype)
-    for r, slot in enumerate(slots.tolist()):
-        owns = slot >= 0 and (r == 0 or slot != slots[0].item())
-        old = windows[slot] if owns else torch.zeros(c, k - 1)
-        x = y[r, :c].float()
-        acc = weight[:, k - 1].float() * x
-        for j in range(k - 1):
-            acc = acc + weight[:, j].float() * old[:, j]
-        act = acc.to(y.dtype).float()
-        out[r] = (act / (1.0 + torch.exp(-act))).to(y.dtype)
-        if owns:
-            windows[slot] = torch.cat([old[:, 1:], x[:, None]], dim=1)
-    return out, windows
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize(
-    "config", [SkinnyConfig(32, 64), STREAM_K_WHOLE_AND_SPLIT], ids=["per-tile", "stream_k"]
-)
-def test_conv_option_steps_the_first_columns_windows(dtype, config):
-    """The conv step on the first 40 of 96 columns (a tile across the boundary), the norm folded in: rows
-    on two slots, a graph bucket's padding copy of row 0 (convolves zeros, shifts nothing), a row without
-    a slot; the GEMM's own output stays whole."""
-    gen = torch.Generator().manual_seed(17)
-    m, n, k, c = 4, 96, 256, 40
-    x, w = _rand(gen, m, k, dtype=dtype), _rand(gen, n, k, dtype=dtype) * 0.1
-    weight = _rand(gen, c, 4, dtype=dtype)
-    windows = _rand(gen, 5, c, 3, dtype=torch.float32)
-    slots = torch.tensor([3, 1, 3, -1], device=DEVICE)
-    out = torch.empty(m, c, dtype=dtype, device=DEVICE)
-    step = ConvStep(weight, windows.clone(), slots, out)
-    y = skinny_linear_triton(x, w, config=config, norm_eps=1e-5, conv=step)
-    assert torch.equal(y, skinny_linear_triton(x, w, config=config, norm_eps=1e-5))
-    want, want_windows = _conv_step_ref(y.cpu(), weight.cpu(), windows.cpu(), slots.cpu())
-    # exp differs by an ulp between implementations; a bf16 output where a rounding is close.
-    tol = 1e-6 if dtype == torch.float32 else 2**-7
-    torch.testing.assert_close(out.cpu(), want, rtol=tol, atol=tol)
-    assert torch.equal(step.windows.cpu(), want_windows)  # exact: stored inputs shifted
-
-
 def test_fused_options_reject_what_they_cannot_do():
     gen = torch.Generator().manual_seed(5)
     x, w = _rand(gen, 2, 32, dtype=torch.float32), _rand(gen, 6, 32, dtype=torch.float32)
@@ -224,11 +179,6 @@ def test_fused_options_reject_what_they_cannot_do():
         skinny_linear_triton(x, w[:5], silu=True)
     with pytest.raises(ValueError, match="residual"):
         skinny_linear_triton(x, w, residual=torch.zeros(2, 5, device=DEVICE))
-    step = ConvStep(w[:4, :4].contiguous(), torch.zeros(3, 4, 3, device=DEVICE), torch.zeros(2), x[:, :4])
-    with pytest.raises(ValueError, match="conv"):
-        skinny_linear_triton(x, w, silu=True, conv=step)
-    with pytest.raises(ValueError, match="windows"):
-        skinny_linear_triton(x, w, conv=ConvStep(step.weight, step.windows[:, :3], step.slots, step.out))
 
 
 def test_early_launch_only_for_one_program_per_multiprocessor():

@@ -42,7 +42,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pegainfer.kernels.skinny_gemm import ConvStep
 from pegainfer.memory.buffer_specs import RecurrentStateSpec
 from pegainfer.model.checkpoint import CheckpointReader
 from pegainfer.model.model_api import ForwardBatch, StateCheckpoints
@@ -60,7 +59,7 @@ from pegainfer_qwen35.delta_rule import (
 )
 from pegainfer_qwen35.norms import gated_rms_norm
 from pegainfer_qwen35.pass_buffers import PassBuffers
-from pegainfer_qwen35.projections import FoldedNorm, project, project_add, takes_skinny
+from pegainfer_qwen35.projections import FoldedNorm, project, project_add
 
 logger = logging.getLogger(__name__)
 
@@ -406,38 +405,18 @@ class GatedDeltaNet(nn.Module):
         With ``residual`` the output is added to it in place (inside the GEMM where the skinny kernel
         runs) and ``residual`` is returned."""
         s = self.shard
-        conv = self._conv_in_projection(x, rows, state, bufs)
-        proj = project(x, self.in_proj, bufs.gdn_proj, norm, conv)
+        proj = project(x, self.in_proj, bufs.gdn_proj, norm)
         mixed, z, b, a = proj.split(self.splits, dim=-1)
         gated = bufs.gdn_gated
         if rows.segments:
             self._prefill_segments(mixed, z, b, a, rows, state, bufs)
         if rows.num_decodes:
             d = slice(rows.decode_start, rows.decode_start + rows.num_decodes)
-            self._decode(
-                mixed[d],
-                z[d],
-                b[d],
-                a[d],
-                rows.decode_slots,
-                state,
-                bufs.gdn_conv[d],
-                gated[d],
-                conv is not None,
-            )
+            self._decode(mixed[d], z[d], b[d], a[d], rows.decode_slots, state, bufs.gdn_conv[d], gated[d])
         gated = gated.view(-1, s.value_dim)
         if residual is not None:
             return project_add(gated, self.out_proj, residual, bufs.mixer_out, self.tp)
         return self.tp.all_reduce(project(gated, self.out_proj, bufs.mixer_out))  # row-parallel partials
-
-    def _conv_in_projection(
-        self, x: torch.Tensor, rows: RecurrentRows, state: dict[str, torch.Tensor], bufs: PassBuffers
-    ) -> ConvStep | None:
-        """The conv step for in_proj's epilogue where every row is a decode row on the kernels' path and the
-        projection runs the skinny GEMM (a decode step's launch fewer), else None."""
-        if rows.segments or rows.num_decodes != x.shape[0] or not decode_kernels_on(x) or not takes_skinny(x):
-            return None
-        return ConvStep(self.conv_weight, state["conv"], rows.decode_slots, bufs.gdn_conv[: x.shape[0]])
 
     def _decode(
         self,
@@ -449,18 +428,15 @@ class GatedDeltaNet(nn.Module):
         state: dict[str, torch.Tensor],
         conv_out: torch.Tensor,
         out: torch.Tensor,
-        conv_done: bool = False,
     ) -> None:
         """One token per decode row: conv, gating, delta rule and gated norm into ``out`` ``[B, value_dim]``,
         each row's slot updated in place. On CUDA the two kernels of ``gdn_kernels`` (graph-safe: the
-        slots are read on the device), the first skipped with ``conv_done`` (in_proj's epilogue wrote
-        ``conv_out`` and shifted the windows); elsewhere :func:`decode_reference`."""
+        slots are read on the device); elsewhere :func:`decode_reference`."""
         eps, hk = self.config.rms_norm_eps, self.shard.linear_num_key_heads
         if decode_kernels_on(mixed):
             from pegainfer_qwen35 import gdn_kernels
 
-            if not conv_done:
-                gdn_kernels.conv_update(mixed, self.conv_weight, state["conv"], slots, conv_out)
+            gdn_kernels.conv_update(mixed, self.conv_weight, state["conv"], slots, conv_out)
             gdn_kernels.gdn_decode(
                 conv_out, b, a, z, self.A_log, self.dt_bias, self.norm, state["ssm"], slots, out,
                 num_key_heads=hk, eps=eps,

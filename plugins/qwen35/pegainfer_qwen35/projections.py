@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from pegainfer import ops
-from pegainfer.kernels.skinny_gemm import ConvStep
 from pegainfer.layers.activation import silu_mul
 from pegainfer.layers.norm import fold_rms_norm_weight
 from pegainfer.parallel.distributed import TensorParallel
@@ -44,8 +43,7 @@ def _normed(x: torch.Tensor, norm: FoldedNorm) -> torch.Tensor:
     return ops.rms_norm(x, None, norm.eps, out=norm.normed[: x.shape[0]])
 
 
-def takes_skinny(x: torch.Tensor) -> bool:
-    """Whether the projections of rows ``x`` run the skinny decode GEMM (decode-sized rows on CUDA)."""
+def _skinny(x: torch.Tensor) -> bool:
     if not ops.use_triton(x):
         return False
     from pegainfer.kernels import skinny_gemm
@@ -54,21 +52,14 @@ def takes_skinny(x: torch.Tensor) -> bool:
 
 
 def project(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    out: torch.Tensor,
-    norm: FoldedNorm | None = None,
-    conv: ConvStep | None = None,
+    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, norm: FoldedNorm | None = None
 ) -> torch.Tensor:
     """``x @ w.T`` (of ``x``'s plain RMSNorm with ``norm``): the skinny kernel's new tensor for decode rows
-    on CUDA, else into ``out``. ``conv`` (only where :func:`takes_skinny`): the conv step of the output's
-    first columns in the GEMM's epilogue (``skinny_gemm.ConvStep``)."""
-    if takes_skinny(x):
+    on CUDA, else into ``out``."""
+    if _skinny(x):
         from pegainfer.kernels import skinny_gemm
 
-        return skinny_gemm.skinny_linear_triton(x, w, norm_eps=norm.eps if norm else None, conv=conv)
-    if conv is not None:
-        raise ValueError("the conv step runs in the skinny GEMM's epilogue only (takes_skinny)")
+        return skinny_gemm.skinny_linear_triton(x, w, norm_eps=norm.eps if norm else None)
     if norm is not None:
         x = _normed(x, norm)
     return torch.matmul(x, w.t(), out=out)
@@ -83,7 +74,7 @@ def project_silu(
 ) -> torch.Tensor:
     """``silu(gate) * up`` of ``x @ w.T`` for an interleaved gate|up ``w`` (``interleave_gate_up``); else
     the GEMM's output in ``gate_up`` and the activation in ``act``. ``norm``: as for :func:`project`."""
-    if takes_skinny(x):
+    if _skinny(x):
         from pegainfer.kernels import skinny_gemm
 
         return skinny_gemm.skinny_linear_triton(x, w, silu=True, norm_eps=norm.eps if norm else None)
@@ -102,7 +93,7 @@ def project_add(
 ) -> torch.Tensor:
     """``residual += all_reduce(x @ w.T)`` in place (a row-parallel projection added to the residual
     stream); ``out`` holds the projection where the GEMM is not the skinny kernel. Returns ``residual``."""
-    if takes_skinny(x) and tp.group is None:
+    if _skinny(x) and tp.group is None:
         from pegainfer.kernels import skinny_gemm
 
         return skinny_gemm.skinny_linear_triton(x, w, residual=residual)
