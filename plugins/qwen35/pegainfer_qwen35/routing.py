@@ -48,7 +48,8 @@ def _softmax_topk_kernel(
     token = tl.program_id(0).to(tl.int64)
     row = logits_ptr + token * stride_l
     expert = tl.arange(0, BLOCK_E)
-    logit = tl.load(row + expert, mask=expert < NUM_EXPERTS, other=float("-inf")).to(tl.float32)
+    valid = expert < NUM_EXPERTS
+    logit = tl.load(row + expert, mask=valid, other=float("-inf")).to(tl.float32)
     # The K best probabilities are the K best logits (softmax keeps the order): each pick is one max over
     # int64 keys, the logit's bits made order-preserving as integers above BLOCK_E - 1 - expert (equal
     # logits: the lower index wins). Every reduction is a barrier across the warps, latency a batch-1
@@ -57,7 +58,7 @@ def _softmax_topk_kernel(
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     key = (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - expert).to(tl.int64)
     never = -9223372036854775807  # the key of padding and of picks: below every logit's
-    key = tl.where(expert < NUM_EXPERTS, key, never)
+    key = tl.where(valid, key, never)
     slot = tl.arange(0, BLOCK_K)
     ids = tl.zeros([BLOCK_K], dtype=tl.int32)
     picked = tl.full([BLOCK_K], float("-inf"), tl.float32)
