@@ -191,7 +191,8 @@ def pdl_start(PDL: tl.constexpr):
 def _prefetch_parts() -> set[str]:
     """The kernel families ``PEGAINFER_L2_PREFETCH`` turns on: a comma-separated subset of ``gemm``
     (skinny GEMMs), ``pairs`` (the MoE pair path's gate|up), ``down`` (its down, before the PDL wait),
-    ``ahead`` (a GDN layer's out_proj before its conv: ``kernels.l2_prefetch``); ``all`` or ``0``."""
+    ``ahead`` (the next projection's weight before latency-bound kernels: a GDN layer's out_proj before
+    its conv, an attention layer's o_proj before decode attention; ``kernels.l2_prefetch``); ``all`` or ``0``."""
     raw = os.environ.get("PEGAINFER_L2_PREFETCH", "0").strip()
     if raw in ("", "0"):
         return set()

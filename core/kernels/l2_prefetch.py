@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from pegainfer.kernels._triton import pdl_launch, pdl_start, prefetch_rows_l2, tl, triton
+from pegainfer.kernels._triton import l2_prefetch_on, pdl_launch, pdl_start, prefetch_rows_l2, tl, triton
 
 #: Bytes one thread asks for: a weight of 16.8 MB (the 35B-A3B out_proj) takes 32 programs of 128.
 CHUNK = 4096
@@ -34,3 +34,10 @@ def prefetch_l2(t: torch.Tensor) -> None:
         _prefetch_kernel[(triton.cdiv(rows, LANES),)](
             flat, rows, CHUNK=CHUNK, LANES=LANES, num_warps=LANES // 32, **pdl_launch(t)
         )
+
+
+def prefetch_weight_ahead(weight: torch.Tensor) -> None:
+    """:func:`prefetch_l2` of a layer's next projection ``weight`` where ``ahead`` is on
+    (``PEGAINFER_L2_PREFETCH``) for its device; nothing elsewhere."""
+    if weight.is_contiguous() and l2_prefetch_on(weight, "ahead", weight):
+        prefetch_l2(weight)
