@@ -37,6 +37,8 @@ from pegainfer.kernels._triton import (
     interpreting,
     mma,
     next_pow2,
+    pdl_launch,
+    pdl_start,
     shared_memory_per_sm,
     tl,
     triton,
@@ -383,10 +385,12 @@ def _combine_kernel(
     RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     FIX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """``out[t] (+)= Σ_j y[t·k + j] + add[t]`` (the add where given; with ``RESIDUAL`` added to what ``out``
     holds): the sum in fp32 in choice order, each step rounded as the torch sequence rounds it
     (``y.sum(1)``, ``+ add``, ``residual +``)."""
+    pdl_start(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -421,7 +425,7 @@ def combine_choices(
     out = residual if residual is not None else y.new_empty(tokens, hidden)
     _combine_kernel[(tokens, triton.cdiv(hidden, 1024))](
         y, add if add is not None else y, out, hidden, TOP_K=top_k, HAS_ADD=add is not None,
-        RESIDUAL=residual is not None, BLOCK=1024, FIX=interp_bf16(y.dtype), num_warps=4,
+        RESIDUAL=residual is not None, BLOCK=1024, FIX=interp_bf16(y.dtype), num_warps=4, **pdl_launch(y),
     )  # fmt: skip
     return out
 

@@ -142,3 +142,27 @@ def test_scales_on_unaligned_tiles_are_refused():
     q_gate_up, q_down, scales = quantized_experts(gate_up, down, (16, 16), 0)
     with pytest.raises(ValueError, match="pair path"):
         fused_moe_pairs(x, weights, ids, q_gate_up, q_down, scales=scales)  # 32-wide tiles, 16-wide scales
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tokens", [1, PAIR_TOKENS])
+def test_l2_prefetch_changes_no_bit(monkeypatch, tokens):
+    """Asking the L2 for gate|up's tiles after the wait and for down's before it
+    (``PEGAINFER_L2_PREFETCH=pairs,down``) is a hint: the output equals the one without it bit for bit,
+    eager and in a graph, at the 35B-A3B experts' shape (hidden 2048, 512 features)."""
+    from pegainfer.kernels import _triton
+
+    x, weights, ids, gate_up, down = moe_case(tokens, 8, 64, 2048, 512, torch.bfloat16, seed=tokens)
+    residual = torch.randn_like(x)
+    monkeypatch.setattr(_triton, "L2_PREFETCH", set())
+    expected = fused_moe_pairs(x, weights, ids, gate_up, down, residual=residual.clone())
+    monkeypatch.setattr(_triton, "L2_PREFETCH", {"pairs", "down"})
+    assert torch.equal(fused_moe_pairs(x, weights, ids, gate_up, down, residual=residual.clone()), expected)
+    into = residual.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe_pairs(x, weights, ids, gate_up, down, residual=into)
+    into.copy_(residual)
+    graph.replay()
+    assert torch.equal(into, expected)
