@@ -50,8 +50,6 @@ __all__ = [
     "mma",
     "pdl_launch",
     "pdl_start",
-    "l2_prefetch_on",
-    "prefetch_rows_l2",
 ]
 
 
@@ -148,22 +146,16 @@ def shared_memory_per_sm(device: torch.device) -> int:
     return _SMEM[index]
 
 
-_HOPPER: dict[int, bool] = {}
-
-
-def _hopper(t: torch.Tensor) -> bool:
-    """Whether ``t`` lives on a CUDA GPU of compute capability 9+ whose Triton has the PDL intrinsics."""
-    if not (HAS_TRITON and t.is_cuda):
-        return False
-    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    if index not in _HOPPER:
-        cap = torch.cuda.get_device_capability(index)[0]
-        _HOPPER[index] = cap >= 9 and hasattr(tl.extra.cuda, "gdc_wait")
-    return _HOPPER[index]
+_PDL: dict[int, bool] = {}
 
 
 def _use_pdl(t: torch.Tensor) -> bool:
-    return os.environ.get("PEGAINFER_PDL", "1") != "0" and _hopper(t)
+    if not (HAS_TRITON and t.is_cuda) or os.environ.get("PEGAINFER_PDL", "1") == "0":
+        return False
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if index not in _PDL:
+        _PDL[index] = torch.cuda.get_device_capability(index)[0] >= 9 and hasattr(tl.extra.cuda, "gdc_wait")
+    return _PDL[index]
 
 
 def pdl_launch(t: torch.Tensor) -> dict[str, bool]:
@@ -186,57 +178,3 @@ def pdl_start(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-def _prefetch_parts() -> set[str]:
-    """The kernel families ``PEGAINFER_L2_PREFETCH`` turns on: a comma-separated subset of ``gemm``
-    (skinny GEMMs), ``pairs`` (the MoE pair path's gate|up), ``down`` (its down, before the PDL wait),
-    ``ahead`` (the next projection's weight before latency-bound kernels: a GDN layer's out_proj before
-    its conv, an attention layer's o_proj before decode attention; ``kernels.l2_prefetch``); ``all`` or ``0``."""
-    raw = os.environ.get("PEGAINFER_L2_PREFETCH", "0").strip()
-    if raw in ("", "0"):
-        return set()
-    return {"gemm", "pairs", "down", "ahead"} if raw == "all" else {p.strip() for p in raw.split(",")}
-
-
-#: See :func:`_prefetch_parts`; a module setting so a benchmark can change it between launches.
-L2_PREFETCH = _prefetch_parts()
-
-
-def l2_prefetch_on(t: torch.Tensor, part: str, *tensors: torch.Tensor) -> bool:
-    """Whether a launch of kernel family ``part`` over ``t``'s device asks the L2 for its weight slice up
-    front (:func:`prefetch_rows_l2`): the family is on in ``L2_PREFETCH``, the device is Hopper on (bulk
-    prefetches are sm_90 instructions) and every one of ``tensors`` starts and strides its rows on
-    16-byte boundaries (a bulk prefetch's address and size must be)."""
-    if part not in L2_PREFETCH or not _hopper(t):
-        return False
-    return all(
-        w.data_ptr() % 16 == 0 and all(s * w.element_size() % 16 == 0 for s in w.stride()[:-1])
-        for w in tensors
-    )
-
-
-@triton.jit
-def prefetch_rows_l2(ptr, row_stride, rows, nbytes, ROWS: tl.constexpr, LANES: tl.constexpr):
-    """Ask the L2 for ``nbytes`` (a multiple of 16, <= 0: nothing) from each of the first ``rows`` of
-    ``ROWS`` rows starting at ``ptr`` (16-byte aligned), ``row_stride`` elements apart, without waiting
-    for them (``cp.async.bulk.prefetch.L2``). Each row's bytes are cut into ``max(1, LANES / ROWS)``
-    pieces so that the kernel's ``LANES`` threads each issue their own (a block smaller than the thread
-    count is replicated over the threads, which would repeat each request)."""
-    P: tl.constexpr = ROWS if ROWS > LANES else LANES
-    PIECES: tl.constexpr = P // ROWS
-    i = tl.arange(0, P)
-    r = i % ROWS
-    piece = tl.cdiv(tl.cdiv(nbytes, PIECES), 16) * 16
-    start = (i // ROWS) * piece
-    size = tl.where(r < rows, tl.minimum(nbytes - start, piece), 0)
-    esize: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
-    addr = ptr + r.to(tl.int64) * row_stride + start // esize
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r",
-        [addr, size],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )

@@ -38,12 +38,10 @@ from pegainfer.kernels._triton import (
     cast_to,
     dot_precision,
     interp_bf16,
-    l2_prefetch_on,
     mma,
     num_sms,
     pdl_launch,
     pdl_start,
-    prefetch_rows_l2,
     tl,
     triton,
 )
@@ -122,8 +120,6 @@ def _pair_gate_up_kernel(
     PREC: tl.constexpr,
     FIX: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
-    LANES: tl.constexpr = 128,
 ):
     """Program (pair, tile, split): the fp32 sums of its share of the columns for the tile's gate and up
     features, into ``part[split, pair]`` (``[SPLIT, P, 2I]``: gate, then up)."""
@@ -143,17 +139,6 @@ def _pair_gate_up_kernel(
     scales = scale_ptr + expert * stride_se
     scales += (tl.program_id(1) * BLOCK_N + scale_offset) // BLOCK_ROWS * stride_srow
     per_split = tl.cdiv(tl.cdiv(hidden, BLOCK_K), SPLIT) * BLOCK_K
-    if PREFETCH:
-        # The tile's gate and up rows asked of the L2 at once: the few programs of a batch-1 step keep
-        # too few loads in flight to fill the memory system.
-        k_lo = split * per_split
-        nbytes = (tl.minimum(hidden, k_lo + per_split) - k_lo) * (
-            w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        )
-        rows = tl.minimum(inter - tl.program_id(1) * BLOCK_N, BLOCK_N)
-        tile_w = w_ptr + expert * stride_we + (tl.program_id(1) * BLOCK_N).to(tl.int64) * stride_wn + k_lo
-        prefetch_rows_l2(tile_w, stride_wn, rows, nbytes, BLOCK_N, LANES)
-        prefetch_rows_l2(tile_w + inter * stride_wn, stride_wn, rows, nbytes, BLOCK_N, LANES)
     acc_g = tl.zeros([BLOCK_N, 16], tl.float32)
     acc_u = tl.zeros([BLOCK_N, 16], tl.float32)
     for k in range(split * per_split, tl.minimum(hidden, (split + 1) * per_split), BLOCK_K):
@@ -222,20 +207,12 @@ def _pair_down_kernel(
     PREC: tl.constexpr,
     FIX: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
-    LANES: tl.constexpr = 128,
 ):
     """Program (pair, tile): ``y[pair] = w[pair] · (act[pair] · Wd_eᵀ)`` for the tile's features."""
     pair = tl.program_id(0).to(tl.int64)
     # ids may be read before the wait: they are the output of the launch before gate|up, which let this
     # launch in only after its own wait (so that launch had finished and its writes were visible).
     expert = tl.load(ids_ptr + pair).to(tl.int64)
-    if PREFETCH:
-        # The tile's rows of the chosen expert asked of the L2 while gate|up still runs.
-        rows = tl.minimum(hidden - tl.program_id(1) * BLOCK_N, BLOCK_N)
-        nbytes = inter * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
-        tile_w = w_ptr + expert * stride_we + (tl.program_id(1) * BLOCK_N).to(tl.int64) * stride_wn
-        prefetch_rows_l2(tile_w, stride_wn, rows, nbytes, BLOCK_N, LANES)
     pdl_start(PDL)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -319,22 +296,18 @@ def fused_moe_pairs(
     flags = dict(
         QUANT=quant, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, SPLIT=t.gate_up_split,
         PREC=dot_precision(x.dtype), FIX=interp_bf16(x.dtype), num_warps=t.num_warps,
-        LANES=32 * t.num_warps, **pdl_launch(x),
+        **pdl_launch(x),
     )  # fmt: skip
-    # Down may only read ids before its wait where gate|up waited before letting it in (PDL).
-    pre_gate_up = l2_prefetch_on(x, "pairs", gate_up) and hidden * gate_up.element_size() % 16 == 0
-    pre_down = flags["PDL"] and l2_prefetch_on(x, "down", down) and inter * down.element_size() % 16 == 0
     _pair_gate_up_kernel[(pairs, triton.cdiv(inter, t.gate_up_n), t.gate_up_split)](
         x, gate_up, ids, part, gu_s, pairs, hidden, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1),
         gu_s.stride(0) if quant else 0, gu_s.stride(1) if quant else 0, gu_s.stride(2) if quant else 0,
         gu_s.stride(3) if quant else 0, offset,
         TOP_K=top_k, BLOCK_N=t.gate_up_n, BLOCK_K=t.gate_up_k, EVEN_K=hidden % t.gate_up_k == 0,
-        num_stages=t.gate_up_stages, PREFETCH=pre_gate_up, **flags,
+        num_stages=t.gate_up_stages, **flags,
     )  # fmt: skip
     _pair_down_kernel[(pairs, triton.cdiv(hidden, t.down_n))](
         part, down, ids, weights, y, d_s, pairs, hidden, inter, down.stride(0), down.stride(1),
         d_s.stride(0) if quant else 0, d_s.stride(1) if quant else 0, d_s.stride(2) if quant else 0, offset,
-        BLOCK_N=t.down_n, BLOCK_K=t.down_k, EVEN_K=inter % t.down_k == 0, num_stages=t.down_stages,
-        PREFETCH=pre_down, **flags,
+        BLOCK_N=t.down_n, BLOCK_K=t.down_k, EVEN_K=inter % t.down_k == 0, num_stages=t.down_stages, **flags,
     )  # fmt: skip
     return combine_choices(y, top_k, add, residual)

@@ -22,7 +22,6 @@ the row before the loop with the norm's weight applied to each x tile (+0.15 ms:
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -32,12 +31,10 @@ from pegainfer.kernels._triton import (
     cast_to,
     dot_precision,
     interp_bf16,
-    l2_prefetch_on,
     mma,
     num_sms,
     pdl_launch,
     pdl_start,
-    prefetch_rows_l2,
     shared_memory_per_sm,
     tl,
     triton,
@@ -141,8 +138,6 @@ def _skinny_gemm_kernel(
     QBLOCK: tl.constexpr = 1,
     SPAN: tl.constexpr = 0,
     SCALE_PERIOD: tl.constexpr = 0,
-    PREFETCH: tl.constexpr = False,
-    LANES: tl.constexpr = 128,
 ):
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -173,13 +168,6 @@ def _skinny_gemm_kernel(
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         k0 = BLOCK_K
-    if PREFETCH:
-        # The rest of the tile's rows asked of the L2 at once: a lone program per multiprocessor keeps only
-        # num_stages loads in flight, too few to fill the memory system where the tiles are few.
-        rows = tl.minimum(N - pid_n * BLOCK_N, BLOCK_N)
-        esize: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        tile_w = w_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_wn + k0
-        prefetch_rows_l2(tile_w, stride_wn, rows, (K - k0) * esize, BLOCK_N, LANES)
     for k in range(k0, K, BLOCK_K):
         x = load_block(x_ptrs, k, K, offs_k, row_ok, EVEN_K)
         w = load_block(w_ptrs, k, K, offs_k, col_ok, EVEN_K)
@@ -285,8 +273,6 @@ def _skinny_gemm_stream_k_kernel(
     QBLOCK: tl.constexpr = 1,
     SPAN: tl.constexpr = 0,
     SCALE_PERIOD: tl.constexpr = 0,
-    PREFETCH: tl.constexpr = False,
-    LANES: tl.constexpr = 128,
 ):
     """The same GEMM over a flat list of work units, (output tile, BLOCK_K column block) in tile order:
     program ``p`` takes units ``[p * UNITS, (p + 1) * UNITS)``, so every multiprocessor streams the same
@@ -313,13 +299,6 @@ def _skinny_gemm_stream_k_kernel(
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (kb * BLOCK_K + offs_k)[None, :]
         w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (kb * BLOCK_K + offs_k)[None, :]
         s_rows = scale_rows(s_ptr, offs_n, tile * BLOCK_N, stride_sn, SCALE_PERIOD)
-        if PREFETCH:  # this program's columns of the tile, asked of the L2 at once (see the other kernel)
-            esize: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-            nbytes = (tl.minimum(ke * BLOCK_K, K) - kb * BLOCK_K) * esize
-            tile_w = w_ptr + (tile * BLOCK_N).to(tl.int64) * stride_wn + kb * BLOCK_K
-            prefetch_rows_l2(
-                tile_w, stride_wn, tl.minimum(N - tile * BLOCK_N, BLOCK_N), nbytes, BLOCK_N, LANES
-            )
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
         for i in range(kb, ke):
@@ -421,24 +400,6 @@ def _stream_k_workspace(
 NO_PDL = {"PDL": False, "launch_pdl": False}
 
 
-#: Largest weight (bytes) whose GEMM asks the L2 for its tiles up front (``PEGAINFER_L2_PREFETCH``
-#: with ``gemm``); a module setting so a benchmark can sweep it.
-PREFETCH_MAX_BYTES = int(os.environ.get("PEGAINFER_L2_PREFETCH_MAX", str(24 << 20)))
-
-
-def _prefetches(weight: torch.Tensor, k: int, cfg: SkinnyConfig) -> bool:
-    """Whether the launch asks the L2 for its weight tiles up front: on for ``gemm`` and the weight at
-    most ``PREFETCH_MAX_BYTES`` (a larger one would evict its own prefetched lines before they are read),
-    its rows and column blocks on 16-byte boundaries."""
-    size = weight.element_size()
-    return (
-        weight.numel() * size <= PREFETCH_MAX_BYTES
-        and k * size % 16 == 0
-        and cfg.block_k * size % 16 == 0
-        and l2_prefetch_on(weight, "gemm", weight)
-    )
-
-
 def _one_program_per_sm(cfg: SkinnyConfig, block_m: int, x: torch.Tensor) -> bool:
     """Whether the pipeline's tiles take over half a multiprocessor's shared memory, so no two programs
     share one. Only such a GEMM is launched early (PDL): its waiting programs can then only take idle
@@ -520,8 +481,6 @@ def skinny_linear_triton(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **(pdl_launch(x) if _one_program_per_sm(cfg, block_m, x) else NO_PDL),
     )  # fmt: skip
-    if _prefetches(weight, k, cfg):
-        flags.update(PREFETCH=True, LANES=32 * cfg.num_warps)
     if cfg.stream_k:
         n_tiles, k_iters = triton.cdiv(n, cfg.block_n), triton.cdiv(k, cfg.block_k)
         units = triton.cdiv(n_tiles * k_iters, cfg.programs or num_sms(x.device))

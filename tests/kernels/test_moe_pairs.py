@@ -147,17 +147,15 @@ def test_scales_on_unaligned_tiles_are_refused():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("tokens", [1, PAIR_TOKENS])
-def test_l2_prefetch_changes_no_bit(monkeypatch, tokens):
-    """Asking the L2 for gate|up's tiles after the wait and for down's before it
-    (``PEGAINFER_L2_PREFETCH=pairs,down``) is a hint: the output equals the one without it bit for bit,
+def test_early_launch_changes_no_bit(monkeypatch, tokens):
+    """With PDL the pair kernels and the combine start before the launch they follow has finished (down
+    reads its expert ids before its wait): the output equals the one launched in order bit for bit,
     eager and in a graph, at the 35B-A3B experts' shape (hidden 2048, 512 features)."""
-    from pegainfer.kernels import _triton
-
     x, weights, ids, gate_up, down = moe_case(tokens, 8, 64, 2048, 512, torch.bfloat16, seed=tokens)
     residual = torch.randn_like(x)
-    monkeypatch.setattr(_triton, "L2_PREFETCH", set())
+    monkeypatch.setenv("PEGAINFER_PDL", "0")
     expected = fused_moe_pairs(x, weights, ids, gate_up, down, residual=residual.clone())
-    monkeypatch.setattr(_triton, "L2_PREFETCH", {"pairs", "down"})
+    monkeypatch.setenv("PEGAINFER_PDL", "1")
     assert torch.equal(fused_moe_pairs(x, weights, ids, gate_up, down, residual=residual.clone()), expected)
     into = residual.clone()
     graph = torch.cuda.CUDAGraph()

@@ -220,69 +220,6 @@ def test_stream_k_at_model_shapes_and_in_a_graph(m, n, k):
         assert torch.equal(captured, eager)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize(
-    ("m", "n", "k", "config"),
-    [
-        (1, 2048, 4096, None),  # stream-K (35B-A3B out_proj)
-        (3, 1000, 2048, SkinnyConfig(64, 128)),  # per tile, several programs a multiprocessor, ragged N
-        (1, 4096, 1024, SkinnyConfig(64, 256, num_stages=4)),  # per tile, one a multiprocessor (PDL)
-        (2, 576, 7168, SkinnyConfig(32, 256, num_stages=5, stream_k=True)),  # kv_a, tiles split
-    ],
-    ids=["stream_k", "per-tile", "per-tile-pdl", "stream_k-split"],
-)
-def test_l2_prefetch_changes_no_bit(monkeypatch, m, n, k, config):
-    """Asking the L2 for the weight tiles up front (``PEGAINFER_L2_PREFETCH=gemm``) is a hint: the
-    outputs equal those without it bit for bit, eager and in a graph, bf16 and block-FP8 weights."""
-    from kernel_helpers import fp8_weight
-
-    from pegainfer.kernels import _triton, skinny_gemm
-
-    gen = torch.Generator().manual_seed(n + k)
-    x = (_rand(gen, m, k, dtype=torch.bfloat16) * 0.5).cuda()
-    w = (_rand(gen, n, k, dtype=torch.bfloat16) * 0.02).cuda()
-    weights = [w, fp8_weight(gen, n, k, 128)]
-    monkeypatch.setattr(_triton, "L2_PREFETCH", set())
-    plain = [skinny_linear_triton(x, wt, config=config, norm_eps=1e-6) for wt in weights]
-    monkeypatch.setattr(_triton, "L2_PREFETCH", {"gemm"})
-    assert skinny_gemm._prefetches(w, k, config or default_config(n, k))
-    for wt, expected in zip(weights, plain, strict=True):
-        assert torch.equal(skinny_linear_triton(x, wt, config=config, norm_eps=1e-6), expected)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = skinny_linear_triton(x, wt, config=config, norm_eps=1e-6)
-        graph.replay()
-        assert torch.equal(captured, expected)
-
-
-def test_l2_prefetch_only_on_hopper_for_aligned_weights_under_the_cap(monkeypatch):
-    """The prefetch's switch: off for CPU tensors (no bulk prefetch in the interpreter), off above
-    ``PREFETCH_MAX_BYTES`` and for rows off 16-byte boundaries; the environment names the families."""
-    from pegainfer.kernels import _triton, skinny_gemm
-
-    monkeypatch.setattr(_triton, "L2_PREFETCH", {"gemm"})
-    w = torch.empty(64, 256, dtype=torch.bfloat16)
-    assert not skinny_gemm._prefetches(w, 256, SkinnyConfig(32, 64))  # CPU
-    monkeypatch.setattr(_triton, "_hopper", lambda t: True)
-    assert skinny_gemm._prefetches(w, 256, SkinnyConfig(32, 64))
-    assert not skinny_gemm._prefetches(
-        torch.empty(64, 260, dtype=torch.bfloat16)[:, :252], 252, SkinnyConfig(32, 64)
-    )
-    monkeypatch.setattr(skinny_gemm, "PREFETCH_MAX_BYTES", w.numel() * 2 - 1)
-    assert not skinny_gemm._prefetches(w, 256, SkinnyConfig(32, 64))
-    monkeypatch.setattr(_triton, "L2_PREFETCH", {"pairs"})
-    assert not _triton.l2_prefetch_on(w, "gemm", w)
-    for raw, parts in [
-        ("0", set()),
-        ("", set()),
-        ("all", {"gemm", "pairs", "down", "ahead"}),
-        ("gemm, down", {"gemm", "down"}),
-    ]:
-        monkeypatch.setenv("PEGAINFER_L2_PREFETCH", raw)
-        assert _triton._prefetch_parts() == parts
-
-
 def test_stream_k_where_one_program_per_tile_leaves_multiprocessors_idle():
     """The split for under-filled waves of long rows (docs/benchmarks.md, sixth session's sweep), not
     for nearly full waves, short rows, or the many-tile projections."""

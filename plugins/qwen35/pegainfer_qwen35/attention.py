@@ -92,9 +92,7 @@ class GatedAttention(nn.Module):
         meta = batch.attn
         if use_triton(x) and meta.num_decodes and not meta.prefills:
             from pegainfer.kernels import paged_decode_attention as decode
-            from pegainfer.kernels.l2_prefetch import prefetch_weight_ahead
 
-            prefetch_weight_ahead(self.o_proj)  # into L2 while decode attention runs
             rope = decode.DecodeRope(
                 k.view(t, nkv, d), v.view(t, nkv, d), self.q_norm, self.k_norm, rotary, batch.positions,
                 meta.slot_mapping, eps, zero_centred=True,

@@ -434,10 +434,8 @@ class GatedDeltaNet(nn.Module):
         slots are read on the device); elsewhere :func:`decode_reference`."""
         eps, hk = self.config.rms_norm_eps, self.shard.linear_num_key_heads
         if decode_kernels_on(mixed):
-            from pegainfer.kernels.l2_prefetch import prefetch_weight_ahead
             from pegainfer_qwen35 import gdn_kernels
 
-            prefetch_weight_ahead(self.out_proj)  # into L2 while the latency-bound kernels below run
             gdn_kernels.conv_update(mixed, self.conv_weight, state["conv"], slots, conv_out)
             gdn_kernels.gdn_decode(
                 conv_out, b, a, z, self.A_log, self.dt_bias, self.norm, state["ssm"], slots, out,

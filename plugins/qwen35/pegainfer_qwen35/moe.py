@@ -100,13 +100,6 @@ class SparseMoE(nn.Module):
 
         ``static_shapes``: no host sync and no data-dependent shapes (the schedule for CUDA graphs).
         """
-        if ops.use_triton(x):
-            from pegainfer.kernels.l2_prefetch import prefetch_weight_ahead
-
-            # The shared expert's pieces, chosen by every token, into L2 while the router runs.
-            e = self.config.num_experts
-            prefetch_weight_ahead(self.experts_gate_up[e:])
-            prefetch_weight_ahead(self.experts_down[e:])
         weights, experts = self.route(x, bufs)
         if ops.use_triton(x):
             # At tp=1, where no all-reduce comes between, the residual add rides the launch that sums the
