@@ -66,12 +66,14 @@ def moe_case(tokens, k, experts, hidden, inter, dtype, seed):
     experts are 11 G values: drawn on the CPU they took minutes)."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
 
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, device=DEVICE)
+    def randn(*shape, scale):
+        # Drawn in the target dtype and scaled in place: an fp32 draw of DeepSeek-V3's experts and its
+        # scaled copy (30 GB each) did not fit an 80 GB GPU beside the bf16 result.
+        return torch.randn(*shape, generator=gen, device=DEVICE, dtype=dtype).mul_(scale)
 
-    x = (randn(tokens, hidden) * 0.5).to(dtype)
-    gate_up = (randn(experts, 2 * inter, hidden) * hidden**-0.5).to(dtype)
-    down = (randn(experts, hidden, inter) * inter**-0.5).to(dtype)
+    x = randn(tokens, hidden, scale=0.5)
+    gate_up = randn(experts, 2 * inter, hidden, scale=hidden**-0.5)
+    down = randn(experts, hidden, inter, scale=inter**-0.5)
     # Distinct experts per token, from a skewed pool: some experts get many tokens, some none.
     ids = torch.stack([torch.randperm(experts - 1, generator=gen, device=DEVICE)[:k] for _ in range(tokens)])
     weights = torch.rand(tokens, k, generator=gen, device=DEVICE) * 2.5
