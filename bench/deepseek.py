@@ -392,8 +392,8 @@ def main() -> None:
         ceil = measure_ceilings()
         torch.cuda.empty_cache()
         copy_bw, read_bw = ceil["hbm_bytes_per_s"], ceil["decode_ceiling_bytes_per_s"]
-        results.add("h200.hbm_copy_bandwidth", copy_bw / 1e12, "TB/s")
-        results.add("h200.hbm_stream_read_bandwidth", ceil["hbm_read_bytes_per_s"] / 1e12, "TB/s")
+        results.add("gpu.hbm_copy_bandwidth", copy_bw / 1e12, "TB/s")
+        results.add("gpu.hbm_stream_read_bandwidth", ceil["hbm_read_bytes_per_s"] / 1e12, "TB/s")
 
         for heads in () if args.skip_kernels else (128, 16):
             tilings = bench_mla_kernel(64, 4096, heads, copy_bw)

@@ -372,9 +372,9 @@ def main() -> None:
     ceil = measure_ceilings()
     torch.cuda.empty_cache()
     bw = ceil["decode_ceiling_bytes_per_s"]
-    results.add("h200.hbm_copy_bandwidth", ceil["hbm_bytes_per_s"] / 1e12, "TB/s")
-    results.add("h200.hbm_stream_read_bandwidth", ceil["hbm_read_bytes_per_s"] / 1e12, "TB/s")
-    results.add("h200.bf16_matmul", ceil["bf16_flops_per_s"] / 1e12, "TFLOP/s")
+    results.add("gpu.hbm_copy_bandwidth", ceil["hbm_bytes_per_s"] / 1e12, "TB/s")
+    results.add("gpu.hbm_stream_read_bandwidth", ceil["hbm_read_bytes_per_s"] / 1e12, "TB/s")
+    results.add("gpu.bf16_matmul", ceil["bf16_flops_per_s"] / 1e12, "TFLOP/s")
     table = [
         f"ceilings: HBM copy {ceil['hbm_bytes_per_s'] / 1e12:.2f} TB/s, streaming read "
         f"{ceil['hbm_read_bytes_per_s'] / 1e12:.2f} TB/s (decode ceiling {bw / 1e12:.2f}), bf16 {ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s"

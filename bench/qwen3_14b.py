@@ -202,9 +202,9 @@ def main() -> None:
     ceil = measure_ceilings()
     torch.cuda.empty_cache()
     bw, flops_rate = ceil["decode_ceiling_bytes_per_s"], ceil["bf16_flops_per_s"]
-    results.add("h200.hbm_copy_bandwidth", ceil["hbm_bytes_per_s"] / 1e12, "TB/s")
-    results.add("h200.hbm_stream_read_bandwidth", ceil["hbm_read_bytes_per_s"] / 1e12, "TB/s")
-    results.add("h200.bf16_matmul", flops_rate / 1e12, "TFLOP/s")
+    results.add("gpu.hbm_copy_bandwidth", ceil["hbm_bytes_per_s"] / 1e12, "TB/s")
+    results.add("gpu.hbm_stream_read_bandwidth", ceil["hbm_read_bytes_per_s"] / 1e12, "TB/s")
+    results.add("gpu.bf16_matmul", flops_rate / 1e12, "TFLOP/s")
 
     rng = random.Random(0)
     folder = checkpoint_folder(args.layers)
