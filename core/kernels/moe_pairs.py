@@ -25,6 +25,11 @@ graph to fresh experts; grouped -> pairs): Qwen3.5-35B-A3B's experts at 1 token 
 57.0% of the read rate), 4 tokens 63.3 -> 56.2, 8 tokens 112.6 -> 96.5; DeepSeek-V3's 178.1 -> 169.5 at 1,
 632.9 -> 618.0 at 4, 1146 -> 1156 at 8; Moonlight's 35.9 -> 32.3 at 1, 100.7 -> 97.7 at 4, 156.4 -> 158.7
 at 8; DeepSeek-V3's float8 experts 120.5 -> 108.1 at 1, 225.1 -> 214.9 at 2, 365.4 -> 377.5 at 4.
+
+On Hopper the three launches start early (PDL) and wait for the one before: down reads its expert ids
+before its wait, since they were written before gate|up, which lets down in only after its own wait. On
+an H100 (2026-12-07, 16 calls a graph, PDL off -> on): 35B-A3B's nine pairs at 1 token 28.0 -> 25.7 us,
+Moonlight's 54.9 -> 53.4, DeepSeek-V3's 282.0 -> 280.0 (docs/benchmarks.md, twenty-sixth session).
 """
 
 from __future__ import annotations
