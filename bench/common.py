@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import platform
@@ -89,6 +90,16 @@ def wall_time_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> f
     return statistics.median(times)
 
 
+def add_memory_args(parser: argparse.ArgumentParser, utilization: float) -> None:
+    """``--max-batched-tokens`` and ``--gpu-memory-utilization`` for a script's decode engine: lowering the
+    first (its transients shrink with it) and raising the second fit a shape whose weights nearly fill
+    an 80 GB card; prefill steps are then cut into chunks of that many tokens."""
+    parser.add_argument(
+        "--max-batched-tokens", type=int, default=16384, help="scheduler.max_num_batched_tokens"
+    )
+    parser.add_argument("--gpu-memory-utilization", type=float, default=utilization)
+
+
 def build(
     folder: Path,
     max_num_seqs: int,
@@ -100,17 +111,21 @@ def build(
     dtype: str = "bfloat16",
     tp: int = 1,
     model_keys: dict | None = None,
+    max_num_batched_tokens: int = 16384,
 ) -> LLM:
     """An engine on the GPU (bf16 unless ``dtype`` says otherwise) with random weights of ``folder``'s
     config.json shape (drafting ``speculative_tokens`` tokens a step with the model's own draft layers),
     ``block_size``-token pages (None: the engine's default), over ``tp`` GPUs (rank 0 in this process:
     ``llm.engine.executor.runner`` is its shard; the engine turns NVLink multicast off in every rank);
-    ``model_keys``: the model plugin's own ``model.*`` keys."""
+    ``model_keys``: the model plugin's own ``model.*`` keys; ``max_num_batched_tokens`` sizes the prefill
+    pass's transients, which the memory plan reserves before the pages."""
     model = {"path": str(folder), "load_format": "dummy", "dtype": dtype, "max_model_len": max_model_len}
     return LLM.from_config(
         EngineConfig(
             model=build_model_config({**model, **(model_keys or {})}),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=16384),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+            ),
             cache=CacheConfig(
                 gpu_memory_utilization=gpu_memory_utilization,
                 **({} if block_size is None else {"block_size": block_size}),

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from common import (
     Results,
+    add_memory_args,
     build,
     check_all_running,
     graph_time_ms,
@@ -374,6 +375,7 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--skip-peer", action="store_true")
+    add_memory_args(parser, 0.9)
     parser.add_argument("--commit", default=None)
     parser.add_argument(
         "--tp", type=int, default=1, help="decode only, over this many GPUs (figures ...decode.tpN.*)"
@@ -445,6 +447,8 @@ def main() -> None:
             block_size=args.block_size,
             tp=args.tp,
             model_keys={"fp8_activations": args.fp8_activations},
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_num_batched_tokens=args.max_batched_tokens,
         )
         page = "" if args.block_size is None else f".page{args.block_size}"  # decode figures only
         rng = random.Random(0)

@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 from common import (
     Results,
+    add_memory_args,
     build,
     check_all_running,
     decode_graph_ms,
@@ -360,6 +361,7 @@ def main() -> None:
         action="store_true",
         help="MTP runs on near-bigram weights (drafts right; _near_bigram)",
     )
+    add_memory_args(parser, 0.85)
     parser.add_argument("--commit", default=None)
     parser.add_argument(
         "--tp", type=int, default=1, help="decode only, over this many GPUs (figures qwen35_S.decode.tpN.*)"
@@ -396,8 +398,9 @@ def main() -> None:
                 folder,
                 max_num_seqs=max(batches),
                 max_model_len=longest + 64,
-                gpu_memory_utilization=0.85,
+                gpu_memory_utilization=args.gpu_memory_utilization,
                 tp=args.tp,
+                max_num_batched_tokens=args.max_batched_tokens,
             )
             model = llm.engine.executor.runner.model
             tag = f"qwen35_{name}" + ("" if variant == "kernels" else f".{variant}")
