@@ -90,13 +90,15 @@ def wall_time_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> f
     return statistics.median(times)
 
 
+#: ``scheduler.max_num_batched_tokens`` of the engines the scripts build, unless told otherwise.
+MAX_NUM_BATCHED_TOKENS = 16384
+
+
 def add_memory_args(parser: argparse.ArgumentParser, utilization: float) -> None:
-    """``--max-batched-tokens`` and ``--gpu-memory-utilization`` for a script's decode engine: lowering the
+    """``--max-num-batched-tokens`` and ``--gpu-memory-utilization`` for a script's decode engine: lowering the
     first (its transients shrink with it) and raising the second fit a shape whose weights nearly fill
     an 80 GB card; prefill steps are then cut into chunks of that many tokens."""
-    parser.add_argument(
-        "--max-batched-tokens", type=int, default=16384, help="scheduler.max_num_batched_tokens"
-    )
+    parser.add_argument("--max-num-batched-tokens", type=int, default=MAX_NUM_BATCHED_TOKENS)
     parser.add_argument("--gpu-memory-utilization", type=float, default=utilization)
 
 
@@ -111,7 +113,7 @@ def build(
     dtype: str = "bfloat16",
     tp: int = 1,
     model_keys: dict | None = None,
-    max_num_batched_tokens: int = 16384,
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
 ) -> LLM:
     """An engine on the GPU (bf16 unless ``dtype`` says otherwise) with random weights of ``folder``'s
     config.json shape (drafting ``speculative_tokens`` tokens a step with the model's own draft layers),

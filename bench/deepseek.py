@@ -448,7 +448,7 @@ def main() -> None:
             tp=args.tp,
             model_keys={"fp8_activations": args.fp8_activations},
             gpu_memory_utilization=args.gpu_memory_utilization,
-            max_num_batched_tokens=args.max_batched_tokens,
+            max_num_batched_tokens=args.max_num_batched_tokens,
         )
         page = "" if args.block_size is None else f".page{args.block_size}"  # decode figures only
         rng = random.Random(0)

@@ -400,7 +400,7 @@ def main() -> None:
                 max_model_len=longest + 64,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 tp=args.tp,
-                max_num_batched_tokens=args.max_batched_tokens,
+                max_num_batched_tokens=args.max_num_batched_tokens,
             )
             model = llm.engine.executor.runner.model
             tag = f"qwen35_{name}" + ("" if variant == "kernels" else f".{variant}")
