@@ -50,6 +50,7 @@ __all__ = [
     "mma",
     "pdl_launch",
     "pdl_start",
+    "pdl_start_ordered",
 ]
 
 
@@ -169,12 +170,34 @@ def pdl_launch(t: torch.Tensor) -> dict[str, bool]:
     return {"PDL": on, "launch_pdl": on}
 
 
+#: ``PEGAINFER_PDL_RELEASE_FIRST=1``: :func:`pdl_start` lets the next kernel be scheduled before it waits,
+#: so a chain of short kernels can all be resident while the first still runs (an experiment; off by default).
+PDL_RELEASE_FIRST = (tl.constexpr if HAS_TRITON else bool)(
+    os.environ.get("PEGAINFER_PDL_RELEASE_FIRST") == "1"
+)
+
+
 @triton.jit
 def pdl_start(PDL: tl.constexpr):
     """With ``PDL``: wait until the previous kernel of the stream has finished and its writes are visible
     (nothing a kernel reads or writes may be touched before this, constant weights excepted), then let
-    the next kernel be scheduled. Every kernel launched with ``launch_pdl`` calls this. Letting the next
-    kernel in at once measured better than after the main loop (8.19 vs 8.27 ms a batch-1 step)."""
+    the next kernel be scheduled. Every kernel launched with ``launch_pdl`` calls this (or
+    :func:`pdl_start_ordered`). Letting the next kernel in at once measured better than after the main loop
+    (8.19 vs 8.27 ms a batch-1 step). With ``PDL_RELEASE_FIRST`` the next kernel is let in before the wait:
+    its own wait still returns only after this kernel, which finishes only after its predecessor."""
+    if PDL:
+        if PDL_RELEASE_FIRST:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        else:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_start_ordered(PDL: tl.constexpr):
+    """:func:`pdl_start` that always waits before it lets the next kernel in, for a kernel whose successor
+    reads this kernel's predecessor's output before its own wait."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

@@ -47,6 +47,7 @@ from pegainfer.kernels._triton import (
     num_sms,
     pdl_launch,
     pdl_start,
+    pdl_start_ordered,
     tl,
     triton,
 )
@@ -128,7 +129,7 @@ def _pair_gate_up_kernel(
 ):
     """Program (pair, tile, split): the fp32 sums of its share of the columns for the tile's gate and up
     features, into ``part[split, pair]`` (``[SPLIT, P, 2I]``: gate, then up)."""
-    pdl_start(PDL)  # ids are the previous launch's output
+    pdl_start_ordered(PDL)  # ids are the previous launch's output; down reads them before its wait
     pair = tl.program_id(0)
     split = tl.program_id(2)
     expert = tl.load(ids_ptr + pair).to(tl.int64)

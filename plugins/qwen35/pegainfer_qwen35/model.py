@@ -42,6 +42,7 @@ from pegainfer_qwen35.gated_deltanet import (
     RECURRENT_PREFILL_MAX_TOKENS,
     GatedDeltaNet,
     RecurrentRows,
+    fla_chunk_rule,
     gdn_kernels_enabled,
 )
 from pegainfer_qwen35.mlp import DenseMLP
@@ -170,6 +171,7 @@ class Qwen35ForCausalLM(CausalLM):
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.max_model_len = max_model_len
         self.tp = tp = tp or TensorParallel()
         # Every head and feature count is checked against tp here, before any weight is read.
         self.shard = shard = Qwen35Shard.of(config, tp)
@@ -197,7 +199,6 @@ class Qwen35ForCausalLM(CausalLM):
             if config.layers_of(FULL) or self.mtp
             else None
         )
-        self.pass_buffer_roles = pass_buffers.pass_buffer_roles(config, dtype, shard)
 
     @classmethod
     def from_hf_config(
@@ -275,8 +276,24 @@ class Qwen35ForCausalLM(CausalLM):
         """The MTP layer's paged KV cache (layer ``num_hidden_layers``), for speculative decoding only."""
         return [module.layer.buffer_spec() for module in self.mtp]
 
+    @property
+    def kernel_path(self) -> bool:
+        """Whether forwards take the CUDA kernels throughout (fused MoE, the GDN kernels, fla's chunked
+        prefill), whose temporaries ``transient_specs`` then bounds instead of the reference path's. (If
+        fla fails at run time, prefill falls back to the torch chunked form beyond that reserve: it logs so.)"""
+        return (
+            self.embed_tokens.device.type == "cuda" and gdn_kernels_enabled() and fla_chunk_rule() is not None
+        )
+
+    @property
+    def pass_buffer_roles(self) -> list[pass_buffers.Role]:
+        return pass_buffers.pass_buffer_roles(self.config, self.dtype, self.shard, kernels=self.kernel_path)
+
     def transient_specs(self) -> list[TransientSpec]:
-        return pass_buffers.transient_specs(self.config, self.dtype, self.shard)
+        return pass_buffers.transient_specs(
+            self.config, self.dtype, self.shard, device=self.embed_tokens.device,
+            max_model_len=self.max_model_len, kernels=self.kernel_path,
+        )  # fmt: skip
 
     def allocate_pass_buffers(self, num_tokens: int) -> PassBuffers:
         """The buffers one forward of ``num_tokens`` rows uses (what ``transient_specs`` reserves)."""

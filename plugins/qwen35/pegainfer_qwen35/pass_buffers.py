@@ -7,11 +7,17 @@ the output GEMMs on the CUDA decode path). On CUDA the projections return tensor
 skinny GEMM's outputs) where the reference path writes the roles. The memory plan reserves ``bytes_per_token`` of every role
 times the step's token budget (``transient_specs``) before it sizes the page pool.
 
-Two more roles are no buffers but declared bounds on temporaries (``SCRATCH_ROLES``):
-``reference_scratch`` per token, for what the torch reference path creates inside one layer (fp32 norm
-copies, the delta rule's block matrices), and ``decode_state_scratch`` per sequence, for the fp32 copies
-of the slot states a decode step gathers, updates and scatters back. Fused kernels make them smaller; the
-memory plan must still count them for the reference path.
+The other specs are no buffers but declared bounds on temporaries (``SCRATCH_ROLES``), by path:
+- the torch reference path (the CPU, or CUDA without the kernels): ``reference_scratch`` per token, for
+  what it creates inside one layer (fp32 norm copies, the delta rule's block matrices), and
+  ``decode_state_scratch`` per sequence, for the fp32 copies of the slot states a decode step gathers,
+  updates and scatters back;
+- the CUDA kernel path (``kernels=True``: Triton kernels, fused MoE, fla's chunked prefill): decode rows
+  update their slots in place, and ``kernel_scratch`` bounds what one prefill layer allocates of its own
+  (:func:`kernel_scratch`); the MoE's reference-only roles (the gathered rows and the experts' outputs) are
+  not allocated, since the fused kernels keep their own;
+- both: the attention backend's ``attention_scratch`` (``pegainfer.ops.attention_scratch``).
+On the GPU the plan's reserve against what a prefill allocates is measured by ``test_qwen35_gpu.py``.
 
 Under tensor parallelism every width is the rank's (``Qwen35Shard``): its heads, its conv channels, its
 share of the FFN features; the hidden-size roles stay whole (the row-parallel outputs are all-reduced in
@@ -25,11 +31,21 @@ from dataclasses import dataclass
 import torch
 
 from pegainfer.memory.buffer_specs import TransientSpec, dtype_size
+from pegainfer.ops import attention_scratch
 from pegainfer_qwen35.config import FULL, LINEAR, Qwen35Config, Qwen35Shard
 from pegainfer_qwen35.delta_rule import CHUNK_SIZE
 
 ROLE_PREFIX = "qwen35."
-SCRATCH_ROLES = frozenset({ROLE_PREFIX + "reference_scratch", ROLE_PREFIX + "decode_state_scratch"})
+SCRATCH_ROLES = frozenset(
+    {
+        ROLE_PREFIX + "reference_scratch",
+        ROLE_PREFIX + "decode_state_scratch",
+        ROLE_PREFIX + "kernel_scratch",
+        "attention_scratch",
+    }
+)
+#: fla's chunk length (``chunk_gated_delta_rule``'s default, which ``prefill_with_fla`` keeps).
+FLA_CHUNK = 64
 
 
 @dataclass(frozen=True)
@@ -44,10 +60,11 @@ class Role:
 
 
 def pass_buffer_roles(
-    config: Qwen35Config, dtype: torch.dtype, shard: Qwen35Shard | None = None
+    config: Qwen35Config, dtype: torch.dtype, shard: Qwen35Shard | None = None, *, kernels: bool = False
 ) -> list[Role]:
     """The roles a forward allocates, from the rank-local geometry (``shard``; None: the whole model).
-    Only the layer kinds present get their roles."""
+    Only the layer kinds present get their roles; ``kernels`` (the CUDA kernel path) drops the MoE roles
+    only the reference path writes."""
     s = shard or Qwen35Shard.of(config)
     h = config.hidden_size
     roles = [Role(name, h, dtype) for name in ("hidden", "normed", "mixer_out", "mlp_down")]
@@ -68,15 +85,18 @@ def pass_buffer_roles(
             Role("gdn_gated", s.value_dim, dtype),  # gated RMSNorm output
         ]
     if config.is_moe:
-        # The chosen experts, then the shared expert's pieces (``moe.SparseMoE``).
-        k, ie = config.num_experts_per_tok + s.shared_pieces, s.moe_intermediate_size
-        roles += [
-            Role("moe_router", config.num_experts + 1, dtype),  # the router's logits, the shared gate's
-            Role("moe_rows", k * h, dtype),  # each token's row once per chosen expert, grouped by expert
-            Role("moe_gate_up", k * 2 * ie, dtype),
-            Role("moe_act", k * ie, dtype),
-            Role("moe_out", k * h, dtype),
-        ]
+        roles.append(
+            Role("moe_router", config.num_experts + 1, dtype)
+        )  # the router's logits, the shared gate's
+        if not kernels:
+            # The chosen experts, then the shared expert's pieces (``moe.SparseMoE``).
+            k, ie = config.num_experts_per_tok + s.shared_pieces, s.moe_intermediate_size
+            roles += [
+                Role("moe_rows", k * h, dtype),  # each token's row once per chosen expert, grouped by expert
+                Role("moe_gate_up", k * 2 * ie, dtype),
+                Role("moe_act", k * ie, dtype),
+                Role("moe_out", k * h, dtype),
+            ]
     if config.has_dense_ffn:
         i = s.intermediate_size
         roles += [Role("mlp_gate_up", 2 * i, dtype), Role("mlp_act", i, dtype)]
@@ -101,25 +121,76 @@ def reference_scratch_bytes_per_token(config: Qwen35Config, shard: Qwen35Shard |
     return gdn + norms + router
 
 
-def transient_specs(
+def kernel_scratch(
     config: Qwen35Config, dtype: torch.dtype, shard: Qwen35Shard | None = None
+) -> TransientSpec:
+    """A bound on what one layer of a prefill forward allocates of its own on the CUDA kernel path (the
+    largest layer kind's: layers run one after another), per token and per prefill segment.
+
+    - GDN, the torch conv of a long segment (its input with the window, the conv output, the SiLU), then
+      fla's chunked delta rule over every segment: contiguous q/k/v and the L2-normalised q/k, w, u, the
+      new values and the output, the solved 64-wide chunk matrices, fp32 gate and beta, and the chunk states
+      (one per 64 tokens, plus one per segment); per segment the gathered and the final fp32 state.
+    - MoE: the fused kernels' activation and output rows per choice, their expert-sorted indices, the
+      routing's weights and ids, and the block's output where an all-reduce follows.
+    - attention: the q/k norms' and rotary's outputs, the attention output and the gate's sigmoid."""
+    s = shard or Qwen35Shard.of(config)
+    d, f32, i64 = dtype_size(dtype), 4, 8
+    per_token, per_seq = 0, 0
+    if config.layers_of(LINEAR):
+        hk, hv = s.linear_num_key_heads, s.linear_num_value_heads
+        dk, dv, c = config.linear_key_head_dim, config.linear_value_head_dim, FLA_CHUNK
+        conv = 3 * d * s.conv_dim
+        qkv = d * (2 * hk * dk + hv * dv) + 2 * d * hk * dk + 2 * f32 * hk
+        wy = d * hv * (dk + 3 * dv) + d * hv * c + 2 * f32 * hv  # w, u, v_new, o; A; gate, beta
+        states = d * hv * dk * dv
+        per_token = max(conv, qkv + wy + -(-states // c))
+        per_seq = states + 2 * f32 * hv * dk * dv
+    if config.is_moe:
+        k, h = config.num_experts_per_tok + s.shared_pieces, config.hidden_size
+        per_token = max(per_token, d * k * (s.moe_intermediate_size + h) + 2 * i64 * k + d * k + d * h)
+    if config.layers_of(FULL):
+        q, kv = s.num_heads * config.head_dim, s.num_kv_heads * config.head_dim
+        per_token = max(per_token, d * (4 * q + 2 * kv))
+    return TransientSpec(ROLE_PREFIX + "kernel_scratch", bytes_per_token=per_token, bytes_per_seq=per_seq)
+
+
+def transient_specs(
+    config: Qwen35Config,
+    dtype: torch.dtype,
+    shard: Qwen35Shard | None = None,
+    *,
+    device: torch.device | None = None,
+    max_model_len: int = 0,
+    kernels: bool = False,
 ) -> list[TransientSpec]:
+    """What a forward may hold beyond the weights, states and pages: the pass buffers, then the path's
+    scratch (the kernel path's with ``kernels``), then the attention backend's on ``device`` (for contexts
+    up to ``max_model_len``) where the model has full-attention layers."""
     s = shard or Qwen35Shard.of(config)
     specs = [
         TransientSpec(ROLE_PREFIX + role.name, bytes_per_token=role.bytes_per_token)
-        for role in pass_buffer_roles(config, dtype, s)
+        for role in pass_buffer_roles(config, dtype, s, kernels=kernels)
     ]
-    specs.append(
-        TransientSpec(
-            ROLE_PREFIX + "reference_scratch", bytes_per_token=reference_scratch_bytes_per_token(config, s)
-        )
-    )
-    if config.layers_of(LINEAR):
-        # Gathered state, decayed state, the rank-1 update and the new state of one GDN layer, in fp32.
-        state = s.linear_num_value_heads * s.linear_key_head_dim * s.linear_value_head_dim
-        window = s.conv_dim * config.conv_kernel
+    if kernels:
+        specs.append(kernel_scratch(config, dtype, s))
+    else:
         specs.append(
-            TransientSpec(ROLE_PREFIX + "decode_state_scratch", bytes_per_seq=4 * 4 * (state + window))
+            TransientSpec(
+                ROLE_PREFIX + "reference_scratch",
+                bytes_per_token=reference_scratch_bytes_per_token(config, s),
+            )
+        )
+        if config.layers_of(LINEAR):
+            # Gathered state, decayed state, the rank-1 update and the new state of one GDN layer, in fp32.
+            state = s.linear_num_value_heads * s.linear_key_head_dim * s.linear_value_head_dim
+            window = s.conv_dim * config.conv_kernel
+            specs.append(
+                TransientSpec(ROLE_PREFIX + "decode_state_scratch", bytes_per_seq=4 * 4 * (state + window))
+            )
+    if device is not None and config.layers_of(FULL):
+        specs.append(
+            attention_scratch(s.num_heads, s.num_kv_heads, config.head_dim, max_model_len, dtype, device)
         )
     return specs
 

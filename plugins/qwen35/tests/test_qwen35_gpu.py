@@ -27,6 +27,7 @@ from pegainfer.memory.rank_plan import step_transients
 from pegainfer.sampling.sampling_params import SamplingParams
 from pegainfer.testing.conformance import Bf16AccuracyReport
 from pegainfer.testing.speculative import force_drafts
+from pegainfer_qwen35 import gated_deltanet
 
 pytestmark = [
     pytest.mark.gpu,
@@ -151,10 +152,14 @@ def test_drafting_keeps_the_greedy_tokens(folder, k, right):
     assert outputs[1] == outputs[0]
 
 
-def test_prefill_forward_stays_within_its_transient_reserve(llm):
+@pytest.mark.parametrize("lengths", [(256,), (300, 200, 24)], ids=["one", "three"])
+def test_prefill_forward_stays_within_its_transient_reserve(llm, lengths):
     """Device memory a prefill forward allocates beyond what existed before it (pass buffers and the
-    reference path's temporaries) fits in the ``transient_specs`` reserve for that many tokens."""
+    path's temporaries) fits in the ``transient_specs`` reserve for that many tokens and segments. With
+    fla installed the model takes the kernel path, whose reserve is the tight one (``kernel_scratch``)."""
     model = llm.engine.executor.runner.model
+    if gated_deltanet.fla_chunk_rule() is not None:
+        assert model.kernel_path
     forward = model.forward
     measured: list[tuple[int, int]] = []
 
@@ -168,14 +173,16 @@ def test_prefill_forward_stays_within_its_transient_reserve(llm):
         return hidden
 
     model.forward = measuring_forward
+    rng = random.Random(2)
     try:
-        _prefill(llm, [random.Random(2).choices(range(990), k=256)])
+        _prefill(llm, [rng.choices(range(990), k=n) for n in lengths])
     finally:
         del model.forward
     (tokens, used), *_ = measured
-    reserve = sum(spec.bytes_for(tokens, 1) for spec in model.transient_specs())
+    reserve = sum(spec.bytes_for(tokens, len(lengths)) for spec in model.transient_specs())
     print(
-        f"prefill of {tokens} tokens: forward allocated {used / 2**20:.1f} MiB, reserve {reserve / 2**20:.1f} MiB"
+        f"prefill of {lengths} tokens (kernel path {model.kernel_path}): forward allocated "
+        f"{used / 2**20:.1f} MiB, reserve {reserve / 2**20:.1f} MiB"
     )
     assert used <= reserve
 
