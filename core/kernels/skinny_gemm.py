@@ -22,6 +22,7 @@ the row before the loop with the norm's weight applied to each x tile (+0.15 ms:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -341,6 +342,119 @@ def _skinny_gemm_stream_k_kernel(
                 )  # fmt: skip
 
 
+@triton.jit
+def _gemv_preload_kernel(
+    x_ptr,
+    w_ptr,
+    res_ptr,
+    out_ptr,
+    part_ptr,
+    count_ptr,
+    N,
+    stride_wn,
+    BLOCK_N: tl.constexpr,
+    K_SPAN: tl.constexpr,
+    SPLITS: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    FIX: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One row of x: program (tile, split) loads its whole ``[BLOCK_N, K_SPAN]`` slice of w into registers
+    before its PDL wait, so the weights stream in while the kernels before it still run, and after the
+    wait reads only x's ``K_SPAN`` columns. A tile's split partials are summed in split order by the
+    last of its programs to arrive (as in the stream-K kernel), which then writes the output."""
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = split * K_SPAN + tl.arange(0, K_SPAN)
+    n_ok = offs_n < N
+    w = tl.load(
+        w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :], mask=n_ok[:, None], other=0.0
+    )
+    pdl_start(PDL)
+    x = tl.load(x_ptr + offs_k)
+    acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    if SPLITS > 1:
+        offs_t = tl.arange(0, BLOCK_N)
+        tl.store(part_ptr + (tile * SPLITS + split) * BLOCK_N + offs_t, acc)
+        # Every thread's partial is stored before the counter's release (one thread's atomic).
+        tl.debug_barrier()
+        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLITS - 1:
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for s in range(SPLITS):
+                # .cg: from L2, where the other programs' stores are, never a stale L1 line.
+                acc += tl.load(part_ptr + (tile * SPLITS + s) * BLOCK_N + offs_t, cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed")
+            _gemv_epilogue(acc, offs_n, n_ok, res_ptr, out_ptr, RESIDUAL, FIX)
+    else:
+        _gemv_epilogue(acc, offs_n, n_ok, res_ptr, out_ptr, RESIDUAL, FIX)
+
+
+@triton.jit
+def _gemv_epilogue(acc, offs_n, n_ok, res_ptr, out_ptr, RESIDUAL: tl.constexpr, FIX: tl.constexpr):
+    dtype: tl.constexpr = out_ptr.dtype.element_ty
+    if RESIDUAL:
+        # Rounded as torch's ``residual + linear(x)`` rounds.
+        r = tl.load(res_ptr + offs_n, mask=n_ok, other=0.0)
+        acc = cast_to(acc, dtype, FIX).to(tl.float32) + r.to(tl.float32)
+    tl.store(out_ptr + offs_n, cast_to(acc, dtype, FIX), mask=n_ok)
+
+
+#: ``PEGAINFER_GEMV_PRELOAD=1``: single rows whose weight fits :func:`preload_fits` take
+#: :func:`gemv_preload_triton` where PDL is on (an experiment; off by default).
+GEMV_PRELOAD = os.environ.get("PEGAINFER_GEMV_PRELOAD") == "1"
+
+#: ``gemv_preload``'s slice of w a program holds: 16 rows x 2048 columns, 64 KiB in bf16 over 8 warps (64
+#: registers a thread), two programs a multiprocessor.
+PRELOAD_BLOCK_N, PRELOAD_K_SPAN, PRELOAD_WARPS = 16, 2048, 8
+
+
+def takes_preload(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether a plain ``x @ w.T`` goes through :func:`gemv_preload_triton` (with ``GEMV_PRELOAD``)."""
+    return (
+        GEMV_PRELOAD
+        and x.numel() == x.shape[-1]
+        and x.dtype == w.dtype
+        and pdl_launch(x)["PDL"]
+        and preload_fits(*w.shape, w.element_size(), num_sms(x.device))
+    )
+
+
+def preload_fits(n: int, k: int, element_size: int, sms: int) -> bool:
+    """Whether every program of :func:`gemv_preload_triton` for a ``[n, k]`` w can be resident at once
+    (two a multiprocessor), which is what lets the whole weight stream in before the wait."""
+    if k % PRELOAD_K_SPAN or element_size != 2:
+        return False
+    return triton.cdiv(n, PRELOAD_BLOCK_N) * (k // PRELOAD_K_SPAN) <= 2 * sms
+
+
+def gemv_preload_triton(
+    x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ w.T`` (``+ residual``, in place) for one 16-bit row ``x`` ``[1, K]`` whose ``w`` fits
+    :func:`preload_fits`: each program holds its slice of w before it waits for the previous kernel."""
+    n, k = w.shape
+    if (
+        x.numel() != k
+        or x.dtype != w.dtype
+        or w.stride(-1) != 1
+        or not preload_fits(n, k, w.element_size(), 1 << 30)
+    ):
+        raise ValueError(
+            f"gemv_preload takes one {w.dtype} row for a [n, k] w with k a multiple of {PRELOAD_K_SPAN}"
+        )
+    x1 = x.reshape(k).contiguous()
+    out = torch.empty(n, dtype=w.dtype, device=x.device) if residual is None else residual.view(n)
+    tiles, splits = triton.cdiv(n, PRELOAD_BLOCK_N), k // PRELOAD_K_SPAN
+    part, _, count = _stream_k_workspace(x.device, tiles, splits, PRELOAD_BLOCK_N, 1)
+    _gemv_preload_kernel[(tiles, splits)](
+        x1, w, out, out, part, count, n, w.stride(0),
+        BLOCK_N=PRELOAD_BLOCK_N, K_SPAN=PRELOAD_K_SPAN, SPLITS=splits, RESIDUAL=residual is not None,
+        FIX=interp_bf16(w.dtype), num_warps=PRELOAD_WARPS, num_stages=1, **pdl_launch(x),
+    )  # fmt: skip
+    return out.reshape(*x.shape[:-1], n)
+
+
 def default_config(n: int, k: int, m: int = 1, element_size: int = 2, sms: int = 132) -> SkinnyConfig:
     """Tiles measured on the H200 (``python bench/skinny_gemm.py --sweep``, 2026-12-02 and earlier): 64
     rows of w per program, 256 columns per load, four loads in flight; 64 columns and three loads for
@@ -452,6 +566,8 @@ def skinny_linear_triton(
     if not quant and x.dtype != w.dtype and not (w.dtype == torch.float32 and x.element_size() == 2):
         raise ValueError(f"x {x.dtype} with w {w.dtype}: only 16-bit x meets an fp32 w (upcast in the loop)")
     out_dtype = x.dtype if quant else w.dtype
+    if not (quant or silu or config or bias is not None or norm_eps is not None) and takes_preload(x2, w):
+        return gemv_preload_triton(x2, w, residual=residual).reshape(*x.shape[:-1], n)
     cfg = config or default_config(n, k, m, out_dtype.itemsize, num_sms(x.device))
     span = 0
     if quant:  # a load spans whole quantization tiles or lies inside one

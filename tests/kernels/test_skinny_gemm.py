@@ -17,6 +17,8 @@ from pegainfer.kernels.skinny_gemm import (
     SkinnyConfig,
     _one_program_per_sm,
     default_config,
+    gemv_preload_triton,
+    preload_fits,
     skinny_linear,
     skinny_linear_ref,
     skinny_linear_triton,
@@ -251,3 +253,31 @@ def test_fp32_weight_upcasts_16_bit_x(config):
     assert torch.equal(skinny_linear_ref(x, w), torch.nn.functional.linear(x.float(), w))
     with pytest.raises(ValueError, match="fp32 w"):
         skinny_linear_triton(x.float(), w.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize(("n", "k"), [(40, 2048), (33, 6144)], ids=["one-split-ragged", "three-splits"])
+def test_gemv_preload_matches_the_reference(dtype, residual, n, k):
+    """The preloading single-row GEMV (whole slices of w per program, split partials summed by the tile's
+    last program), plain and adding into the residual stream in place; twice, so the tiles' counters were
+    reset by the first launch."""
+    gen = torch.Generator().manual_seed(n + k)
+    x, w = _rand(gen, 1, k, dtype=dtype), _rand(gen, n, k, dtype=dtype)
+    res = _rand(gen, 1, n, dtype=dtype) if residual else None
+    want = skinny_linear_ref(x, w, residual=None if res is None else res.clone())
+    for _ in range(2):
+        into = None if res is None else res.clone()
+        got = gemv_preload_triton(x, w, residual=into)
+        if into is not None:
+            assert got.data_ptr() == into.data_ptr()
+        assert got.shape == want.shape
+        assert rel_err(got, want) < TOL[dtype]
+
+
+def test_preload_fits_only_weights_whose_programs_are_resident_at_once():
+    # Qwen3.5-35B-A3B's out_proj (2048 x 4096): 128 tiles x 2 splits on 132 multiprocessors, two each.
+    assert preload_fits(2048, 4096, 2, 132)
+    assert not preload_fits(4096, 4096, 2, 132)  # the 9B's: 512 programs
+    assert not preload_fits(2048, 3072, 2, 132)  # columns not whole slices
+    assert not preload_fits(2048, 4096, 4, 132)  # fp32 slices would not fit the registers

@@ -54,6 +54,12 @@ from pegainfer_qwen35.pass_buffers import PassBuffers
 from pegainfer_qwen35.routing import softmax_topk
 
 
+def _preloads(x: torch.Tensor, w: torch.Tensor) -> bool:
+    from pegainfer.kernels import skinny_gemm  # CUDA only (see pegainfer.ops)
+
+    return skinny_gemm.takes_preload(x, w)
+
+
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
@@ -82,7 +88,14 @@ class SparseMoE(nn.Module):
         """(weights ``[T, k + m]`` in the model dtype, expert ids ``[T, k + m]``: the top k, then the shared
         expert's ``m`` pieces) for the normed rows ``x``."""
         c = self.config
-        logits = torch.matmul(x, self.router.t(), out=bufs.moe_router)
+        if ops.use_triton(x) and _preloads(
+            x, self.router
+        ):  # launched early, its weights read before the wait
+            from pegainfer.kernels import skinny_gemm
+
+            logits = skinny_gemm.gemv_preload_triton(x, self.router)
+        else:
+            logits = torch.matmul(x, self.router.t(), out=bufs.moe_router)
         return softmax_topk(
             logits, c.num_experts_per_tok, c.norm_topk_prob, x.dtype, self.shard.shared_pieces
         )
