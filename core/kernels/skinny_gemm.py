@@ -400,9 +400,10 @@ def _gemv_epilogue(acc, offs_n, n_ok, res_ptr, out_ptr, RESIDUAL: tl.constexpr, 
     tl.store(out_ptr + offs_n, cast_to(acc, dtype, FIX), mask=n_ok)
 
 
-#: ``PEGAINFER_GEMV_PRELOAD=1``: single rows whose weight fits :func:`preload_fits` take
-#: :func:`gemv_preload_triton` where PDL is on (an experiment; off by default).
-GEMV_PRELOAD = os.environ.get("PEGAINFER_GEMV_PRELOAD") == "1"
+#: Single rows whose weight fits :func:`preload_fits` take :func:`gemv_preload_triton` where PDL is on,
+#: unless ``PEGAINFER_GEMV_PRELOAD=0`` (the benchmarks compare). Qwen3.5-35B-A3B's batch-1 step (its
+#: out_proj, o_proj and router) 2.67 -> 2.56 ms on an H200 (docs/benchmarks.md, twenty-seventh session).
+GEMV_PRELOAD = os.environ.get("PEGAINFER_GEMV_PRELOAD", "1") != "0"
 
 #: ``gemv_preload``'s slice of w a program holds: 16 rows x 2048 columns, 64 KiB in bf16 over 8 warps (64
 #: registers a thread), two programs a multiprocessor.

@@ -44,6 +44,11 @@ SCRATCH_ROLES = frozenset(
         "attention_scratch",
     }
 )
+#: What the first long prefill of a process allocates once beyond the steady state: Triton's autotuner
+#: (fla's kernels tune on first use) benchmarks each candidate over a 256 MiB buffer it allocates to flush
+#: the L2, and the first GEMMs take cuBLAS's workspace. Measured on an H200 (test_qwen35_gpu.py, 2026-12-07):
+#: 265.7 MiB for a cold 256-token prefill whose warm forwards allocate 8-19 MiB.
+FIRST_PREFILL_BYTES = 288 * 2**20
 #: fla's chunk length (``chunk_gated_delta_rule``'s default, which ``prefill_with_fla`` keeps).
 FLA_CHUNK = 64
 
@@ -133,7 +138,8 @@ def kernel_scratch(
       (one per 64 tokens, plus one per segment); per segment the gathered and the final fp32 state.
     - MoE: the fused kernels' activation and output rows per choice, their expert-sorted indices, the
       routing's weights and ids, and the block's output where an all-reduce follows.
-    - attention: the q/k norms' and rotary's outputs, the attention output and the gate's sigmoid."""
+    - attention: the q/k norms' and rotary's outputs, the attention output and the gate's sigmoid.
+    Fixed: ``FIRST_PREFILL_BYTES`` (fla's autotuning at the first long prefill)."""
     s = shard or Qwen35Shard.of(config)
     d, f32, i64 = dtype_size(dtype), 4, 8
     per_token, per_seq = 0, 0
@@ -152,7 +158,12 @@ def kernel_scratch(
     if config.layers_of(FULL):
         q, kv = s.num_heads * config.head_dim, s.num_kv_heads * config.head_dim
         per_token = max(per_token, d * (4 * q + 2 * kv))
-    return TransientSpec(ROLE_PREFIX + "kernel_scratch", bytes_per_token=per_token, bytes_per_seq=per_seq)
+    return TransientSpec(
+        ROLE_PREFIX + "kernel_scratch",
+        bytes_fixed=FIRST_PREFILL_BYTES if config.layers_of(LINEAR) else 0,
+        bytes_per_token=per_token,
+        bytes_per_seq=per_seq,
+    )
 
 
 def transient_specs(
