@@ -347,6 +347,22 @@ def prefill_with_fla(
     return True
 
 
+def _conv_segment(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    window: torch.Tensor,
+    out: torch.Tensor,
+    windows: torch.Tensor,
+    slot: torch.Tensor,
+) -> None:
+    """One prefill segment's causal conv and SiLU into ``out``, its new window into slot ``slot`` of
+    ``windows``. A function of its own so that the conv's temporaries are freed before the delta rule
+    runs (``pass_buffers.kernel_scratch`` bounds the two apart)."""
+    y, window = causal_conv_prefill(x, weight, window)
+    out.copy_(F.silu(y))
+    windows.index_copy_(0, slot, window.unsqueeze(0).to(windows.dtype))
+
+
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
@@ -519,9 +535,9 @@ class GatedDeltaNet(nn.Module):
             window = windows.index_select(0, slot)[0]
             for j, tokens in enumerate(after):  # the window after the first ``tokens`` inputs
                 snaps["conv"][snap + j] = conv_window_after(mixed[start : start + tokens], window)
-            y, window = causal_conv_prefill(mixed[start : start + n], self.conv_weight, window)
-            conv[start : start + n] = F.silu(y)
-            windows.index_copy_(0, slot, window.unsqueeze(0).to(windows.dtype))
+            _conv_segment(
+                mixed[start : start + n], self.conv_weight, window, conv[start : start + n], windows, slot
+            )
         core = core[:p].view(p, hv, dv)
         if ckpt is not None or not prefill_with_fla(
             conv, b[:p], a[:p], self.A_log, self.dt_bias, rows, ssm, s, core

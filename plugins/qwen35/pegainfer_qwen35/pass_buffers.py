@@ -137,8 +137,9 @@ def kernel_scratch(
       new values and the output, the solved 64-wide chunk matrices, fp32 gate and beta, and the chunk states
       (one per 64 tokens, plus one per segment); per segment the gathered and the final fp32 state.
     - MoE: the fused kernels' activation and output rows per choice, their expert-sorted indices, the
-      routing's weights and ids, and the block's output where an all-reduce follows.
-    - attention: the q/k norms' and rotary's outputs, the attention output and the gate's sigmoid.
+      routing's weights and ids (and their flat copy), and the block's output where an all-reduce follows.
+    - attention: the q/k norms' and rotary's outputs (and its cos/sin rows), the attention output and the
+      gate's sigmoid.
     Fixed: ``FIRST_PREFILL_BYTES`` (fla's autotuning at the first long prefill)."""
     s = shard or Qwen35Shard.of(config)
     d, f32, i64 = dtype_size(dtype), 4, 8
@@ -154,10 +155,10 @@ def kernel_scratch(
         per_seq = states + 2 * f32 * hv * dk * dv
     if config.is_moe:
         k, h = config.num_experts_per_tok + s.shared_pieces, config.hidden_size
-        per_token = max(per_token, d * k * (s.moe_intermediate_size + h) + 2 * i64 * k + d * k + d * h)
+        per_token = max(per_token, d * k * (s.moe_intermediate_size + h) + 2 * i64 * k + 2 * d * k + d * h)
     if config.layers_of(FULL):
         q, kv = s.num_heads * config.head_dim, s.num_kv_heads * config.head_dim
-        per_token = max(per_token, d * (4 * q + 2 * kv))
+        per_token = max(per_token, d * (4 * q + 2 * kv) + 2 * f32 * config.rotary_dim)
     return TransientSpec(
         ROLE_PREFIX + "kernel_scratch",
         bytes_fixed=FIRST_PREFILL_BYTES if config.layers_of(LINEAR) else 0,
