@@ -126,44 +126,55 @@ def reference_scratch_bytes_per_token(config: Qwen35Config, shard: Qwen35Shard |
     return gdn + norms + router
 
 
-def kernel_scratch(
+def kernel_scratch_parts(
     config: Qwen35Config, dtype: torch.dtype, shard: Qwen35Shard | None = None
-) -> TransientSpec:
-    """A bound on what one layer of a prefill forward allocates of its own on the CUDA kernel path (the
-    largest layer kind's: layers run one after another), per token and per prefill segment.
+) -> dict[str, tuple[int, int]]:
+    """(bytes per token, bytes per prefill segment) that each part of a prefill layer on the CUDA kernel
+    path allocates of its own, one part at a time (layers and their parts run one after another):
 
-    - GDN, the torch conv of a long segment (its input with the window, the conv output, the SiLU), then
-      fla's chunked delta rule over every segment: contiguous q/k/v and the L2-normalised q/k, w, u, the
-      new values and the output, the solved 64-wide chunk matrices, fp32 gate and beta, and the chunk states
-      (one per 64 tokens, plus one per segment); per segment the gathered and the final fp32 state.
-    - MoE: the fused kernels' activation and output rows per choice, their expert-sorted indices, the
-      routing's weights and ids (and their flat copy), and the block's output where an all-reduce follows.
-    - attention: the q/k norms' and rotary's outputs (and its cos/sin rows), the attention output and the
-      gate's sigmoid.
-    Fixed: ``FIRST_PREFILL_BYTES`` (fla's autotuning at the first long prefill)."""
+    - ``gdn_conv``: the torch conv of a long segment (its input with the window, the conv output, the SiLU;
+      per segment the window cast both ways);
+    - ``gdn_fla``: fla's chunked delta rule over every segment: contiguous and L2-normalised q/k, v, w, u,
+      the new values and the output, the solved 64-wide chunk matrices, fp32 gate and beta, the chunk
+      states (one per 64 tokens, plus one per segment), and per segment the gathered and final fp32 state;
+    - ``moe``: the fused kernels' activation and output rows per choice, their expert-sorted indices, the
+      routing's weights and ids (and their flat copy), the block's output where an all-reduce follows;
+    - ``attention``: the q/k norms' and rotary's outputs (and its cos/sin rows), the attention output and
+      the gate's sigmoid.
+    ``test_qwen35_kernel_scratch.py`` measures the first three's allocations against them."""
     s = shard or Qwen35Shard.of(config)
     d, f32, i64 = dtype_size(dtype), 4, 8
-    per_token, per_seq = 0, 0
+    parts: dict[str, tuple[int, int]] = {}
     if config.layers_of(LINEAR):
         hk, hv = s.linear_num_key_heads, s.linear_num_value_heads
         dk, dv, c = config.linear_key_head_dim, config.linear_value_head_dim, FLA_CHUNK
-        conv = 3 * d * s.conv_dim
         qkv = d * (2 * hk * dk + hv * dv) + 2 * d * hk * dk + 2 * f32 * hk
         wy = d * hv * (dk + 3 * dv) + d * hv * c + 2 * f32 * hv  # w, u, v_new, o; A; gate, beta
         states = d * hv * dk * dv
-        per_token = max(conv, qkv + wy + -(-states // c))
-        per_seq = states + 2 * f32 * hv * dk * dv
+        window = s.conv_dim * (config.conv_kernel - 1)
+        parts["gdn_conv"] = (3 * d * s.conv_dim, (2 * d + f32) * window)
+        parts["gdn_fla"] = (qkv + wy + -(-states // c), states + 2 * f32 * hv * dk * dv)
     if config.is_moe:
         k, h = config.num_experts_per_tok + s.shared_pieces, config.hidden_size
-        per_token = max(per_token, d * k * (s.moe_intermediate_size + h) + 2 * i64 * k + 2 * d * k + d * h)
+        parts["moe"] = (d * k * (s.moe_intermediate_size + h) + 2 * i64 * k + 2 * d * k + d * h, 0)
     if config.layers_of(FULL):
         q, kv = s.num_heads * config.head_dim, s.num_kv_heads * config.head_dim
-        per_token = max(per_token, d * (4 * q + 2 * kv) + 2 * f32 * config.rotary_dim)
+        parts["attention"] = (d * (4 * q + 2 * kv) + 2 * f32 * config.rotary_dim, 0)
+    return parts
+
+
+def kernel_scratch(
+    config: Qwen35Config, dtype: torch.dtype, shard: Qwen35Shard | None = None
+) -> TransientSpec:
+    """A bound on what one layer of a prefill forward allocates of its own on the CUDA kernel path: the
+    largest of :func:`kernel_scratch_parts` per token and per segment, and ``FIRST_PREFILL_BYTES`` (fla's
+    autotuning at the first long prefill)."""
+    parts = kernel_scratch_parts(config, dtype, shard).values()
     return TransientSpec(
         ROLE_PREFIX + "kernel_scratch",
         bytes_fixed=FIRST_PREFILL_BYTES if config.layers_of(LINEAR) else 0,
-        bytes_per_token=per_token,
-        bytes_per_seq=per_seq,
+        bytes_per_token=max((t for t, _ in parts), default=0),
+        bytes_per_seq=max((n for _, n in parts), default=0),
     )
 
 
