@@ -438,8 +438,9 @@ def gemv_preload_triton(
     if (
         x.numel() != k
         or x.dtype != w.dtype
+        or w.element_size() != 2
         or w.stride(-1) != 1
-        or not preload_fits(n, k, w.element_size(), 1 << 30)
+        or k % PRELOAD_K_SPAN
     ):
         raise ValueError(
             f"gemv_preload takes one {w.dtype} row for a [n, k] w with k a multiple of {PRELOAD_K_SPAN}"
@@ -567,8 +568,6 @@ def skinny_linear_triton(
     if not quant and x.dtype != w.dtype and not (w.dtype == torch.float32 and x.element_size() == 2):
         raise ValueError(f"x {x.dtype} with w {w.dtype}: only 16-bit x meets an fp32 w (upcast in the loop)")
     out_dtype = x.dtype if quant else w.dtype
-    if not (quant or silu or config or bias is not None or norm_eps is not None) and takes_preload(x2, w):
-        return gemv_preload_triton(x2, w, residual=residual).reshape(*x.shape[:-1], n)
     cfg = config or default_config(n, k, m, out_dtype.itemsize, num_sms(x.device))
     span = 0
     if quant:  # a load spans whole quantization tiles or lies inside one
@@ -585,6 +584,8 @@ def skinny_linear_triton(
                 f"residual {tuple(residual.shape)} {residual.dtype} must be x @ w.T's, contiguous"
             )
         out = residual.view(m, n)
+    if not (quant or silu or config or bias is not None or norm_eps is not None) and takes_preload(x2, w):
+        return gemv_preload_triton(x2, w, residual=residual).reshape(*x.shape[:-1], n)
     if not m:
         return out.reshape(*x.shape[:-1], n_out)
     args = (x2, weight, scale, bias if bias is not None else weight, out, out)

@@ -54,10 +54,15 @@ from pegainfer_qwen35.pass_buffers import PassBuffers
 from pegainfer_qwen35.routing import softmax_topk
 
 
-def _preloads(x: torch.Tensor, w: torch.Tensor) -> bool:
-    from pegainfer.kernels import skinny_gemm  # CUDA only (see pegainfer.ops)
+def _router_logits(x: torch.Tensor, router: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``x @ router.T``: a single row on CUDA through the preloading GEMV (launched early, its weights
+    loaded before it waits for the norm before it), else into ``out``."""
+    if ops.use_triton(x):
+        from pegainfer.kernels import skinny_gemm  # CUDA only (see pegainfer.ops)
 
-    return skinny_gemm.takes_preload(x, w)
+        if skinny_gemm.takes_preload(x, router):
+            return skinny_gemm.gemv_preload_triton(x, router)
+    return torch.matmul(x, router.t(), out=out)
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -88,14 +93,7 @@ class SparseMoE(nn.Module):
         """(weights ``[T, k + m]`` in the model dtype, expert ids ``[T, k + m]``: the top k, then the shared
         expert's ``m`` pieces) for the normed rows ``x``."""
         c = self.config
-        if ops.use_triton(x) and _preloads(
-            x, self.router
-        ):  # launched early, its weights read before the wait
-            from pegainfer.kernels import skinny_gemm
-
-            logits = skinny_gemm.gemv_preload_triton(x, self.router)
-        else:
-            logits = torch.matmul(x, self.router.t(), out=bufs.moe_router)
+        logits = _router_logits(x, self.router, bufs.moe_router)
         return softmax_topk(
             logits, c.num_experts_per_tok, c.norm_topk_prob, x.dtype, self.shard.shared_pieces
         )
