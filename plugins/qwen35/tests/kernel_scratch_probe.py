@@ -1,24 +1,20 @@
-"""Run by ``test_qwen35_kernel_scratch.py`` in a process of its own (fla importable, no Triton interpreter,
-every Triton launch stubbed out): prints, as JSON, the peak bytes each kernel-path part of a prefill layer
-allocates at the test's shape (``null`` for fla's where fla-core is not installed)."""
+"""Run by ``test_qwen35_kernel_scratch.py`` in a process of its own (fla importable, started without
+``TRITON_INTERPRET``, every Triton launch stubbed out): prints, as JSON, the peak bytes each kernel-path
+part of a prefill layer allocates at the test's shape (``null`` for fla's where fla-core is not
+installed). The test imports it for its shape too, so importing it changes nothing."""
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import weakref
 
-os.environ.pop("TRITON_INTERPRET", None)
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from triton.runtime.autotuner import Autotuner  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
-
-from pegainfer.kernels import fused_moe  # noqa: E402
-from pegainfer_qwen35 import gated_deltanet  # noqa: E402
-from pegainfer_qwen35.config import Qwen35Config  # noqa: E402
+from pegainfer.kernels import fused_moe
+from pegainfer_qwen35 import gated_deltanet
+from pegainfer_qwen35.config import Qwen35Config
 
 DTYPE = torch.bfloat16
 SEGMENTS = [(0, 100), (100, 156)]  # two prefill segments of 2 and 3 chunks
@@ -65,6 +61,9 @@ class LiveStorages(TorchDispatchMode):
 def stub_launches() -> None:
     """The kernels only write into tensors allocated before they launch: without them, what remains is
     what the part allocates (their outputs are garbage, which nothing here reads)."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
     stubs = [JITFunction, Autotuner]
     try:
         from fla.ops.utils.cache import CachedAutotuner
