@@ -404,6 +404,17 @@ def main() -> None:
             )
             model = llm.engine.executor.runner.model
             tag = f"qwen35_{name}" + ("" if variant == "kernels" else f".{variant}")
+            # The memory plan of this GPU (rank 0's under tp): what the step's transients take, what is
+            # left for KV pages and state slots.
+            plan = llm.engine.executor.plan
+            transient_gb, kv_tokens = sum(plan.transients.values()) / 1e9, plan.num_blocks * plan.block_size
+            results.add(f"{tag}.plan.transient_gb", transient_gb, "GB")
+            results.add(f"{tag}.plan.kv_tokens", kv_tokens, "tokens")
+            results.add(f"{tag}.plan.state_slots", plan.num_state_slots, "slots")
+            table.append(
+                f"{tag:<24} plan: transients {transient_gb:.2f} GB, {kv_tokens} KV tokens, "
+                f"{plan.num_state_slots} state slots"
+            )
             for batch in batches:
                 d = bench_decode(llm, vocab, batch, args.ctx, args.steps, rng)
                 floor_ms = step_bytes(model, batch, d["ctx"], d["experts"], args.tp) / bw * 1e3

@@ -20,6 +20,7 @@ from the rank's geometry. At tp = 1 every collective is a no-op and the model is
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -276,11 +277,13 @@ class Qwen35ForCausalLM(CausalLM):
         """The MTP layer's paged KV cache (layer ``num_hidden_layers``), for speculative decoding only."""
         return [module.layer.buffer_spec() for module in self.mtp]
 
-    @property
+    @functools.cached_property
     def kernel_path(self) -> bool:
         """Whether forwards take the CUDA kernels throughout (fused MoE, the GDN kernels, fla's chunked
-        prefill), whose temporaries ``transient_specs`` then bounds instead of the reference path's. (If
-        fla fails at run time, prefill falls back to the torch chunked form beyond that reserve: it logs so.)"""
+        prefill), whose temporaries ``transient_specs`` then bounds instead of the reference path's.
+        Decided once, at the first ask (the memory plan's), so the pass buffers stay the planned ones. Where
+        fla is turned off later (``PEGAINFER_QWEN35_FLA=0``, the benchmarks' comparison) or fails (logged),
+        long prefills run the torch chunked form beyond that reserve."""
         return (
             self.embed_tokens.device.type == "cuda" and gdn_kernels_enabled() and fla_chunk_rule() is not None
         )
