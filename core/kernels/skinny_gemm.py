@@ -238,6 +238,16 @@ def tile_epilogue(
 
 
 @triton.jit
+def _last_to_arrive(count_ptr, tile, parts):
+    """Called by each of the ``parts`` programs that share output tile ``tile`` once its partial sums are
+    stored: whether it arrived last, so that it adds them all (in slot order: the result does not depend
+    on the order of arrival) and then resets the tile's counter for the next launch."""
+    # Every thread's partial is stored before the counter's release (one thread's atomic).
+    tl.debug_barrier()
+    return tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == parts - 1
+
+
+@triton.jit
 def _skinny_gemm_stream_k_kernel(
     x_ptr,
     w_ptr,
@@ -324,9 +334,7 @@ def _skinny_gemm_stream_k_kernel(
             tl.store(part_ptr + slot * (BLOCK_N * BLOCK_M) + part_offs, acc)
             if NORM:
                 tl.store(part_sq_ptr + slot * BLOCK_M + offs_m, sq_rows)
-            # Every thread's partial is stored before the counter's release (one thread's atomic).
-            tl.debug_barrier()
-            if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == parts - 1:
+            if _last_to_arrive(count_ptr, tile, parts):
                 acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
                 sq_rows = tl.zeros((BLOCK_M,), dtype=tl.float32)
                 for s in range(parts):
@@ -377,9 +385,7 @@ def _gemv_preload_kernel(
     if SPLITS > 1:
         offs_t = tl.arange(0, BLOCK_N)
         tl.store(part_ptr + (tile * SPLITS + split) * BLOCK_N + offs_t, acc)
-        # Every thread's partial is stored before the counter's release (one thread's atomic).
-        tl.debug_barrier()
-        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLITS - 1:
+        if _last_to_arrive(count_ptr, tile, SPLITS):
             acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for s in range(SPLITS):
                 # .cg: from L2, where the other programs' stores are, never a stale L1 line.
