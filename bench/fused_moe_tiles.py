@@ -7,6 +7,10 @@ no records.
     python bench/fused_moe_tiles.py --pairs [--fp8]    # the pair path's split and tiles at 1 token, then
                                                        # against the grouped path at 1..8 tokens
     python bench/fused_moe_tiles.py --pairs --cases qwen35_35b,qwen35_35b_shared   # some shapes only
+    python bench/fused_moe_tiles.py --pairs --no-sweep   # default tiles against the down preload, no sweep
+
+With ``--pairs`` each token count also runs the default tiles with the down weights preloaded before the
+PDL wait (``moe_pairs.down_preload_rows``) where they fit, bf16 only.
 
 Each of the 16 calls replayed in one graph routes to fresh experts, so no weights come from L2; the bytes
 are the distinct experts' gate|up and down (the pair path reads an expert once per pair that chose it).
@@ -32,6 +36,9 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--fp8", action="store_true", help="DeepSeek-V3's experts in float8 with 128x128 scales")
 parser.add_argument("--pairs", action="store_true", help="the pair path (moe_pairs) and its tiles")
 parser.add_argument("--cases", default="", help="comma-separated expert shapes to run (default: all)")
+parser.add_argument(
+    "--no-sweep", action="store_true", help="--pairs: the default tiles and the variants only"
+)
 args = parser.parse_args()
 bw = stream_read_bytes_per_s()
 print(f"stream read {bw / 1e12:.2f} TB/s", flush=True)
@@ -120,14 +127,21 @@ for name, (E, H, inter, K) in CASES.items():
             tiles = dataclasses.replace(default, **knobs)
             return [moe_pairs.fused_moe_pairs(x, w, r, gu, dn, scales=scales, tiles=tiles) for r in routes]
 
-        if T == 1:
+        tuned = {}
+        if T == 1 and not args.no_sweep:
             # How many programs share gate|up's columns first, then each launch's tiles.
             k = 128 if args.fp8 else 256
             base = dict(gate_up_n=64, gate_up_k=128, gate_up_stages=4, down_n=64, down_k=k, down_stages=3)
             tuned = best_of(pairs, [{**base, "gate_up_split": s} for s in (1, 2, 4)], used, "split")
             tuned = best_of(pairs, [{**tuned, **g} for g in PAIR_GATE_UP], used, "gate_up tiles")
             tuned = best_of(pairs, [{**tuned, **d} for d in PAIR_DOWN], used, "down tiles")
-        for label, knobs in (("default", {}), ("tuned at T=1", tuned)):
+        variants = [("default", {})] + ([("tuned at T=1", tuned)] if tuned else [])
+        rows = 0 if args.fp8 else moe_pairs.down_preload_rows(T * K, H, inter, num_sms(x.device))
+        if rows:
+            variants.append((f"down preloaded ({rows} rows)", {"down_preload_n": rows}))
+        if T == 1 and default.gate_up_split == 1:  # the split rule's edge: one wave of two programs an SM
+            variants.append(("gate|up in two splits", {"gate_up_split": 2}))
+        for label, knobs in variants:
             p = graph_time_ms(lambda knobs=knobs: pairs(**knobs), calls=CALLS)
             print(
                 f"{name} T={T}: pairs, {label} tiles {p * 1e3:.1f} us {used / (p / 1e3) / bw:.1%}", flush=True
