@@ -36,11 +36,13 @@ the model dtype, the delta rule in fp32, ``o`` rounded before the gated norm, wh
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from pegainfer.kernels._triton import (
+    PDL_RELEASE_FIRST,
     cast_to,
     interp_bf16,
     next_pow2,
@@ -53,6 +55,9 @@ from pegainfer.kernels._triton import (
 
 #: The delta rule's L2-norm epsilon (``delta_rule.l2_normalise``).
 L2_EPS = 1e-6
+#: ``PEGAINFER_GDN_STATE_EARLY=1``: :func:`gdn_decode` reads its state tiles before its PDL wait (an
+#: experiment, off until measured).
+GDN_STATE_EARLY = os.environ.get("PEGAINFER_GDN_STATE_EARLY") == "1"
 
 
 def _check_rows(x: torch.Tensor, name: str) -> None:
@@ -421,8 +426,12 @@ def _gdn_decode_kernel(
     FIX: tl.constexpr,
     FIX_OUT: tl.constexpr,
     PDL: tl.constexpr,
+    STATE_EARLY: tl.constexpr,
 ):
-    pdl_start(PDL)
+    """Program (row, value head, value-column block); with ``STATE_EARLY`` the slot ids and the state
+    tile are read before the PDL wait (see :func:`gdn_decode`)."""
+    if not STATE_EARLY:
+        pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1)
     vcols = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -430,16 +439,19 @@ def _gdn_decode_kernel(
     slot = tl.load(slot_ptr + row).to(tl.int64)
     first = tl.load(slot_ptr).to(tl.int64)
     owns = _owns_slot(row, slot, first)
+    s_ptrs = _state_tile(
+        state_ptr, tl.maximum(slot, 0), hv, kcols, vcols, stride_s_slot, stride_s_head, stride_s_k
+    )
+    owns = _and((kcols[:, None] < DK) & (vcols[None, :] < DV), owns)
+    s = tl.load(s_ptrs, mask=owns, other=0.0)  # [DK, BV] fp32
+    if STATE_EARLY:
+        pdl_start(PDL)
 
     q, k, v = _load_qkv(
         qkv_ptr + row * stride_qkv, hv // heads_per_key, hv, key_dim, kcols, vcols, scale, DK, DV
     )
     beta, decay = _gates(b_ptr + row * stride_ba, a_ptr + row * stride_ba, hv, a_log_ptr, dt_bias_ptr, FIX)
-    s_ptrs = _state_tile(
-        state_ptr, tl.maximum(slot, 0), hv, kcols, vcols, stride_s_slot, stride_s_head, stride_s_k
-    )
-    owns = _and((kcols[:, None] < DK) & (vcols[None, :] < DV), owns)
-    s, o = _delta_step(tl.load(s_ptrs, mask=owns, other=0.0), q, k, v, beta, decay)  # s: [DK, BV] fp32
+    s, o = _delta_step(s, q, k, v, beta, decay)
     tl.store(s_ptrs, s, mask=owns)
     _store_out(
         o, out_ptr + row * stride_o + hv * DV + vcols, z_ptr + row * stride_z + hv * DV, norm_w_ptr, vcols,
@@ -485,7 +497,14 @@ def gdn_decode(
 
     ``block_v`` and ``num_warps`` (default: :func:`decode_tiles`): value columns per program and its
     warps. Below dv the programs write the un-normed ``o`` and :func:`gated_rms_norm` runs after (two
-    launches, more programs for small batches)."""
+    launches, more programs for small batches).
+
+    With ``GDN_STATE_EARLY`` each program reads its slot and state tile before its PDL wait, while the conv
+    before it still runs. That is safe because a kernel is let in only once the one before it has waited,
+    so everything two launches back has finished: the slots and a slot's state are written by the host's
+    copies and by this layer's kernels of earlier steps (and, in a mixed step, by prefill kernels on
+    other slots), never by the conv launched just before. ``PDL_RELEASE_FIRST`` breaks that chain, so it
+    turns the early read off."""
     rows = qkv.shape[0]
     if slots.shape[0] < rows:
         raise ValueError(f"gdn_decode: {slots.shape[0]} slots for {rows} rows")
@@ -493,6 +512,7 @@ def gdn_decode(
     return _delta_rule(
         _gdn_decode_kernel, rows, (slots,), qkv, b, a, z, a_log, dt_bias, norm_weight, state, out,
         num_key_heads, eps, block_v or tiles[0], num_warps or (None if block_v else tiles[1]),
+        STATE_EARLY=GDN_STATE_EARLY and not PDL_RELEASE_FIRST,
     )  # fmt: skip
 
 

@@ -75,7 +75,9 @@ def _close(got, ref, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("block_v", [None, "head", 8], ids=["default-tiles", "fused-norm", "split-v"])
-def test_decode_step_matches_reference(dtype, block_v):
+@pytest.mark.parametrize("state_early", [False, True], ids=["state-after-wait", "state-early"])
+def test_decode_step_matches_reference(dtype, block_v, state_early, monkeypatch):
+    monkeypatch.setattr(gdn_kernels, "GDN_STATE_EARLY", state_early)
     case = Case(rows=3, hk=2, hv=4, dk=16, dv=32, dtype=dtype, slots=[3, 0, 5], seed=1)
     conv, out, windows, ssm = case.kernels(block_v)
     ref_conv, ref_out, ref_windows, ref_ssm = case.reference()
