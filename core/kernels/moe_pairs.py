@@ -12,6 +12,9 @@ narrow one:
 - ``down``: one program per (pair, tile of ``BLOCK_N`` hidden features) adds the splits' sums as it loads
   them, ``act = silu(gate) · up`` rounded as the grouped path rounds it, and stores
   ``y[p] = w[p] · (act · Wd_eᵀ)``;
+- with ``PEGAINFER_PAIR_PRELOAD=1`` (an experiment), bf16 experts whose down slices can all be resident at
+  once (:func:`down_preload_rows`: 35B-A3B at one token) take a down kernel whose programs hold their
+  whole slice before the PDL wait and then read only the activation;
 - the grouped path's last launch (:func:`pegainfer.kernels.fused_moe.combine_choices`) sums each token's
   choices in order and adds the shared experts' output and the residual.
 
