@@ -135,7 +135,8 @@ def kernel_scratch_parts(
     - ``gdn_conv``: the torch conv of a long segment (its input with the window, the conv output, the SiLU;
       per segment the window cast both ways);
     - ``gdn_fla``: fla's chunked delta rule over every segment: contiguous and L2-normalised q/k, v, w, u,
-      the new values and the output, the solved 64-wide chunk matrices, fp32 gate and beta, the chunk
+      the new values and the output, the solved 64-wide chunk matrices, three fp32 values a value head
+      (gate, beta and one more on CUDA), the chunk
       states (one per 64 tokens, plus one per segment), and per segment the gathered and final fp32 state;
     - ``moe``: the fused kernels' activation and output rows per choice, their expert-sorted indices, the
       routing's weights and ids (and their flat copy), the block's output where an all-reduce follows;
@@ -149,11 +150,14 @@ def kernel_scratch_parts(
         hk, hv = s.linear_num_key_heads, s.linear_num_value_heads
         dk, dv, c = config.linear_key_head_dim, config.linear_value_head_dim, FLA_CHUNK
         qkv = d * (2 * hk * dk + hv * dv) + 2 * d * hk * dk + 2 * f32 * hk
-        wy = d * hv * (dk + 3 * dv) + d * hv * c + 2 * f32 * hv  # w, u, v_new, o; A; gate, beta
+        # w, u, v_new, o; A; gate, beta, and a third [T, Hv] fp32 that fla allocates on CUDA beyond its
+        # CPU fallback (an H100, fla 0.6.0: 128 B a token at the 9B shape, bench/qwen35_transients.py).
+        wy = d * hv * (dk + 3 * dv) + d * hv * c + 3 * f32 * hv
         states = d * hv * dk * dv
         window = s.conv_dim * (config.conv_kernel - 1)
         parts["gdn_conv"] = (3 * d * s.conv_dim, (2 * d + f32) * window)
-        parts["gdn_fla"] = (qkv + wy + -(-states // c), states + 2 * f32 * hv * dk * dv)
+        chunks = -(-(states + 8 * i64) // c)  # a chunk's state and fla's index arrays (a few int64 a chunk)
+        parts["gdn_fla"] = (qkv + wy + chunks, states + 2 * f32 * hv * dk * dv)
     if config.is_moe:
         k, h = config.num_experts_per_tok + s.shared_pieces, config.hidden_size
         parts["moe"] = (d * k * (s.moe_intermediate_size + h) + 2 * i64 * k + 2 * d * k + d * h, 0)

@@ -1,7 +1,7 @@
 """Run by ``test_qwen35_kernel_scratch.py`` in a process of its own (fla importable, started without
 ``TRITON_INTERPRET``, every Triton launch stubbed out): prints, as JSON, the peak bytes each kernel-path
-part of a prefill layer allocates at the test's shape (``null`` for fla's where fla-core is not
-installed). The test imports it for its shape too, so importing it changes nothing."""
+part of a prefill layer allocates at the test's shape, for ``SEGMENTS`` and for ``LONG_SEGMENTS`` (``null``
+for fla's where fla-core is not installed). The test imports it for its shape too, so importing it changes nothing."""
 
 from __future__ import annotations
 
@@ -17,8 +17,17 @@ from pegainfer_qwen35 import gated_deltanet
 from pegainfer_qwen35.config import Qwen35Config
 
 DTYPE = torch.bfloat16
-SEGMENTS = [(0, 100), (100, 156)]  # two prefill segments of 2 and 3 chunks
-TOKENS = sum(n for _, n in SEGMENTS)
+SEGMENTS = [(0, 100), (100, 156)]  # two prefill segments (start, length) of 2 and 3 chunks
+#: The same two segments four times as long: the growth between the two is what a token costs, which
+#: the per-segment terms of a bound cannot hide.
+LONG_SEGMENTS = [(0, 400), (400, 624)]
+
+
+def tokens(segments: list[tuple[int, int]]) -> int:
+    return sum(n for _, n in segments)
+
+
+TOKENS, LONG_TOKENS = tokens(SEGMENTS), tokens(LONG_SEGMENTS)
 
 
 def config() -> Qwen35Config:
@@ -75,20 +84,20 @@ def stub_launches() -> None:
         cls.run = lambda self, *args, **kwargs: None
 
 
-def fla_peak() -> int | None:
+def fla_peak(segments: list[tuple[int, int]]) -> int | None:
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
         return None
-    c = config()
+    c, n = config(), tokens(segments)
     gen = torch.Generator().manual_seed(0)
-    conv = torch.randn(TOKENS, c.conv_dim, generator=gen).to(DTYPE)
-    b, a = (torch.randn(TOKENS, c.linear_num_value_heads, generator=gen).to(DTYPE) for _ in range(2))
+    conv = torch.randn(n, c.conv_dim, generator=gen).to(DTYPE)
+    b, a = (torch.randn(n, c.linear_num_value_heads, generator=gen).to(DTYPE) for _ in range(2))
     a_log, dt_bias = torch.zeros(c.linear_num_value_heads), torch.zeros(c.linear_num_value_heads)
     ssm = torch.zeros(3, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
-    core = torch.empty(TOKENS, c.linear_num_value_heads, c.linear_value_head_dim, dtype=DTYPE)
+    core = torch.empty(n, c.linear_num_value_heads, c.linear_value_head_dim, dtype=DTYPE)
     rows = gated_deltanet.RecurrentRows(
-        segments=SEGMENTS, segment_slots=torch.tensor([0, 2]), decode_start=TOKENS, num_decodes=0,
+        segments=segments, segment_slots=torch.tensor([0, 2]), decode_start=n, num_decodes=0,
         decode_slots=torch.zeros(0, dtype=torch.int64),
     )  # fmt: skip
     bounds = rows.cu_seqlens  # built once per forward, before the layers: not the layer's allocation
@@ -99,9 +108,9 @@ def fla_peak() -> int | None:
     return mode.peak
 
 
-def conv_peak() -> int:
+def conv_peak(n: int) -> int:
     c = config()
-    x = torch.randn(TOKENS, c.conv_dim).to(DTYPE)
+    x = torch.randn(n, c.conv_dim).to(DTYPE)
     weight = torch.randn(c.conv_dim, c.conv_kernel).to(DTYPE)
     windows = torch.zeros(2, c.conv_dim, c.conv_kernel - 1)
     out, slot = torch.empty_like(x), torch.tensor([1])
@@ -111,16 +120,16 @@ def conv_peak() -> int:
     return mode.peak
 
 
-def moe_peak() -> int:
+def moe_peak(n: int) -> int:
     """The fused experts' allocations plus the routing's weights and ids (the block's own too)."""
     c = config()
     k, experts = c.num_experts_per_tok + 2, c.num_experts + 2  # the shared expert's two pieces
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(TOKENS, c.hidden_size, generator=gen).to(DTYPE)
+    x = torch.randn(n, c.hidden_size, generator=gen).to(DTYPE)
     gate_up = torch.randn(experts, 2 * c.moe_intermediate_size, c.hidden_size, generator=gen).to(DTYPE)
     down = torch.randn(experts, c.hidden_size, c.moe_intermediate_size, generator=gen).to(DTYPE)
-    ids = torch.randint(0, experts, (TOKENS, k), generator=gen)
-    weights = torch.rand(TOKENS, k, generator=gen).to(DTYPE)
+    ids = torch.randint(0, experts, (n, k), generator=gen)
+    weights = torch.rand(n, k, generator=gen).to(DTYPE)
     residual = torch.zeros_like(x)
     with LiveStorages([x, gate_up, down, ids, weights, residual]) as mode:
         fused_moe.fused_moe_triton(x, weights, ids, gate_up, down, residual=residual)
@@ -129,4 +138,11 @@ def moe_peak() -> int:
 
 if __name__ == "__main__":
     stub_launches()
-    json.dump({"gdn_fla": fla_peak(), "gdn_conv": conv_peak(), "moe": moe_peak()}, sys.stdout)
+    json.dump(
+        {
+            "gdn_fla": [fla_peak(SEGMENTS), fla_peak(LONG_SEGMENTS)],
+            "gdn_conv": [conv_peak(TOKENS), conv_peak(LONG_TOKENS)],
+            "moe": [moe_peak(TOKENS), moe_peak(LONG_TOKENS)],
+        },
+        sys.stdout,
+    )
