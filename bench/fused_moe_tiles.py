@@ -7,10 +7,7 @@ no records.
     python bench/fused_moe_tiles.py --pairs [--fp8]    # the pair path's split and tiles at 1 token, then
                                                        # against the grouped path at 1..8 tokens
     python bench/fused_moe_tiles.py --pairs --cases qwen35_35b,qwen35_35b_shared   # some shapes only
-    python bench/fused_moe_tiles.py --pairs --no-sweep   # default tiles against the down preload, no sweep
-
-With ``--pairs`` each token count also runs the default tiles with the down weights preloaded before the
-PDL wait (``moe_pairs.down_preload_rows``) where they fit, bf16 only.
+    python bench/fused_moe_tiles.py --pairs --no-sweep   # the default tiles only (and gate|up in two splits)
 
 Each of the 16 calls replayed in one graph routes to fresh experts, so no weights come from L2; the bytes
 are the distinct experts' gate|up and down (the pair path reads an expert once per pair that chose it).
@@ -136,9 +133,6 @@ for name, (E, H, inter, K) in CASES.items():
             tuned = best_of(pairs, [{**tuned, **g} for g in PAIR_GATE_UP], used, "gate_up tiles")
             tuned = best_of(pairs, [{**tuned, **d} for d in PAIR_DOWN], used, "down tiles")
         variants = [("default", {})] + ([("tuned at T=1", tuned)] if tuned else [])
-        rows = 0 if args.fp8 else moe_pairs.down_preload_rows(T * K, H, inter, num_sms(x.device))
-        if rows:
-            variants.append((f"down preloaded ({rows} rows)", {"down_preload_n": rows}))
         if T == 1 and default.gate_up_split == 1:  # the split rule's edge: one wave of two programs an SM
             variants.append(("gate|up in two splits", {"gate_up_split": 2}))
         for label, knobs in variants:

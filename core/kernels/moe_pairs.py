@@ -38,7 +38,6 @@ Moonlight's 54.9 -> 53.4, DeepSeek-V3's 282.0 -> 280.0 (docs/benchmarks.md, twen
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
@@ -79,9 +78,6 @@ class PairTiles:
     down_k: int = 128
     down_stages: int = 3
     num_warps: int = 4
-    #: Rows of a bf16 expert's down weight each program holds whole in registers before its PDL wait
-    #: (:func:`down_preload_rows`; 0: the tiled down kernel above).
-    down_preload_n: int = 0
 
 
 @triton.jit
@@ -169,30 +165,6 @@ def _pair_gate_up_kernel(
 
 
 @triton.jit
-def _pair_act_row(
-    part_ptr,
-    pair,
-    k,
-    offs_k,
-    k_ok,
-    num_pairs,
-    inter,
-    SPLIT: tl.constexpr,
-    DTYPE: tl.constexpr,
-    FIX: tl.constexpr,
-):
-    """``silu(gate) * up`` of ``pair``'s features ``k + offs_k`` from the splits' partial sums, in fp32,
-    rounded to ``DTYPE`` where the grouped path rounds its ``act``."""
-    gate = tl.zeros_like(offs_k).to(tl.float32)
-    up = tl.zeros_like(offs_k).to(tl.float32)
-    for s in tl.static_range(SPLIT):
-        at = part_ptr + (s * num_pairs + pair).to(tl.int64) * 2 * inter + k + offs_k
-        gate += tl.load(at, mask=k_ok, other=0.0)
-        up += tl.load(at + inter, mask=k_ok, other=0.0)
-    return cast_to(gate / (1.0 + tl.exp(-gate)) * up, DTYPE, FIX).to(tl.float32)
-
-
-@triton.jit
 def _pair_act(
     part_ptr,
     pair,
@@ -205,8 +177,15 @@ def _pair_act(
     DTYPE: tl.constexpr,
     FIX: tl.constexpr,
 ):
-    """:func:`_pair_act_row` as row 0 of a ``[16, BLOCK_K]`` operand in ``DTYPE``."""
-    act = _pair_act_row(part_ptr, pair, k, offs_k, k_ok, num_pairs, inter, SPLIT, DTYPE, FIX)
+    """``silu(gate) * up`` of ``pair``'s features ``k + offs_k`` from the splits' partial sums, as row 0
+    of a ``[16, BLOCK_K]`` operand in ``DTYPE`` (rounded where the grouped path rounds its ``act``)."""
+    gate = tl.zeros_like(offs_k).to(tl.float32)
+    up = tl.zeros_like(offs_k).to(tl.float32)
+    for s in tl.static_range(SPLIT):
+        at = part_ptr + (s * num_pairs + pair).to(tl.int64) * 2 * inter + k + offs_k
+        gate += tl.load(at, mask=k_ok, other=0.0)
+        up += tl.load(at + inter, mask=k_ok, other=0.0)
+    act = cast_to(gate / (1.0 + tl.exp(-gate)) * up, DTYPE, FIX)
     return tl.where((tl.arange(0, 16) == 0)[:, None], act[None, :], 0.0).to(DTYPE)
 
 
@@ -260,43 +239,6 @@ def _pair_down_kernel(
     tl.store(y_ptr + pair * hidden + offs_n, cast_to(y, dtype, FIX), mask=offs_n < hidden)
 
 
-@triton.jit
-def _pair_down_preload_kernel(
-    part_ptr,
-    w_ptr,
-    ids_ptr,
-    weights_ptr,
-    y_ptr,
-    num_pairs,
-    hidden,
-    inter,
-    stride_we,
-    stride_wn,
-    SPLIT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_I: tl.constexpr,
-    FIX: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Program (pair, tile): :func:`_pair_down_kernel`'s output, its ``[BLOCK_N, inter]`` slice of the
-    expert's down weight loaded whole before its PDL wait (the expert id was written before gate|up ran,
-    the weights are constant), so the weights stream in while gate|up still runs; after the wait it reads
-    only the pair's activation. A CUDA-core dot: one row has no use for a tensor-core tile."""
-    pair = tl.program_id(0).to(tl.int64)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_I)
-    k_ok = offs_k < inter
-    n_ok = offs_n < hidden
-    w_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-    pdl_start(PDL)
-    dtype: tl.constexpr = y_ptr.dtype.element_ty
-    act = _pair_act_row(part_ptr, pair, 0, offs_k, k_ok, num_pairs, inter, SPLIT, dtype, FIX)
-    y = tl.sum(w.to(tl.float32) * act[None, :], 1) * tl.load(weights_ptr + pair).to(tl.float32)
-    tl.store(y_ptr + pair * hidden + offs_n, cast_to(y, dtype, FIX), mask=n_ok)
-
-
 def default_tiles(pairs: int, inter: int, sms: int) -> PairTiles:
     """The default tiles, with gate|up's columns split in two where that still fits one wave of programs
     over the ``sms`` multiprocessors (measured at 1 token: Qwen3.5-35B-A3B's 64 programs 21.0 -> 20.4 us
@@ -304,27 +246,6 @@ def default_tiles(pairs: int, inter: int, sms: int) -> PairTiles:
     tiles = PairTiles()
     programs = pairs * triton.cdiv(inter, tiles.gate_up_n)
     return dataclasses.replace(tiles, gate_up_split=2) if 2 * programs <= sms else tiles
-
-
-#: ``PEGAINFER_PAIR_PRELOAD=1``: bf16 experts whose down slices fit take :func:`down_preload_rows`'s
-#: kernel where PDL is on (an experiment, off until measured; the benchmarks compare).
-PAIR_PRELOAD = os.environ.get("PEGAINFER_PAIR_PRELOAD") == "1"
-#: Weight elements a program of the preloading down kernel holds: 128 a thread over its 4 warps (64
-#: registers of bf16 pairs), as the preloading GEMV of ``kernels.skinny_gemm``.
-PRELOAD_ELEMENTS = 16384
-#: Programs of that kernel taken to be resident at once on a multiprocessor (about 80 registers a thread).
-PRELOAD_PROGRAMS_PER_SM = 5
-
-
-def down_preload_rows(pairs: int, hidden: int, inter: int, sms: int) -> int:
-    """Rows of the down weight a program of the preloading down kernel holds (``[rows, inter]`` whole),
-    or 0 where its programs could not all be resident at once, which is what lets every slice stream in
-    before the wait: at Qwen3.5-35B-A3B's batch 1 (9 pairs, hidden 2048, 512 features) 32 rows, 576
-    programs; a second token, or Moonlight's 1408 features, take the tiled kernel."""
-    rows = min(64, PRELOAD_ELEMENTS // triton.next_power_of_2(inter))
-    if rows < 16 or pairs * triton.cdiv(hidden, rows) > PRELOAD_PROGRAMS_PER_SM * sms:
-        return 0
-    return rows
 
 
 def takes_pairs(x: torch.Tensor, scales: BlockScales | None, tiles: PairTiles | None = None) -> bool:
@@ -366,12 +287,7 @@ def fused_moe_pairs(
     top_k = ids.shape[1]
     inter = down.shape[2]
     pairs = tokens * top_k
-    if tiles is None:
-        sms = num_sms(x.device)
-        tiles = default_tiles(pairs, inter, sms)
-        if PAIR_PRELOAD and scales is None and x.element_size() == 2 and pdl_launch(x)["PDL"]:
-            tiles = dataclasses.replace(tiles, down_preload_n=down_preload_rows(pairs, hidden, inter, sms))
-    t = tiles
+    t = tiles or default_tiles(pairs, inter, num_sms(x.device))
     if not takes_pairs(x, scales, t):
         raise ValueError(
             f"the pair path takes 1..{PAIR_TOKENS} tokens (float8: 1..{PAIR_TOKENS_FP8}, aligned scale "
@@ -398,15 +314,6 @@ def fused_moe_pairs(
         TOP_K=top_k, BLOCK_N=t.gate_up_n, BLOCK_K=t.gate_up_k, EVEN_K=hidden % t.gate_up_k == 0,
         num_stages=t.gate_up_stages, **flags,
     )  # fmt: skip
-    if t.down_preload_n:
-        if quant:
-            raise ValueError("the preloading down kernel takes 16-bit experts, not block-FP8")
-        _pair_down_preload_kernel[(pairs, triton.cdiv(hidden, t.down_preload_n))](
-            part, down, ids, weights, y, pairs, hidden, inter, down.stride(0), down.stride(1),
-            SPLIT=t.gate_up_split, BLOCK_N=t.down_preload_n, BLOCK_I=triton.next_power_of_2(inter),
-            FIX=flags["FIX"], PDL=flags["PDL"], launch_pdl=flags["launch_pdl"], num_warps=4, num_stages=1,
-        )  # fmt: skip
-        return combine_choices(y, top_k, add, residual)
     _pair_down_kernel[(pairs, triton.cdiv(hidden, t.down_n))](
         part, down, ids, weights, y, d_s, pairs, hidden, inter, down.stride(0), down.stride(1),
         d_s.stride(0) if quant else 0, d_s.stride(1) if quant else 0, d_s.stride(2) if quant else 0, offset,

@@ -362,33 +362,26 @@ def _gemv_preload_kernel(
     stride_wn,
     BLOCK_N: tl.constexpr,
     K_SPAN: tl.constexpr,
-    K_PRE: tl.constexpr,
-    REST_CHUNK: tl.constexpr,
     SPLITS: tl.constexpr,
     RESIDUAL: tl.constexpr,
     FIX: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One row of x: program (tile, split) owns the ``[BLOCK_N, K_SPAN]`` slice of w and loads its first
-    ``K_PRE`` columns into registers before its PDL wait, so those weights stream in while the kernels
-    before it still run; after the wait it reads x and streams the slice's other columns, if any, in
-    ``REST_CHUNK`` pieces. A tile's split partials are summed in split order by the last of its programs
-    to arrive (as in the stream-K kernel), which then writes the output."""
+    """One row of x: program (tile, split) loads its whole ``[BLOCK_N, K_SPAN]`` slice of w into registers
+    before its PDL wait, so the weights stream in while the kernels before it still run, and after the
+    wait reads only x's ``K_SPAN`` columns. A tile's split partials are summed in split order by the
+    last of its programs to arrive (as in the stream-K kernel), which then writes the output."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = split * K_SPAN + tl.arange(0, K_PRE)
+    offs_k = split * K_SPAN + tl.arange(0, K_SPAN)
     n_ok = offs_n < N
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
+    w = tl.load(
+        w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :], mask=n_ok[:, None], other=0.0
+    )
     pdl_start(PDL)
     x = tl.load(x_ptr + offs_k)
     acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-    if K_PRE < K_SPAN:  # constexpr: whole slices compile without the loop
-        for k in tl.range(split * K_SPAN + K_PRE, (split + 1) * K_SPAN, REST_CHUNK, num_stages=2):
-            offs_c = k + tl.arange(0, REST_CHUNK)
-            wc = tl.load(w_rows + offs_c[None, :], mask=n_ok[:, None], other=0.0)
-            acc += tl.sum(wc.to(tl.float32) * tl.load(x_ptr + offs_c).to(tl.float32)[None, :], axis=1)
     if SPLITS > 1:
         offs_t = tl.arange(0, BLOCK_N)
         tl.store(part_ptr + (tile * SPLITS + split) * BLOCK_N + offs_t, acc)
@@ -418,82 +411,54 @@ def _gemv_epilogue(acc, offs_n, n_ok, res_ptr, out_ptr, RESIDUAL: tl.constexpr, 
 #: out_proj, o_proj and router) 2.67 -> 2.56 ms on an H200 (docs/benchmarks.md, twenty-seventh session).
 GEMV_PRELOAD = os.environ.get("PEGAINFER_GEMV_PRELOAD", "1") != "0"
 
-#: ``gemv_preload``'s columns a program holds before its wait: 16 rows x 2048 columns, 64 KiB in bf16 over
-#: 8 warps (64 registers a thread), two programs a multiprocessor.
+#: ``gemv_preload``'s slice of w a program holds: 16 rows x 2048 columns, 64 KiB in bf16 over 8 warps (64
+#: registers a thread), two programs a multiprocessor.
 PRELOAD_BLOCK_N, PRELOAD_K_SPAN, PRELOAD_WARPS = 16, 2048, 8
-#: ``PEGAINFER_GEMV_PRELOAD_HALF=1``: weights twice what the registers hold (the 9B's 4096 x 4096 out_proj
-#: and o_proj) take the preloading GEMV too, each program holding the first half of a 4096-column slice
-#: and streaming the other half after its wait (an experiment, off until measured).
-GEMV_PRELOAD_HALF = os.environ.get("PEGAINFER_GEMV_PRELOAD_HALF") == "1"
-#: Columns of the half-held slice streamed after the wait at a time.
-PRELOAD_REST_CHUNK = 256
 
 
-@dataclass(frozen=True)
-class PreloadPlan:
-    """How :func:`gemv_preload_triton` cuts w: each program owns ``k_span`` columns of ``PRELOAD_BLOCK_N``
-    rows and holds the first ``k_pre`` of them before its wait (all of them where they fit)."""
-
-    k_span: int
-    k_pre: int
-
-
-def preload_for(x: torch.Tensor, w: torch.Tensor) -> PreloadPlan | None:
-    """The plan by which a plain ``x @ w.T`` goes through :func:`gemv_preload_triton` (with
-    ``GEMV_PRELOAD``, one row, PDL on), or None where it does not."""
-    if not (GEMV_PRELOAD and x.numel() == x.shape[-1] and x.dtype == w.dtype and pdl_launch(x)["PDL"]):
-        return None
-    return preload_plan(*w.shape, w.element_size(), num_sms(x.device), GEMV_PRELOAD_HALF)
-
-
-def preload_plan(n: int, k: int, element_size: int, sms: int, half: bool = False) -> PreloadPlan | None:
-    """The cut of a 16-bit ``[n, k]`` w whose programs of :func:`gemv_preload_triton` can all be resident
-    at once (two a multiprocessor), which is what lets the held columns stream in before the wait:
-    whole 2048-column slices where they fit, else with ``half`` the first half of 4096-column ones; None
-    where neither does."""
-    if element_size != 2:
-        return None
-    tiles = triton.cdiv(n, PRELOAD_BLOCK_N)
-    for span in (PRELOAD_K_SPAN, 2 * PRELOAD_K_SPAN) if half else (PRELOAD_K_SPAN,):
-        if k % span == 0 and tiles * (k // span) <= 2 * sms:
-            return PreloadPlan(span, PRELOAD_K_SPAN)
-    return None
+def takes_preload(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether a plain ``x @ w.T`` goes through :func:`gemv_preload_triton` (with ``GEMV_PRELOAD``)."""
+    return (
+        GEMV_PRELOAD
+        and x.numel() == x.shape[-1]
+        and x.dtype == w.dtype
+        and pdl_launch(x)["PDL"]
+        and preload_fits(*w.shape, w.element_size(), num_sms(x.device))
+    )
 
 
 def preload_fits(n: int, k: int, element_size: int, sms: int) -> bool:
-    """Whether the whole of w fits :func:`gemv_preload_triton`'s registers (``preload_plan`` without
-    ``half``)."""
-    return preload_plan(n, k, element_size, sms) is not None
+    """Whether every program of :func:`gemv_preload_triton` for a ``[n, k]`` w can be resident at once
+    (two a multiprocessor), which is what lets the whole weight stream in before the wait."""
+    if k % PRELOAD_K_SPAN or element_size != 2:
+        return False
+    return triton.cdiv(n, PRELOAD_BLOCK_N) * (k // PRELOAD_K_SPAN) <= 2 * sms
 
 
 def gemv_preload_triton(
-    x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = None, plan: PreloadPlan | None = None
+    x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``x @ w.T`` (``+ residual``, in place) for one 16-bit row ``x`` ``[1, K]``: each program holds
-    ``plan.k_pre`` columns of its slice of w before it waits for the previous kernel (default: whole
-    2048-column slices)."""
+    """``x @ w.T`` (``+ residual``, in place) for one 16-bit row ``x`` ``[1, K]`` whose ``w`` fits
+    :func:`preload_fits`: each program holds its slice of w before it waits for the previous kernel."""
     n, k = w.shape
-    plan = plan or PreloadPlan(PRELOAD_K_SPAN, PRELOAD_K_SPAN)
     if (
         x.numel() != k
         or x.dtype != w.dtype
         or w.element_size() != 2
         or w.stride(-1) != 1
-        or k % plan.k_span
-        or (plan.k_span - plan.k_pre) % PRELOAD_REST_CHUNK
+        or k % PRELOAD_K_SPAN
     ):
         raise ValueError(
-            f"gemv_preload takes one {w.dtype} row for a [n, k] w with k a multiple of {plan.k_span}"
+            f"gemv_preload takes one {w.dtype} row for a [n, k] w with k a multiple of {PRELOAD_K_SPAN}"
         )
     x1 = x.reshape(k).contiguous()
     out = torch.empty(n, dtype=w.dtype, device=x.device) if residual is None else residual.view(n)
-    tiles, splits = triton.cdiv(n, PRELOAD_BLOCK_N), k // plan.k_span
+    tiles, splits = triton.cdiv(n, PRELOAD_BLOCK_N), k // PRELOAD_K_SPAN
     part, _, count = _stream_k_workspace(x.device, tiles, splits, PRELOAD_BLOCK_N, 1)
     _gemv_preload_kernel[(tiles, splits)](
         x1, w, out, out, part, count, n, w.stride(0),
-        BLOCK_N=PRELOAD_BLOCK_N, K_SPAN=plan.k_span, K_PRE=plan.k_pre, REST_CHUNK=PRELOAD_REST_CHUNK,
-        SPLITS=splits, RESIDUAL=residual is not None, FIX=interp_bf16(w.dtype), num_warps=PRELOAD_WARPS,
-        num_stages=1, **pdl_launch(x),
+        BLOCK_N=PRELOAD_BLOCK_N, K_SPAN=PRELOAD_K_SPAN, SPLITS=splits, RESIDUAL=residual is not None,
+        FIX=interp_bf16(w.dtype), num_warps=PRELOAD_WARPS, num_stages=1, **pdl_launch(x),
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)
 
@@ -625,9 +590,8 @@ def skinny_linear_triton(
                 f"residual {tuple(residual.shape)} {residual.dtype} must be x @ w.T's, contiguous"
             )
         out = residual.view(m, n)
-    plain = not (quant or silu or config or bias is not None or norm_eps is not None)
-    if plain and (plan := preload_for(x2, w)) is not None:
-        return gemv_preload_triton(x2, w, residual=residual, plan=plan).reshape(*x.shape[:-1], n)
+    if not (quant or silu or config or bias is not None or norm_eps is not None) and takes_preload(x2, w):
+        return gemv_preload_triton(x2, w, residual=residual).reshape(*x.shape[:-1], n)
     if not m:
         return out.reshape(*x.shape[:-1], n_out)
     args = (x2, weight, scale, bias if bias is not None else weight, out, out)

@@ -22,7 +22,6 @@ from pegainfer.kernels.moe_pairs import (
     PAIR_TOKENS_FP8,
     PairTiles,
     default_tiles,
-    down_preload_rows,
     fused_moe_pairs,
     takes_pairs,
 )
@@ -32,12 +31,10 @@ from pegainfer.layers.moe import combine_routed, routed_experts
 SMALL = PairTiles(gate_up_n=16, gate_up_k=16, down_n=16, down_k=16)
 #: The same with the columns of gate|up split over programs (three splits of 40 columns: one is short).
 SPLIT = dataclasses.replace(SMALL, gate_up_split=3)
-#: Split gate|up, then down's 16-row slices of all 24 features held whole before the wait (the preload kernel).
-PRELOAD = dataclasses.replace(SPLIT, down_preload_n=16)
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 
 
-@pytest.mark.parametrize("tiles", [SMALL, SPLIT, PRELOAD], ids=["one-split", "three-splits", "preload"])
+@pytest.mark.parametrize("tiles", [SMALL, SPLIT], ids=["one-split", "three-splits"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tokens, k", [(1, 3), (PAIR_TOKENS, 2)], ids=["one-token", "most-tokens"])
 def test_pairs_match_the_reference(dtype, tokens, k, tiles):
@@ -111,22 +108,6 @@ def test_which_routings_take_the_pair_path():
         fused_moe_pairs(x, weights, ids, gate_up, down)
 
 
-def test_which_experts_preload_their_down_slices():
-    """Every program of the preloading down kernel must fit at once; 35B-A3B's batch 1 (8 + 1 pairs,
-    hidden 2048, 512 features) does on an H200's 132 multiprocessors, a second token or wider experts not."""
-    assert down_preload_rows(9, 2048, 512, 132) == 32
-    assert down_preload_rows(18, 2048, 512, 132) == 0
-    assert down_preload_rows(8, 2048, 1408, 132) == 0  # Moonlight: 8-row slices, too many programs
-    assert down_preload_rows(2, 40, 24, 4) == 64
-
-
-def test_preloaded_down_slices_refuse_block_fp8():
-    x, weights, ids, gate_up, down = moe_case(1, 2, 4, 32, 32, torch.float32, seed=1)
-    q_gate_up, q_down, scales = quantized_experts(gate_up, down, (16, 16), 0)
-    with pytest.raises(ValueError, match="16-bit experts"):
-        fused_moe_pairs(x, weights, ids, q_gate_up, q_down, scales=scales, tiles=PRELOAD)
-
-
 def test_small_experts_split_the_gate_up_columns():
     """Programs that fill under half a wave split their columns in two (Qwen3.5-35B-A3B at batch 1: 8
     pairs x 512 features in 64-feature tiles); wider experts and more tokens do not."""
@@ -165,28 +146,21 @@ def test_scales_on_unaligned_tiles_are_refused():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("tokens, preload", [(1, False), (PAIR_TOKENS, False), (1, True)])
-def test_early_launch_changes_no_bit(monkeypatch, tokens, preload):
+@pytest.mark.parametrize("tokens", [1, PAIR_TOKENS])
+def test_early_launch_changes_no_bit(monkeypatch, tokens):
     """With PDL the pair kernels and the combine start before the launch they follow has finished (down
-    reads its expert ids, and with ``preload`` its weights, before its wait): the output equals the one
-    launched in order bit for bit, eager and in a graph, at the 35B-A3B experts' shape (hidden 2048, 512
-    features, 8 + 1 pairs a token)."""
-    x, weights, ids, gate_up, down = moe_case(tokens, 9, 64, 2048, 512, torch.bfloat16, seed=tokens)
-    tiles = default_tiles(9 * tokens, 512, torch.cuda.get_device_properties(0).multi_processor_count)
-    tiles = dataclasses.replace(tiles, down_preload_n=32 if preload else 0)
+    reads its expert ids before its wait): the output equals the one launched in order bit for bit,
+    eager and in a graph, at the 35B-A3B experts' shape (hidden 2048, 512 features)."""
+    x, weights, ids, gate_up, down = moe_case(tokens, 8, 64, 2048, 512, torch.bfloat16, seed=tokens)
     residual = torch.randn_like(x)
     monkeypatch.setenv("PEGAINFER_PDL", "0")
-    expected = fused_moe_pairs(x, weights, ids, gate_up, down, residual=residual.clone(), tiles=tiles)
+    expected = fused_moe_pairs(x, weights, ids, gate_up, down, residual=residual.clone())
     monkeypatch.setenv("PEGAINFER_PDL", "1")
-    got = fused_moe_pairs(x, weights, ids, gate_up, down, residual=residual.clone(), tiles=tiles)
-    assert torch.equal(got, expected)
-    if preload:  # the same sums as the tiled down kernel, up to each output's rounding
-        tiled = fused_moe_pairs(x, weights, ids, gate_up, down, residual=residual.clone())
-        torch.testing.assert_close(got.float(), tiled.float(), atol=2**-6, rtol=2**-7)
+    assert torch.equal(fused_moe_pairs(x, weights, ids, gate_up, down, residual=residual.clone()), expected)
     into = residual.clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fused_moe_pairs(x, weights, ids, gate_up, down, residual=into, tiles=tiles)
+        fused_moe_pairs(x, weights, ids, gate_up, down, residual=into)
     into.copy_(residual)
     graph.replay()
     assert torch.equal(into, expected)

@@ -14,13 +14,11 @@ from pegainfer.kernels.activations import silu_mul_ref
 from pegainfer.kernels.skinny_gemm import (
     DISPATCH_ROWS,
     MAX_ROWS,
-    PreloadPlan,
     SkinnyConfig,
     _one_program_per_sm,
     default_config,
     gemv_preload_triton,
     preload_fits,
-    preload_plan,
     skinny_linear,
     skinny_linear_ref,
     skinny_linear_triton,
@@ -259,22 +257,18 @@ def test_fp32_weight_upcasts_16_bit_x(config):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
-@pytest.mark.parametrize(
-    ("n", "k", "plan"),
-    [(40, 2048, None), (33, 6144, None), (24, 8192, PreloadPlan(4096, 2048))],
-    ids=["one-split-ragged", "three-splits", "half-held-two-splits"],
-)
-def test_gemv_preload_matches_the_reference(dtype, residual, n, k, plan):
-    """The preloading single-row GEMV (whole slices of w per program, or the first half of each with the
-    rest streamed after the wait; split partials summed by the tile's last program), plain and adding into
-    the residual stream in place; twice, so the tiles' counters were reset by the first launch."""
+@pytest.mark.parametrize(("n", "k"), [(40, 2048), (33, 6144)], ids=["one-split-ragged", "three-splits"])
+def test_gemv_preload_matches_the_reference(dtype, residual, n, k):
+    """The preloading single-row GEMV (whole slices of w per program, split partials summed by the tile's
+    last program), plain and adding into the residual stream in place; twice, so the tiles' counters were
+    reset by the first launch."""
     gen = torch.Generator().manual_seed(n + k)
     x, w = _rand(gen, 1, k, dtype=dtype), _rand(gen, n, k, dtype=dtype)
     res = _rand(gen, 1, n, dtype=dtype) if residual else None
     want = skinny_linear_ref(x, w, residual=None if res is None else res.clone())
     for _ in range(2):
         into = None if res is None else res.clone()
-        got = gemv_preload_triton(x, w, residual=into, plan=plan)
+        got = gemv_preload_triton(x, w, residual=into)
         if into is not None:
             assert got.data_ptr() == into.data_ptr()
         assert got.shape == want.shape
@@ -287,7 +281,3 @@ def test_preload_fits_only_weights_whose_programs_are_resident_at_once():
     assert not preload_fits(4096, 4096, 2, 132)  # the 9B's: 512 programs
     assert not preload_fits(2048, 3072, 2, 132)  # columns not whole slices
     assert not preload_fits(2048, 4096, 4, 132)  # fp32 slices would not fit the registers
-    # Half held: the 9B's out_proj and o_proj (4096 x 4096) as 256 programs of 4096 columns, 2048 held.
-    assert preload_plan(4096, 4096, 2, 132, half=True) == PreloadPlan(4096, 2048)
-    assert preload_plan(2048, 4096, 2, 132, half=True) == PreloadPlan(2048, 2048)  # whole where it fits
-    assert preload_plan(5120, 5120, 2, 132, half=True) is None  # Qwen3-14B's o_proj

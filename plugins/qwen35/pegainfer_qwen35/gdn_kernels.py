@@ -55,9 +55,10 @@ from pegainfer.kernels._triton import (
 
 #: The delta rule's L2-norm epsilon (``delta_rule.l2_normalise``).
 L2_EPS = 1e-6
-#: ``PEGAINFER_GDN_STATE_EARLY=1``: :func:`gdn_decode` reads its state tiles before its PDL wait (an
-#: experiment, off until measured).
-GDN_STATE_EARLY = os.environ.get("PEGAINFER_GDN_STATE_EARLY") == "1"
+#: :func:`gdn_decode` reads its state tiles before its PDL wait (``PEGAINFER_GDN_STATE_EARLY=0`` turns it
+#: off): Qwen3.5-35B-A3B's batch-1 step 3.090 -> 3.074 ms on an H100, two rounds each; the 9B's unchanged
+#: (docs/benchmarks.md, twenty-ninth session).
+GDN_STATE_EARLY = os.environ.get("PEGAINFER_GDN_STATE_EARLY", "1") != "0"
 
 
 def _check_rows(x: torch.Tensor, name: str) -> None:

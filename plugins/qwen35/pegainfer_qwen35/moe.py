@@ -60,8 +60,8 @@ def _router_logits(x: torch.Tensor, router: torch.Tensor, out: torch.Tensor) -> 
     if ops.use_triton(x):
         from pegainfer.kernels import skinny_gemm  # CUDA only (see pegainfer.ops)
 
-        if (plan := skinny_gemm.preload_for(x, router)) is not None:
-            return skinny_gemm.gemv_preload_triton(x, router, plan=plan)
+        if skinny_gemm.takes_preload(x, router):
+            return skinny_gemm.gemv_preload_triton(x, router)
     return torch.matmul(x, router.t(), out=out)
 
 
