@@ -417,15 +417,19 @@ def default_pipeline(block_m: int, block_n: int, x: torch.Tensor, gate_up: torch
 
 
 def combine_choices(
-    y: torch.Tensor, top_k: int, add: torch.Tensor | None, residual: torch.Tensor | None
+    y: torch.Tensor,
+    top_k: int,
+    add: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    early: bool = True,
 ) -> torch.Tensor:
     """The launch that sums each token's ``top_k`` weighted choices ``y`` ``[T·k, H]`` (and adds ``add`` and
-    the residual: see :func:`fused_moe_triton`)."""
+    the residual: see :func:`fused_moe_triton`); ``early``: whether it may start early (PDL)."""
     tokens, hidden = y.shape[0] // top_k, y.shape[1]
     out = residual if residual is not None else y.new_empty(tokens, hidden)
     _combine_kernel[(tokens, triton.cdiv(hidden, 1024))](
         y, add if add is not None else y, out, hidden, TOP_K=top_k, HAS_ADD=add is not None,
-        RESIDUAL=residual is not None, BLOCK=1024, FIX=interp_bf16(y.dtype), num_warps=4, **pdl_launch(y),
+        RESIDUAL=residual is not None, BLOCK=1024, FIX=interp_bf16(y.dtype), num_warps=4, **pdl_launch(y, early),
     )  # fmt: skip
     return out
 

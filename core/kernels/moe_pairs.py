@@ -29,10 +29,12 @@ graph to fresh experts; grouped -> pairs): Qwen3.5-35B-A3B's experts at 1 token 
 632.9 -> 618.0 at 4, 1146 -> 1156 at 8; Moonlight's 35.9 -> 32.3 at 1, 100.7 -> 97.7 at 4, 156.4 -> 158.7
 at 8; DeepSeek-V3's float8 experts 120.5 -> 108.1 at 1, 225.1 -> 214.9 at 2, 365.4 -> 377.5 at 4.
 
-On Hopper the three launches start early (PDL) and wait for the one before: down reads its expert ids
-before its wait, since they were written before gate|up, which lets down in only after its own wait. On
-an H100 (2026-12-07, 16 calls a graph, PDL off -> on): 35B-A3B's nine pairs at 1 token 28.0 -> 25.7 us,
-Moonlight's 54.9 -> 53.4, DeepSeek-V3's 282.0 -> 280.0 (docs/benchmarks.md, twenty-sixth session).
+On Hopper the three launches start early (PDL) where gate|up's programs are fewer than the
+multiprocessors (:func:`launches_early`), and each waits for the one before: down reads its expert ids
+before its wait, since they were written before gate|up, which lets down in only after its own wait.
+Whole decode steps on an H100 (docs/benchmarks.md, twenty-sixth and twenty-ninth sessions), early launch
+off -> on for all three: Qwen3.5-35B-A3B at 1 token (72 gate|up programs) 1.81 -> 1.78 ms (20 layers),
+Moonlight (132 programs) 3.667 -> 3.685, DeepSeek-V3 with float8 experts (256 programs) 1.852 -> 1.959.
 """
 
 from __future__ import annotations
@@ -248,6 +250,14 @@ def default_tiles(pairs: int, inter: int, sms: int) -> PairTiles:
     return dataclasses.replace(tiles, gate_up_split=2) if 2 * programs <= sms else tiles
 
 
+def launches_early(pairs: int, inter: int, tiles: PairTiles, sms: int) -> bool:
+    """Whether the pair path's three launches start early (PDL): where gate|up's programs are fewer than
+    the ``sms`` multiprocessors, as the measured steps have them (see the module docstring). Where they
+    fill the machine or more, the early programs of down pile onto the multiprocessors gate|up's last
+    programs hold, as the skinny GEMMs' did (``docs/architecture.md``), and the steps measured slower."""
+    return pairs * triton.cdiv(inter, tiles.gate_up_n) * tiles.gate_up_split < sms
+
+
 def takes_pairs(x: torch.Tensor, scales: BlockScales | None, tiles: PairTiles | None = None) -> bool:
     """Whether :func:`fused_moe_pairs` runs ``x``'s routing: at most ``PAIR_TOKENS`` tokens
     (``PAIR_TOKENS_FP8`` with float8 experts, and only where each kernel tile sits inside one scale
@@ -279,15 +289,19 @@ def fused_moe_pairs(
     add: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     tiles: PairTiles | None = None,
+    early: bool | None = None,
 ) -> torch.Tensor:
     """``ops.fused_moe`` for a few tokens (:func:`takes_pairs`), arguments as
-    ``pegainfer.kernels.fused_moe.fused_moe_triton``; ``tiles`` is for the benchmark."""
+    ``pegainfer.kernels.fused_moe.fused_moe_triton``; ``tiles`` is for the benchmark, ``early`` (default
+    :func:`launches_early`) for the tests."""
     check_args(x, gate_up, down, scales, add, residual)
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     inter = down.shape[2]
     pairs = tokens * top_k
-    t = tiles or default_tiles(pairs, inter, num_sms(x.device))
+    sms = num_sms(x.device)
+    t = tiles or default_tiles(pairs, inter, sms)
+    early = launches_early(pairs, inter, t, sms) if early is None else early
     if not takes_pairs(x, scales, t):
         raise ValueError(
             f"the pair path takes 1..{PAIR_TOKENS} tokens (float8: 1..{PAIR_TOKENS_FP8}, aligned scale "
@@ -305,7 +319,7 @@ def fused_moe_pairs(
     flags = dict(
         QUANT=quant, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, SPLIT=t.gate_up_split,
         PREC=dot_precision(x.dtype), FIX=interp_bf16(x.dtype), num_warps=t.num_warps,
-        **pdl_launch(x),
+        **pdl_launch(x, early),
     )  # fmt: skip
     _pair_gate_up_kernel[(pairs, triton.cdiv(inter, t.gate_up_n), t.gate_up_split)](
         x, gate_up, ids, part, gu_s, pairs, hidden, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1),
@@ -319,4 +333,4 @@ def fused_moe_pairs(
         d_s.stride(0) if quant else 0, d_s.stride(1) if quant else 0, d_s.stride(2) if quant else 0, offset,
         BLOCK_N=t.down_n, BLOCK_K=t.down_k, EVEN_K=inter % t.down_k == 0, num_stages=t.down_stages, **flags,
     )  # fmt: skip
-    return combine_choices(y, top_k, add, residual)
+    return combine_choices(y, top_k, add, residual, early)

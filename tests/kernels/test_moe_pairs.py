@@ -23,6 +23,7 @@ from pegainfer.kernels.moe_pairs import (
     PairTiles,
     default_tiles,
     fused_moe_pairs,
+    launches_early,
     takes_pairs,
 )
 from pegainfer.layers.moe import combine_routed, routed_experts
@@ -117,6 +118,18 @@ def test_small_experts_split_the_gate_up_columns():
     assert default_tiles(16, 512, 132).gate_up_split == 1
 
 
+def test_launches_start_early_only_where_gate_up_leaves_multiprocessors_idle():
+    def early(pairs, inter, sms=132):
+        return launches_early(pairs, inter, default_tiles(pairs, inter, sms), sms)
+
+    assert early(9, 512)  # Qwen3.5-35B-A3B at one token: 72 programs
+    assert not early(18, 512)  # two tokens: 144
+    assert not early(6, 1408)  # Moonlight: 132, the machine full
+    assert not early(8, 2048)  # DeepSeek-V3: 256
+    assert early(2, 512, sms=64)  # split in two: 32 programs
+    assert not early(4, 512, sms=64)  # 32 programs, split in two where that still fits: 64
+
+
 def test_ops_sends_a_few_tokens_to_the_pair_path(monkeypatch):
     """Where Triton runs, ``ops.fused_moe`` takes the pair path for a decode step's few tokens and the
     grouped GEMMs for more."""
@@ -147,20 +160,19 @@ def test_scales_on_unaligned_tiles_are_refused():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("tokens", [1, PAIR_TOKENS])
-def test_early_launch_changes_no_bit(monkeypatch, tokens):
+def test_early_launch_changes_no_bit(tokens):
     """With PDL the pair kernels and the combine start before the launch they follow has finished (down
     reads its expert ids before its wait): the output equals the one launched in order bit for bit,
     eager and in a graph, at the 35B-A3B experts' shape (hidden 2048, 512 features)."""
     x, weights, ids, gate_up, down = moe_case(tokens, 8, 64, 2048, 512, torch.bfloat16, seed=tokens)
     residual = torch.randn_like(x)
-    monkeypatch.setenv("PEGAINFER_PDL", "0")
-    expected = fused_moe_pairs(x, weights, ids, gate_up, down, residual=residual.clone())
-    monkeypatch.setenv("PEGAINFER_PDL", "1")
-    assert torch.equal(fused_moe_pairs(x, weights, ids, gate_up, down, residual=residual.clone()), expected)
+    expected = fused_moe_pairs(x, weights, ids, gate_up, down, residual=residual.clone(), early=False)
+    early = fused_moe_pairs(x, weights, ids, gate_up, down, residual=residual.clone(), early=True)
+    assert torch.equal(early, expected)
     into = residual.clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fused_moe_pairs(x, weights, ids, gate_up, down, residual=into)
+        fused_moe_pairs(x, weights, ids, gate_up, down, residual=into, early=True)
     into.copy_(residual)
     graph.replay()
     assert torch.equal(into, expected)
