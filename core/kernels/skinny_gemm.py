@@ -360,9 +360,11 @@ def _gemv_preload_kernel(
     count_ptr,
     N,
     stride_wn,
+    eps,
     BLOCK_N: tl.constexpr,
     K_SPAN: tl.constexpr,
     SPLITS: tl.constexpr,
+    NORM: tl.constexpr,
     RESIDUAL: tl.constexpr,
     FIX: tl.constexpr,
     PDL: tl.constexpr,
@@ -370,7 +372,8 @@ def _gemv_preload_kernel(
     """One row of x: program (tile, split) loads its whole ``[BLOCK_N, K_SPAN]`` slice of w into registers
     before its PDL wait, so the weights stream in while the kernels before it still run, and after the
     wait reads only x's ``K_SPAN`` columns. A tile's split partials are summed in split order by the
-    last of its programs to arrive (as in the stream-K kernel), which then writes the output."""
+    last of its programs to arrive (as in the stream-K kernel), which then writes the output. With NORM
+    (one split: the program holds the whole row) the sum is scaled by x's ``1 / rms``."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -380,8 +383,11 @@ def _gemv_preload_kernel(
         w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :], mask=n_ok[:, None], other=0.0
     )
     pdl_start(PDL)
-    x = tl.load(x_ptr + offs_k)
-    acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    x = tl.load(x_ptr + offs_k).to(tl.float32)
+    acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    if NORM:
+        # rms_norm(x) @ w.T == rstd * (x @ w.T), w carrying the norm's weight (fold_rms_norm_weight).
+        acc = acc * tl.rsqrt(tl.sum(x * x, 0) / K_SPAN + eps)
     if SPLITS > 1:
         offs_t = tl.arange(0, BLOCK_N)
         tl.store(part_ptr + (tile * SPLITS + split) * BLOCK_N + offs_t, acc)
@@ -436,10 +442,15 @@ def preload_fits(n: int, k: int, element_size: int, sms: int) -> bool:
 
 
 def gemv_preload_triton(
-    x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    residual: torch.Tensor | None = None,
+    norm_eps: float | None = None,
 ) -> torch.Tensor:
     """``x @ w.T`` (``+ residual``, in place) for one 16-bit row ``x`` ``[1, K]`` whose ``w`` fits
-    :func:`preload_fits`: each program holds its slice of w before it waits for the previous kernel."""
+    :func:`preload_fits`: each program holds its slice of w before it waits for the previous kernel.
+    ``norm_eps``: ``x`` is taken un-normed, as in :func:`skinny_linear_triton` (``K`` one slice wide)."""
     n, k = w.shape
     if (
         x.numel() != k
@@ -447,18 +458,21 @@ def gemv_preload_triton(
         or w.element_size() != 2
         or w.stride(-1) != 1
         or k % PRELOAD_K_SPAN
+        or (norm_eps is not None and k != PRELOAD_K_SPAN)
     ):
         raise ValueError(
             f"gemv_preload takes one {w.dtype} row for a [n, k] w with k a multiple of {PRELOAD_K_SPAN}"
+            f" ({PRELOAD_K_SPAN} with a norm)"
         )
     x1 = x.reshape(k).contiguous()
     out = torch.empty(n, dtype=w.dtype, device=x.device) if residual is None else residual.view(n)
     tiles, splits = triton.cdiv(n, PRELOAD_BLOCK_N), k // PRELOAD_K_SPAN
     part, _, count = _stream_k_workspace(x.device, tiles, splits, PRELOAD_BLOCK_N, 1)
     _gemv_preload_kernel[(tiles, splits)](
-        x1, w, out, out, part, count, n, w.stride(0),
-        BLOCK_N=PRELOAD_BLOCK_N, K_SPAN=PRELOAD_K_SPAN, SPLITS=splits, RESIDUAL=residual is not None,
-        FIX=interp_bf16(w.dtype), num_warps=PRELOAD_WARPS, num_stages=1, **pdl_launch(x),
+        x1, w, out, out, part, count, n, w.stride(0), 0.0 if norm_eps is None else norm_eps,
+        BLOCK_N=PRELOAD_BLOCK_N, K_SPAN=PRELOAD_K_SPAN, SPLITS=splits, NORM=norm_eps is not None,
+        RESIDUAL=residual is not None, FIX=interp_bf16(w.dtype), num_warps=PRELOAD_WARPS, num_stages=1,
+        **pdl_launch(x),
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)
 

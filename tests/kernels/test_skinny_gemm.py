@@ -275,6 +275,20 @@ def test_gemv_preload_matches_the_reference(dtype, residual, n, k):
         assert rel_err(got, want) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gemv_preload_applies_a_folded_norm(dtype):
+    """With ``norm_eps`` the row is taken un-normed (the MoE router's, whose weight carries the norm's):
+    the output is the reference's for the RMSNorm'ed row; a row wider than one slice is refused."""
+    gen = torch.Generator().manual_seed(5)
+    x, w = 3 * _rand(gen, 1, 2048, dtype=dtype), _rand(gen, 257, 2048, dtype=dtype)
+    want = skinny_linear_ref(x, w, norm_eps=1e-6)
+    assert rel_err(gemv_preload_triton(x, w, norm_eps=1e-6), want) < TOL[dtype]
+    with pytest.raises(ValueError, match="with a norm"):
+        gemv_preload_triton(
+            _rand(gen, 1, 4096, dtype=dtype), _rand(gen, 16, 4096, dtype=dtype), norm_eps=1e-6
+        )
+
+
 def test_preload_fits_only_weights_whose_programs_are_resident_at_once():
     # Qwen3.5-35B-A3B's out_proj (2048 x 4096): 128 tiles x 2 splits on 132 multiprocessors, two each.
     assert preload_fits(2048, 4096, 2, 132)
