@@ -18,9 +18,10 @@ from pegainfer_qwen35.config import Qwen35Config
 
 DTYPE = torch.bfloat16
 SEGMENTS = [(0, 100), (100, 156)]  # two prefill segments (start, length) of 2 and 3 chunks
-#: The same two segments four times as long: the growth between the two is what a token costs, which
-#: the per-segment terms of a bound cannot hide.
-LONG_SEGMENTS = [(0, 400), (400, 624)]
+#: The same two segments longer by whole 64-token chunks (so each ends in a partial chunk of the same
+#: length and chunk rounding adds the same to both): the growth between the two is what a token costs,
+#: which the per-segment terms of a bound cannot hide.
+LONG_SEGMENTS = [(0, 420), (420, 412)]
 
 
 def tokens(segments: list[tuple[int, int]]) -> int:
