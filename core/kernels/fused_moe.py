@@ -429,7 +429,8 @@ def combine_choices(
     out = residual if residual is not None else y.new_empty(tokens, hidden)
     _combine_kernel[(tokens, triton.cdiv(hidden, 1024))](
         y, add if add is not None else y, out, hidden, TOP_K=top_k, HAS_ADD=add is not None,
-        RESIDUAL=residual is not None, BLOCK=1024, FIX=interp_bf16(y.dtype), num_warps=4, **pdl_launch(y, early),
+        RESIDUAL=residual is not None, BLOCK=1024, FIX=interp_bf16(y.dtype), num_warps=4,
+        **pdl_launch(y, early),
     )  # fmt: skip
     return out
 

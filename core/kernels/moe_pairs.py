@@ -261,8 +261,13 @@ def default_tiles(pairs: int, inter: int, sms: int) -> PairTiles:
     over the ``sms`` multiprocessors (measured at 1 token: Qwen3.5-35B-A3B's 64 programs 21.0 -> 20.4 us
     split in two, 23.9 in four; Moonlight's 132 and DeepSeek-V3's 256 slower split)."""
     tiles = PairTiles()
-    programs = pairs * triton.cdiv(inter, tiles.gate_up_n)
+    programs = gate_up_programs(pairs, inter, tiles)
     return dataclasses.replace(tiles, gate_up_split=2) if 2 * programs <= sms else tiles
+
+
+def gate_up_programs(pairs: int, inter: int, tiles: PairTiles) -> int:
+    """The gate|up launch's programs: one per (pair, tile of features, split of the columns)."""
+    return pairs * triton.cdiv(inter, tiles.gate_up_n) * tiles.gate_up_split
 
 
 def launches_early(pairs: int, inter: int, tiles: PairTiles, sms: int) -> bool:
@@ -270,7 +275,7 @@ def launches_early(pairs: int, inter: int, tiles: PairTiles, sms: int) -> bool:
     the ``sms`` multiprocessors, as the measured steps have them (see the module docstring). Where they
     fill the machine or more, the early programs of down pile onto the multiprocessors gate|up's last
     programs hold, as the skinny GEMMs' did (``docs/architecture.md``), and the steps measured slower."""
-    return pairs * triton.cdiv(inter, tiles.gate_up_n) * tiles.gate_up_split < sms
+    return gate_up_programs(pairs, inter, tiles) < sms
 
 
 def takes_pairs(x: torch.Tensor, scales: BlockScales | None, tiles: PairTiles | None = None) -> bool:

@@ -5,6 +5,7 @@ through the expert kernels; the shared expert (24 features) runs as two 16-featu
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -103,8 +104,10 @@ def test_folded_norm_matches_transformers_on_the_normed_rows(path, monkeypatch):
     from pegainfer_qwen35.projections import FoldedNorm
 
     h, e, k, ie = 2048, 4, 2, 16
-    config = Qwen35Config(**{**_config().__dict__, "hidden_size": h, "num_experts": e, "num_experts_per_tok": k,
-                             "moe_intermediate_size": ie, "shared_expert_intermediate_size": ie})  # fmt: skip
+    config = dataclasses.replace(
+        _config(), hidden_size=h, num_experts=e, num_experts_per_tok=k, moe_intermediate_size=ie,
+        shared_expert_intermediate_size=ie,
+    )  # fmt: skip
     gen = torch.Generator().manual_seed(4)
     hf_config = Qwen3_5MoeTextConfig(
         hidden_size=h, num_experts=e, num_experts_per_tok=k, moe_intermediate_size=ie,
