@@ -83,6 +83,18 @@ class ConvStep:
     slots: torch.Tensor
 
 
+@dataclass(frozen=True)
+class GatedNorm:
+    """A gated RMSNorm over heads of ``D`` columns applied to x before the GEMM (``gemv_preload_triton(
+    gated=...)``): each head of x is RMS-normalised, scaled by ``weight`` ``[D]`` and multiplied by
+    ``silu(z)``, ``z`` a row as wide as x (a view with a row stride is fine). A linear-attention layer's
+    output norm run inside its output projection instead of as a launch of its own."""
+
+    z: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+
 @triton.jit
 def load_block(ptrs, k, K, offs_k, rows_ok, EVEN_K: tl.constexpr):
     """The ``k``-th column block of x or w (``ptrs`` point at it), zero outside ``rows_ok`` and ``K``."""
@@ -491,6 +503,8 @@ def _gemv_preload_kernel(
     N,
     stride_wn,
     eps,
+    z_ptr,
+    gw_ptr,
     BLOCK_N: tl.constexpr,
     K_SPAN: tl.constexpr,
     SPLITS: tl.constexpr,
@@ -498,12 +512,14 @@ def _gemv_preload_kernel(
     RESIDUAL: tl.constexpr,
     FIX: tl.constexpr,
     PDL: tl.constexpr,
+    GATED_D: tl.constexpr = 0,
 ):
     """One row of x: program (tile, split) loads its whole ``[BLOCK_N, K_SPAN]`` slice of w into registers
     before its PDL wait, so the weights stream in while the kernels before it still run, and after the
     wait reads only x's ``K_SPAN`` columns. A tile's split partials are summed in split order by the
     last of its programs to arrive (as in the stream-K kernel), which then writes the output. With NORM
-    (one split: the program holds the whole row) the sum is scaled by x's ``1 / rms``."""
+    (one split: the program holds the whole row) the sum is scaled by x's ``1 / rms``; with ``GATED_D``
+    x is first put through :func:`_gated_norm_row`."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -513,7 +529,10 @@ def _gemv_preload_kernel(
         w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :], mask=n_ok[:, None], other=0.0
     )
     pdl_start(PDL)
-    x = tl.load(x_ptr + offs_k).to(tl.float32)
+    x = tl.load(x_ptr + offs_k)
+    if GATED_D > 0:
+        x = _gated_norm_row(x, z_ptr, gw_ptr, offs_k, eps, K_SPAN, GATED_D, FIX)
+    x = x.to(tl.float32)
     acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     if NORM:
         # rms_norm(x) @ w.T == rstd * (x @ w.T), w carrying the norm's weight (fold_rms_norm_weight).
@@ -530,6 +549,19 @@ def _gemv_preload_kernel(
             _gemv_epilogue(acc, offs_n, n_ok, res_ptr, out_ptr, RESIDUAL, FIX)
     else:
         _gemv_epilogue(acc, offs_n, n_ok, res_ptr, out_ptr, RESIDUAL, FIX)
+
+
+@triton.jit
+def _gated_norm_row(o, z_ptr, gw_ptr, offs_k, eps, K_SPAN: tl.constexpr, D: tl.constexpr, FIX: tl.constexpr):
+    """The gated RMSNorm of the heads of ``D`` columns in one row's ``K_SPAN`` columns ``o`` (at
+    ``offs_k``): ``((w * norm(o)) * silu(z))``, rounded at each step as a separate norm kernel rounds it
+    (``GatedNorm``), so the GEMV reads the very values that kernel would have written."""
+    dtype: tl.constexpr = o.dtype
+    o = tl.reshape(o.to(tl.float32), (K_SPAN // D, D))
+    n = cast_to(o * tl.rsqrt(tl.sum(o * o, 1) / D + eps)[:, None], dtype, FIX).to(tl.float32)
+    y = cast_to(tl.load(gw_ptr + tl.arange(0, D)).to(tl.float32)[None, :] * n, dtype, FIX).to(tl.float32)
+    z = tl.reshape(tl.load(z_ptr + offs_k).to(tl.float32), (K_SPAN // D, D))
+    return tl.reshape(cast_to(y * (z / (1.0 + tl.exp(-z))), dtype, FIX), (K_SPAN,))
 
 
 @triton.jit
@@ -577,11 +609,21 @@ def gemv_preload_triton(
     *,
     residual: torch.Tensor | None = None,
     norm_eps: float | None = None,
+    gated: GatedNorm | None = None,
 ) -> torch.Tensor:
     """``x @ w.T`` (``+ residual``, in place) for one 16-bit row ``x`` ``[1, K]`` whose ``w`` fits
     :func:`preload_fits`: each program holds its slice of w before it waits for the previous kernel.
-    ``norm_eps``: ``x`` is taken un-normed, as in :func:`skinny_linear_triton` (``K`` one slice wide)."""
+    ``norm_eps``: ``x`` is taken un-normed, as in :func:`skinny_linear_triton` (``K`` one slice wide).
+    ``gated``: the GEMM of the :class:`GatedNorm` of ``x`` (its heads dividing a slice)."""
     n, k = w.shape
+    if gated is not None:
+        d = gated.weight.numel()
+        z = gated.z
+        if norm_eps is not None or PRELOAD_K_SPAN % d or d & (d - 1) or z.numel() != k or z.stride(-1) != 1:
+            raise ValueError(
+                f"gemv_preload: a gated norm of power-of-two heads dividing {PRELOAD_K_SPAN} columns,"
+                f" z one contiguous row of {k} (got heads of {d}, z {tuple(z.shape)}), no norm_eps"
+            )
     if (
         x.numel() != k
         or x.dtype != w.dtype
@@ -595,14 +637,16 @@ def gemv_preload_triton(
             f" ({PRELOAD_K_SPAN} with a norm)"
         )
     x1 = x.reshape(k).contiguous()
+    eps = norm_eps if norm_eps is not None else gated.eps if gated is not None else 0.0
     out = torch.empty(n, dtype=w.dtype, device=x.device) if residual is None else residual.view(n)
     tiles, splits = triton.cdiv(n, PRELOAD_BLOCK_N), k // PRELOAD_K_SPAN
     part, _, count = _stream_k_workspace(x.device, tiles, splits, PRELOAD_BLOCK_N, 1)
     _gemv_preload_kernel[(tiles, splits)](
-        x1, w, out, out, part, count, n, w.stride(0), 0.0 if norm_eps is None else norm_eps,
+        x1, w, out, out, part, count, n, w.stride(0), eps,
+        gated.z if gated else x1, gated.weight if gated else x1,
         BLOCK_N=PRELOAD_BLOCK_N, K_SPAN=PRELOAD_K_SPAN, SPLITS=splits, NORM=norm_eps is not None,
-        RESIDUAL=residual is not None, FIX=interp_bf16(w.dtype), num_warps=PRELOAD_WARPS, num_stages=1,
-        **pdl_launch(x),
+        RESIDUAL=residual is not None, FIX=interp_bf16(w.dtype), GATED_D=gated.weight.numel() if gated else 0,
+        num_warps=PRELOAD_WARPS, num_stages=1, **pdl_launch(x),
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)
 
@@ -686,6 +730,7 @@ def skinny_linear_triton(
     silu: bool = False,
     residual: torch.Tensor | None = None,
     conv: ConvStep | None = None,
+    gated: GatedNorm | None = None,
 ) -> torch.Tensor:
     """The Triton path of :func:`skinny_linear` for ``x`` ``[..., K]`` with at most ``MAX_ROWS`` rows.
     Each option moves a neighbouring op of a decoder layer into the GEMM, where it costs no extra pass:
@@ -696,7 +741,8 @@ def skinny_linear_triton(
       ``silu(gate) * up``, ``[..., N / 2]``;
     - ``residual``: returns ``residual + x @ w.T``, written into ``residual`` in place;
     - ``conv``: the first ``C`` output columns are the :class:`ConvStep`'s SiLU(conv) of the GEMM's
-      output, the windows of the rows' slots shifted (16-bit ``w``, with ``norm_eps`` or alone).
+      output, the windows of the rows' slots shifted (16-bit ``w``, with ``norm_eps`` or alone);
+    - ``gated``: the GEMM of x's :class:`GatedNorm` (where :func:`takes_preload`, ``residual`` allowed).
 
     A 16-bit ``x`` may meet an fp32 ``w`` (a router's logits): x is upcast in the loop, the result fp32,
     as ``F.linear(x.float(), w)`` without the cast's launch. A block-FP8 ``w`` whose columns start on a
@@ -741,9 +787,12 @@ def skinny_linear_triton(
                 f"residual {tuple(residual.shape)} {residual.dtype} must be x @ w.T's, contiguous"
             )
         out = residual.view(m, n)
-    if not (quant or silu or config or bias is not None or norm_eps is not None or conv) and takes_preload(
-        x2, w
-    ):
+    plain = not (quant or silu or config or bias is not None or norm_eps is not None or conv)
+    if gated is not None:
+        if not (plain and takes_preload(x2, w)):
+            raise ValueError("a gated norm runs only inside gemv_preload: one row, a w that takes_preload")
+        return gemv_preload_triton(x2, w, residual=residual, gated=gated).reshape(*x.shape[:-1], n)
+    if plain and takes_preload(x2, w):
         return gemv_preload_triton(x2, w, residual=residual).reshape(*x.shape[:-1], n)
     if not m:
         return out.reshape(*x.shape[:-1], n_out)
@@ -805,6 +854,15 @@ def conv_step_ref(y: torch.Tensor, conv: ConvStep) -> torch.Tensor:
     return torch.cat([F.silu(s.float()).to(y.dtype), y[:, c:]], dim=1)
 
 
+def gated_norm_ref(x: torch.Tensor, gated: GatedNorm) -> torch.Tensor:
+    """The torch reference of the :class:`GatedNorm` of ``x`` ``[..., K]``, rounded as the kernel rounds."""
+    d = gated.weight.numel()
+    o = x.float().unflatten(-1, (-1, d))
+    n = (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + gated.eps)).to(x.dtype)
+    y = (gated.weight * n).float() * F.silu(gated.z.reshape(o.shape).float())
+    return y.to(x.dtype).flatten(-2)
+
+
 def skinny_linear_ref(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -814,9 +872,12 @@ def skinny_linear_ref(
     silu: bool = False,
     residual: torch.Tensor | None = None,
     conv: ConvStep | None = None,
+    gated: GatedNorm | None = None,
 ) -> torch.Tensor:
     """The torch reference of :func:`skinny_linear_triton`, options included."""
     x = x.to(w.dtype)
+    if gated is not None:
+        x = gated_norm_ref(x, gated)
     if norm_eps is not None:
         x = rms_norm_ref(x, None, norm_eps)
     y = F.linear(x, w, bias)

@@ -10,15 +10,18 @@ import pytest
 import torch
 from kernel_helpers import DEVICE, rel_err
 
+from pegainfer.kernels import skinny_gemm
 from pegainfer.kernels.activations import silu_mul_ref
 from pegainfer.kernels.skinny_gemm import (
     DISPATCH_ROWS,
     MAX_ROWS,
     ConvStep,
+    GatedNorm,
     SkinnyConfig,
     _one_program_per_sm,
     conv_step_ref,
     default_config,
+    gated_norm_ref,
     gemv_preload_triton,
     preload_fits,
     skinny_linear,
@@ -360,6 +363,39 @@ def test_gemv_preload_applies_a_folded_norm(dtype):
         gemv_preload_triton(
             _rand(gen, 1, 4096, dtype=dtype), _rand(gen, 16, 4096, dtype=dtype), norm_eps=1e-6
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_gemv_preload_applies_a_gated_norm(dtype, residual, monkeypatch):
+    """With ``gated`` the row is a linear-attention output before its gated RMSNorm (heads of 128, z a
+    strided view of a wider row): the result is the GEMV of the separately normed row (the prologue
+    rounds where the norm does; the sums of squares may round apart by an ulp); two slices, so each
+    program norms its own heads."""
+    gen = torch.Generator().manual_seed(8)
+    k, n, d = 4096, 48, 128
+    o = _rand(gen, 1, k, dtype=dtype) * torch.linspace(0.2, 6.0, k).to(dtype).to(DEVICE)
+    packed = _rand(gen, 1, 3 * k, dtype=dtype)  # [.., z, ..]: z a view with a row stride
+    gated = GatedNorm(packed[:, k : 2 * k], 1.0 + 0.2 * _rand(gen, d, dtype=dtype), 1e-6)
+    w = _rand(gen, n, k, dtype=dtype)
+    res = _rand(gen, 1, n, dtype=dtype) if residual else None
+    normed = gated_norm_ref(o, gated)
+    heads = o.float().view(k // d, d)
+    plain = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + 1e-6) * gated.weight.float()
+    plain = plain * torch.nn.functional.silu(gated.z.float().view(k // d, d))
+    assert rel_err(normed, plain.view(1, k).to(dtype)) < TOL[dtype]
+    want = gemv_preload_triton(normed, w, residual=None if res is None else res.clone())
+    got = gemv_preload_triton(o, w, residual=None if res is None else res.clone(), gated=gated)
+    assert rel_err(got, want) < TOL[dtype] / 4
+    ref = skinny_linear_ref(o, w, gated=gated, residual=None if res is None else res.clone())
+    assert rel_err(got, ref) < TOL[dtype]
+    monkeypatch.setattr(skinny_gemm, "takes_preload", lambda x, w: x.numel() == x.shape[-1])
+    into = None if res is None else res.clone()
+    assert torch.equal(skinny_linear_triton(o, w, gated=gated, residual=into), got)
+    with pytest.raises(ValueError, match="gated norm"):
+        skinny_linear_triton(o, w, gated=gated, norm_eps=1e-6)
+    with pytest.raises(ValueError, match="gated norm"):
+        gemv_preload_triton(o, w, gated=GatedNorm(gated.z, gated.weight[:96], 1e-6))  # heads straddle slices
 
 
 def test_preload_fits_only_weights_whose_programs_are_resident_at_once():

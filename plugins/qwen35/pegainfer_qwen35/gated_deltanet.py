@@ -60,10 +60,10 @@ from pegainfer_qwen35.delta_rule import (
 )
 from pegainfer_qwen35.norms import gated_rms_norm
 from pegainfer_qwen35.pass_buffers import PassBuffers
-from pegainfer_qwen35.projections import FoldedNorm, project, project_add, takes_conv
+from pegainfer_qwen35.projections import FoldedNorm, project, project_add, takes_conv, takes_gated_norm
 
 if TYPE_CHECKING:  # the kernels are imported on CUDA only (see pegainfer.ops)
-    from pegainfer.kernels.skinny_gemm import ConvStep
+    from pegainfer.kernels.skinny_gemm import ConvStep, GatedNorm
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,10 @@ RECURRENT_PREFILL_MAX_TOKENS = 128
 STATE_DTYPE = torch.float32
 
 
+#: A decode-only step of one row applies the gated norm inside ``out_proj``'s single-row GEMV (one launch
+#: fewer a GDN layer where the delta-rule kernel's programs are narrower than a head) where
+#: ``PEGAINFER_NORM_IN_OUT_PROJECTION=1``: off until measured on a GPU.
+NORM_IN_OUT_PROJECTION = os.environ.get("PEGAINFER_NORM_IN_OUT_PROJECTION", "0") == "1"
 #: A decode-only step on the skinny GEMM runs the conv update inside ``in_proj`` (one launch fewer a GDN
 #: layer) where ``PEGAINFER_CONV_IN_PROJECTION=1``: off until measured on a GPU.
 CONV_IN_PROJECTION = os.environ.get("PEGAINFER_CONV_IN_PROJECTION", "0") == "1"
@@ -434,17 +438,19 @@ class GatedDeltaNet(nn.Module):
         proj = project(x, self.in_proj, bufs.gdn_proj, norm, conv)
         mixed, z, b, a = proj.split(self.splits, dim=-1)
         gated = bufs.gdn_gated
+        norm_after = self._norm_in_out_projection(x, z, rows, residual, gated)
         if rows.segments:
             self._prefill_segments(mixed, z, b, a, rows, state, bufs)
         if rows.num_decodes:
             d = slice(rows.decode_start, rows.decode_start + rows.num_decodes)
             convolved = mixed[d] if conv is not None else None  # the projection's epilogue ran the conv
             self._decode(
-                mixed[d], z[d], b[d], a[d], rows.decode_slots, state, bufs.gdn_conv[d], gated[d], convolved
-            )
+                mixed[d], z[d], b[d], a[d], rows.decode_slots, state, bufs.gdn_conv[d], gated[d], convolved,
+                norm=norm_after is None,
+            )  # fmt: skip
         gated = gated.view(-1, s.value_dim)
         if residual is not None:
-            return project_add(gated, self.out_proj, residual, bufs.mixer_out, self.tp)
+            return project_add(gated, self.out_proj, residual, bufs.mixer_out, self.tp, norm_after)
         return self.tp.all_reduce(project(gated, self.out_proj, bufs.mixer_out))  # row-parallel partials
 
     def _conv_in_projection(
@@ -465,6 +471,30 @@ class GatedDeltaNet(nn.Module):
 
         return ConvStep(self.conv_weight, state["conv"], rows.decode_slots)
 
+    def _norm_in_out_projection(
+        self,
+        x: torch.Tensor,
+        z: torch.Tensor,
+        rows: RecurrentRows,
+        residual: torch.Tensor | None,
+        gated: torch.Tensor,
+    ) -> GatedNorm | None:
+        """The decode row's gated norm as ``out_proj``'s prologue (``skinny_gemm.GatedNorm``), where a
+        decode-only step of one row adds ``out_proj`` to the residual in the single-row GEMV, the kernels
+        run and ``NORM_IN_OUT_PROJECTION``; else None (the delta-rule kernels apply the norm)."""
+        if not (
+            NORM_IN_OUT_PROJECTION
+            and residual is not None
+            and not rows.segments
+            and rows.num_decodes == x.shape[0]
+            and decode_kernels_on(x)
+            and takes_gated_norm(gated[: x.shape[0]].view(x.shape[0], -1), self.out_proj, self.tp)
+        ):
+            return None
+        from pegainfer.kernels.skinny_gemm import GatedNorm
+
+        return GatedNorm(z, self.norm, self.config.rms_norm_eps)
+
     def _decode(
         self,
         mixed: torch.Tensor,
@@ -476,11 +506,13 @@ class GatedDeltaNet(nn.Module):
         conv_out: torch.Tensor,
         out: torch.Tensor,
         convolved: torch.Tensor | None = None,
+        norm: bool = True,
     ) -> None:
         """One token per decode row: conv, gating, delta rule and gated norm into ``out`` ``[B, value_dim]``,
         each row's slot updated in place. On CUDA the two kernels of ``gdn_kernels`` (graph-safe: the
         slots are read on the device), or only the second where the input projection ran the conv
-        (``convolved``: its output); elsewhere :func:`decode_reference`."""
+        (``convolved``: its output); without ``norm`` (kernels only) ``out`` gets the output before the
+        gated norm, which ``out_proj`` then applies; elsewhere :func:`decode_reference`."""
         eps, hk = self.config.rms_norm_eps, self.shard.linear_num_key_heads
         if decode_kernels_on(mixed):
             from pegainfer_qwen35 import gdn_kernels
@@ -491,9 +523,11 @@ class GatedDeltaNet(nn.Module):
                 conv_out = convolved
             gdn_kernels.gdn_decode(
                 conv_out, b, a, z, self.A_log, self.dt_bias, self.norm, state["ssm"], slots, out,
-                num_key_heads=hk, eps=eps,
+                num_key_heads=hk, eps=eps, norm=norm,
             )  # fmt: skip
             return
+        if not norm:
+            raise ValueError("GatedDeltaNet: the gated norm is left to out_proj only on the kernels")
         decode_reference(
             mixed, z, b, a, self.conv_weight, self.A_log, self.dt_bias, self.norm,
             state["conv"], state["ssm"], slots, conv_out, out, num_key_heads=hk, eps=eps,

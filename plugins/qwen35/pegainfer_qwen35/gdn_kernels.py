@@ -489,8 +489,10 @@ def gdn_decode(
     eps: float,
     block_v: int | None = None,
     num_warps: int | None = None,
+    norm: bool = True,
 ) -> torch.Tensor:
-    """One delta-rule step of B decode rows, the gated norm included; writes ``out`` ``[B, Hv * dv]``.
+    """One delta-rule step of B decode rows, the gated norm included (``norm=False``: left to the
+    caller, ``out`` gets the un-normed ``o``); writes ``out`` ``[B, Hv * dv]``.
 
     qkv ``[B, 2 Hk dk + Hv dv]`` (after the conv and SiLU), b, a ``[B, Hv]``, z ``[B, Hv dv]`` (views of
     the packed projection are fine), a_log, dt_bias ``[Hv]``, norm_weight ``[dv]``, state the layer's
@@ -512,7 +514,7 @@ def gdn_decode(
     tiles = decode_tiles(rows, state.shape[1], state.shape[3], num_sms(state.device))
     return _delta_rule(
         _gdn_decode_kernel, rows, (slots,), qkv, b, a, z, a_log, dt_bias, norm_weight, state, out,
-        num_key_heads, eps, block_v or tiles[0], num_warps or (None if block_v else tiles[1]),
+        num_key_heads, eps, block_v or tiles[0], num_warps or (None if block_v else tiles[1]), norm,
         STATE_EARLY=GDN_STATE_EARLY and not PDL_RELEASE_FIRST,
     )  # fmt: skip
 
@@ -574,10 +576,12 @@ def _delta_rule(
     eps,
     block_v,
     warps,
+    norm=True,
     **flags,
 ) -> torch.Tensor:
     """Checks and launches a delta-rule kernel over ``programs`` rows or segments (``index``: the device
-    tensors that say which); below a whole head of value columns the gated norm runs after it."""
+    tensors that say which); below a whole head of value columns the gated norm runs after it. Without
+    ``norm`` the un-normed ``o`` goes into ``out`` (the caller applies the gated norm)."""
     for t, name in ((qkv, "qkv"), (b, "b"), (a, "a"), (z, "z"), (out, "out")):
         _check_rows(t, name)
     rows = qkv.shape[0]
@@ -594,8 +598,8 @@ def _delta_rule(
     if rows == 0 or programs == 0:
         return out
     bv = min(block_v or dv, dv)
-    fuse = bv == dv
-    target = out if fuse else torch.empty(out.shape, dtype=qkv.dtype, device=out.device)
+    fuse = bv == dv and norm
+    target = out if fuse or not norm else torch.empty(out.shape, dtype=qkv.dtype, device=out.device)
     kernel[(programs, hv, triton.cdiv(dv, bv))](
         qkv,
         qkv.stride(0),
@@ -628,7 +632,7 @@ def _delta_rule(
         **flags,
         **pdl_launch(qkv),
     )
-    if not fuse:
+    if not fuse and norm:
         gated_rms_norm(target.view(rows, hv, dv), z.view(rows, hv, dv), norm_weight, eps, out)
     return out
 

@@ -26,7 +26,7 @@ from pegainfer.layers.norm import fold_rms_norm_weight
 from pegainfer.parallel.distributed import TensorParallel
 
 if TYPE_CHECKING:  # the kernels are imported on CUDA only (see pegainfer.ops)
-    from pegainfer.kernels.skinny_gemm import ConvStep
+    from pegainfer.kernels.skinny_gemm import ConvStep, GatedNorm
 
 
 @dataclass(frozen=True)
@@ -104,13 +104,31 @@ def project_silu(
     return act.copy_(silu_mul(gate_up))
 
 
+def takes_gated_norm(x: torch.Tensor, w: torch.Tensor, tp: TensorParallel) -> bool:
+    """Whether :func:`project_add` of ``x`` can apply a gated norm to it first (the single-row GEMV that
+    holds its weights before the wait, ``skinny_gemm.takes_preload``, on one rank)."""
+    if not (_skinny(x) and tp.group is None):
+        return False
+    from pegainfer.kernels import skinny_gemm
+
+    return skinny_gemm.takes_preload(x, w)
+
+
 def project_add(
-    x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, out: torch.Tensor, tp: TensorParallel
+    x: torch.Tensor,
+    w: torch.Tensor,
+    residual: torch.Tensor,
+    out: torch.Tensor,
+    tp: TensorParallel,
+    gated: GatedNorm | None = None,
 ) -> torch.Tensor:
     """``residual += all_reduce(x @ w.T)`` in place (a row-parallel projection added to the residual
-    stream); ``out`` holds the projection where the GEMM is not the skinny kernel. Returns ``residual``."""
+    stream); ``out`` holds the projection where the GEMM is not the skinny kernel. Returns ``residual``.
+    ``gated`` (only where :func:`takes_gated_norm`): the GEMM of x's gated norm (``skinny_gemm.GatedNorm``)."""
     if _skinny(x) and tp.group is None:
         from pegainfer.kernels import skinny_gemm
 
-        return skinny_gemm.skinny_linear_triton(x, w, residual=residual)
+        return skinny_gemm.skinny_linear_triton(x, w, residual=residual, gated=gated)
+    if gated is not None:
+        raise ValueError("project_add: a gated norm runs only inside the single-row GEMV (takes_gated_norm)")
     return residual.add_(tp.all_reduce(project(x, w, out)))

@@ -210,6 +210,54 @@ def test_conv_in_the_input_projection_equals_the_conv_launch(slots, monkeypatch)
     assert torch.equal(states[True]["conv"][untouched], pools["conv"][untouched])
 
 
+@requires_kernels
+def test_gated_norm_in_the_output_projection_equals_the_norm_launch(monkeypatch):
+    """``NORM_IN_OUT_PROJECTION``: a one-row decode step whose delta-rule kernel leaves the gated norm to
+    ``out_proj``'s single-row GEMV (16 value heads of 128: one 2048-column slice) adds the same to the
+    residual and leaves the same slot state as the norm's own launch."""
+    from pegainfer import ops
+    from pegainfer.kernels import skinny_gemm
+    from pegainfer_qwen35.pass_buffers import PassBuffers, pass_buffer_roles
+
+    if KERNEL_DEVICE == "cpu":  # the interpreter on CPU tensors: take the CUDA branches anyway
+        monkeypatch.setattr(ops, "use_triton", lambda t: True)
+        monkeypatch.setattr(skinny_gemm, "takes_kernel", lambda x: True)
+    monkeypatch.setattr(  # as on the GPU, where PDL is on
+        skinny_gemm,
+        "takes_preload",
+        lambda x, w: x.numel() == x.shape[-1] and skinny_gemm.preload_fits(*w.shape, 2, 132),
+    )
+    monkeypatch.setattr(gated_deltanet, "decode_kernels_on", lambda x: True)
+    layer = _gdn_layer(15, linear_value_head_dim=128, linear_key_head_dim=32, linear_num_value_heads=16)
+    layer = layer.to(KERNEL_DEVICE, torch.bfloat16)
+    gen = torch.Generator().manual_seed(16)
+    x = torch.randn(1, layer.config.hidden_size, generator=gen).to(KERNEL_DEVICE, torch.bfloat16)
+    residual = torch.randn(1, layer.config.hidden_size, generator=gen).to(KERNEL_DEVICE, torch.bfloat16)
+    spec = dict(layer.state_spec().shapes)
+    pools = {
+        name: torch.randn(3, *shape, generator=gen).to(torch.bfloat16).float() for name, shape in spec.items()
+    }
+    dev = torch.device(KERNEL_DEVICE)
+    rows = gated_deltanet.RecurrentRows(
+        [], torch.zeros(0, dtype=torch.int64, device=dev), 0, 1, torch.tensor([2], device=dev)
+    )
+    outs, states = {}, {}
+    for fused in (False, True):
+        monkeypatch.setattr(gated_deltanet, "NORM_IN_OUT_PROJECTION", fused)
+        state = {name: pool.to(dev, copy=True) for name, pool in pools.items()}
+        bufs = PassBuffers(pass_buffer_roles(layer.config, torch.bfloat16), 1, dev)
+        z = torch.zeros(1, layer.shard.value_dim, device=dev, dtype=torch.bfloat16)
+        assert (layer._norm_in_out_projection(x, z, rows, residual, bufs.gdn_gated) is not None) == fused
+        with torch.no_grad():
+            outs[fused] = layer(x, rows, state, bufs, residual=residual.clone()).float().cpu()
+        states[fused] = {name: t.cpu() for name, t in state.items()}
+    assert not torch.equal(outs[False], residual.float().cpu())
+    # Equal bit for bit in the interpreter; compiled, a head's sum of squares may round apart.
+    torch.testing.assert_close(outs[True], outs[False], atol=2e-2, rtol=8e-3)
+    for name in spec:
+        torch.testing.assert_close(states[True][name], states[False][name], atol=0, rtol=0)
+
+
 def _fla_semantics(
     q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
     use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
@@ -271,12 +319,13 @@ def test_prefill_with_fla_passes_segments_and_slots_as_fla_expects():
 # ------------------------------------------------------------------------------- checkpoints in a prefill
 
 
-def _gdn_layer(seed: int):
+def _gdn_layer(seed: int, **overrides):
     """A GDN layer of the tiny config (value heads of 16: the kernels need power-of-two widths), random."""
     from pegainfer_qwen35.config import LINEAR, Qwen35Config
     from pegainfer_qwen35.tiny import qwen3_5_config
 
-    config = Qwen35Config.from_hf_config(qwen3_5_config(64, linear_value_head_dim=16, text_only=True))
+    overrides = {"linear_value_head_dim": 16, **overrides}
+    config = Qwen35Config.from_hf_config(qwen3_5_config(64, text_only=True, **overrides))
     layer = gated_deltanet.GatedDeltaNet(config, config.layers_of(LINEAR)[0], torch.float32)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
