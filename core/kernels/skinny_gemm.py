@@ -42,7 +42,6 @@ from pegainfer.kernels._triton import (
     use_kernel,
 )
 from pegainfer.kernels.activations import silu_mul_ref
-from pegainfer.kernels.causal_conv import causal_conv_silu_step
 from pegainfer.layers.block_fp8 import BlockFP8Weight
 from pegainfer.layers.norm import rms_norm as rms_norm_ref
 
@@ -315,8 +314,17 @@ def _conv_tile_epilogue(
     owns = (slot >= 0) & ((offs_m == 0) | (slot != first)) & row_ok
     upd = owns[:, None] & is_c[None, :]
     win = win_ptr + tl.maximum(slot, 0)[:, None] * stride_win_slot + offs_n[None, :] * stride_win_c
-    act = causal_conv_silu_step(y, win, cw_ptr + offs_n * CONV_K, upd, is_c, CONV_K, dtype, FIX)
-    acc = tl.where(is_c[None, :], act, y)
+    cw = cw_ptr + offs_n * CONV_K
+    conv = tl.load(cw + (CONV_K - 1), mask=is_c, other=0.0).to(tl.float32)[None, :] * y
+    for j in tl.static_range(CONV_K - 1):
+        old = tl.load(win + j, mask=upd, other=0.0)
+        conv += tl.load(cw + j, mask=is_c, other=0.0).to(tl.float32)[None, :] * old
+    conv = cast_to(conv, dtype, FIX).to(tl.float32)
+    acc = tl.where(is_c[None, :], conv / (1.0 + tl.exp(-conv)), y)
+    # Shift the window: entry j takes entry j + 1 (read before it is overwritten), the last the new input.
+    for j in tl.static_range(CONV_K - 2):
+        tl.store(win + j, tl.load(win + j + 1, mask=upd, other=0.0), mask=upd)
+    tl.store(win + (CONV_K - 2), y, mask=upd)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, cast_to(acc, dtype, FIX), mask=row_ok[:, None] & (offs_n[None, :] < N))
 

@@ -52,7 +52,6 @@ from pegainfer.kernels._triton import (
     tl,
     triton,
 )
-from pegainfer.kernels.causal_conv import causal_conv_silu_step
 
 #: The delta rule's L2-norm epsilon (``delta_rule.l2_normalise``).
 L2_EPS = 1e-6
@@ -144,11 +143,19 @@ def _conv_update_kernel(
     owns = _and(mask, _owns_slot(row, slot, first))
     win = win_ptr + tl.maximum(slot, 0) * stride_win_slot + cols * stride_win_c
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    dtype: tl.constexpr = x.dtype
-    y = causal_conv_silu_step(
-        x.to(tl.float32)[None, :], win[None, :], w_ptr + cols * K, owns[None, :], mask, K, dtype, FIX
-    )
-    tl.store(out_ptr + row * stride_o + cols[None, :], cast_to(y, dtype, FIX), mask=mask[None, :])
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    acc = tl.load(w_ptr + cols * K + (K - 1), mask=mask, other=0.0).to(tl.float32) * x
+    for j in tl.static_range(K - 1):
+        old = tl.load(win + j, mask=owns, other=0.0)
+        acc += tl.load(w_ptr + cols * K + j, mask=mask, other=0.0).to(tl.float32) * old
+    y = cast_to(acc, dtype, FIX).to(tl.float32)
+    y = y / (1.0 + tl.exp(-y))
+    tl.store(out_ptr + row * stride_o + cols, cast_to(y, dtype, FIX), mask=mask)
+    # Shift the window: entry j takes entry j + 1 (read before it is overwritten), the last the new input.
+    for j in tl.static_range(K - 2):
+        tl.store(win + j, tl.load(win + j + 1, mask=owns, other=0.0), mask=owns)
+    tl.store(win + (K - 2), x, mask=owns)
 
 
 def conv_update(
