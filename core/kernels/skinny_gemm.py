@@ -424,31 +424,22 @@ def _skinny_gemm_stream_k_kernel(
     SPAN: tl.constexpr = 0,
     SCALE_PERIOD: tl.constexpr = 0,
     CONV_K: tl.constexpr = 0,
-    EARLY_W: tl.constexpr = False,
 ):
     """The same GEMM over a flat list of work units, (output tile, BLOCK_K column block) in tile order:
     program ``p`` takes units ``[p * UNITS, (p + 1) * UNITS)``, so every multiprocessor streams the same
     number of weight bytes whatever the tile count. A tile whose columns span several programs gathers
     their fp32 partial sums in its slots of ``part_ptr`` (slot = program - the tile's first program); the
     program that finishes last (the tile's counter) adds them in slot order, so the result does not
-    depend on which finished first, and resets the counter for the next launch. With ``EARLY_W`` the
-    program's first block of w is loaded before its PDL wait (the weights are constant), as the per-tile
-    kernel does."""
+    depend on which finished first, and resets the counter for the next launch."""
     pid = tl.program_id(0)
     dtype: tl.constexpr = x_ptr.dtype.element_ty
     n_tiles = tl.cdiv(N, BLOCK_N)
     u0 = pid * UNITS
     u1 = tl.minimum(u0 + UNITS, n_tiles * K_ITERS)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_t = tl.arange(0, BLOCK_N)
-    t0 = u0 // K_ITERS
-    if EARLY_W:
-        kb0 = u0 - t0 * K_ITERS
-        n0 = t0 * BLOCK_N + offs_t
-        w0_ptrs = w_ptr + n0[:, None].to(tl.int64) * stride_wn + (kb0 * BLOCK_K + offs_k)[None, :]
-        w_first = load_block(w0_ptrs, kb0 * BLOCK_K, K, offs_k, n0[:, None] < N, EVEN_K)
     pdl_start(PDL)
     offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_t = tl.arange(0, BLOCK_N)
     row_ok = offs_m[:, None] < M
     part_offs = offs_t[:, None] * BLOCK_M + offs_m[None, :]
     for tile in range(u0 // K_ITERS, (u1 - 1) // K_ITERS + 1):
@@ -461,20 +452,7 @@ def _skinny_gemm_stream_k_kernel(
         s_rows = scale_rows(s_ptr, offs_n, tile * BLOCK_N, stride_sn, SCALE_PERIOD)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-        i0 = kb
-        if EARLY_W:
-            if tile == t0:  # the block loaded before the wait
-                x = load_block(x_ptrs, kb * BLOCK_K, K, offs_k, row_ok, EVEN_K)
-                w = widen_float8(
-                    w_first, s_rows, kb * BLOCK_K, K, col_ok, QBLOCK, SPAN, BLOCK_N, BLOCK_K, dtype, FIX
-                )
-                if NORM:
-                    sq += x.to(tl.float32) * x.to(tl.float32)
-                acc += mma(w, tl.trans(x).to(w.dtype), FIX, PREC)
-                x_ptrs += BLOCK_K
-                w_ptrs += BLOCK_K
-                i0 = kb + 1
-        for i in range(i0, ke):
+        for i in range(kb, ke):
             x = load_block(x_ptrs, i * BLOCK_K, K, offs_k, row_ok, EVEN_K)
             w = load_block(w_ptrs, i * BLOCK_K, K, offs_k, col_ok, EVEN_K)
             w = widen_float8(w, s_rows, i * BLOCK_K, K, col_ok, QBLOCK, SPAN, BLOCK_N, BLOCK_K, dtype, FIX)
@@ -728,10 +706,6 @@ def _stream_k_workspace(
     return _WORKSPACES[key]
 
 
-#: The stream-K kernel loads each program's first block of w before its PDL wait where
-#: ``PEGAINFER_STREAM_K_EARLY=1`` (off until measured on a GPU).
-STREAM_K_EARLY = os.environ.get("PEGAINFER_STREAM_K_EARLY", "0") == "1"
-
 #: Launch arguments without programmatic dependent launch.
 NO_PDL = {"PDL": False, "launch_pdl": False}
 
@@ -844,7 +818,7 @@ def skinny_linear_triton(
         slots = (k_iters - 1) // units + 2  # the most programs one tile's columns can span
         ws = _stream_k_workspace(x.device, n_tiles, slots, cfg.block_n, block_m)
         _skinny_gemm_stream_k_kernel[(triton.cdiv(n_tiles * k_iters, units),)](
-            *args, *ws, *strides, eps, *conv_args, k_iters, units, slots, EARLY_W=STREAM_K_EARLY, **flags
+            *args, *ws, *strides, eps, *conv_args, k_iters, units, slots, **flags
         )
     else:
         _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](*args, *strides, eps, *conv_args, **flags)

@@ -89,29 +89,6 @@ def test_stream_k_repeats_bit_for_bit(config):
     assert rel_err(first, x @ w.T) < 1e-5
 
 
-@pytest.mark.parametrize(
-    "config",
-    [STREAM_K_WHOLE_AND_SPLIT, STREAM_K_RAGGED, STREAM_K_ONE_UNIT_EACH],
-    ids=["split", "ragged", "unit"],
-)
-@pytest.mark.parametrize("weight", ["bf16", "fp8"])
-def test_stream_k_first_block_before_the_wait_changes_no_bit(config, weight, monkeypatch):
-    """``STREAM_K_EARLY``: each program's first block of w loaded before the wait (the first unit inside a
-    tile, a whole tile, a program's second tile loading its own) gives the same bits, with the norm and a
-    block-FP8 weight's scales too."""
-    from kernel_helpers import fp8_weight
-
-    gen = torch.Generator().manual_seed(17)
-    m, n, k = (3, 70, 160) if config is STREAM_K_RAGGED else (2, 96, 256)
-    x = _rand(gen, m, k, dtype=torch.bfloat16)
-    w = fp8_weight(gen, n, k, 32) if weight == "fp8" else _rand(gen, n, k, dtype=torch.bfloat16)
-    outs = []
-    for early in (False, True):
-        monkeypatch.setattr(skinny_gemm, "STREAM_K_EARLY", early)
-        outs.append(skinny_linear_triton(x, w, config=config, norm_eps=None if weight == "fp8" else 1e-6))
-    assert torch.equal(outs[0], outs[1])
-
-
 def test_leading_dims_and_too_many_rows():
     gen = torch.Generator().manual_seed(3)
     x, w = _rand(gen, 2, 3, 64, dtype=torch.float32), _rand(gen, 40, 64, dtype=torch.float32)
