@@ -67,23 +67,6 @@ class SkinnyConfig:
 
 
 @dataclass(frozen=True)
-class ConvStep:
-    """A depthwise causal conv step, then SiLU, over the first ``C`` output columns, applied where each
-    column's sum is final (``skinny_linear_triton(conv=...)``): row ``m`` continues from the window of its
-    state slot ``slots[m]`` and shifts it in place. That is a linear-attention layer's conv update (one
-    token per row) run inside its input projection instead of as a launch of its own.
-
-    weight ``[C, K]`` (contiguous), windows ``[slots, C, K - 1]`` fp32 (the last ``K - 1`` inputs), slots
-    ``[>= M]`` integers on the device (graph-safe). A row whose slot is negative reads and writes no
-    window, nor does a row ``m > 0`` whose slot equals row 0's (a CUDA-graph bucket's padding rows
-    replicate row 0; the update must happen once): those rows' outputs are computed from zero windows."""
-
-    weight: torch.Tensor
-    windows: torch.Tensor
-    slots: torch.Tensor
-
-
-@dataclass(frozen=True)
 class GatedNorm:
     """A gated RMSNorm over heads of ``D`` columns applied to x before the GEMM (``gemv_preload_triton(
     gated=...)``): each head of x is RMS-normalised, scaled by ``weight`` ``[D]`` and multiplied by
@@ -154,12 +137,6 @@ def _skinny_gemm_kernel(
     stride_rm,
     stride_om,
     eps,
-    cw_ptr,
-    win_ptr,
-    slot_ptr,
-    stride_win_slot,
-    stride_win_c,
-    C,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -174,7 +151,6 @@ def _skinny_gemm_kernel(
     QBLOCK: tl.constexpr = 1,
     SPAN: tl.constexpr = 0,
     SCALE_PERIOD: tl.constexpr = 0,
-    CONV_K: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -214,10 +190,9 @@ def _skinny_gemm_kernel(
         acc += mma(w, tl.trans(x).to(w.dtype), FIX, PREC)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    _finish_tile(
-        acc, tl.sum(sq, 1), pid_n, bias_ptr, res_ptr, out_ptr, M, N, K, stride_rm, stride_om, eps, cw_ptr,
-        win_ptr, slot_ptr, stride_win_slot, stride_win_c, C, BLOCK_M, BLOCK_N, HAS_BIAS, NORM, SILU,
-        RESIDUAL, FIX, CONV_K,
+    tile_epilogue(
+        acc, tl.sum(sq, 1), pid_n, bias_ptr, res_ptr, out_ptr, M, N, K, stride_rm, stride_om, eps,
+        BLOCK_M, BLOCK_N, HAS_BIAS, NORM, SILU, RESIDUAL, FIX,
     )  # fmt: skip
 
 
@@ -275,102 +250,6 @@ def tile_epilogue(
 
 
 @triton.jit
-def _conv_tile_epilogue(
-    acc,
-    sq,
-    tile,
-    out_ptr,
-    M,
-    N,
-    K,
-    stride_om,
-    eps,
-    cw_ptr,
-    win_ptr,
-    slot_ptr,
-    stride_win_slot,
-    stride_win_c,
-    C,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NORM: tl.constexpr,
-    CONV_K: tl.constexpr,
-    FIX: tl.constexpr,
-):
-    """:func:`tile_epilogue` for a :class:`ConvStep` GEMM (no bias, SiLU·mul or residual): columns below
-    ``C`` get the conv step and SiLU, rounded where ``conv_update`` rounds (the GEMM's output, the conv's
-    sum, the SiLU), and their windows shifted; the other columns are stored as the GEMM's output."""
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = offs_m < M
-    acc = tl.trans(acc)
-    if NORM:
-        acc = acc * tl.rsqrt(sq / K + eps)[:, None]
-    dtype: tl.constexpr = out_ptr.dtype.element_ty
-    y = cast_to(acc, dtype, FIX).to(tl.float32)
-    is_c = offs_n < C
-    slot = tl.load(slot_ptr + offs_m, mask=row_ok, other=-1).to(tl.int64)
-    first = tl.load(slot_ptr).to(tl.int64)
-    owns = (slot >= 0) & ((offs_m == 0) | (slot != first)) & row_ok
-    upd = owns[:, None] & is_c[None, :]
-    win = win_ptr + tl.maximum(slot, 0)[:, None] * stride_win_slot + offs_n[None, :] * stride_win_c
-    cw = cw_ptr + offs_n * CONV_K
-    conv = tl.load(cw + (CONV_K - 1), mask=is_c, other=0.0).to(tl.float32)[None, :] * y
-    for j in tl.static_range(CONV_K - 1):
-        old = tl.load(win + j, mask=upd, other=0.0)
-        conv += tl.load(cw + j, mask=is_c, other=0.0).to(tl.float32)[None, :] * old
-    conv = cast_to(conv, dtype, FIX).to(tl.float32)
-    acc = tl.where(is_c[None, :], conv / (1.0 + tl.exp(-conv)), y)
-    # Shift the window: entry j takes entry j + 1 (read before it is overwritten), the last the new input.
-    for j in tl.static_range(CONV_K - 2):
-        tl.store(win + j, tl.load(win + j + 1, mask=upd, other=0.0), mask=upd)
-    tl.store(win + (CONV_K - 2), y, mask=upd)
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, cast_to(acc, dtype, FIX), mask=row_ok[:, None] & (offs_n[None, :] < N))
-
-
-@triton.jit
-def _finish_tile(
-    acc,
-    sq,
-    tile,
-    bias_ptr,
-    res_ptr,
-    out_ptr,
-    M,
-    N,
-    K,
-    stride_rm,
-    stride_om,
-    eps,
-    cw_ptr,
-    win_ptr,
-    slot_ptr,
-    stride_win_slot,
-    stride_win_c,
-    C,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    NORM: tl.constexpr,
-    SILU: tl.constexpr,
-    RESIDUAL: tl.constexpr,
-    FIX: tl.constexpr,
-    CONV_K: tl.constexpr,
-):
-    if CONV_K > 0:
-        _conv_tile_epilogue(
-            acc, sq, tile, out_ptr, M, N, K, stride_om, eps, cw_ptr, win_ptr, slot_ptr, stride_win_slot,
-            stride_win_c, C, BLOCK_M, BLOCK_N, NORM, CONV_K, FIX,
-        )  # fmt: skip
-    else:
-        tile_epilogue(
-            acc, sq, tile, bias_ptr, res_ptr, out_ptr, M, N, K, stride_rm, stride_om, eps, BLOCK_M, BLOCK_N,
-            HAS_BIAS, NORM, SILU, RESIDUAL, FIX,
-        )  # fmt: skip
-
-
-@triton.jit
 def _last_to_arrive(count_ptr, tile, parts):
     """Called by each of the ``parts`` programs that share output tile ``tile`` once its partial sums are
     stored: whether it arrived last, so that it adds them all (in slot order: the result does not depend
@@ -400,12 +279,6 @@ def _skinny_gemm_stream_k_kernel(
     stride_rm,
     stride_om,
     eps,
-    cw_ptr,
-    win_ptr,
-    slot_ptr,
-    stride_win_slot,
-    stride_win_c,
-    C,
     K_ITERS,
     UNITS,
     SLOTS,
@@ -423,7 +296,6 @@ def _skinny_gemm_stream_k_kernel(
     QBLOCK: tl.constexpr = 1,
     SPAN: tl.constexpr = 0,
     SCALE_PERIOD: tl.constexpr = 0,
-    CONV_K: tl.constexpr = 0,
 ):
     """The same GEMM over a flat list of work units, (output tile, BLOCK_K column block) in tile order:
     program ``p`` takes units ``[p * UNITS, (p + 1) * UNITS)``, so every multiprocessor streams the same
@@ -463,10 +335,9 @@ def _skinny_gemm_stream_k_kernel(
             w_ptrs += BLOCK_K
         sq_rows = tl.sum(sq, 1)
         if kb == 0 and ke == K_ITERS:
-            _finish_tile(
-                acc, sq_rows, tile, bias_ptr, res_ptr, out_ptr, M, N, K, stride_rm, stride_om, eps, cw_ptr,
-                win_ptr, slot_ptr, stride_win_slot, stride_win_c, C, BLOCK_M, BLOCK_N, HAS_BIAS, NORM, SILU,
-                RESIDUAL, FIX, CONV_K,
+            tile_epilogue(
+                acc, sq_rows, tile, bias_ptr, res_ptr, out_ptr, M, N, K, stride_rm, stride_om, eps,
+                BLOCK_M, BLOCK_N, HAS_BIAS, NORM, SILU, RESIDUAL, FIX,
             )  # fmt: skip
         else:
             first = (tile * K_ITERS) // UNITS
@@ -485,10 +356,9 @@ def _skinny_gemm_stream_k_kernel(
                     if NORM:
                         sq_rows += tl.load(part_sq_ptr + at * BLOCK_M + offs_m, cache_modifier=".cg")
                 tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed")
-                _finish_tile(
+                tile_epilogue(
                     acc, sq_rows, tile, bias_ptr, res_ptr, out_ptr, M, N, K, stride_rm, stride_om, eps,
-                    cw_ptr, win_ptr, slot_ptr, stride_win_slot, stride_win_c, C, BLOCK_M, BLOCK_N, HAS_BIAS,
-                    NORM, SILU, RESIDUAL, FIX, CONV_K,
+                    BLOCK_M, BLOCK_N, HAS_BIAS, NORM, SILU, RESIDUAL, FIX,
                 )  # fmt: skip
 
 
@@ -729,7 +599,6 @@ def skinny_linear_triton(
     norm_eps: float | None = None,
     silu: bool = False,
     residual: torch.Tensor | None = None,
-    conv: ConvStep | None = None,
     gated: GatedNorm | None = None,
 ) -> torch.Tensor:
     """The Triton path of :func:`skinny_linear` for ``x`` ``[..., K]`` with at most ``MAX_ROWS`` rows.
@@ -740,8 +609,6 @@ def skinny_linear_triton(
     - ``silu``: ``w``'s rows alternate gate, up (``layers.activation.interleave_gate_up``); returns
       ``silu(gate) * up``, ``[..., N / 2]``;
     - ``residual``: returns ``residual + x @ w.T``, written into ``residual`` in place;
-    - ``conv``: the first ``C`` output columns are the :class:`ConvStep`'s SiLU(conv) of the GEMM's
-      output, the windows of the rows' slots shifted (16-bit ``w``, with ``norm_eps`` or alone);
     - ``gated``: the GEMM of x's :class:`GatedNorm` (where :func:`takes_preload`, ``residual`` allowed).
 
     A 16-bit ``x`` may meet an fp32 ``w`` (a router's logits): x is upcast in the loop, the result fp32,
@@ -766,10 +633,6 @@ def skinny_linear_triton(
         raise ValueError("silu takes an even number of interleaved gate, up rows and no residual")
     if not quant and x.dtype != w.dtype and not (w.dtype == torch.float32 and x.element_size() == 2):
         raise ValueError(f"x {x.dtype} with w {w.dtype}: only 16-bit x meets an fp32 w (upcast in the loop)")
-    if conv is not None:
-        _check_conv(
-            conv, m, n, quant or silu or residual is not None or bias is not None or x.dtype != w.dtype
-        )
     out_dtype = x.dtype if quant else w.dtype
     cfg = config or default_config(n, k, m, out_dtype.itemsize, num_sms(x.device))
     span = 0
@@ -787,7 +650,7 @@ def skinny_linear_triton(
                 f"residual {tuple(residual.shape)} {residual.dtype} must be x @ w.T's, contiguous"
             )
         out = residual.view(m, n)
-    plain = not (quant or silu or config or bias is not None or norm_eps is not None or conv)
+    plain = not (quant or silu or config or bias is not None or norm_eps is not None)
     if gated is not None:
         if not (plain and takes_preload(x2, w)):
             raise ValueError("a gated norm runs only inside gemv_preload: one row, a w that takes_preload")
@@ -799,18 +662,13 @@ def skinny_linear_triton(
     args = (x2, weight, scale, bias if bias is not None else weight, out, out)
     strides = (m, n, k, x2.stride(0), weight.stride(0), scale.stride(0), out.stride(0), out.stride(0))
     eps = 0.0 if norm_eps is None else norm_eps
-    if conv is None:
-        conv_args = (weight, weight, weight, 0, 0, 0)
-    else:
-        win = conv.windows
-        conv_args = (conv.weight, win, conv.slots, win.stride(0), win.stride(1), conv.weight.shape[0])
     flags = dict(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, NORM=norm_eps is not None, SILU=silu,
         RESIDUAL=residual is not None, FIX=interp_bf16(out_dtype), PREC=dot_precision(out_dtype),
         QBLOCK=w.block if quant else 1, SPAN=span, SCALE_PERIOD=w.scale_period(cfg.block_n) if quant else 0,
-        CONV_K=conv.weight.shape[1] if conv is not None else 0, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **(pdl_launch(x) if _one_program_per_sm(cfg, block_m, x) else NO_PDL),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **(pdl_launch(x) if _one_program_per_sm(cfg, block_m, x) else NO_PDL),
     )  # fmt: skip
     if cfg.stream_k:
         n_tiles, k_iters = triton.cdiv(n, cfg.block_n), triton.cdiv(k, cfg.block_k)
@@ -818,40 +676,11 @@ def skinny_linear_triton(
         slots = (k_iters - 1) // units + 2  # the most programs one tile's columns can span
         ws = _stream_k_workspace(x.device, n_tiles, slots, cfg.block_n, block_m)
         _skinny_gemm_stream_k_kernel[(triton.cdiv(n_tiles * k_iters, units),)](
-            *args, *ws, *strides, eps, *conv_args, k_iters, units, slots, **flags
+            *args, *ws, *strides, eps, k_iters, units, slots, **flags
         )
     else:
-        _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](*args, *strides, eps, *conv_args, **flags)
+        _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](*args, *strides, eps, **flags)
     return out.reshape(*x.shape[:-1], n_out)
-
-
-def _check_conv(conv: ConvStep, m: int, n: int, other_options: bool) -> None:
-    c, k = conv.weight.shape
-    win = conv.windows
-    if other_options:
-        raise ValueError("conv takes a 16-bit w of x's dtype without bias, silu or residual")
-    if c > n or k < 2 or not conv.weight.is_contiguous() or conv.slots.shape[0] < m:
-        raise ValueError(
-            f"conv: weight {tuple(conv.weight.shape)} for {n} columns, {conv.slots.shape[0]} slots"
-        )
-    if win.dim() != 3 or win.shape[1:] != (c, k - 1) or win.stride(2) != 1 or win.dtype != torch.float32:
-        raise ValueError(f"conv: windows {tuple(win.shape)} {win.dtype} must be fp32 [slots, {c}, {k - 1}]")
-
-
-def conv_step_ref(y: torch.Tensor, conv: ConvStep) -> torch.Tensor:
-    """The torch reference of the :class:`ConvStep` epilogue on the GEMM's output ``y`` ``[M, N]``
-    (returned, its first ``C`` columns replaced; the owning rows' windows shifted in place)."""
-    c, k = conv.weight.shape
-    m = y.shape[0]
-    slots = conv.slots[:m].long()
-    owns = (slots >= 0) & ((torch.arange(m, device=y.device) == 0) | (slots != slots[:1]))
-    windows = torch.where(
-        owns[:, None, None], conv.windows[slots.clamp(min=0)], torch.zeros((), device=y.device)
-    )
-    seq = torch.cat([windows, y[:, :c].float().unsqueeze(-1)], dim=-1)  # [M, C, K]
-    s = (seq * conv.weight.float()).sum(-1).to(y.dtype)
-    conv.windows[slots[owns]] = seq[owns, :, 1:]
-    return torch.cat([F.silu(s.float()).to(y.dtype), y[:, c:]], dim=1)
 
 
 def gated_norm_ref(x: torch.Tensor, gated: GatedNorm) -> torch.Tensor:
@@ -871,7 +700,6 @@ def skinny_linear_ref(
     norm_eps: float | None = None,
     silu: bool = False,
     residual: torch.Tensor | None = None,
-    conv: ConvStep | None = None,
     gated: GatedNorm | None = None,
 ) -> torch.Tensor:
     """The torch reference of :func:`skinny_linear_triton`, options included."""
@@ -883,8 +711,6 @@ def skinny_linear_ref(
     y = F.linear(x, w, bias)
     if silu:
         return silu_mul_ref(y)
-    if conv is not None:
-        return conv_step_ref(y.reshape(-1, y.shape[-1]), conv).reshape(y.shape)
     return y if residual is None else residual.copy_(residual + y)
 
 

@@ -15,11 +15,9 @@ from pegainfer.kernels.activations import silu_mul_ref
 from pegainfer.kernels.skinny_gemm import (
     DISPATCH_ROWS,
     MAX_ROWS,
-    ConvStep,
     GatedNorm,
     SkinnyConfig,
     _one_program_per_sm,
-    conv_step_ref,
     default_config,
     gated_norm_ref,
     gemv_preload_triton,
@@ -175,77 +173,6 @@ def test_residual_option_adds_in_place(dtype, m, n, k, config):
     assert torch.equal(residual, expected)
     ref = skinny_linear_ref(x, w, residual=before)
     assert ref is before and rel_err(residual, ref) < TOL[dtype]
-
-
-def _conv_step(gen, m: int, c: int, dtype: torch.dtype, slots: list[int]) -> ConvStep:
-    """A 4-tap conv over ``c`` channels, fp32 windows holding ``dtype`` values in ``len(slots) + 2`` slots."""
-    pool = torch.randn(m + 2, c, 3, generator=gen).to(dtype).float()
-    weight = _rand(gen, c, 4, dtype=dtype)
-    return ConvStep(weight, pool.to(DEVICE), torch.tensor(slots, dtype=torch.int32, device=DEVICE))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("rows", ["distinct", "padded"])
-@FUSED_CASES
-def test_conv_option_is_the_conv_step_of_the_gemm_output(dtype, rows, m, n, k, config):
-    """``conv``: the first C columns become SiLU(conv) over each row's slot window, rounded as the GEMM's
-    output then the conv update would round it; the other columns are the GEMM's output bit for bit; the
-    owning rows' windows shift in place. ``padded``: a last row repeating row 0's slot (a graph bucket's
-    padding) and a row without a slot (-1) leave their windows alone and take zero windows."""
-    gen = torch.Generator().manual_seed(11 * m + n + k)
-    x = (torch.randn(m, k, generator=gen) * torch.linspace(0.5, 4.0, m)[:, None]).to(dtype).to(DEVICE)
-    w = _rand(gen, n, k, dtype=dtype)
-    c = n * 2 // 3 + 1  # the conv's columns end inside a tile
-    slots = [(3 * r + 1) % (m + 2) for r in range(m)]
-    if rows == "padded":
-        if m < 3:
-            pytest.skip("needs three rows")
-        slots[1], slots[-1] = -1, slots[0]
-    conv = _conv_step(gen, m, c, dtype, slots)
-    before = conv.windows.clone()
-    plain = skinny_linear_triton(x, w, config=config, norm_eps=1e-6)
-    expected_windows = before.clone()
-    expected = conv_step_ref(plain, ConvStep(conv.weight, expected_windows, conv.slots))
-    got = skinny_linear_triton(x, w, config=config, norm_eps=1e-6, conv=conv)
-    assert got.shape == (m, n)
-    assert torch.equal(got[:, c:], plain[:, c:])
-    _ulp_close(got[:, :c], expected[:, :c])
-    assert torch.equal(conv.windows, expected_windows)
-    owned = sorted({s for r, s in enumerate(slots) if s >= 0 and (r == 0 or s != slots[0])})
-    assert not torch.equal(conv.windows[owned], before[owned])
-    others = [s for s in range(m + 2) if s not in owned]
-    assert torch.equal(conv.windows[others], before[others])
-    # The reference entry point applies the same step to its own GEMM (summed in another order).
-    ref_conv = ConvStep(conv.weight, before.clone(), conv.slots)
-    assert rel_err(skinny_linear_ref(x, w, norm_eps=1e-6, conv=ref_conv), expected) < 2 * TOL[dtype]
-    assert rel_err(ref_conv.windows, expected_windows) < TOL[dtype]
-
-
-def test_conv_step_ref_is_the_causal_conv_step():
-    """One token through a 4-tap depthwise conv: the last three inputs from the window, then the new one."""
-    gen = torch.Generator().manual_seed(3)
-    conv = _conv_step(gen, 2, 5, torch.float32, [1, 0])
-    y = torch.randn(2, 7, generator=gen)
-    windows = conv.windows.clone()
-    got = conv_step_ref(y, conv)
-    for r, slot in enumerate([1, 0]):
-        seq = torch.cat([windows[slot], y[r, :5, None]], dim=1)  # [C, 4]
-        pre = torch.nn.functional.conv1d(seq[None], conv.weight[:, None], groups=5)[0, :, 0]
-        torch.testing.assert_close(got[r, :5], torch.nn.functional.silu(pre))
-        assert torch.equal(conv.windows[slot], seq[:, 1:])
-    assert torch.equal(got[:, 5:], y[:, 5:])
-
-
-def test_conv_option_rejects_what_it_cannot_do():
-    gen = torch.Generator().manual_seed(6)
-    x, w = _rand(gen, 2, 32, dtype=torch.float32), _rand(gen, 8, 32, dtype=torch.float32)
-    conv = _conv_step(gen, 2, 6, torch.float32, [0, 1])
-    with pytest.raises(ValueError, match="conv"):
-        skinny_linear_triton(x, w, silu=True, conv=conv)
-    with pytest.raises(ValueError, match="conv"):
-        skinny_linear_triton(x, w[:5], conv=conv)  # more conv channels than columns
-    with pytest.raises(ValueError, match="windows"):
-        skinny_linear_triton(x, w, conv=ConvStep(conv.weight, conv.windows[:, :, :2], conv.slots))
 
 
 def test_fused_options_reject_what_they_cannot_do():

@@ -60,10 +60,10 @@ from pegainfer_qwen35.delta_rule import (
 )
 from pegainfer_qwen35.norms import gated_rms_norm
 from pegainfer_qwen35.pass_buffers import PassBuffers
-from pegainfer_qwen35.projections import FoldedNorm, project, project_add, takes_conv, takes_gated_norm
+from pegainfer_qwen35.projections import FoldedNorm, project, project_add, takes_gated_norm
 
 if TYPE_CHECKING:  # the kernels are imported on CUDA only (see pegainfer.ops)
-    from pegainfer.kernels.skinny_gemm import ConvStep, GatedNorm
+    from pegainfer.kernels.skinny_gemm import GatedNorm
 
 logger = logging.getLogger(__name__)
 
@@ -77,13 +77,11 @@ RECURRENT_PREFILL_MAX_TOKENS = 128
 STATE_DTYPE = torch.float32
 
 
-#: A decode-only step of one row applies the gated norm inside ``out_proj``'s single-row GEMV (one launch
-#: fewer a GDN layer where the delta-rule kernel's programs are narrower than a head) where
-#: ``PEGAINFER_NORM_IN_OUT_PROJECTION=1``: off until measured on a GPU.
-NORM_IN_OUT_PROJECTION = os.environ.get("PEGAINFER_NORM_IN_OUT_PROJECTION", "0") == "1"
-#: A decode-only step on the skinny GEMM runs the conv update inside ``in_proj`` (one launch fewer a GDN
-#: layer) where ``PEGAINFER_CONV_IN_PROJECTION=1``: off until measured on a GPU.
-CONV_IN_PROJECTION = os.environ.get("PEGAINFER_CONV_IN_PROJECTION", "0") == "1"
+#: A decode-only step of one row applies the gated norm inside ``out_proj``'s single-row GEMV, one launch
+#: fewer a GDN layer where the delta-rule kernel's programs are narrower than a head (Qwen3.5-35B-A3B's
+#: batch-1 step on an H100: 3.106 / 3.106 -> 3.087 / 3.090 ms, two rounds; docs/benchmarks.md, thirtieth
+#: session). ``PEGAINFER_NORM_IN_OUT_PROJECTION=0`` turns it off.
+NORM_IN_OUT_PROJECTION = os.environ.get("PEGAINFER_NORM_IN_OUT_PROJECTION", "1") != "0"
 
 
 def gdn_kernels_enabled() -> bool:
@@ -434,8 +432,7 @@ class GatedDeltaNet(nn.Module):
         With ``residual`` the output is added to it in place (inside the GEMM where the skinny kernel
         runs) and ``residual`` is returned."""
         s = self.shard
-        conv = self._conv_in_projection(x, rows, state)
-        proj = project(x, self.in_proj, bufs.gdn_proj, norm, conv)
+        proj = project(x, self.in_proj, bufs.gdn_proj, norm)
         mixed, z, b, a = proj.split(self.splits, dim=-1)
         gated = bufs.gdn_gated
         norm_after = self._norm_in_out_projection(x, z, rows, residual, gated)
@@ -443,33 +440,14 @@ class GatedDeltaNet(nn.Module):
             self._prefill_segments(mixed, z, b, a, rows, state, bufs)
         if rows.num_decodes:
             d = slice(rows.decode_start, rows.decode_start + rows.num_decodes)
-            convolved = mixed[d] if conv is not None else None  # the projection's epilogue ran the conv
             self._decode(
-                mixed[d], z[d], b[d], a[d], rows.decode_slots, state, bufs.gdn_conv[d], gated[d], convolved,
+                mixed[d], z[d], b[d], a[d], rows.decode_slots, state, bufs.gdn_conv[d], gated[d],
                 norm=norm_after is None,
             )  # fmt: skip
         gated = gated.view(-1, s.value_dim)
         if residual is not None:
             return project_add(gated, self.out_proj, residual, bufs.mixer_out, self.tp, norm_after)
         return self.tp.all_reduce(project(gated, self.out_proj, bufs.mixer_out))  # row-parallel partials
-
-    def _conv_in_projection(
-        self, x: torch.Tensor, rows: RecurrentRows, state: dict[str, torch.Tensor]
-    ) -> ConvStep | None:
-        """The decode rows' conv update as the input projection's epilogue (``skinny_gemm.ConvStep``), where
-        every row of ``x`` is a decode row, the kernels run and ``CONV_IN_PROJECTION``; else None."""
-        if not (
-            CONV_IN_PROJECTION
-            and not rows.segments
-            and rows.decode_start == 0
-            and rows.num_decodes == x.shape[0]
-            and decode_kernels_on(x)
-            and takes_conv(x)
-        ):
-            return None
-        from pegainfer.kernels.skinny_gemm import ConvStep
-
-        return ConvStep(self.conv_weight, state["conv"], rows.decode_slots)
 
     def _norm_in_out_projection(
         self,
@@ -505,22 +483,17 @@ class GatedDeltaNet(nn.Module):
         state: dict[str, torch.Tensor],
         conv_out: torch.Tensor,
         out: torch.Tensor,
-        convolved: torch.Tensor | None = None,
         norm: bool = True,
     ) -> None:
         """One token per decode row: conv, gating, delta rule and gated norm into ``out`` ``[B, value_dim]``,
         each row's slot updated in place. On CUDA the two kernels of ``gdn_kernels`` (graph-safe: the
-        slots are read on the device), or only the second where the input projection ran the conv
-        (``convolved``: its output); without ``norm`` (kernels only) ``out`` gets the output before the
+        slots are read on the device); without ``norm`` (kernels only) ``out`` gets the output before the
         gated norm, which ``out_proj`` then applies; elsewhere :func:`decode_reference`."""
         eps, hk = self.config.rms_norm_eps, self.shard.linear_num_key_heads
         if decode_kernels_on(mixed):
             from pegainfer_qwen35 import gdn_kernels
 
-            if convolved is None:
-                gdn_kernels.conv_update(mixed, self.conv_weight, state["conv"], slots, conv_out)
-            else:
-                conv_out = convolved
+            gdn_kernels.conv_update(mixed, self.conv_weight, state["conv"], slots, conv_out)
             gdn_kernels.gdn_decode(
                 conv_out, b, a, z, self.A_log, self.dt_bias, self.norm, state["ssm"], slots, out,
                 num_key_heads=hk, eps=eps, norm=norm,

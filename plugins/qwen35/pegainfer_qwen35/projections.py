@@ -26,7 +26,7 @@ from pegainfer.layers.norm import fold_rms_norm_weight
 from pegainfer.parallel.distributed import TensorParallel
 
 if TYPE_CHECKING:  # the kernels are imported on CUDA only (see pegainfer.ops)
-    from pegainfer.kernels.skinny_gemm import ConvStep, GatedNorm
+    from pegainfer.kernels.skinny_gemm import GatedNorm
 
 
 @dataclass(frozen=True)
@@ -55,27 +55,15 @@ def _skinny(x: torch.Tensor) -> bool:
     return skinny_gemm.takes_kernel(x)
 
 
-def takes_conv(x: torch.Tensor) -> bool:
-    """Whether :func:`project` of ``x`` can run a conv step in its epilogue (the skinny kernel's rows)."""
-    return _skinny(x)
-
-
 def project(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    out: torch.Tensor,
-    norm: FoldedNorm | None = None,
-    conv: ConvStep | None = None,
+    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, norm: FoldedNorm | None = None
 ) -> torch.Tensor:
     """``x @ w.T`` (of ``x``'s plain RMSNorm with ``norm``): the skinny kernel's new tensor for decode rows
-    on CUDA, else into ``out``. ``conv`` (only where :func:`takes_conv`): its step applied to the first
-    columns inside the kernel (``skinny_gemm.ConvStep``)."""
+    on CUDA, else into ``out``."""
     if _skinny(x):
         from pegainfer.kernels import skinny_gemm
 
-        return skinny_gemm.skinny_linear_triton(x, w, norm_eps=norm.eps if norm else None, conv=conv)
-    if conv is not None:
-        raise ValueError("project: a conv step runs only inside the skinny kernel (takes_conv)")
+        return skinny_gemm.skinny_linear_triton(x, w, norm_eps=norm.eps if norm else None)
     if norm is not None:
         x = _normed(x, norm)
     return torch.matmul(x, w.t(), out=out)

@@ -168,49 +168,6 @@ def test_decode_rows_update_their_slots_in_one_batched_step(llm, monkeypatch):
 
 
 @requires_kernels
-@pytest.mark.parametrize("slots", [[2, 0, 4], [2, 0, 2]], ids=["distinct", "padding-row"])
-def test_conv_in_the_input_projection_equals_the_conv_launch(slots, monkeypatch):
-    """``CONV_IN_PROJECTION``: a decode-only step's conv update run as ``in_proj``'s epilogue (the norm
-    folded in) gives the same mixer output and slot states as the conv's own launch; a padding row
-    repeating row 0's slot updates nothing, as there."""
-    from pegainfer import ops
-    from pegainfer.kernels import skinny_gemm
-    from pegainfer_qwen35.pass_buffers import PassBuffers, pass_buffer_roles
-    from pegainfer_qwen35.projections import FoldedNorm
-
-    if KERNEL_DEVICE == "cpu":  # the interpreter on CPU tensors: take the CUDA branches anyway
-        monkeypatch.setattr(ops, "use_triton", lambda t: True)
-        monkeypatch.setattr(skinny_gemm, "takes_kernel", lambda x: True)
-    monkeypatch.setattr(gated_deltanet, "decode_kernels_on", lambda x: True)
-    layer = _gdn_layer(13).to(KERNEL_DEVICE, torch.bfloat16)
-    gen = torch.Generator().manual_seed(14)
-    x = torch.randn(len(slots), layer.config.hidden_size, generator=gen).to(KERNEL_DEVICE, torch.bfloat16)
-    spec = dict(layer.state_spec().shapes)
-    pools = {
-        name: torch.randn(6, *shape, generator=gen).to(torch.bfloat16).float() for name, shape in spec.items()
-    }
-    dev = torch.device(KERNEL_DEVICE)
-    rows = gated_deltanet.RecurrentRows(
-        [], torch.zeros(0, dtype=torch.int64, device=dev), 0, len(slots), torch.tensor(slots, device=dev)
-    )
-    outs, states = {}, {}
-    for fused in (False, True):
-        monkeypatch.setattr(gated_deltanet, "CONV_IN_PROJECTION", fused)
-        assert (layer._conv_in_projection(x, rows, pools) is not None) == fused
-        state = {name: pool.to(dev, copy=True) for name, pool in pools.items()}
-        bufs = PassBuffers(pass_buffer_roles(layer.config, torch.bfloat16), len(slots), dev)
-        with torch.no_grad():
-            outs[fused] = layer(x, rows, state, bufs, norm=FoldedNorm(1e-6, bufs.normed)).float().cpu()
-        states[fused] = {name: t.cpu() for name, t in state.items()}
-    torch.testing.assert_close(outs[True], outs[False], atol=0, rtol=0)
-    for name in spec:
-        torch.testing.assert_close(states[True][name], states[False][name], atol=0, rtol=0)
-    untouched = [s for s in range(6) if s not in slots]
-    assert not torch.equal(states[True]["conv"][slots[0]], pools["conv"][slots[0]])
-    assert torch.equal(states[True]["conv"][untouched], pools["conv"][untouched])
-
-
-@requires_kernels
 def test_gated_norm_in_the_output_projection_equals_the_norm_launch(monkeypatch):
     """``NORM_IN_OUT_PROJECTION``: a one-row decode step whose delta-rule kernel leaves the gated norm to
     ``out_proj``'s single-row GEMV (16 value heads of 128: one 2048-column slice) adds the same to the
