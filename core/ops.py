@@ -152,30 +152,20 @@ def fused_moe(
     scales: BlockScales | None = None,
     add: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
-    norm_eps: float | None = None,
 ) -> torch.Tensor:
     """The routed experts' output ``[T, H]``, ``Σ_k weights[t, k] · Expert_{ids[t, k]}(x[t])`` over stacked
     experts (gate|up ``[E, 2I, H]``, down ``[E, H, I]``; block-FP8 with ``scales``), plus ``add`` (e.g. the
     shared experts' output) where given, added into ``residual`` in place (and returned) where given: on
     CUDA Triton kernels with no host sync (graph-safe; the add and the residual ride the launch that sums the choices), one program per
     (token, choice) for a decode step's few tokens, grouped GEMMs over the sorted choices otherwise;
-    elsewhere the reference loop and ``combine_routed``. ``norm_eps`` (where the pair path runs, see
-    ``kernels.moe_pairs.takes_pairs``): ``x`` is un-normed and gate|up carries the RMSNorm's weight
-    (``layers.norm.fold_rms_norm_weight``), which the pair path's gate|up kernel applies."""
-    triton = use_triton(x)
-    if triton:
+    elsewhere the reference loop and ``combine_routed``."""
+    if use_triton(x):
         from pegainfer.kernels import moe_pairs
         from pegainfer.kernels.fused_moe import fused_moe_triton
-    # A decode step's few tokens: one program per (token, choice), no sort; else the grouped GEMMs.
-    pairs = triton and moe_pairs.takes_pairs(x, scales)
-    if norm_eps is not None and not pairs:
-        raise ValueError("fused_moe applies a folded norm only on the pair path")
-    if pairs:
-        return moe_pairs.fused_moe_pairs(
-            x, weights, ids, gate_up, down, scales=scales, add=add, residual=residual, norm_eps=norm_eps
-        )
-    if triton:
-        return fused_moe_triton(x, weights, ids, gate_up, down, scales=scales, add=add, residual=residual)
+
+        # A decode step's few tokens: one program per (token, choice), no sort; else the grouped GEMMs.
+        run = moe_pairs.fused_moe_pairs if moe_pairs.takes_pairs(x, scales) else fused_moe_triton
+        return run(x, weights, ids, gate_up, down, scales=scales, add=add, residual=residual)
     out = routed_experts(x, weights, ids, gate_up, down, scales=scales)
     return combine_routed(out, add, residual)
 

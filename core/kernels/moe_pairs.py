@@ -7,7 +7,7 @@ narrow one:
 
 - ``gate_up``: one program per (pair, tile of ``BLOCK_N`` features, split of the columns) sums
   ``x[t] · Wg_eᵀ`` and ``x[t] · Wu_eᵀ`` for expert ``e = ids[p]`` (stacked gate|up ``[E, 2I, H]``) over its
-  share of the columns, in fp32 (with a folded RMSNorm, ``norm_eps``, scaled by the row's ``1 / rms``).
+  share of the columns, in fp32.
   Small experts (Qwen3.5-35B-A3B's 512 features at hidden 2048) make too few programs to keep the memory
   system busy; splitting the columns doubles them.
 - ``down``: one program per (pair, tile of ``BLOCK_N`` hidden features) adds the splits' sums as it loads
@@ -118,7 +118,6 @@ def _pair_gate_up_kernel(
     stride_srow,
     stride_scol,
     scale_offset,
-    eps,
     QUANT: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
@@ -127,14 +126,12 @@ def _pair_gate_up_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr,
-    NORM: tl.constexpr,
     PREC: tl.constexpr,
     FIX: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (pair, tile, split): the fp32 sums of its share of the columns for the tile's gate and up
-    features, into ``part[split, pair]`` (``[SPLIT, P, 2I]``: gate, then up). With NORM the row is
-    un-normed and the sums are scaled by its ``1 / rms`` (the experts carry the norm's weight)."""
+    features, into ``part[split, pair]`` (``[SPLIT, P, 2I]``: gate, then up)."""
     pdl_start_ordered(PDL)  # ids are the previous launch's output; down reads them before its wait
     pair = tl.program_id(0)
     split = tl.program_id(2)
@@ -153,7 +150,6 @@ def _pair_gate_up_kernel(
     per_split = tl.cdiv(tl.cdiv(hidden, BLOCK_K), SPLIT) * BLOCK_K
     acc_g = tl.zeros([BLOCK_N, 16], tl.float32)
     acc_u = tl.zeros([BLOCK_N, 16], tl.float32)
-    sq = tl.zeros([BLOCK_K], tl.float32)
     for k in range(split * per_split, tl.minimum(hidden, (split + 1) * per_split), BLOCK_K):
         k_ok = _columns_ok(k, offs_k, hidden, EVEN_K)
         a = tl.load(x_ptrs + k, mask=only_row & k_ok[None, :], other=0.0)
@@ -162,19 +158,6 @@ def _pair_gate_up_kernel(
         s = scales + k // BLOCK_COLS * stride_scol
         acc_g += _scaled_dot(g, a, s, QUANT, FIX, PREC)
         acc_u += _scaled_dot(u, a, s + stride_shalf, QUANT, FIX, PREC)
-        if NORM and SPLIT == 1:  # the row's sum of squares from the tiles the loop loads anyway
-            af = a.to(tl.float32)
-            sq += tl.sum(af * af, 0)
-    if NORM:
-        if SPLIT > 1:  # a split sees part of the row: the whole row's statistic, from L2
-            x_row = x_ptr + token * stride_x
-            for k in range(0, hidden, BLOCK_K):
-                xf = tl.load(x_row + k + offs_k, mask=k + offs_k < hidden, other=0.0).to(tl.float32)
-                sq += xf * xf
-        # rms_norm(x) @ w.T == rstd * (x @ w.T), the experts carrying the norm's weight.
-        rstd = tl.rsqrt(tl.sum(sq, 0) / hidden + eps)
-        acc_g = acc_g * rstd
-        acc_u = acc_u * rstd
     # Columns 1..15 are zeros: the sum over them is column 0 exactly.
     out = part_ptr + (split * num_pairs + pair).to(tl.int64) * 2 * inter + offs_n
     tl.store(out, tl.sum(acc_g, 1), mask=offs_n < inter)
@@ -308,15 +291,12 @@ def fused_moe_pairs(
     scales: BlockScales | None = None,
     add: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
-    norm_eps: float | None = None,
     tiles: PairTiles | None = None,
     early: bool | None = None,
 ) -> torch.Tensor:
     """``ops.fused_moe`` for a few tokens (:func:`takes_pairs`), arguments as
-    ``pegainfer.kernels.fused_moe.fused_moe_triton``; with ``norm_eps`` ``x`` is taken un-normed and
-    gate|up must carry the RMSNorm's weight (``layers.norm.fold_rms_norm_weight``): its sums are scaled by
-    each row's ``1 / rms``. ``tiles`` is for the benchmark, ``early`` (default :func:`launches_early`)
-    for the tests."""
+    ``pegainfer.kernels.fused_moe.fused_moe_triton``; ``tiles`` is for the benchmark, ``early`` (default
+    :func:`launches_early`) for the tests."""
     check_args(x, gate_up, down, scales, add, residual)
     tokens, hidden = x.shape
     top_k = ids.shape[1]
@@ -347,9 +327,8 @@ def fused_moe_pairs(
     _pair_gate_up_kernel[(pairs, triton.cdiv(inter, t.gate_up_n), t.gate_up_split)](
         x, gate_up, ids, part, gu_s, pairs, hidden, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1),
         gu_s.stride(0) if quant else 0, gu_s.stride(1) if quant else 0, gu_s.stride(2) if quant else 0,
-        gu_s.stride(3) if quant else 0, offset, 0.0 if norm_eps is None else norm_eps,
+        gu_s.stride(3) if quant else 0, offset,
         TOP_K=top_k, BLOCK_N=t.gate_up_n, BLOCK_K=t.gate_up_k, EVEN_K=hidden % t.gate_up_k == 0,
-        NORM=norm_eps is not None,
         num_stages=t.gate_up_stages, **flags,
     )  # fmt: skip
     _pair_down_kernel[(pairs, triton.cdiv(hidden, t.down_n))](

@@ -378,7 +378,6 @@ def _gemv_preload_kernel(
     BLOCK_N: tl.constexpr,
     K_SPAN: tl.constexpr,
     SPLITS: tl.constexpr,
-    NORM: tl.constexpr,
     RESIDUAL: tl.constexpr,
     FIX: tl.constexpr,
     PDL: tl.constexpr,
@@ -387,9 +386,8 @@ def _gemv_preload_kernel(
     """One row of x: program (tile, split) loads its whole ``[BLOCK_N, K_SPAN]`` slice of w into registers
     before its PDL wait, so the weights stream in while the kernels before it still run, and after the
     wait reads only x's ``K_SPAN`` columns. A tile's split partials are summed in split order by the
-    last of its programs to arrive (as in the stream-K kernel), which then writes the output. With NORM
-    (one split: the program holds the whole row) the sum is scaled by x's ``1 / rms``; with ``GATED_D``
-    x is first put through :func:`_gated_norm_row`."""
+    last of its programs to arrive (as in the stream-K kernel), which then writes the output. With
+    ``GATED_D`` x is first put through :func:`_gated_norm_row`."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -404,9 +402,6 @@ def _gemv_preload_kernel(
         x = _gated_norm_row(x, z_ptr, gw_ptr, offs_k, eps, K_SPAN, GATED_D, FIX)
     x = x.to(tl.float32)
     acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-    if NORM:
-        # rms_norm(x) @ w.T == rstd * (x @ w.T), w carrying the norm's weight (fold_rms_norm_weight).
-        acc = acc * tl.rsqrt(tl.sum(x * x, 0) / K_SPAN + eps)
     if SPLITS > 1:
         offs_t = tl.arange(0, BLOCK_N)
         tl.store(part_ptr + (tile * SPLITS + split) * BLOCK_N + offs_t, acc)
@@ -478,21 +473,19 @@ def gemv_preload_triton(
     w: torch.Tensor,
     *,
     residual: torch.Tensor | None = None,
-    norm_eps: float | None = None,
     gated: GatedNorm | None = None,
 ) -> torch.Tensor:
     """``x @ w.T`` (``+ residual``, in place) for one 16-bit row ``x`` ``[1, K]`` whose ``w`` fits
     :func:`preload_fits`: each program holds its slice of w before it waits for the previous kernel.
-    ``norm_eps``: ``x`` is taken un-normed, as in :func:`skinny_linear_triton` (``K`` one slice wide).
     ``gated``: the GEMM of the :class:`GatedNorm` of ``x`` (its heads dividing a slice)."""
     n, k = w.shape
     if gated is not None:
         d = gated.weight.numel()
         z = gated.z
-        if norm_eps is not None or PRELOAD_K_SPAN % d or d & (d - 1) or z.numel() != k or z.stride(-1) != 1:
+        if PRELOAD_K_SPAN % d or d & (d - 1) or z.numel() != k or z.stride(-1) != 1:
             raise ValueError(
                 f"gemv_preload: a gated norm of power-of-two heads dividing {PRELOAD_K_SPAN} columns,"
-                f" z one contiguous row of {k} (got heads of {d}, z {tuple(z.shape)}), no norm_eps"
+                f" z one contiguous row of {k} (got heads of {d}, z {tuple(z.shape)})"
             )
     if (
         x.numel() != k
@@ -500,22 +493,19 @@ def gemv_preload_triton(
         or w.element_size() != 2
         or w.stride(-1) != 1
         or k % PRELOAD_K_SPAN
-        or (norm_eps is not None and k != PRELOAD_K_SPAN)
     ):
         raise ValueError(
             f"gemv_preload takes one {w.dtype} row for a [n, k] w with k a multiple of {PRELOAD_K_SPAN}"
-            f" ({PRELOAD_K_SPAN} with a norm)"
         )
     x1 = x.reshape(k).contiguous()
-    eps = norm_eps if norm_eps is not None else gated.eps if gated is not None else 0.0
+    eps = gated.eps if gated is not None else 0.0
     out = torch.empty(n, dtype=w.dtype, device=x.device) if residual is None else residual.view(n)
     tiles, splits = triton.cdiv(n, PRELOAD_BLOCK_N), k // PRELOAD_K_SPAN
     part, _, count = _stream_k_workspace(x.device, tiles, splits, PRELOAD_BLOCK_N, 1)
     _gemv_preload_kernel[(tiles, splits)](
         x1, w, out, out, part, count, n, w.stride(0), eps,
         gated.z if gated else x1, gated.weight if gated else x1,
-        BLOCK_N=PRELOAD_BLOCK_N, K_SPAN=PRELOAD_K_SPAN, SPLITS=splits, NORM=norm_eps is not None,
-        RESIDUAL=residual is not None, FIX=interp_bf16(w.dtype), GATED_D=gated.weight.numel() if gated else 0,
+        BLOCK_N=PRELOAD_BLOCK_N, K_SPAN=PRELOAD_K_SPAN, SPLITS=splits, RESIDUAL=residual is not None, FIX=interp_bf16(w.dtype), GATED_D=gated.weight.numel() if gated else 0,
         num_warps=PRELOAD_WARPS, num_stages=1, **pdl_launch(x),
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)

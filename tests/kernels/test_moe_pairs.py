@@ -27,7 +27,6 @@ from pegainfer.kernels.moe_pairs import (
     takes_pairs,
 )
 from pegainfer.layers.moe import combine_routed, routed_experts
-from pegainfer.layers.norm import rms_norm
 
 #: Small tiles, so the cases' widths (40 hidden, 24 expert features) take several, the last one ragged.
 SMALL = PairTiles(gate_up_n=16, gate_up_k=16, down_n=16, down_k=16)
@@ -49,18 +48,6 @@ def test_pairs_match_the_reference(dtype, tokens, k, tiles):
     grouped = fused_moe_triton(x, weights, ids, gate_up, down, block_n=16, block_k=16)
     one_ulp = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=2**-7, rtol=2**-7)
     torch.testing.assert_close(ours.float(), grouped.float(), **one_ulp)
-
-
-@pytest.mark.parametrize("tiles", [SMALL, SPLIT], ids=["one-split", "three-splits"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_pairs_apply_a_folded_norm(dtype, tiles):
-    """With ``norm_eps`` the rows come un-normed (the MoE block's norm folded into the experts): the
-    output is the reference's over the RMSNorm'ed rows, whether a program sees the whole row or a split."""
-    x, weights, ids, gate_up, down = moe_case(2, 3, 7, 40, 24, dtype, seed=11)
-    x = 3 * x + 1
-    ref = routed_experts(rms_norm(x, None, 1e-6), weights, ids, gate_up, down)
-    ours = fused_moe_pairs(x, weights, ids, gate_up, down, norm_eps=1e-6, tiles=tiles)
-    torch.testing.assert_close(ours.float(), ref.float(), **TOL[dtype])
 
 
 @pytest.mark.parametrize("tiles", [SMALL, SPLIT], ids=["one-split", "three-splits"])
@@ -141,14 +128,6 @@ def test_launches_start_early_only_where_gate_up_leaves_multiprocessors_idle():
     assert not early(8, 2048)  # DeepSeek-V3: 256
     assert early(2, 512, sms=64)  # split in two: 32 programs
     assert not early(4, 512, sms=64)  # 32 programs, split in two where that still fits: 64
-
-
-def test_ops_takes_a_folded_norm_only_on_the_pair_path():
-    """Only the pair path's gate|up applies a folded norm: anywhere else ``ops.fused_moe`` refuses it
-    rather than run the experts on un-normed rows."""
-    x, weights, ids, gate_up, down = moe_case(1, 2, 4, 16, 8, torch.float32, seed=3)
-    with pytest.raises(ValueError, match="folded norm"):
-        ops.fused_moe(x, weights, ids, gate_up, down, norm_eps=1e-6)  # the CPU: the reference loop
 
 
 def test_ops_sends_a_few_tokens_to_the_pair_path(monkeypatch):

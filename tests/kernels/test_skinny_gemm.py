@@ -279,20 +279,6 @@ def test_gemv_preload_matches_the_reference(dtype, residual, n, k):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_gemv_preload_applies_a_folded_norm(dtype):
-    """With ``norm_eps`` the row is taken un-normed (the MoE router's, whose weight carries the norm's):
-    the output is the reference's for the RMSNorm'ed row; a row wider than one slice is refused."""
-    gen = torch.Generator().manual_seed(5)
-    x, w = 3 * _rand(gen, 1, 2048, dtype=dtype), _rand(gen, 257, 2048, dtype=dtype)
-    want = skinny_linear_ref(x, w, norm_eps=1e-6)
-    assert rel_err(gemv_preload_triton(x, w, norm_eps=1e-6), want) < TOL[dtype]
-    with pytest.raises(ValueError, match="with a norm"):
-        gemv_preload_triton(
-            _rand(gen, 1, 4096, dtype=dtype), _rand(gen, 16, 4096, dtype=dtype), norm_eps=1e-6
-        )
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 def test_gemv_preload_applies_a_gated_norm(dtype, residual, monkeypatch):
     """With ``gated`` the row is a linear-attention output before its gated RMSNorm (heads of 128, z a

@@ -47,7 +47,7 @@ from pegainfer_qwen35.gated_deltanet import (
     gdn_kernels_enabled,
 )
 from pegainfer_qwen35.mlp import DenseMLP
-from pegainfer_qwen35.moe import MOE_NORM_FOLD, SparseMoE
+from pegainfer_qwen35.moe import SparseMoE
 from pegainfer_qwen35.mtp import MultiTokenPredictor
 from pegainfer_qwen35.norms import rms_norm_zero_centred
 from pegainfer_qwen35.pass_buffers import PassBuffers
@@ -94,11 +94,10 @@ class Qwen35DecoderLayer(nn.Module):
             SparseMoE(config, dtype, shard, tp) if moe else DenseMLP(h, config.intermediate_size, dtype, tp)
         )
         # The input norm lives folded in the mixer's first projection, the dense MLP's norm in gate|up;
-        # the MoE block's several consumers (router, experts, shared expert) take the normed rows, unless
-        # MOE_NORM_FOLD folds it into them too.
+        # the MoE block's several consumers (router, experts, shared expert) take the normed rows.
         self.post_attention_layernorm = (
             nn.Parameter(torch.empty(h, dtype=dtype), requires_grad=False)
-            if isinstance(self.mlp, SparseMoE) and not MOE_NORM_FOLD
+            if isinstance(self.mlp, SparseMoE)
             else None
         )
 
@@ -127,7 +126,7 @@ class Qwen35DecoderLayer(nn.Module):
             self.mixer(x, batch, cache, rotary, bufs, residual=x, norm=folded)
         # Decode-only steps and short prefill steps run inside CUDA graphs: the FFN must not sync there.
         static = not batch.attn.prefills or batch.attn.in_graph
-        if self.post_attention_layernorm is None:
+        if isinstance(self.mlp, DenseMLP):
             self.mlp(x, bufs, static_shapes=static, residual=x, norm=folded)
         else:
             normed = rms_norm_zero_centred(x, self.post_attention_layernorm, eps, out=bufs.normed)
@@ -144,12 +143,10 @@ class Qwen35DecoderLayer(nn.Module):
         with torch.no_grad():
             first = self.mixer.first_projection
             first.copy_(fold_norm(first, input_norm))
-            if self.post_attention_layernorm is not None:
-                self.post_attention_layernorm.copy_(post_norm)
-            elif isinstance(self.mlp, SparseMoE):
-                self.mlp.fold_input_norm(post_norm)
-            else:
+            if self.post_attention_layernorm is None:
                 self.mlp.gate_up_proj.copy_(fold_norm(self.mlp.gate_up_proj, post_norm))
+            else:
+                self.post_attention_layernorm.copy_(post_norm)
 
 
 class Qwen35ForCausalLM(CausalLM):

@@ -41,8 +41,6 @@ every expert on every row, so the CUDA graphs capture the same launches), and th
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,29 +51,17 @@ from pegainfer.parallel.distributed import TensorParallel
 from pegainfer.parallel.sharding import Shard, split, stitch
 from pegainfer_qwen35.config import Qwen35Config, Qwen35Shard
 from pegainfer_qwen35.pass_buffers import PassBuffers
-from pegainfer_qwen35.projections import FoldedNorm, fold_norm
 from pegainfer_qwen35.routing import softmax_topk
 
-#: ``PEGAINFER_MOE_NORM_FOLD=1``: the block's RMSNorm is folded into the router and every expert's gate|up
-#: at load, and a decode step whose router and experts take the single-row kernels applies it inside
-#: them (one launch a MoE layer fewer); elsewhere the plain norm runs first. An experiment, off until
-#: measured: the previous kernel's output reaches the router without the norm's launch between.
-MOE_NORM_FOLD = os.environ.get("PEGAINFER_MOE_NORM_FOLD") == "1"
 
-
-def _router_logits(
-    x: torch.Tensor, router: torch.Tensor, out: torch.Tensor, norm_eps: float | None = None
-) -> torch.Tensor:
+def _router_logits(x: torch.Tensor, router: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``x @ router.T``: a single row on CUDA through the preloading GEMV (launched early, its weights
-    loaded before it waits for the kernel before it; with ``norm_eps`` of the un-normed row, see
-    :meth:`SparseMoE.norm_in_kernels`), else into ``out``."""
+    loaded before it waits for the norm before it), else into ``out``."""
     if ops.use_triton(x):
         from pegainfer.kernels import skinny_gemm  # CUDA only (see pegainfer.ops)
 
         if skinny_gemm.takes_preload(x, router):
-            return skinny_gemm.gemv_preload_triton(x, router, norm_eps=norm_eps)
-    if norm_eps is not None:
-        raise ValueError("the router applies a norm only in the preloading GEMV")
+            return skinny_gemm.gemv_preload_triton(x, router)
     return torch.matmul(x, router.t(), out=out)
 
 
@@ -103,13 +89,11 @@ class SparseMoE(nn.Module):
         self.experts_gate_up = _param(e + s.shared_pieces, 2 * ie, h, dtype=dtype)
         self.experts_down = _param(e + s.shared_pieces, h, ie, dtype=dtype)
 
-    def route(
-        self, x: torch.Tensor, bufs: PassBuffers, norm_eps: float | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, bufs: PassBuffers) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights ``[T, k + m]`` in the model dtype, expert ids ``[T, k + m]``: the top k, then the shared
-        expert's ``m`` pieces) for the normed rows ``x`` (un-normed with ``norm_eps``)."""
+        expert's ``m`` pieces) for the normed rows ``x``."""
         c = self.config
-        logits = _router_logits(x, self.router, bufs.moe_router, norm_eps)
+        logits = _router_logits(x, self.router, bufs.moe_router)
         return softmax_topk(
             logits, c.num_experts_per_tok, c.norm_topk_prob, x.dtype, self.shard.shared_pieces
         )
@@ -121,28 +105,18 @@ class SparseMoE(nn.Module):
         *,
         static_shapes: bool = False,
         residual: torch.Tensor | None = None,
-        norm: FoldedNorm | None = None,
     ) -> torch.Tensor:
         """Block output of the normed rows ``x`` ``[T, H]`` (into ``bufs.mlp_down`` off CUDA); with
-        ``residual`` it is added to it in place and ``residual`` returned. With ``norm`` the rows are
-        un-normed and the weights carry the norm's (:meth:`fold_input_norm`).
+        ``residual`` it is added to it in place and ``residual`` returned.
 
         ``static_shapes``: no host sync and no data-dependent shapes (the schedule for CUDA graphs).
         """
-        norm_eps = None
-        if norm is not None:
-            if self.norm_in_kernels(x):
-                norm_eps = norm.eps
-            else:
-                x = ops.rms_norm(x, None, norm.eps, out=norm.normed[: x.shape[0]])
-        weights, experts = self.route(x, bufs, norm_eps)
+        weights, experts = self.route(x, bufs)
         if ops.use_triton(x):
             # At tp=1, where no all-reduce comes between, the residual add rides the launch that sums the
             # choices.
             into = residual if residual is not None and self.tp.size == 1 else None
-            y = ops.fused_moe(
-                x, weights, experts, self.experts_gate_up, self.experts_down, residual=into, norm_eps=norm_eps
-            )
+            y = ops.fused_moe(x, weights, experts, self.experts_gate_up, self.experts_down, residual=into)
             if into is not None:
                 return into
         else:
@@ -153,28 +127,6 @@ class SparseMoE(nn.Module):
                 self._experts_grouped(x, weights, experts, bufs, y)  # writes every row of y
         y = self.tp.all_reduce(y)  # the ranks' partial sums, once
         return y if residual is None else residual.add_(y)
-
-    def norm_in_kernels(self, x: torch.Tensor) -> bool:
-        """Whether the router and the experts apply the block's folded norm to ``x`` themselves: a single
-        row on CUDA whose router takes the preloading GEMV in one slice (each program holds the whole
-        row) and whose experts take the pair path."""
-        if not ops.use_triton(x):
-            return False
-        from pegainfer.kernels import moe_pairs, skinny_gemm  # CUDA only (see pegainfer.ops)
-
-        return (
-            skinny_gemm.takes_preload(x, self.router)
-            and self.router.shape[1] == skinny_gemm.PRELOAD_K_SPAN
-            and moe_pairs.takes_pairs(x, None)
-        )
-
-    def fold_input_norm(self, zero_centred_weight: torch.Tensor) -> None:
-        """Fold the block's RMSNorm weight into the router and every expert's gate|up (one expert at a
-        time, so the fp32 temporaries stay an expert's)."""
-        with torch.no_grad():
-            self.router.copy_(fold_norm(self.router, zero_centred_weight))
-            for w in self.experts_gate_up:
-                w.copy_(fold_norm(w, zero_centred_weight))
 
     def _expert(
         self, expert: int, rows: torch.Tensor, gate_up: torch.Tensor, act: torch.Tensor, out: torch.Tensor

@@ -5,7 +5,6 @@ through the expert kernels; the shared expert (24 features) runs as two 16-featu
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 import torch
@@ -88,92 +87,3 @@ def test_moe_block_through_the_expert_kernels_matches_transformers(blocks, token
         out = moe(x.to(KERNEL_DEVICE), bufs, residual=residual.clone().to(KERNEL_DEVICE))
         expected = residual + ref(x[None])[0]
     torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
-
-
-@requires_kernels
-@pytest.mark.parametrize("path", ["reference", "kernels"])
-def test_folded_norm_matches_transformers_on_the_normed_rows(path, monkeypatch):
-    """``PEGAINFER_MOE_NORM_FOLD``: the block's zero-centred RMSNorm folded into the router and the
-    experts' gate|up at load, the rows given un-normed: on the reference path the plain norm runs first;
-    a decode row on the kernels (hidden one preload slice wide) has the router's GEMV and the pair path's
-    gate|up apply it (16-bit, as that GEMV takes). Both equal transformers' block on the normed rows."""
-    from transformers import Qwen3_5MoeTextConfig
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
-
-    from pegainfer.kernels import skinny_gemm
-    from pegainfer_qwen35.projections import FoldedNorm
-
-    h, e, k, ie = 2048, 4, 2, 16
-    config = dataclasses.replace(
-        _config(), hidden_size=h, num_experts=e, num_experts_per_tok=k, moe_intermediate_size=ie,
-        shared_expert_intermediate_size=ie,
-    )  # fmt: skip
-    gen = torch.Generator().manual_seed(4)
-    hf_config = Qwen3_5MoeTextConfig(
-        hidden_size=h, num_experts=e, num_experts_per_tok=k, moe_intermediate_size=ie,
-        shared_expert_intermediate_size=ie,
-    )  # fmt: skip
-    ref = Qwen3_5MoeSparseMoeBlock(hf_config).eval()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
-    ours = SparseMoE(config, torch.float32)
-    with torch.no_grad():
-        ours.router.copy_(torch.cat([ref.gate.weight, ref.shared_expert_gate.weight]))
-        ours.experts_gate_up[:e].copy_(ref.experts.gate_up_proj)
-        ours.experts_down[:e].copy_(ref.experts.down_proj)
-    s = ref.shared_expert
-    ours._load_shared(s.gate_proj.weight.detach(), s.up_proj.weight.detach(), s.down_proj.weight.detach())
-    norm_weight = 0.1 * torch.randn(h, generator=gen)
-    ours.fold_input_norm(norm_weight)
-
-    x = 2 * torch.randn(1, h, generator=gen) + 0.5
-    residual = torch.randn(1, h, generator=gen)
-    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + norm_weight)
-    with torch.no_grad():
-        expected = residual + ref(normed[None])[0]
-    device = KERNEL_DEVICE if path == "kernels" else "cpu"
-    if path == "kernels" and KERNEL_DEVICE == "cpu":  # the interpreter on CPU tensors: the CUDA branches
-        monkeypatch.setattr(ops, "use_triton", lambda t: True)
-        monkeypatch.setattr(routing, "use_triton", lambda t: True)
-        monkeypatch.setattr(skinny_gemm, "takes_preload", lambda x, w: x.numel() == x.shape[-1])
-    dtype, tol = (torch.bfloat16, 3e-2) if path == "kernels" else (torch.float32, 1e-5)
-    moe = ours.to(device, dtype)
-    x, residual = x.to(device, dtype), residual.to(device, dtype)
-    bufs = PassBuffers(pass_buffer_roles(config, dtype), 1, torch.device(device))
-    assert moe.norm_in_kernels(x) == (path == "kernels")
-    with torch.no_grad():
-        out = moe(x, bufs, residual=residual, norm=FoldedNorm(1e-6, bufs.normed))
-    torch.testing.assert_close(out.float().cpu(), expected, atol=tol, rtol=tol)
-
-
-def test_folded_norm_model_matches_transformers(tmp_path, monkeypatch):
-    """The whole MoE model with the block's norm folded at load (``PEGAINFER_MOE_NORM_FOLD``, read when the
-    layers are built): on the CPU in float32 its greedy tokens are transformers', its logits within the
-    conformance suite's tolerance."""
-    from pegainfer.config.compose import build_engine_config, compose
-    from pegainfer.engine.llm import LLM
-    from pegainfer.sampling.sampling_params import SamplingParams
-    from pegainfer.testing.checkpoints import write_tiny_checkpoint
-    from pegainfer.testing.conformance import hf_greedy, teacher_forced_errors
-    from pegainfer_qwen35 import model
-
-    monkeypatch.setattr(model, "MOE_NORM_FOLD", True)
-    folder = write_tiny_checkpoint(tmp_path, "qwen3_5_moe")
-    overrides = [
-        f"model.path={folder}",
-        "device=cpu",
-        "model.dtype=float32",
-        "cache.cpu_kv_cache_bytes=8388608",
-    ]
-    llm = LLM.from_config(build_engine_config(compose("generate", ["model=qwen35", *overrides])))
-    layers = [
-        m for m in llm.engine.executor.runner.model.modules() if isinstance(m, model.Qwen35DecoderLayer)
-    ]
-    assert layers and all(layer.post_attention_layernorm is None for layer in layers)  # the switch took
-    prompts = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43]]
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(folder, prompts, 10)
-    prefill, decode = teacher_forced_errors(llm, folder)
-    assert prefill < 1e-4 and decode < 1e-4, (prefill, decode)
