@@ -78,6 +78,18 @@ class GatedNorm:
     eps: float
 
 
+@dataclass(frozen=True)
+class RowNorm:
+    """An RMSNorm with a zero-centred weight applied to x before the GEMM (``gemv_preload_triton(
+    row_norm=...)``): ``x * rsqrt(mean(x²) + eps) * (1 + weight)`` in fp32, cast once (Qwen3.5's layer
+    norm), also written into ``out`` (one row as wide as x) for the block's other consumers. A MoE block's
+    norm run inside its router's GEMV instead of as a launch of its own."""
+
+    weight: torch.Tensor
+    eps: float
+    out: torch.Tensor
+
+
 @triton.jit
 def load_block(ptrs, k, K, offs_k, rows_ok, EVEN_K: tl.constexpr):
     """The ``k``-th column block of x or w (``ptrs`` point at it), zero outside ``rows_ok`` and ``K``."""
@@ -375,6 +387,7 @@ def _gemv_preload_kernel(
     eps,
     z_ptr,
     gw_ptr,
+    nout_ptr,
     BLOCK_N: tl.constexpr,
     K_SPAN: tl.constexpr,
     SPLITS: tl.constexpr,
@@ -382,12 +395,14 @@ def _gemv_preload_kernel(
     FIX: tl.constexpr,
     PDL: tl.constexpr,
     GATED_D: tl.constexpr = 0,
+    ROW_NORM: tl.constexpr = False,
 ):
     """One row of x: program (tile, split) loads its whole ``[BLOCK_N, K_SPAN]`` slice of w into registers
     before its PDL wait, so the weights stream in while the kernels before it still run, and after the
     wait reads only x's ``K_SPAN`` columns. A tile's split partials are summed in split order by the
     last of its programs to arrive (as in the stream-K kernel), which then writes the output. With
-    ``GATED_D`` x is first put through :func:`_gated_norm_row`."""
+    ``GATED_D`` x is first put through :func:`_gated_norm_row`; with ``ROW_NORM`` (one split: each program
+    holds the whole row) through :func:`_zero_centred_row`, which tile 0 also stores."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -400,6 +415,8 @@ def _gemv_preload_kernel(
     x = tl.load(x_ptr + offs_k)
     if GATED_D > 0:
         x = _gated_norm_row(x, z_ptr, gw_ptr, offs_k, eps, K_SPAN, GATED_D, FIX)
+    if ROW_NORM:
+        x = _zero_centred_row(x, gw_ptr, nout_ptr, offs_k, eps, tile == 0, K_SPAN, FIX)
     x = x.to(tl.float32)
     acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     if SPLITS > 1:
@@ -427,6 +444,19 @@ def _gated_norm_row(o, z_ptr, gw_ptr, offs_k, eps, K_SPAN: tl.constexpr, D: tl.c
     y = cast_to(tl.load(gw_ptr + tl.arange(0, D)).to(tl.float32)[None, :] * n, dtype, FIX).to(tl.float32)
     z = tl.reshape(tl.load(z_ptr + offs_k).to(tl.float32), (K_SPAN // D, D))
     return tl.reshape(cast_to(y * (z / (1.0 + tl.exp(-z))), dtype, FIX), (K_SPAN,))
+
+
+@triton.jit
+def _zero_centred_row(x, w_ptr, out_ptr, offs_k, eps, store, K_SPAN: tl.constexpr, FIX: tl.constexpr):
+    """``x * rsqrt(mean(x²) + eps) * (1 + w)`` of the whole row ``x`` (``K_SPAN`` columns) in fp32, cast
+    once, as the zero-centred norm kernel computes it; stored into ``out_ptr`` where ``store``."""
+    dtype: tl.constexpr = x.dtype
+    x = x.to(tl.float32)
+    w = tl.load(w_ptr + offs_k).to(tl.float32)
+    y = cast_to(x * tl.rsqrt(tl.sum(x * x, 0) / K_SPAN + eps) * (1.0 + w), dtype, FIX)
+    if store:
+        tl.store(out_ptr + offs_k, y)
+    return y
 
 
 @triton.jit
@@ -474,11 +504,21 @@ def gemv_preload_triton(
     *,
     residual: torch.Tensor | None = None,
     gated: GatedNorm | None = None,
+    row_norm: RowNorm | None = None,
 ) -> torch.Tensor:
     """``x @ w.T`` (``+ residual``, in place) for one 16-bit row ``x`` ``[1, K]`` whose ``w`` fits
     :func:`preload_fits`: each program holds its slice of w before it waits for the previous kernel.
-    ``gated``: the GEMM of the :class:`GatedNorm` of ``x`` (its heads dividing a slice)."""
+    ``gated``: the GEMM of the :class:`GatedNorm` of ``x`` (its heads dividing a slice). ``row_norm``: the
+    GEMM of the :class:`RowNorm` of ``x`` (``K`` one slice wide), the normed row written as well."""
     n, k = w.shape
+    if row_norm is not None:
+        o = row_norm.out
+        if gated is not None or k != PRELOAD_K_SPAN or row_norm.weight.numel() != k:
+            raise ValueError(
+                f"gemv_preload: a row norm takes a row of {PRELOAD_K_SPAN} columns, no gated norm"
+            )
+        if o.numel() != k or o.dtype != x.dtype or not o.is_contiguous():
+            raise ValueError(f"gemv_preload: the row norm's out must be one contiguous {x.dtype} row of {k}")
     if gated is not None:
         d = gated.weight.numel()
         z = gated.z
@@ -498,14 +538,16 @@ def gemv_preload_triton(
             f"gemv_preload takes one {w.dtype} row for a [n, k] w with k a multiple of {PRELOAD_K_SPAN}"
         )
     x1 = x.reshape(k).contiguous()
-    eps = gated.eps if gated is not None else 0.0
+    eps = gated.eps if gated is not None else row_norm.eps if row_norm is not None else 0.0
+    norm_w = gated.weight if gated is not None else row_norm.weight if row_norm is not None else x1
     out = torch.empty(n, dtype=w.dtype, device=x.device) if residual is None else residual.view(n)
     tiles, splits = triton.cdiv(n, PRELOAD_BLOCK_N), k // PRELOAD_K_SPAN
     part, _, count = _stream_k_workspace(x.device, tiles, splits, PRELOAD_BLOCK_N, 1)
     _gemv_preload_kernel[(tiles, splits)](
         x1, w, out, out, part, count, n, w.stride(0), eps,
-        gated.z if gated else x1, gated.weight if gated else x1,
-        BLOCK_N=PRELOAD_BLOCK_N, K_SPAN=PRELOAD_K_SPAN, SPLITS=splits, RESIDUAL=residual is not None, FIX=interp_bf16(w.dtype), GATED_D=gated.weight.numel() if gated else 0,
+        gated.z if gated else x1, norm_w, row_norm.out if row_norm else x1,
+        BLOCK_N=PRELOAD_BLOCK_N, K_SPAN=PRELOAD_K_SPAN, SPLITS=splits, RESIDUAL=residual is not None,
+        FIX=interp_bf16(w.dtype), GATED_D=gated.weight.numel() if gated else 0, ROW_NORM=row_norm is not None,
         num_warps=PRELOAD_WARPS, num_stages=1, **pdl_launch(x),
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)

@@ -16,6 +16,7 @@ from pegainfer.kernels.skinny_gemm import (
     DISPATCH_ROWS,
     MAX_ROWS,
     GatedNorm,
+    RowNorm,
     SkinnyConfig,
     _one_program_per_sm,
     default_config,
@@ -309,6 +310,32 @@ def test_gemv_preload_applies_a_gated_norm(dtype, residual, monkeypatch):
         skinny_linear_triton(o, w, gated=gated, norm_eps=1e-6)
     with pytest.raises(ValueError, match="gated norm"):
         gemv_preload_triton(o, w, gated=GatedNorm(gated.z, gated.weight[:96], 1e-6))  # heads straddle slices
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gemv_preload_applies_a_row_norm(dtype):
+    """With ``row_norm`` the row is a residual stream before a zero-centred RMSNorm (a MoE block's, whose
+    router takes it): the normed row is written (as the norm's own kernel rounds it, up to an ulp where
+    the sum of squares rounds apart) and the GEMV is that row's; one slice wide only."""
+    gen = torch.Generator().manual_seed(9)
+    k, n = 2048, 257
+    x = 3 * _rand(gen, 1, k, dtype=dtype) + 0.5
+    norm = RowNorm(
+        0.2 * _rand(gen, k, dtype=dtype), 1e-6, torch.full((1, k), 7.0, dtype=dtype, device=DEVICE)
+    )
+    w = _rand(gen, n, k, dtype=dtype)
+    x32 = x.float()
+    want = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + norm.weight.float())).to(dtype)
+    got = gemv_preload_triton(x, w, row_norm=norm)
+    _ulp_close(norm.out, want)
+    assert rel_err(got, gemv_preload_triton(want, w)) < TOL[dtype] / 4
+    assert rel_err(got, skinny_linear_ref(want, w)) < TOL[dtype]
+    with pytest.raises(ValueError, match="row norm"):
+        gemv_preload_triton(
+            _rand(gen, 1, 4096, dtype=dtype), _rand(gen, 16, 4096, dtype=dtype), row_norm=norm
+        )
+    with pytest.raises(ValueError, match="row norm"):
+        gemv_preload_triton(x, w, row_norm=RowNorm(norm.weight, 1e-6, norm.out[:, :100]))
 
 
 def test_preload_fits_only_weights_whose_programs_are_resident_at_once():

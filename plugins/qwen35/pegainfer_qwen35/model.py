@@ -128,9 +128,8 @@ class Qwen35DecoderLayer(nn.Module):
         static = not batch.attn.prefills or batch.attn.in_graph
         if isinstance(self.mlp, DenseMLP):
             self.mlp(x, bufs, static_shapes=static, residual=x, norm=folded)
-        else:
-            normed = rms_norm_zero_centred(x, self.post_attention_layernorm, eps, out=bufs.normed)
-            self.mlp(normed, bufs, static_shapes=static, residual=x)
+        else:  # the block norms x itself (inside its router's GEMV where it can)
+            self.mlp(x, bufs, static_shapes=static, residual=x, norm=self.post_attention_layernorm)
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         h = self.config.hidden_size

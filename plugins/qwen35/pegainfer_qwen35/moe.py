@@ -41,6 +41,8 @@ every expert on every row, so the CUDA graphs capture the same launches), and th
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -50,8 +52,14 @@ from pegainfer.model.checkpoint import CheckpointReader
 from pegainfer.parallel.distributed import TensorParallel
 from pegainfer.parallel.sharding import Shard, split, stitch
 from pegainfer_qwen35.config import Qwen35Config, Qwen35Shard
+from pegainfer_qwen35.norms import rms_norm_zero_centred
 from pegainfer_qwen35.pass_buffers import PassBuffers
 from pegainfer_qwen35.routing import softmax_topk
+
+#: A decode row whose router takes the preloading GEMV has that GEMV apply the block's norm (and write
+#: the normed row for the experts) where ``PEGAINFER_MOE_NORM_IN_ROUTER=1``, one launch fewer a MoE
+#: layer: off until measured on a GPU.
+MOE_NORM_IN_ROUTER = os.environ.get("PEGAINFER_MOE_NORM_IN_ROUTER", "0") == "1"
 
 
 def _router_logits(x: torch.Tensor, router: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -63,6 +71,16 @@ def _router_logits(x: torch.Tensor, router: torch.Tensor, out: torch.Tensor) -> 
         if skinny_gemm.takes_preload(x, router):
             return skinny_gemm.gemv_preload_triton(x, router)
     return torch.matmul(x, router.t(), out=out)
+
+
+def _norm_in_router(x: torch.Tensor, router: torch.Tensor) -> bool:
+    """Whether the router's GEMV of ``x`` can apply the block's norm first (``MOE_NORM_IN_ROUTER``, one
+    row through the preloading GEMV, the hidden size one slice wide)."""
+    if not (MOE_NORM_IN_ROUTER and ops.use_triton(x)):
+        return False
+    from pegainfer.kernels import skinny_gemm  # CUDA only (see pegainfer.ops)
+
+    return skinny_gemm.takes_preload(x, router) and x.shape[-1] == skinny_gemm.PRELOAD_K_SPAN
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -89,14 +107,27 @@ class SparseMoE(nn.Module):
         self.experts_gate_up = _param(e + s.shared_pieces, 2 * ie, h, dtype=dtype)
         self.experts_down = _param(e + s.shared_pieces, h, ie, dtype=dtype)
 
-    def route(self, x: torch.Tensor, bufs: PassBuffers) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights ``[T, k + m]`` in the model dtype, expert ids ``[T, k + m]``: the top k, then the shared
-        expert's ``m`` pieces) for the normed rows ``x``."""
+    def route(
+        self, x: torch.Tensor, bufs: PassBuffers, norm: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the normed rows, weights ``[T, k + m]`` in the model dtype, expert ids ``[T, k + m]``: the top
+        k, then the shared expert's ``m`` pieces) for the normed rows ``x``, or with ``norm`` (the block's
+        zero-centred norm weight) for the rows ``x`` before it: the norm goes into ``bufs.normed``, from
+        inside the router's GEMV where :func:`_norm_in_router`, else as a launch of its own."""
         c = self.config
-        logits = _router_logits(x, self.router, bufs.moe_router)
-        return softmax_topk(
+        if norm is not None and _norm_in_router(x, self.router):
+            from pegainfer.kernels import skinny_gemm  # CUDA only (see pegainfer.ops)
+
+            normed = bufs.normed[: x.shape[0]]
+            row_norm = skinny_gemm.RowNorm(norm, c.rms_norm_eps, normed)
+            logits = skinny_gemm.gemv_preload_triton(x, self.router, row_norm=row_norm)
+        else:
+            normed = x if norm is None else rms_norm_zero_centred(x, norm, c.rms_norm_eps, out=bufs.normed)
+            logits = _router_logits(normed, self.router, bufs.moe_router)
+        weights, ids = softmax_topk(
             logits, c.num_experts_per_tok, c.norm_topk_prob, x.dtype, self.shard.shared_pieces
         )
+        return normed, weights, ids
 
     def forward(
         self,
@@ -105,13 +136,15 @@ class SparseMoE(nn.Module):
         *,
         static_shapes: bool = False,
         residual: torch.Tensor | None = None,
+        norm: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Block output of the normed rows ``x`` ``[T, H]`` (into ``bufs.mlp_down`` off CUDA); with
-        ``residual`` it is added to it in place and ``residual`` returned.
+        ``residual`` it is added to it in place and ``residual`` returned. With ``norm`` (the block's
+        zero-centred norm weight) ``x`` is the rows before the norm (see :meth:`route`).
 
         ``static_shapes``: no host sync and no data-dependent shapes (the schedule for CUDA graphs).
         """
-        weights, experts = self.route(x, bufs)
+        x, weights, experts = self.route(x, bufs, norm)
         if ops.use_triton(x):
             # At tp=1, where no all-reduce comes between, the residual add rides the launch that sums the
             # choices.

@@ -87,3 +87,63 @@ def test_moe_block_through_the_expert_kernels_matches_transformers(blocks, token
         out = moe(x.to(KERNEL_DEVICE), bufs, residual=residual.clone().to(KERNEL_DEVICE))
         expected = residual + ref(x[None])[0]
     torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
+@requires_kernels
+@pytest.mark.parametrize("in_router", [False, True], ids=["norm-launch", "norm-in-router"])
+def test_block_norms_its_rows_as_transformers_block_sees_them(in_router, monkeypatch):
+    """With ``norm`` the block takes the rows before its zero-centred RMSNorm: a decode row on the kernels
+    (hidden one preload slice wide) has the router's GEMV apply it and write the normed row for the
+    experts (``MOE_NORM_IN_ROUTER``), else the norm runs first. Both equal transformers' block on the
+    normed row, and the normed row is in ``bufs.normed``."""
+    import dataclasses
+
+    from transformers import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
+
+    from pegainfer.kernels import skinny_gemm
+    from pegainfer_qwen35 import moe as moe_module
+
+    h, e, k, ie = 2048, 4, 2, 16
+    config = dataclasses.replace(
+        _config(), hidden_size=h, num_experts=e, num_experts_per_tok=k, moe_intermediate_size=ie,
+        shared_expert_intermediate_size=ie,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(4)
+    hf_config = Qwen3_5MoeTextConfig(
+        hidden_size=h, num_experts=e, num_experts_per_tok=k, moe_intermediate_size=ie,
+        shared_expert_intermediate_size=ie,
+    )  # fmt: skip
+    ref = Qwen3_5MoeSparseMoeBlock(hf_config).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    ours = SparseMoE(config, torch.float32)
+    with torch.no_grad():
+        ours.router.copy_(torch.cat([ref.gate.weight, ref.shared_expert_gate.weight]))
+        ours.experts_gate_up[:e].copy_(ref.experts.gate_up_proj)
+        ours.experts_down[:e].copy_(ref.experts.down_proj)
+    s = ref.shared_expert
+    ours._load_shared(s.gate_proj.weight.detach(), s.up_proj.weight.detach(), s.down_proj.weight.detach())
+    norm_weight = 0.1 * torch.randn(h, generator=gen)
+
+    x = 2 * torch.randn(1, h, generator=gen) + 0.5
+    residual = torch.randn(1, h, generator=gen)
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + norm_weight)
+    with torch.no_grad():
+        expected = residual + ref(normed[None])[0]
+    if KERNEL_DEVICE == "cpu":  # the interpreter on CPU tensors: take the CUDA branches anyway
+        monkeypatch.setattr(ops, "use_triton", lambda t: True)
+        monkeypatch.setattr(routing, "use_triton", lambda t: True)
+        monkeypatch.setattr(skinny_gemm, "takes_preload", lambda x, w: x.numel() == x.shape[-1])
+    monkeypatch.setattr(moe_module, "MOE_NORM_IN_ROUTER", in_router)
+    dtype, dev = torch.bfloat16, torch.device(KERNEL_DEVICE)
+    block = ours.to(dev, dtype)
+    x, residual, weight = x.to(dev, dtype), residual.to(dev, dtype), norm_weight.to(dev, dtype)
+    bufs = PassBuffers(pass_buffer_roles(config, dtype), 1, dev)
+    bufs.normed.fill_(7.0)
+    assert moe_module._norm_in_router(x, block.router) == in_router
+    with torch.no_grad():
+        out = block(x, bufs, residual=residual, norm=weight)
+    torch.testing.assert_close(out.float().cpu(), expected, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(bufs.normed[:1].float().cpu(), normed.to(dtype).float(), atol=2e-2, rtol=8e-3)
