@@ -12,7 +12,8 @@ state checkpoints inside them, takes two launches of ``gdn_kernels`` (the conv, 
 by token with the gated norm); a long segment without checkpoints beside such segments runs apart from
 them (``RecurrentRows.prefill_parts``). All decode rows of a step run as one batch: on CUDA two
 launches of ``gdn_kernels`` (conv update; gating + L2 norm + delta rule + gated norm) update each row's
-slot in place, addressed through the device tensor of slots (CUDA-graph safe); elsewhere
+slot in place, addressed through the device tensor of slots (CUDA-graph safe; a step of one row leaves
+the gated norm to ``out_proj``'s single-row GEMV, ``NORM_IN_OUT_PROJECTION``); elsewhere
 :func:`decode_reference` gathers and scatters the slots. The padding rows of a CUDA-graph bucket replicate
 row 0 (its state slot, its inputs; no cache page): the kernels and the reference alike skip a row whose slot
 repeats row 0's (it reads zeros and writes nothing), so the slot is updated once, and a padding row's

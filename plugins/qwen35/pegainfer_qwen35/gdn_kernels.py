@@ -7,11 +7,13 @@ A decode step of a GDN layer between its two GEMMs is two launches for all decod
    window in its state slot (the window is shifted in place), then SiLU. One program per (row, channel
    block). It cannot live in the recurrence kernel: the value heads sharing a key head would all read
    and shift that head's q/k windows, and one program might read a window another already shifted.
+   (Run as in_proj's epilogue instead, it measured slower: docs/benchmarks.md, thirtieth session.)
 2. :func:`gdn_decode`: per (row, value head): the gating (``beta = sigmoid(b)``,
    ``g = -exp(A_log) * softplus(a + dt_bias)``), q/k L2 norm (q also scaled by dk^-0.5), the delta-rule
    update of the slot's fp32 state in place, ``o = S^T q``, and the gated RMSNorm with ``z`` — so its
-   output is what ``out_proj`` reads. (vLLM runs the conv, the recurrence with gating and l2 norm, and the
-   gated norm as three launches.)
+   output is what ``out_proj`` reads (with ``norm=False`` the un-normed ``o``: a one-row step's
+   ``out_proj`` GEMV applies the norm). (vLLM runs the conv, the recurrence with gating and l2 norm, and
+   the gated norm as three launches.)
 
 Both read every row's state slot from a device tensor (``slots[row]``) and take fixed-address buffers, so a
 CUDA graph captures them as they are: no host sync, no data-dependent shape. A row whose slot is
