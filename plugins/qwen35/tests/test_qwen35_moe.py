@@ -143,6 +143,7 @@ def test_block_norms_its_rows_as_transformers_block_sees_them(in_router, monkeyp
     bufs = PassBuffers(pass_buffer_roles(config, dtype), 1, dev)
     bufs.normed.fill_(7.0)
     assert moe_module._norm_in_router(x, block.router) == in_router
+    assert not moe_module._norm_in_router(x.repeat(2, 1), block.router)  # one row only
     with torch.no_grad():
         out = block(x, bufs, residual=residual, norm=weight)
     torch.testing.assert_close(out.float().cpu(), expected, atol=3e-2, rtol=3e-2)

@@ -205,6 +205,14 @@ def test_gated_norm_in_the_output_projection_equals_the_norm_launch(monkeypatch)
         bufs = PassBuffers(pass_buffer_roles(layer.config, torch.bfloat16), 1, dev)
         z = torch.zeros(1, layer.shard.value_dim, device=dev, dtype=torch.bfloat16)
         assert (layer._norm_in_out_projection(x, z, rows, residual, bufs.gdn_gated) is not None) == fused
+        # Never without the residual add (a tensor-parallel partial), nor for two rows.
+        assert layer._norm_in_out_projection(x, z, rows, None, bufs.gdn_gated) is None
+        two = gated_deltanet.RecurrentRows([], rows.segment_slots, 0, 2, torch.tensor([2, 1], device=dev))
+        pair = PassBuffers(pass_buffer_roles(layer.config, torch.bfloat16), 2, dev)
+        assert (
+            layer._norm_in_out_projection(x.repeat(2, 1), z.repeat(2, 1), two, residual, pair.gdn_gated)
+            is None
+        )
         with torch.no_grad():
             outs[fused] = layer(x, rows, state, bufs, residual=residual.clone()).float().cpu()
         states[fused] = {name: t.cpu() for name, t in state.items()}
