@@ -164,8 +164,8 @@ def pdl_launch(t: torch.Tensor, early: bool = True) -> dict[str, bool]:
     kernel's ``PDL`` constexpr and Triton's ``launch_pdl`` option, always equal. On with CUDA GPUs of
     compute capability 9+ (Hopper on), unless ``PEGAINFER_PDL=0`` or the caller's rule says not ``early``.
     A kernel launched so may be scheduled while the previous kernel of the stream is still running; it
-    waits for it in :func:`pdl_start` before touching activations. Across the ~400 small kernels of a decode step this hides each launch's gap
-    (see docs/benchmarks.md)."""
+    waits for it in :func:`pdl_start` before touching activations. Across the ~400 small kernels of a
+    decode step this hides each launch's gap (see docs/benchmarks.md)."""
     on = early and _use_pdl(t)
     return {"PDL": on, "launch_pdl": on}
 

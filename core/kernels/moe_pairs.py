@@ -7,9 +7,8 @@ narrow one:
 
 - ``gate_up``: one program per (pair, tile of ``BLOCK_N`` features, split of the columns) sums
   ``x[t] · Wg_eᵀ`` and ``x[t] · Wu_eᵀ`` for expert ``e = ids[p]`` (stacked gate|up ``[E, 2I, H]``) over its
-  share of the columns, in fp32.
-  Small experts (Qwen3.5-35B-A3B's 512 features at hidden 2048) make too few programs to keep the memory
-  system busy; splitting the columns doubles them.
+  share of the columns, in fp32. Small experts (Qwen3.5-35B-A3B's 512 features at hidden 2048) make too
+  few programs to keep the memory system busy; splitting the columns doubles them.
 - ``down``: one program per (pair, tile of ``BLOCK_N`` hidden features) adds the splits' sums as it loads
   them, ``act = silu(gate) · up`` rounded as the grouped path rounds it, and stores
   ``y[p] = w[p] · (act · Wd_eᵀ)``;

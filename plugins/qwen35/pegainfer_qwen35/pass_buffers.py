@@ -136,8 +136,8 @@ def kernel_scratch_parts(
       per segment the window cast both ways);
     - ``gdn_fla``: fla's chunked delta rule over every segment: contiguous and L2-normalised q/k, v, w, u,
       the new values and the output, the solved 64-wide chunk matrices, three fp32 values a value head
-      (gate, beta and one more on CUDA), the chunk
-      states (one per 64 tokens, plus one per segment), and per segment the gathered and final fp32 state;
+      (gate, beta and one more on CUDA), the chunk states (one per 64 tokens, plus one per segment), and
+      per segment the gathered and final fp32 state;
     - ``moe``: the fused kernels' activation and output rows per choice, their expert-sorted indices, the
       routing's weights and ids (and their flat copy), the block's output where an all-reduce follows;
     - ``attention``: the q/k norms' and rotary's outputs (and its cos/sin rows), the attention output and

@@ -112,7 +112,8 @@ def project_add(
 ) -> torch.Tensor:
     """``residual += all_reduce(x @ w.T)`` in place (a row-parallel projection added to the residual
     stream); ``out`` holds the projection where the GEMM is not the skinny kernel. Returns ``residual``.
-    ``gated`` (only where :func:`takes_gated_norm`): the GEMM of x's gated norm (``skinny_gemm.GatedNorm``)."""
+    ``gated`` (only where :func:`takes_gated_norm`): the GEMM of x's gated norm
+    (``skinny_gemm.GatedNorm``)."""
     if _skinny(x) and tp.group is None:
         from pegainfer.kernels import skinny_gemm
 

@@ -1,7 +1,8 @@
 """Run by ``test_qwen35_kernel_scratch.py`` in a process of its own (fla importable, started without
 ``TRITON_INTERPRET``, every Triton launch stubbed out): prints, as JSON, the peak bytes each kernel-path
-part of a prefill layer allocates at the test's shape, for ``SEGMENTS`` and for ``LONG_SEGMENTS`` (``null``
-for fla's where fla-core is not installed). The test imports it for its shape too, so importing it changes nothing."""
+part of a prefill layer allocates at the test's shape, for ``SEGMENTS`` and for ``LONG_SEGMENTS``
+(``null`` for fla's where fla-core is not installed). The test imports it for its shape too, so importing
+it changes nothing."""
 
 from __future__ import annotations
 
