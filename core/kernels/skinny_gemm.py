@@ -44,6 +44,7 @@ from pegainfer.kernels._triton import (
 from pegainfer.kernels.activations import silu_mul_ref
 from pegainfer.layers.block_fp8 import BlockFP8Weight
 from pegainfer.layers.norm import rms_norm as rms_norm_ref
+from pegainfer.layers.norm import rms_norm_gated
 
 #: Most rows of x the kernel takes (x is padded to a 16-, 32- or 64-row tile).
 MAX_ROWS = 64
@@ -437,7 +438,7 @@ def _gemv_preload_kernel(
 def _gated_norm_row(o, z_ptr, gw_ptr, offs_k, eps, K_SPAN: tl.constexpr, D: tl.constexpr, FIX: tl.constexpr):
     """The gated RMSNorm of the heads of ``D`` columns in one row's ``K_SPAN`` columns ``o`` (at
     ``offs_k``): ``((w * norm(o)) * silu(z))``, rounded at each step as a separate norm kernel rounds it
-    (``GatedNorm``), so the GEMV reads the very values that kernel would have written."""
+    (``layers.norm.rms_norm_gated``), so the GEMV reads the very values that kernel would have written."""
     dtype: tl.constexpr = o.dtype
     o = tl.reshape(o.to(tl.float32), (K_SPAN // D, D))
     n = cast_to(o * tl.rsqrt(tl.sum(o * o, 1) / D + eps)[:, None], dtype, FIX).to(tl.float32)
@@ -715,15 +716,6 @@ def skinny_linear_triton(
     return out.reshape(*x.shape[:-1], n_out)
 
 
-def gated_norm_ref(x: torch.Tensor, gated: GatedNorm) -> torch.Tensor:
-    """The torch reference of the :class:`GatedNorm` of ``x`` ``[..., K]``, rounded as the kernel rounds."""
-    d = gated.weight.numel()
-    o = x.float().unflatten(-1, (-1, d))
-    n = (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + gated.eps)).to(x.dtype)
-    y = (gated.weight * n).float() * F.silu(gated.z.reshape(o.shape).float())
-    return y.to(x.dtype).flatten(-2)
-
-
 def skinny_linear_ref(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -737,7 +729,7 @@ def skinny_linear_ref(
     """The torch reference of :func:`skinny_linear_triton`, options included."""
     x = x.to(w.dtype)
     if gated is not None:
-        x = gated_norm_ref(x, gated)
+        x = rms_norm_gated(x, gated.z, gated.weight, gated.eps)
     if norm_eps is not None:
         x = rms_norm_ref(x, None, norm_eps)
     y = F.linear(x, w, bias)

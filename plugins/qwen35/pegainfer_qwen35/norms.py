@@ -9,14 +9,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from pegainfer.layers.norm import rms_norm_gated
 from pegainfer.layers.norm import rms_norm_zero_centred as zero_centred_ref
 from pegainfer.ops import use_triton
-
-
-def _normalise(x32: torch.Tensor, eps: float) -> torch.Tensor:
-    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def rms_norm_zero_centred(
@@ -42,9 +38,7 @@ def rms_norm_zero_centred_ref(
 def gated_rms_norm(
     x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``((w * norm(x32).to(dtype)) * silu(z32)).to(dtype)`` over the last dim (one value head)."""
-    y = weight * _normalise(x.float(), eps).to(x.dtype)
-    y = y * F.silu(z.float())
-    if out is None:
-        return y.to(x.dtype)
-    return out.copy_(y)
+    """``((w * norm(x32).to(dtype)) * silu(z32)).to(dtype)`` over the last dim (one value head): core's
+    ``rms_norm_gated``, written into ``out`` when given."""
+    y = rms_norm_gated(x, z, weight, eps)
+    return y if out is None else out.copy_(y)
