@@ -29,10 +29,10 @@ from pegainfer.memory.prefill_graph_inputs import (
 
 
 def test_buckets_double_up_to_the_largest():
-    assert prefill_graph_buckets(128) == [16, 32, 64, 128]
-    assert prefill_graph_buckets(100) == [16, 32, 64, 100]
-    assert prefill_graph_buckets(16) == [16]
-    assert prefill_graph_buckets(8) == [8]
+    assert prefill_graph_buckets(128) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert prefill_graph_buckets(100) == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert prefill_graph_buckets(2) == [1, 2]
+    assert prefill_graph_buckets(1) == [1]
     assert prefill_graph_buckets(0) == []
 
 
@@ -176,7 +176,7 @@ def test_padded_prefill_equals_the_plain_path(tiny_qwen3, async_scheduling):
     padded = LLM(str(tiny_qwen3), **options)
     padded.engine.executor.capture_cuda_graphs(eager=True)
     graphs = padded.engine.executor.runner.prefill_graphs
-    assert graphs.buckets == [16, 32]
+    assert graphs.buckets == [1, 2, 4, 8, 16, 32]
     steps = []
     run = graphs.run
 

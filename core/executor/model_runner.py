@@ -186,7 +186,12 @@ class ModelRunner:
         def draft_forward(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
             rows = hidden[: batch.token_ids.shape[0]]
             return self.model.mtp_forward(
-                rows, batch.token_ids, batch, caches, return_hidden=True, logit_rows=inputs.logit_rows
+                rows,
+                batch.token_ids,
+                batch,
+                caches,
+                return_hidden=True,
+                logit_rows=inputs.logit_rows_of(rows.shape[0]),
             )
 
         # The MTP module keeps KV in the caches only: no recurrent state, no snapshots.

@@ -55,8 +55,8 @@ class PrefillGraphs:
         eager: bool = False,
         forward: Callable[[ForwardBatch], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
-        """``forward(batch) -> (logits of inputs.logit_rows, hidden states of every token)``: by default the
-        model's forward and its logits."""
+        """``forward(batch) -> (logits of inputs.logit_rows_of(its tokens), hidden states of every token)``:
+        by default the model's forward and its logits."""
         self.model = model
         self.forward = forward or self._model_forward
         self.inputs = inputs
@@ -147,7 +147,8 @@ class PrefillGraphs:
     def _model_forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         batch.hidden_states = self.model.input_embeddings(batch.token_ids)
         hidden = self.model(batch, self.caches, self.states)
-        return self.model.compute_logits(hidden.index_select(0, self.inputs.logit_rows)), hidden
+        rows = self.inputs.logit_rows_of(batch.token_ids.shape[0])
+        return self.model.compute_logits(hidden.index_select(0, rows)), hidden
 
     @torch.inference_mode()
     def capture(self, pool) -> None:

@@ -25,12 +25,15 @@ from pegainfer.layers.attention import PrefillSegment
 
 #: The most prefill segments (requests) a graph step takes; a step with more runs eagerly.
 MAX_SEGMENTS = 16
-#: The smallest token bucket; buckets double from here up to the largest.
-SMALLEST_BUCKET = 16
+#: The smallest token bucket; buckets double from here up to the largest. A bucket as small as one token:
+#: a step's padding rows run every projection and route to experts like real ones, so an MTP
+#: verification (1 + k tokens a request), a draft pass or a one-token prompt tail padded to 16 rows did up
+#: to 16 times a decode row's work (DeepSeek's padding rows picked experts of their own, read on top).
+SMALLEST_BUCKET = 1
 
 
 def prefill_graph_buckets(max_tokens: int) -> list[int]:
-    """Token counts a prefill graph is captured for: 16, 32, 64, ... below ``max_tokens``, and it."""
+    """Token counts a prefill graph is captured for: 1, 2, 4, ... below ``max_tokens``, and it."""
     sizes, size = [], SMALLEST_BUCKET
     while size < max_tokens:
         sizes.append(size)
@@ -55,6 +58,12 @@ def _layout(t: int, s: int, max_blocks: int, rows_per_segment: int) -> tuple[lis
     checkpoint counts [s] each; logit rows [s * rows_per_segment]. int32: q_start, q_len, ctx_len [s]
     each, then the block tables."""
     return [t, t, t, s + 1, s, s, s, s, s * rows_per_segment], 3 * s + s * max_blocks
+
+
+def bucket_logit_rows(size: int, max_rows: int) -> int:
+    """The logits rows a ``size``-token bucket's graph computes and keeps: every sampled row, of which a
+    step of ``size`` tokens has at most ``size`` (``max_rows``: the inputs' ``logit_rows``)."""
+    return min(size, max_rows)
 
 
 def prefill_graph_inputs_bytes(
@@ -116,6 +125,11 @@ class PrefillGraphInputs:
         #: Seconds spent waiting for the previous upload (host-time accounting in the benchmarks).
         self.wait_time_s = 0.0
         self.clear()
+
+    def logit_rows_of(self, size: int) -> torch.Tensor:
+        """The rows whose logits a ``size``-token bucket computes (``bucket_logit_rows``): the sampled
+        rows are listed from the front, so these hold them all."""
+        return self.logit_rows[: bucket_logit_rows(size, self.logit_rows.shape[0])]
 
     def segments(self, count: int, block_size: int) -> list[PrefillSegment]:
         """The last :meth:`prepare`'s first ``count`` segments with their host values (the eager form's

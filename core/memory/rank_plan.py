@@ -17,6 +17,7 @@ from pegainfer.memory.buffer_specs import BufferSpec, TransientSpec, dtype_size
 from pegainfer.memory.decode_buffers import decode_buffers_bytes, graph_buckets
 from pegainfer.memory.memory_plan import MemoryPlan, plan_memory
 from pegainfer.memory.prefill_graph_inputs import (
+    bucket_logit_rows,
     prefill_graph_buckets,
     prefill_graph_inputs_bytes,
     prefill_graph_shape,
@@ -92,14 +93,16 @@ def step_transients(loaded: LoadedModel, config: EngineConfig, *, graphs: bool) 
             buckets = prefill_graph_buckets(tokens)
             hidden = model.hidden_size * dtype_size(loaded.dtype)
             rows = segments * (1 + num_spec)
-            outputs = sum(rows * 4 * vocab + size * hidden for size in buckets)
+            outputs = sum(bucket_logit_rows(size, rows) * 4 * vocab + size * hidden for size in buckets)
             inputs = prefill_graph_inputs_bytes(tokens, segments, max_blocks, 1 + num_spec)
             specs.append(TransientSpec("prefill_graphs", bytes_fixed=tokens * per_row + outputs + inputs))
             if num_spec:
                 # The drafter's graphs of the same buckets (their activations reuse the pool): each keeps
                 # a logits row a segment and every token's output hidden state; and their own inputs,
                 # hidden states included.
-                outputs = sum(segments * 4 * vocab + size * hidden for size in buckets)
+                outputs = sum(
+                    bucket_logit_rows(size, segments) * 4 * vocab + size * hidden for size in buckets
+                )
                 inputs = prefill_graph_inputs_bytes(tokens, segments, max_blocks) + tokens * hidden
                 specs.append(TransientSpec("draft_graphs", bytes_fixed=outputs + inputs))
     return specs
