@@ -5,11 +5,28 @@ Imports stay lazy so that loading this plugin costs nothing in test runs that do
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import gc
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_memory(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a ``gpu``-marked test, collect what it left in reference cycles (an engine's parts refer to
+    each other) and hand the freed blocks back to the driver: the next test's memory plan sizes its pages
+    from the memory free then, and on an 80 GB card engines left by earlier tests in the same process ran
+    the next one out of memory (docs/gpu-checks.md, thirty-first session)."""
+    yield
+    if request.node.get_closest_marker("gpu") is None:
+        return
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="session")
