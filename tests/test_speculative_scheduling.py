@@ -224,6 +224,51 @@ def test_verify_stops_where_the_request_finishes() -> None:
     assert accepted == [2] and req.output_token_ids == [10, STOP]
 
 
+class CountingSampler(Sampler):
+    """The real sampler, counting its calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[int] = []
+
+    def __call__(self, logits, requests):
+        self.calls.append(logits.shape[0])
+        return super().__call__(logits, requests)
+
+
+def _appending(request: Request, token: int, logprobs: object) -> bool:
+    request.append_output_token(token)
+    return True
+
+
+def test_independent_rows_are_read_from_the_device_once() -> None:
+    """Greedy rows without penalties: one sampler call over every row, the same tokens and acceptance as
+    the rounds (the first test's case)."""
+    reqs = [make_request(i, 3) for i in range(4)]
+    items = [_item(reqs[0], [10, 11, 12]), _item(reqs[1], [20, 21]), _item(reqs[2], []), _item(reqs[3], [40])]
+    sampler = CountingSampler()
+    accepted = sample_and_verify(
+        sampler, _one_hot([10, 11, 12, 13, 20, 99, 22, 30, 41, 42]), items, _appending
+    )
+    assert accepted == [3, 1, 0, 0] and sampler.calls == [10]
+    assert [r.output_token_ids for r in reqs] == [[10, 11, 12, 13], [20, 99], [30], [41]]
+
+
+def test_penalized_rows_are_sampled_round_by_round() -> None:
+    """A repetition penalty sees the tokens appended before each row: row 1's top token (the draft, also
+    row 0's token) is penalised below its runner-up, so the draft after it is rejected, as it would be one
+    token at a time. Rounds: one sampler call a row."""
+    req = Request("0", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=4.0))
+    logits = torch.zeros(3, VOCAB)
+    logits[0, 10] = 10.0
+    logits[1, 10], logits[1, 11] = 2.0, 1.0  # after the penalty on 10: 0.5 < 1.0
+    logits[2, 12] = 10.0
+    sampler = CountingSampler()
+    accepted = sample_and_verify(sampler, logits, [_item(req, [10, 10])], _appending)
+    assert req.output_token_ids == [10, 11] and accepted == [1]
+    assert sampler.calls == [1, 1]
+
+
 def test_verify_checks_the_row_count() -> None:
     req = make_request(0, 3)
     with pytest.raises(ValueError, match="logits rows"):

@@ -164,6 +164,13 @@ class Sampler:
             tensors.update(_logprob_tensors(raw_logprobs, _rows(chosen, lp_rows), max(ks)))
         return DeviceSample(chosen, lp_rows, ks, HostCopy(tensors, self._host_buffers))
 
+    def rows_independent(self, requests: list[Request]) -> bool:
+        """Whether each request's token comes from its logits row alone (greedy, no penalties, no
+        ``min_tokens`` bans): then several rows of one request sampled in one call choose what they would
+        one after another, each after the tokens before it were appended."""
+        _, random_rows, adjusted = self._scan(requests)
+        return not random_rows and not adjusted
+
     def _scan(self, requests: list[Request]) -> tuple[list[int], list[int], bool]:
         """The rows that want logprobs, the rows that draw at random, and whether any row needs penalties or
         min_tokens bans: one pass over the rows, or none when the requests are the last call's (a request's

@@ -85,7 +85,9 @@ def sample_and_verify(
     order), append the tokens, and return how many drafts of each item were accepted.
 
     Round r samples row r of every item still verifying, in one sampler call; without drafts this is one
-    call over all rows, exactly the plain decoding step.
+    call over all rows, exactly the plain decoding step. Where no request's choice depends on the tokens
+    appended before it (``Sampler.rows_independent``: greedy, no penalties, no ``min_tokens``), every row
+    is sampled in that one call (one read from the device, not one a round) and the rounds only append.
     """
     offsets, total = [], 0
     for item in items:
@@ -95,17 +97,25 @@ def sample_and_verify(
         raise ValueError(
             f"expected {total} logits rows for {len(items)} sampling requests, got {logits.shape[0]}"
         )
+    requests = [item.request for item in items]
+    whole = None
+    if total > len(items) and sampler.rows_independent(requests):
+        whole = sampler(logits, [item.request for item in items for _ in range(1 + len(item.spec_token_ids))])
     accepted = [0] * len(items)
     active = list(range(len(items)))
     depth = 0
     while active:
         rows = [offsets[i] + depth for i in active]
-        block = logits if len(rows) == total else logits[torch.tensor(rows, device=logits.device)]
-        out = sampler(block, [items[i].request for i in active])
+        if whole is None:
+            block = logits if len(rows) == total else logits[torch.tensor(rows, device=logits.device)]
+            out = sampler(block, [requests[i] for i in active])
+            tokens, logprobs = out.token_ids, out.logprobs
+        else:
+            tokens, logprobs = [whole.token_ids[r] for r in rows], [whole.logprobs[r] for r in rows]
         still = []
         for j, i in enumerate(active):
-            token = out.token_ids[j]
-            alive = append(items[i].request, token, out.logprobs[j])
+            token = tokens[j]
+            alive = append(items[i].request, token, logprobs[j])
             spec = items[i].spec_token_ids
             if depth < len(spec) and token == spec[depth]:
                 accepted[i] += 1  # a draft that stops the request still counts as accepted
