@@ -114,13 +114,22 @@ def page_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: i
     return block_table[..., positions // block_size].long() * block_size + positions % block_size
 
 
+def prefill_graph_real_tokens(meta: AttentionMetadata) -> torch.Tensor | None:
+    """A prefill-graph step's count of real tokens (device ``[1]``; the tokens from there on are padding),
+    its rows' form from :func:`prefill_graph_rows` included; None off that path, where every token is
+    real."""
+    cu_seqlens = meta.derived.get("cu_seqlens")
+    return None if cu_seqlens is None else cu_seqlens[-1:]
+
+
 def prefill_graph_rows(meta: AttentionMetadata, positions: torch.Tensor) -> AttentionMetadata:
     """A prefill-graph step's tokens as decode rows, read from the segments' device form only (``derived``'s
     "cu_seqlens" and "segment_tables"; no host sync, every shape static): token i is a row attending to the
     first ``positions[i] + 1`` tokens of its segment through that segment's block table, which is its
     causal context. A decode-form attention (MLA's absorbed form) then runs a short chunk over a long
     cached context without expanding that context. Padding tokens (in no segment, position 0) read one
-    token through a padding segment's (or the last) table: their outputs are discarded."""
+    token through a padding segment's (or the last) table: their outputs are discarded. The rows keep
+    "cu_seqlens" (:func:`prefill_graph_real_tokens`)."""
     cu_seqlens = meta.derived["cu_seqlens"]
     tables = meta.derived["segment_tables"]
     tokens = torch.arange(positions.shape[0], device=positions.device)
@@ -134,6 +143,7 @@ def prefill_graph_rows(meta: AttentionMetadata, positions: torch.Tensor) -> Atte
         decode_block_tables=tables.index_select(0, segment),
         decode_seq_lens=(positions + 1).to(torch.int32),
         max_decode_seq_len=tables.shape[1] * meta.block_size,
+        derived={"cu_seqlens": cu_seqlens},
     )
 
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pegainfer import ops
+from pegainfer.layers.attention import prefill_graph_real_tokens
 from pegainfer.layers.rotary_yarn import PairedRotaryEmbedding
 from pegainfer.model.model_api import ForwardBatch
 from pegainfer.parallel.distributed import TensorParallel
@@ -65,7 +66,12 @@ class DecoderLayer(nn.Module):
         # attn (this layer's own tensor, unlike x) takes the residual sum in place: one launch with the norm.
         normed, h = ops.add_rms_norm(x, attn, self.post_attention_layernorm, eps)
         # Rank 0's partial carries h (added in the FFN's last GEMM), so the all-reduce sums to h + FFN.
-        return self.tp.all_reduce(self.mlp(normed, residual=h if self.tp.rank == 0 else None))
+        residual = h if self.tp.rank == 0 else None
+        if isinstance(self.mlp, MoE):  # a prefill graph's padding rows route as row 0 (routing.py)
+            out = self.mlp(normed, residual, real_rows=prefill_graph_real_tokens(batch.attn))
+        else:
+            out = self.mlp(normed, residual)
+        return self.tp.all_reduce(out)
 
     def load(self, reader: WeightReader, prefix: str) -> None:
         h, dtype = self.dims.hidden_size, self.input_layernorm.dtype

@@ -134,11 +134,15 @@ class GroupLimitedRouter(nn.Module):
             dims.routed_scaling_factor,
         )
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, real_rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights ``[T, k]`` fp32, expert ids ``[T, k]``) for the tokens ``x`` ``[T, H]`` (``routing``: the
-        selection in one Triton launch on CUDA, the torch reference elsewhere). The logits are fp32: on
-        CUDA decode rows the skinny GEMM upcasts x in its loop."""
-        return group_limited_topk(ops.linear(x, self.weight), self.e_score_correction_bias, self.rule)
+        selection in one Triton launch on CUDA, the torch reference elsewhere; ``real_rows``: the rows
+        from there on are padding, which take row 0's). The logits are fp32: on CUDA decode rows the
+        skinny GEMM upcasts x in its loop."""
+        logits = ops.linear(x, self.weight)
+        return group_limited_topk(logits, self.e_score_correction_bias, self.rule, real_rows)
 
     def load(self, reader: WeightReader, prefix: str) -> None:
         with torch.no_grad():
@@ -194,10 +198,14 @@ class MoE(nn.Module):
             else None
         )
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, real_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The block's (partial) output for the normed ``x``; with ``residual`` (the caller's own tensor,
-        which may be overwritten) plus ``residual``, added in the shared experts' down projection."""
-        weights, ids = self.gate(x)
+        which may be overwritten) plus ``residual``, added in the shared experts' down projection.
+        ``real_rows``: a prefill graph's padding starts there, and its rows take row 0's experts (their
+        outputs are discarded; they read no expert the real rows do not)."""
+        weights, ids = self.gate(x, real_rows)
         shared = self.shared_experts(x, residual) if self.shared_experts is not None else residual
         # Triton on CUDA (no host sync, graph-safe; the shared output added in the launch that sums the
         # choices): a decode step's few tokens one (token, choice) pair at a time, more through the grouped

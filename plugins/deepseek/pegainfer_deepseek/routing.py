@@ -10,6 +10,12 @@ ids ``[T, k]`` int64), best first.
 The kernel is one program per token for the whole selection (the torch form is some twenty small
 launches a layer, which a batch-1 decode step pays in latency); no host sync, so it runs inside CUDA
 graphs. Ties between equal scores go to the lower index (torch's ``topk`` leaves their order open).
+
+``real_rows`` (a device int tensor ``[1]``, a prefill graph's count of real tokens): the rows from it on
+are padding, and each takes row 0's selection. A padding row's hidden state is its own (a padding token
+at position 0), and with its own selection it would have the fused MoE read experts no real row chose:
+as many as ``k`` more a layer, in a graph step of a few tokens (an MTP verification) as much as the real
+rows' own. Taking row 0's, it adds rows to experts the step reads anyway.
 """
 
 from __future__ import annotations
@@ -35,9 +41,12 @@ class TopkRule:
 
 
 def group_limited_topk_ref(
-    logits: torch.Tensor, bias: torch.Tensor, rule: TopkRule
+    logits: torch.Tensor, bias: torch.Tensor, rule: TopkRule, real_rows: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n_group, topk_group, k = rule.n_group, rule.topk_group, rule.k
+    if real_rows is not None:
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        logits = logits.index_select(0, torch.where(rows < real_rows, rows, 0))
     scores = logits.sigmoid()
     choice = scores + bias
     if n_group > 1:
@@ -60,6 +69,7 @@ def _group_limited_topk_kernel(
     bias_ptr,
     weights_ptr,
     ids_ptr,
+    real_ptr,
     stride_l,
     scaling,
     NUM_EXPERTS: tl.constexpr,
@@ -71,15 +81,19 @@ def _group_limited_topk_kernel(
     K: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NORM: tl.constexpr,
+    HAS_REAL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
+    source = token  # the row whose logits select: a padding row takes row 0's
+    if HAS_REAL:
+        source = tl.where(token < tl.load(real_ptr), token, 0)
     g = tl.arange(0, BLOCK_G)
     j = tl.arange(0, BLOCK_PG)
     valid = (g[:, None] < GROUPS) & (j[None, :] < PER_GROUP)
     # [groups, experts of a group]; the padding slots get an id no expert has (they would alias the next
     # group's experts otherwise).
     expert = tl.where(valid, g[:, None] * PER_GROUP + j[None, :], NUM_EXPERTS)
-    logit = tl.load(logits_ptr + token * stride_l + expert, mask=valid, other=0.0)
+    logit = tl.load(logits_ptr + source * stride_l + expert, mask=valid, other=0.0)
     scores = tl.sigmoid(logit)
     bias = tl.load(bias_ptr + expert, mask=valid, other=0.0)
     choice = tl.where(valid, scores + bias, float("-inf"))
@@ -113,7 +127,7 @@ def _group_limited_topk_kernel(
 
 
 def group_limited_topk_triton(
-    logits: torch.Tensor, bias: torch.Tensor, rule: TopkRule
+    logits: torch.Tensor, bias: torch.Tensor, rule: TopkRule, real_rows: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n_group, topk_group, k = rule.n_group, rule.topk_group, rule.k
     tokens, experts = logits.shape
@@ -124,18 +138,19 @@ def group_limited_topk_triton(
     if tokens:
         per_group = experts // n_group
         _group_limited_topk_kernel[(tokens,)](
-            logits, bias.contiguous(), weights, ids, logits.stride(0), float(rule.scaling),
+            logits, bias.contiguous(), weights, ids, ids if real_rows is None else real_rows,
+            logits.stride(0), float(rule.scaling),
             NUM_EXPERTS=experts, GROUPS=n_group, PER_GROUP=per_group, BLOCK_G=next_pow2(n_group),
             BLOCK_PG=next_pow2(per_group), TOPK_GROUP=topk_group, K=k, BLOCK_K=max(2, next_pow2(k)), NORM=rule.norm,
-            num_warps=4 if experts > 64 else 1,
+            HAS_REAL=real_rows is not None, num_warps=4 if experts > 64 else 1,
         )  # fmt: skip
     return weights, ids
 
 
 def group_limited_topk(
-    logits: torch.Tensor, bias: torch.Tensor, rule: TopkRule
+    logits: torch.Tensor, bias: torch.Tensor, rule: TopkRule, real_rows: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, ids) of the module docstring: the kernel on CUDA (unless ``PEGAINFER_DISABLE_TRITON``), the
-    torch reference elsewhere."""
+    """(weights, ids) of the module docstring (``real_rows``: padding from there on takes row 0's): the
+    kernel on CUDA (unless ``PEGAINFER_DISABLE_TRITON``), the torch reference elsewhere."""
     select = group_limited_topk_triton if use_triton(logits) else group_limited_topk_ref
-    return select(logits, bias, rule)
+    return select(logits, bias, rule, real_rows)

@@ -51,3 +51,19 @@ def test_kernel_refuses_logits_it_cannot_read():
     logits = torch.randn(2, 10, dtype=torch.float64, device=DEVICE)
     with pytest.raises(ValueError, match="fp32"):
         group_limited_topk_triton(logits, torch.zeros(10, device=DEVICE), TopkRule(2, 1, 2, True, 1.0))
+
+
+@pytest.mark.parametrize("select", [group_limited_topk_triton, group_limited_topk_ref], ids=["kernel", "ref"])
+def test_padding_rows_take_row_zeros_selection(select):
+    """``real_rows``: the rows before it select as without it, every later row (a prefill graph's padding)
+    takes row 0's experts and weights, so the fused MoE reads no expert for it that row 0 does not."""
+    gen = torch.Generator().manual_seed(7)
+    logits = (torch.randn(6, 256, generator=gen) * 2).to(DEVICE)
+    bias = (torch.randn(256, generator=gen) * 0.5).to(DEVICE)
+    rule = TopkRule(8, 4, 8, True, 2.5)
+    free_weights, free_ids = group_limited_topk_ref(logits, bias, rule)
+    weights, ids = select(logits, bias, rule, torch.tensor([4], device=DEVICE))
+    assert torch.equal(ids[:4], free_ids[:4]) and torch.equal(ids[4:], free_ids[:1].expand(2, -1))
+    torch.testing.assert_close(weights[:4], free_weights[:4], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(weights[4:], free_weights[:1].expand(2, -1), atol=1e-6, rtol=1e-5)
+    assert not torch.equal(free_ids[4:], free_ids[:1].expand(2, -1))  # the rows had choices of their own

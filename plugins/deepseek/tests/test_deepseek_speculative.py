@@ -103,6 +103,34 @@ def test_verification_on_the_prefill_graph_path(tiny_deepseek: Path, base: LLM) 
     assert_verification_on_prefill_graphs(partial(_llm, tiny_deepseek), base, random_prompts(7, [9, 21, 4]))
 
 
+def test_padding_rows_route_as_row_zero_on_the_prefill_graph_path(tiny_deepseek: Path, base: LLM) -> None:
+    """Three requests verifying one draft each are six tokens in the 8-token prefill graph: its two
+    padding rows take row 0's experts in every MoE layer, the MTP module's included (routing.py), and the
+    output stays the plain path's."""
+    from pegainfer_deepseek.moe import GroupLimitedRouter
+
+    llm = _llm(tiny_deepseek, 1)
+    llm.engine.executor.capture_cuda_graphs(eager=True)
+    padded: list[int] = []
+
+    def check(module, inputs, output) -> None:
+        real = inputs[1] if len(inputs) > 1 else None
+        if real is not None and int(real) < output[1].shape[0]:
+            ids, n = output[1], int(real)
+            assert torch.equal(ids[n:], ids[:1].expand(ids.shape[0] - n, -1))
+            padded.append(ids.shape[0] - n)
+
+    model = llm.engine.executor.runner.model
+    hooks = [m.register_forward_hook(check) for m in model.modules() if isinstance(m, GroupLimitedRouter)]
+    prompts = random_prompts(8, [6, 11, 19])
+    try:
+        assert token_ids(generate(llm, prompts)) == token_ids(generate(base, prompts))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert 2 in padded, f"padding rows seen: {sorted(set(padded))}"
+
+
 def test_draft_passes_on_the_graph_path(tiny_deepseek: Path) -> None:
     """The MTP passes on the draft graphs (decode rows too) propose the plain path's drafts."""
     assert_draft_passes_on_graph_path(partial(_llm, tiny_deepseek), random_prompts(5, [5, 17, 3, 30]))
