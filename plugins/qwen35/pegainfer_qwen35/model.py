@@ -29,6 +29,7 @@ from torch import nn
 
 from pegainfer import ops
 from pegainfer.config.schema import ModelConfig
+from pegainfer.layers.attention import prefill_graph_real_tokens
 from pegainfer.layers.parallel import gather_logits, vocab_parallel_embed
 from pegainfer.layers.rotary import RotaryEmbedding
 from pegainfer.memory.buffer_specs import BufferSpec, CacheKey, TransientSpec
@@ -129,7 +130,10 @@ class Qwen35DecoderLayer(nn.Module):
         if isinstance(self.mlp, DenseMLP):
             self.mlp(x, bufs, static_shapes=static, residual=x, norm=folded)
         else:  # the block norms x itself (inside its router's GEMV where it can)
-            self.mlp(x, bufs, static_shapes=static, residual=x, norm=self.post_attention_layernorm)
+            real = prefill_graph_real_tokens(batch.attn)  # a prefill graph's padding routes as row 0
+            self.mlp(
+                x, bufs, static_shapes=static, residual=x, norm=self.post_attention_layernorm, real_rows=real
+            )
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         h = self.config.hidden_size

@@ -109,12 +109,18 @@ class SparseMoE(nn.Module):
         self.experts_down = _param(e + s.shared_pieces, h, ie, dtype=dtype)
 
     def route(
-        self, x: torch.Tensor, bufs: PassBuffers, norm: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        bufs: PassBuffers,
+        norm: torch.Tensor | None = None,
+        real_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(the normed rows, weights ``[T, k + m]`` in the model dtype, expert ids ``[T, k + m]``: the top
         k, then the shared expert's ``m`` pieces) for the normed rows ``x``, or with ``norm`` (the block's
         zero-centred norm weight) for the rows ``x`` before it: the norm goes into ``bufs.normed``, from
-        inside the router's GEMV where :func:`_norm_in_router`, else as a launch of its own."""
+        inside the router's GEMV where :func:`_norm_in_router`, else as a launch of its own.
+        ``real_rows``: a prefill graph's padding starts there, and its rows take row 0's selection
+        (``routing``)."""
         c = self.config
         if norm is not None and _norm_in_router(x, self.router):
             from pegainfer.kernels import skinny_gemm  # CUDA only (see pegainfer.ops)
@@ -126,7 +132,7 @@ class SparseMoE(nn.Module):
             normed = x if norm is None else rms_norm_zero_centred(x, norm, c.rms_norm_eps, out=bufs.normed)
             logits = _router_logits(normed, self.router, bufs.moe_router)
         weights, ids = softmax_topk(
-            logits, c.num_experts_per_tok, c.norm_topk_prob, x.dtype, self.shard.shared_pieces
+            logits, c.num_experts_per_tok, c.norm_topk_prob, x.dtype, self.shard.shared_pieces, real_rows
         )
         return normed, weights, ids
 
@@ -138,14 +144,17 @@ class SparseMoE(nn.Module):
         static_shapes: bool = False,
         residual: torch.Tensor | None = None,
         norm: torch.Tensor | None = None,
+        real_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Block output of the normed rows ``x`` ``[T, H]`` (into ``bufs.mlp_down`` off CUDA); with
         ``residual`` it is added to it in place and ``residual`` returned. With ``norm`` (the block's
         zero-centred norm weight) ``x`` is the rows before the norm (see :meth:`route`).
 
         ``static_shapes``: no host sync and no data-dependent shapes (the schedule for CUDA graphs).
+        ``real_rows``: a prefill graph's padding starts there; its rows take row 0's experts (their
+        outputs are discarded; they read no expert the real rows do not).
         """
-        x, weights, experts = self.route(x, bufs, norm)
+        x, weights, experts = self.route(x, bufs, norm, real_rows)
         if ops.use_triton(x):
             # At tp=1, where no all-reduce comes between, the residual add rides the launch that sums the
             # choices.

@@ -7,6 +7,11 @@ expert's pieces (``SparseMoE``: experts ``E .. E + shared - 1``), each weighted 
 ``dtype``. The kernel is one program per token for all of it, where the torch form is some eight launches a
 layer, paid in latency by a batch-1 decode step; it has no host sync, so it runs inside CUDA graphs. Ties
 between equal probabilities go to the lower index (torch's ``topk`` leaves their order open).
+
+``real_rows`` (a device int tensor ``[1]``, a prefill graph's count of real tokens): the rows from it on
+are padding, and each takes row 0's selection and weights. With selections of their own, a graph step of a
+few tokens (an MTP verification in a bucket a few rows wider) would have the fused MoE read up to ``k``
+experts a padding row that no real row chose; taking row 0's adds rows to experts the step reads anyway.
 """
 
 from __future__ import annotations
@@ -18,9 +23,17 @@ from pegainfer.ops import use_triton
 
 
 def softmax_topk_ref(
-    logits: torch.Tensor, k: int, norm: bool, dtype: torch.dtype, shared: int
+    logits: torch.Tensor,
+    k: int,
+    norm: bool,
+    dtype: torch.dtype,
+    shared: int,
+    real_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     experts = logits.shape[1] - 1
+    if real_rows is not None:
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        logits = logits.index_select(0, torch.where(rows < real_rows, rows, 0))
     probs = torch.softmax(logits[:, :experts], dim=-1, dtype=torch.float32)
     weights, ids = probs.topk(k, dim=-1)
     if norm:
@@ -35,6 +48,7 @@ def _softmax_topk_kernel(
     logits_ptr,
     weights_ptr,
     ids_ptr,
+    real_ptr,
     stride_l,
     NUM_EXPERTS: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -42,11 +56,15 @@ def _softmax_topk_kernel(
     SHARED: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NORM: tl.constexpr,
+    HAS_REAL: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_start(PDL)
     token = tl.program_id(0).to(tl.int64)
-    row = logits_ptr + token * stride_l
+    source = token  # the row whose logits select: a padding row takes row 0's
+    if HAS_REAL:
+        source = tl.where(token < tl.load(real_ptr), token, 0)
+    row = logits_ptr + source * stride_l
     expert = tl.arange(0, BLOCK_E)
     valid = expert < NUM_EXPERTS
     logit = tl.load(row + expert, mask=valid, other=float("-inf")).to(tl.float32)
@@ -89,7 +107,12 @@ def _softmax_topk_kernel(
 
 
 def softmax_topk_triton(
-    logits: torch.Tensor, k: int, norm: bool, dtype: torch.dtype, shared: int
+    logits: torch.Tensor,
+    k: int,
+    norm: bool,
+    dtype: torch.dtype,
+    shared: int,
+    real_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     tokens, columns = logits.shape
     experts = columns - 1
@@ -101,17 +124,24 @@ def softmax_topk_triton(
     ids = torch.empty(tokens, k + shared, dtype=torch.int64, device=logits.device)
     if tokens:
         _softmax_topk_kernel[(tokens,)](
-            logits, weights, ids, logits.stride(0), NUM_EXPERTS=experts, BLOCK_E=next_pow2(experts), K=k,
-            SHARED=shared, BLOCK_K=max(2, next_pow2(k + shared)), NORM=norm,
+            logits, weights, ids, ids if real_rows is None else real_rows, logits.stride(0),
+            NUM_EXPERTS=experts, BLOCK_E=next_pow2(experts), K=k, SHARED=shared,
+            BLOCK_K=max(2, next_pow2(k + shared)), NORM=norm, HAS_REAL=real_rows is not None,
             num_warps=4 if experts > 64 else 1, **pdl_launch(logits),
         )  # fmt: skip
     return weights, ids
 
 
 def softmax_topk(
-    logits: torch.Tensor, k: int, norm: bool, dtype: torch.dtype, shared: int
+    logits: torch.Tensor,
+    k: int,
+    norm: bool,
+    dtype: torch.dtype,
+    shared: int,
+    real_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights ``[T, k + shared]`` in ``dtype``, ids ``[T, k + shared]`` int64) of the module docstring:
-    the kernel on CUDA (unless ``PEGAINFER_DISABLE_TRITON``), the torch reference elsewhere."""
+    """(weights ``[T, k + shared]`` in ``dtype``, ids ``[T, k + shared]`` int64) of the module docstring
+    (``real_rows``: padding from there on takes row 0's): the kernel on CUDA (unless
+    ``PEGAINFER_DISABLE_TRITON``), the torch reference elsewhere."""
     select = softmax_topk_triton if use_triton(logits) else softmax_topk_ref
-    return select(logits, k, norm, dtype, shared)
+    return select(logits, k, norm, dtype, shared, real_rows)

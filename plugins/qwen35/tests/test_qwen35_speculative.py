@@ -16,6 +16,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+import torch
 
 from pegainfer import LLM
 from pegainfer.testing.conformance import SamplingParams, random_prompts
@@ -170,6 +171,35 @@ def test_forced_drafts_roll_the_state_back_to_what_was_accepted(
 def test_verification_on_the_prefill_graph_path(tiny_qwen35: Path, base: LLM) -> None:
     """Verification chunks (their roll-back states saved) on the bucket-padded prefill-graph path."""
     assert_verification_on_prefill_graphs(partial(_llm, tiny_qwen35), base, random_prompts(7, [9, 21, 4]))
+
+
+def test_padding_rows_route_as_row_zero_on_the_prefill_graph_path(
+    tiny_qwen35: Path, architecture: str, base: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three requests verifying one draft each are six tokens in the 8-token prefill graph: its two
+    padding rows take row 0's experts in every MoE layer, the MTP layer's included (routing.py), and the
+    output stays the plain path's."""
+    if architecture != "qwen3_5_moe":
+        pytest.skip("the dense model routes nothing")
+    import pegainfer_qwen35.moe as moe
+
+    padded: list[int] = []
+    select = moe.softmax_topk
+
+    def check(logits, k, norm, dtype, shared, real_rows=None):
+        weights, ids = select(logits, k, norm, dtype, shared, real_rows)
+        if real_rows is not None and int(real_rows) < ids.shape[0]:
+            n = int(real_rows)
+            assert torch.equal(ids[n:], ids[:1].expand(ids.shape[0] - n, -1))
+            padded.append(ids.shape[0] - n)
+        return weights, ids
+
+    monkeypatch.setattr(moe, "softmax_topk", check)
+    llm = _llm(tiny_qwen35, 1)
+    llm.engine.executor.capture_cuda_graphs(eager=True)
+    prompts = random_prompts(8, [6, 11, 19])
+    assert token_ids(generate(llm, prompts)) == token_ids(generate(base, prompts))
+    assert 2 in padded, f"padding rows seen: {sorted(set(padded))}"
 
 
 def test_draft_passes_on_the_graph_path(tiny_qwen35: Path) -> None:

@@ -46,3 +46,18 @@ def test_softmax_topk_breaks_ties_to_the_lower_index():
     weights, ids = softmax_topk_triton(logits, 4, True, torch.float32, 1)
     assert ids.tolist() == [[3, 7, 9, 0, 12], [0, 1, 2, 3, 12]]
     torch.testing.assert_close(weights[:, :4].sum(-1), torch.ones(2, device=DEVICE))
+
+
+@pytest.mark.parametrize("select", [softmax_topk_triton, softmax_topk_ref], ids=["kernel", "ref"])
+def test_padding_rows_take_row_zeros_selection(select):
+    """``real_rows``: the rows before it select as without it, every later row (a prefill graph's padding)
+    takes row 0's experts and weights, the shared gate's included, so the fused MoE reads no expert for it
+    that row 0 does not."""
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(6, 65, generator=gen).to(DEVICE)
+    free_weights, free_ids = softmax_topk_ref(logits, 8, True, torch.float32, 2)
+    weights, ids = select(logits, 8, True, torch.float32, 2, torch.tensor([4], device=DEVICE))
+    assert torch.equal(ids[:4], free_ids[:4]) and torch.equal(ids[4:], free_ids[:1].expand(2, -1))
+    torch.testing.assert_close(weights[:4], free_weights[:4], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(weights[4:], free_weights[:1].expand(2, -1), atol=1e-6, rtol=1e-5)
+    assert not torch.equal(free_ids[4:], free_ids[:1].expand(2, -1))  # the rows had choices of their own
