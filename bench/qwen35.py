@@ -152,8 +152,13 @@ def distinct_experts(llm, step) -> list[int]:
     route = SparseMoE.route
 
     def counting(self, *args, **kwargs):
-        routed = route(self, *args, **kwargs)  # (weights, expert ids: the top k, then the shared pieces)
-        seen.append(routed[1][:, : self.config.num_experts_per_tok].unique().numel())
+        routed = route(
+            self, *args, **kwargs
+        )  # (normed rows, weights, ids: the top k, then the shared pieces)
+        ids = routed[2]
+        if ids.dtype != torch.int64:
+            raise RuntimeError(f"SparseMoE.route's third output is {ids.dtype}, not the int64 expert ids")
+        seen.append(ids[:, : self.config.num_experts_per_tok].unique().numel())
         return routed
 
     graphs = llm.engine.executor.runner.graphs
