@@ -53,6 +53,7 @@ from common import (
     write_word_tokenizer,
 )  # fmt: skip
 
+from pegainfer.layers.block_fp8 import BlockFP8Weight
 from pegainfer.layers.moe import BlockScales
 from pegainfer.model.model_loader import parameter_bytes
 from pegainfer.ops import fused_moe
@@ -64,7 +65,7 @@ from pegainfer_deepseek.mla_decode import (
     mla_decode_attention_triton,
 )
 from pegainfer_deepseek.moe import MoE
-from pegainfer_deepseek.published import FP8_QUANTIZATION, V3_SHAPE, V3_VOCAB
+from pegainfer_deepseek.published import FP8_QUANTIZATION, V3_LAYERS, V3_SHAPE, V3_VOCAB
 from pegainfer_deepseek.tiny import deepseek_v3_config, deepseek_v32_config
 
 #: DeepSeek-V3's published layer shapes (671B), with one dense layer before the MoE ones (published: three)
@@ -88,7 +89,11 @@ SHAPES = {
     "v32": (V32, V3_VOCAB, "deepseek_v32"),
     "moonlight": (MOONLIGHT, 163840, "deepseek_moonlight"),
     # The whole published model (three dense layers, 58 MoE), FP8 only, over eight GPUs (``--tp 8``).
-    "v3_671b": (dict(V3_SHAPE, num_nextn_predict_layers=0), V3_VOCAB, "deepseek_v3_671b"),
+    "v3_671b": (
+        dict(V3_SHAPE, num_hidden_layers=V3_LAYERS, num_nextn_predict_layers=0),
+        V3_VOCAB,
+        "deepseek_v3_671b",
+    ),
 }
 
 
@@ -211,11 +216,15 @@ def distinct_experts(llm, prompts_step) -> list[int]:
     shapes and numbers)."""
     runner = llm.engine.executor.runner
     seen: list[int] = []
-    hooks = [
-        m.gate.register_forward_hook(lambda _m, _i, out: seen.append(out[1].unique().numel()))
-        for m in runner.model.modules()
-        if isinstance(m, MoE)
-    ]
+
+    def count(_module, _inputs, out) -> None:
+        ids = out[1]  # GroupLimitedRouter: (weights, expert ids)
+        if ids.dtype != torch.int64:
+            raise RuntimeError(f"the router's second output is {ids.dtype}, not the int64 expert ids")
+        seen.append(ids.unique().numel())
+
+    routers = [m.gate for m in runner.model.modules() if isinstance(m, MoE)]
+    hooks = [router.register_forward_hook(count) for router in routers]
     graphs = runner.graphs
     eager = graphs.eager if graphs is not None else None
     try:
@@ -227,18 +236,40 @@ def distinct_experts(llm, prompts_step) -> list[int]:
             graphs.eager = eager
         for h in hooks:
             h.remove()
-    if not seen:
-        raise RuntimeError("no MoE router ran in the measured step: the floor would leave the experts out")
+    if len(seen) != len(routers):
+        raise RuntimeError(
+            f"{len(seen)} router calls for {len(routers)} MoE layers in the measured step: the floor needs "
+            "each layer's experts once"
+        )
     return seen
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def unread_scale_bytes(model: torch.nn.Module) -> float:
+    """Bytes of the block-FP8 projections' scales a step does not need: a weight keeps one scale row per
+    weight row, where rows of one group share their values (``BlockFP8Weight.scale_groups``: a
+    checkpoint's 128 x 128 tiles), and the GEMMs load one (two, gate and up interleaved) a tile of rows."""
+    unread = 0.0
+    for m in model.modules():
+        if isinstance(m, BlockFP8Weight) and m.scale_groups is not None:
+            group, period = m.scale_groups
+            unread += _nbytes(m.scale) * (1 - period / group)
+    return unread
 
 
 def step_bytes(llm, batch: int, ctx: float, experts_per_layer: list[int], shape: dict) -> float:
     model = llm.engine.executor.runner.model
-    total = parameter_bytes(model)
+    total = parameter_bytes(model) - unread_scale_bytes(model)
     routed = per_expert = 0
     for m in model.modules():
         if isinstance(m, MoE):
-            size = sum(t.numel() * t.element_size() for t in (m.experts_gate_up, m.experts_down))
+            # A routed expert's bytes: its weights and, float8, its tile scales (read for chosen ones only).
+            size = _nbytes(m.experts_gate_up, m.experts_down)
+            if m.fp8_block:
+                size += _nbytes(m.experts_gate_up_scale, m.experts_down_scale)
             routed += size
             per_expert = size / m.experts_gate_up.shape[0]
     embed = model.embed_tokens

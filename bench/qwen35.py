@@ -180,7 +180,7 @@ def step_bytes(
 ) -> float:
     """Bytes one decode step must move on one GPU: weights (``model`` is one rank's shard; of the MoE
     layers' routed experts only those the step's router chose, ``experts_per_layer``), KV of the
-    full-attention layers, GDN slot states (their heads split over ``tp`` ranks)."""
+    full-attention layers (the rank's heads), GDN slot states (their heads split over ``tp`` ranks)."""
     from pegainfer_qwen35.moe import SparseMoE
 
     c = model.config
@@ -194,13 +194,15 @@ def step_bytes(
             # The stacked experts end with the shared expert's pieces, which every token runs.
             weights -= size - (used + m.shard.shared_pieces) * size // m.experts_gate_up.shape[0]
     embed = model.embed_tokens
-    weights -= embed.numel() * embed.element_size() - batch * embed.shape[1] * embed.element_size()
+    if model.lm_head is not None:  # a step reads its tokens' rows of the table; tied, the head reads it all
+        weights -= embed.numel() * embed.element_size() - batch * embed.shape[1] * embed.element_size()
     full, linear = len(c.layers_of("full_attention")), len(c.layers_of("linear_attention"))
-    kv = full * batch * ctx * 2 * c.num_kv_heads * c.head_dim * 2
+    # A rank's KV heads: its share, or one head replicated where there are fewer heads than ranks.
+    kv = full * batch * ctx * 2 * model.shard.num_kv_heads * c.head_dim * 2
     state = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
     window = c.conv_dim * (c.conv_kernel - 1)
     recurrent = linear * batch * 2 * 4 * (state + window)  # fp32, read and written
-    return weights + (kv + recurrent) / tp
+    return weights + kv + recurrent / tp
 
 
 def bench_decode(llm: LLM, vocab: int, batch: int, ctx: int, steps: int, rng: random.Random) -> dict:

@@ -209,8 +209,9 @@ def main() -> None:
     rng = random.Random(0)
     folder = checkpoint_folder(args.layers)
     cfg = {**QWEN3_14B, "num_hidden_layers": args.layers}
-    # One GPU's share: its KV heads (tp divides them), its shard of every weight (rank 0's model, here).
-    kv_per_token = args.layers * 2 * cfg["num_key_value_heads"] // args.tp * cfg["head_dim"] * 2
+    # One GPU's share: its KV heads (one, replicated, past as many ranks as heads), its shard of every
+    # weight (rank 0's model, here).
+    kv_per_token = args.layers * 2 * max(1, cfg["num_key_value_heads"] // args.tp) * cfg["head_dim"] * 2
     table = []
     decode = {}
     tp = "" if args.tp == 1 else f"tp{args.tp}."  # in the decode figures' names
