@@ -250,13 +250,13 @@ def _nbytes(*tensors: torch.Tensor) -> int:
 
 def unread_scale_bytes(model: torch.nn.Module) -> float:
     """Bytes of the block-FP8 projections' scales a step does not need: a weight keeps one scale row per
-    weight row, where rows of one group share their values (``BlockFP8Weight.scale_groups``: a
-    checkpoint's 128 x 128 tiles), and the GEMMs load one (two, gate and up interleaved) a tile of rows."""
+    weight row, and rows cut from one of a checkpoint's 128 x 128 tiles repeat their tile's scales
+    (``BlockFP8Weight.settle_scales``); a step needs each distinct row once (the checkpoint's own
+    ``weight_scale_inv`` bytes), where the GEMMs load one or two a tile of rows."""
     unread = 0.0
     for m in model.modules():
-        if isinstance(m, BlockFP8Weight) and m.scale_groups is not None:
-            group, period = m.scale_groups
-            unread += _nbytes(m.scale) * (1 - period / group)
+        if isinstance(m, BlockFP8Weight):
+            unread += (m.scale.shape[0] - torch.unique(m.scale, dim=0).shape[0]) * _nbytes(m.scale[0])
     return unread
 
 
