@@ -97,6 +97,12 @@ SHAPES = {
 }
 
 
+def default_layers(name: str) -> int | None:
+    """Layers a shape runs without ``--layers``: the whole model for Moonlight and the published V3 (their
+    configs name their layers), four (one dense, three MoE) for the V3 and V3.2 layer shapes."""
+    return None if name in ("moonlight", "v3_671b") else 4
+
+
 def checkpoint_folder(
     shape: dict, vocab: int, layers: int | None, fp8: bool = False, full_vocab_tokenizer: bool = False
 ) -> Path:
@@ -464,8 +470,7 @@ def main() -> None:
         torch.cuda.empty_cache()
 
         shape, vocab, prefix = SHAPES[args.shape]
-        whole = args.shape in ("moonlight", "v3_671b")
-        layers = args.layers if args.layers is not None else (None if whole else 4)
+        layers = args.layers if args.layers is not None else default_layers(args.shape)
         folder = checkpoint_folder(shape, vocab, layers, args.fp8)
         if args.shape != "v3_671b":  # always FP8
             prefix += "_fp8" if args.fp8 else ""

@@ -33,7 +33,7 @@ def checkpoint(model: str, shape: str | None, layers: int | None, fp8: bool) -> 
 
     keys, vocab, _ = deepseek.SHAPES[shape or "v3"]
     return deepseek.checkpoint_folder(
-        keys, vocab, layers or (4 if (shape or "v3") == "v3" else None), fp8
+        keys, vocab, layers or deepseek.default_layers(shape or "v3"), fp8
     ), vocab
 
 
