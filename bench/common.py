@@ -76,20 +76,6 @@ def per_call_ms(fns: list[Callable[[], object]], reps: int = 10) -> float:
     return graph_time_ms(lambda: [fn() for fn in fns], calls=len(fns), reps=reps)
 
 
-def wall_time_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> float:
-    """Median wall-clock milliseconds of ``fn``, synchronising the GPU around each call."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 #: ``scheduler.max_num_batched_tokens`` of the engines the scripts build, unless told otherwise.
 MAX_NUM_BATCHED_TOKENS = 16384
 

@@ -326,7 +326,7 @@ def attention_scratch(
         splits = decode_num_splits(rows, kv_heads, max_model_len)
         decode = decode_workspace_bytes(rows, num_heads, head_dim, splits)
         return TransientSpec(
-            "attention_scratch", bytes_fixed=decode + prefill_workspace_bytes(num_heads, head_dim, device)
+            "attention_scratch", bytes_fixed=decode + prefill_workspace_bytes(head_dim, device)
         )
     return TransientSpec(
         "attention_scratch",

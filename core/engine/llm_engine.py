@@ -264,10 +264,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.outputs.groups) or self._pending is not None
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self.outputs.groups)
-
     # ------------------------------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:

@@ -87,7 +87,7 @@ def key_splits(num_heads: int, num_tiles: int, max_ctx_len: int, device: torch.d
     return max(1, min(MAX_SPLITS, by_keys, num_sms(device) // max(1, num_heads * num_tiles)))
 
 
-def prefill_workspace_bytes(num_heads: int, head_dim: int, device: torch.device) -> int:
+def prefill_workspace_bytes(head_dim: int, device: torch.device) -> int:
     """The most bytes one split call allocates for its partials (for the memory plan): splits happen
     only while heads x tiles x splits stays within the SM count, so the rows x heads x splits partials
     stay within SMs x BLOCK_M."""

@@ -132,7 +132,6 @@ def page_bytes(spec: PagedKVSpec | PagedLatentSpec | PagedCompressedSpec, block_
     return block_size * spec.bytes_per_token
 
 
-PagedSpec = PagedKVSpec | PagedLatentSpec | PagedCompressedSpec
 PAGED_SPECS = (PagedKVSpec, PagedLatentSpec, PagedCompressedSpec)
 BufferSpec = PagedKVSpec | PagedLatentSpec | PagedCompressedSpec | RecurrentStateSpec
 

@@ -44,7 +44,6 @@ def decode_buffers_bytes(max_num_seqs: int, max_blocks_per_seq: int) -> int:
 class DecodeBuffers:
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
         self.max_num_seqs = max_num_seqs
-        self.max_blocks_per_seq = max_blocks_per_seq
         # The per-row inputs live in one flat int64 buffer so a step uploads them with one contiguous copy
         # from one pinned staging buffer: six int64 rows, then the int32 sequence lengths. Nothing in a step
         # waits for the GPU (the engine may queue the next step first), so the host waits for the previous

@@ -343,11 +343,6 @@ def load_plugins(extra: Iterable[object] = (), *, entry_points: bool = True) -> 
         return _state.manager
 
 
-def get_plugin_manager() -> pluggy.PluginManager:
-    """The process's PluginManager, loading plugins on first use."""
-    return load_plugins()
-
-
 def get_model_registry() -> ModelRegistry:
     """The registry of every model the loaded plugins provide."""
     load_plugins()

@@ -50,7 +50,6 @@ class IncrementalDetokenizer:
     ) -> None:
         # Straight into the tokenizer library (the window is always a list): decoding runs per token.
         self._decode = tokenizer.decoder(skip_special_tokens)
-        self._skip_special_tokens = skip_special_tokens
         # Texts of single tokens, shared by every detokenizer of this tokenizer (see _prefix_length).
         self._token_texts = _token_texts(tokenizer, skip_special_tokens)
         # The same for the tokens whose text is whole characters and that decode does not drop: what

@@ -55,8 +55,6 @@ from pegainfer.kernels._triton import (
     triton,
 )
 
-#: The delta rule's L2-norm epsilon (``delta_rule.l2_normalise``).
-L2_EPS = 1e-6
 #: :func:`gdn_decode` reads its state tiles before its PDL wait (``PEGAINFER_GDN_STATE_EARLY=0`` turns it
 #: off): Qwen3.5-35B-A3B's batch-1 step 3.090 -> 3.074 ms on an H100, two rounds each; the 9B's unchanged
 #: (docs/benchmarks.md, twenty-ninth session).
@@ -349,7 +347,8 @@ def conv_prefill(
 
 @triton.jit
 def _load_qkv(base, hk, hv, key_dim, kcols, vcols, scale, DK: tl.constexpr, DV: tl.constexpr):
-    """One token's q, k (L2-normalised, q scaled) of key head ``hk`` and v columns of value head ``hv``."""
+    """One token's q, k (L2-normalised with ``delta_rule.l2_normalise``'s epsilon, q scaled) of key head
+    ``hk`` and v columns of value head ``hv``."""
     q = tl.load(base + hk * DK + kcols).to(tl.float32)
     k = tl.load(base + key_dim + hk * DK + kcols).to(tl.float32)
     v = tl.load(base + 2 * key_dim + hv * DV + vcols).to(tl.float32)

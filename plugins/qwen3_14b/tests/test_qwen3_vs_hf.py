@@ -14,8 +14,6 @@ from pegainfer.testing.conformance import (
     unused_checkpoint_tensors,
 )
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-
 
 @pytest.fixture(scope="module")
 def llm(tiny_qwen3):
