@@ -73,6 +73,11 @@ class _SamplingFields(_Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every streamed chunk too (vLLM's extension; it needs ``include_usage``)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
     def sampling_params(
         self,
         defaults: SamplingParams,

@@ -174,14 +174,21 @@ class ServingBase:
         stream: RequestStream,
         chunks: Any,
         usage_chunk: Any | None,
+        continuous_usage: bool = False,
     ) -> AsyncIterator[str]:
         """SSE events: ``chunks(index, completion, output)`` gives each output's chunk dicts, then a usage
-        chunk when asked, then ``[DONE]``. An engine failure becomes an error event; leaving aborts."""
+        chunk when asked, then ``[DONE]``. ``continuous_usage`` (with a ``usage_chunk``): every chunk also
+        carries the usage so far, as vLLM's ``stream_options.continuous_usage_stats`` does. An engine
+        failure becomes an error event; leaving aborts."""
         n = stream.params.n
         sent_finish: set[int] = set()
         prompt_tokens: dict[int, int] = {}
         cached_tokens: dict[int, int] = {}
         completion_tokens = 0
+
+        def counts_of(completion_tokens: int) -> dict[str, Any]:
+            return usage(sum(prompt_tokens.values()), completion_tokens, sum(cached_tokens.values()))
+
         try:
             async for index, output in stream:
                 prompt_tokens.setdefault(index, len(output.prompt_token_ids))
@@ -198,10 +205,11 @@ class ServingBase:
                     if completion.finish_reason is not None:
                         sent_finish.add(choice)
                     for chunk in chunks(choice, completion, output):
+                        if continuous_usage and usage_chunk is not None:
+                            chunk["usage"] = usage_chunk(counts_of(completion_tokens))["usage"]
                         yield sse(chunk)
             if usage_chunk is not None:
-                counts = usage(sum(prompt_tokens.values()), completion_tokens, sum(cached_tokens.values()))
-                yield sse(usage_chunk(counts))
+                yield sse(usage_chunk(counts_of(completion_tokens)))
             yield DONE
         except (EngineDeadError, EngineStoppedError) as exc:
             yield sse(_in_flight_error(exc).body())

@@ -132,7 +132,8 @@ class ChatServing(ServingBase):
             for i in range(body.n):
                 role = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
                 yield sse(base([{**role, "finish_reason": None}]))
-            async for event in self.stream_events(stream, chunks, usage_chunk if include_usage else None):
+            usage_of = usage_chunk if include_usage else None
+            async for event in self.stream_events(stream, chunks, usage_of, body.continuous_usage):
                 yield event
         finally:
             stream.abort()  # a no-op once finished; frees the pages at once when the client left

@@ -177,7 +177,9 @@ class CompletionServing(ServingBase):
                 counts = usage(counts["prompt_tokens"], 0, counts["prompt_tokens_details"]["cached_tokens"])
             return {**base([]), "usage": counts}
 
-        return self.stream_events(stream, chunks, usage_chunk if include_usage else None)
+        return self.stream_events(
+            stream, chunks, usage_chunk if include_usage else None, body.continuous_usage
+        )
 
 
 def _visible(completion: CompletionOutput, drop_generated: bool) -> CompletionOutput:

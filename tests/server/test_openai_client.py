@@ -43,6 +43,31 @@ def test_completion_greedy_matches_offline_engine(
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
 
 
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_continuous_usage_stats_count_the_tokens_so_far(client: openai.OpenAI, model: str, api: str) -> None:
+    """``stream_options.continuous_usage_stats`` (vLLM's): every content chunk carries the usage so far,
+    the completion tokens growing to the final usage chunk's."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    if api == "completions":
+        stream = client.completions.create(
+            model=model, prompt=PROMPT_IDS, max_tokens=6, stream=True, stream_options=options, **GREEDY
+        )
+    else:
+        messages = [{"role": "user", "content": "Hi there!"}]
+        stream = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=6, stream=True, stream_options=options, **GREEDY
+        )
+    chunks = list(stream)
+    final = chunks[-1].usage
+    assert chunks[-1].choices == [] and final.completion_tokens == 6
+    content = [c for c in chunks[:-1] if c.usage is not None]
+    assert content and all(c.choices for c in content)
+    counts = [c.usage.completion_tokens for c in content]
+    assert counts == sorted(counts) and counts[-1] == 6 and counts[0] >= 1
+    assert {c.usage.prompt_tokens for c in content} == {final.prompt_tokens}
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in content)
+
+
 def test_completion_text_prompt_list_and_n(client: openai.OpenAI, model: str) -> None:
     out = client.completions.create(
         model=model, prompt=["Hello there", "The lighthouse"], n=2, max_tokens=5, temperature=1.0, seed=3
