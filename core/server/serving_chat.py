@@ -15,6 +15,7 @@ from pegainfer.server.errors import APIError, to_api_error
 from pegainfer.server.protocol import ChatCompletionRequest
 from pegainfer.server.serving import ServingBase, chat_logprobs, created, has_news, usage
 from pegainfer.server.streaming import sse, sse_response
+from pegainfer.server.tool_calls import ToolCallStream, speaks_hermes, split_tool_calls
 
 # Names apply_chat_template takes itself; chat_template_kwargs may not override them.
 _RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "chat_template"}
@@ -29,11 +30,22 @@ class ChatServing(ServingBase):
         inputs = [PromptInput(self.encode(text, add_special_tokens=False), text, body.cache_salt)]
         params = self.sampling_params(body, body.requested_max_tokens, body.num_logprobs)
         request_id = self.new_id()
+        tools = self._parses_tool_calls(body)
         stream = await self.submit(request_id, inputs, params)
         if body.stream:
-            return sse_response(self._events(body, request_id, stream))
+            return sse_response(self._events(body, request_id, stream, tools))
         finals = await self.collect(stream, raw)
-        return JSONResponse(self._response(body, request_id, finals[0]))
+        return JSONResponse(self._response(body, request_id, finals[0], tools))
+
+    def _parses_tool_calls(self, body: ChatCompletionRequest) -> bool:
+        """Whether the answer's tool-call blocks become ``tool_calls``: tools offered, not refused, and a
+        template that asks for the Hermes form (``tool_calls``); other templates' answers stay text."""
+        if not body.tools or body.tool_choice == "none":
+            return False
+        try:
+            return speaks_hermes(self.tokenizer.chat_template_source(tools=body.tools))
+        except RequestError:
+            return False
 
     def render(self, body: ChatCompletionRequest) -> str:
         """The prompt text, rendered as transformers renders it (the template adds the special tokens)."""
@@ -63,16 +75,23 @@ class ChatServing(ServingBase):
         return text
 
     def _response(
-        self, body: ChatCompletionRequest, request_id: str, output: RequestOutput
+        self, body: ChatCompletionRequest, request_id: str, output: RequestOutput, tools: bool
     ) -> dict[str, Any]:
         choices = []
         for completion in output.outputs:
+            message: dict[str, Any] = {"role": "assistant", "content": completion.text}
+            finish = completion.finish_reason
+            if tools:
+                content, calls = split_tool_calls(completion.text)
+                if calls:
+                    message = {"role": "assistant", "content": content.strip() or None, "tool_calls": calls}
+                    finish = _finish_with_calls(finish)
             choices.append(
                 {
                     "index": completion.index,
-                    "message": {"role": "assistant", "content": completion.text},
+                    "message": message,
                     "logprobs": self._logprobs(body, completion),
-                    "finish_reason": completion.finish_reason,
+                    "finish_reason": finish,
                     "stop_reason": completion.stop_reason,
                 }
             )
@@ -94,10 +113,12 @@ class ChatServing(ServingBase):
         return chat_logprobs(completion.token_ids, completion.logprobs, k)
 
     async def _events(
-        self, body: ChatCompletionRequest, request_id: str, stream: RequestStream
+        self, body: ChatCompletionRequest, request_id: str, stream: RequestStream, tools: bool
     ) -> AsyncIterator[str]:
         stamp = created()
         include_usage = body.include_usage
+        parsers: dict[int, ToolCallStream] = {}
+        calls_made: dict[int, int] = {}
 
         def base(choices: list[dict[str, Any]]) -> dict[str, Any]:
             chunk = {
@@ -114,12 +135,27 @@ class ChatServing(ServingBase):
         def chunks(choice: int, completion: CompletionOutput, output: RequestOutput) -> list[dict[str, Any]]:
             if not has_news(completion):
                 return []
-            delta = {"content": completion.text} if completion.text else {}
+            text, calls, finish = completion.text, [], completion.finish_reason
+            if tools:
+                parser = parsers.setdefault(choice, ToolCallStream())
+                text, calls = parser.feed(text)
+                if finish is not None:
+                    text += parser.finish()[0]
+                first = calls_made.get(choice, 0)
+                calls = [{"index": first + i, **call} for i, call in enumerate(calls)]
+                calls_made[choice] = first + len(calls)
+                if calls_made[choice]:
+                    finish = _finish_with_calls(finish)
+                if not (text or calls or finish or completion.logprobs):
+                    return []  # held back: it may be the start of a tool call
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if calls:
+                delta["tool_calls"] = calls
             item = {
                 "index": choice,
                 "delta": delta,
                 "logprobs": self._logprobs(body, completion),
-                "finish_reason": completion.finish_reason,
+                "finish_reason": finish,
                 "stop_reason": completion.stop_reason,
             }
             return [base([item])]
@@ -137,3 +173,8 @@ class ChatServing(ServingBase):
                 yield event
         finally:
             stream.abort()  # a no-op once finished; frees the pages at once when the client left
+
+
+def _finish_with_calls(finish: str | None) -> str | None:
+    """OpenAI's finish reason for an answer that made tool calls: "tool_calls" where it stopped by itself."""
+    return "tool_calls" if finish == "stop" else finish

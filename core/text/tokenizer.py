@@ -184,6 +184,12 @@ class Tokenizer:
         )
         return self.encode(text, add_special_tokens=False)
 
+    def chat_template_source(
+        self, chat_template: str | None = None, tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> str:
+        """The source of the template :meth:`apply_chat_template` renders with these arguments."""
+        return self._select_template(chat_template, tools)[0]
+
     def _select_template(self, chat_template: str | None, tools: object) -> tuple[str, bool]:
         if chat_template is not None:
             if chat_template in self._chat_templates:

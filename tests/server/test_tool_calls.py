@@ -1,0 +1,150 @@
+"""Hermes tool calls (``<tool_call>{json}</tool_call>``) turned into OpenAI's ``tool_calls``: the parser on
+whole and streamed text, and the chat answer built from a model's text (whole and streamed), since a
+tiny random model cannot be made to write a call through the real server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from pegainfer.engine.outputs import CompletionOutput, RequestOutput
+from pegainfer.server.protocol import ChatCompletionRequest
+from pegainfer.server.serving_chat import ChatServing
+from pegainfer.server.tool_calls import ToolCallStream, speaks_hermes, split_tool_calls
+from pegainfer.text.tiny_tokenizer import CHAT_TEMPLATE
+
+WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}'
+ANSWER = (
+    f"Let me look.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n" + '{"name": "now"}\n</tool_call>'
+)
+
+
+def _names_and_arguments(calls: list[dict]) -> list[tuple[str, dict]]:
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def test_whole_answer_splits_into_text_and_calls() -> None:
+    content, calls = split_tool_calls(ANSWER)
+    assert content == "Let me look.\n\n"
+    assert _names_and_arguments(calls) == [("get_weather", {"city": "Paris", "unit": "C"}), ("now", {})]
+    assert len({c["id"] for c in calls}) == 2
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<tool_call>\nnot json\n</tool_call>",  # not JSON
+        '<tool_call>["get_weather"]</tool_call>',  # not an object
+        '<tool_call>{"arguments": {}}</tool_call>',  # no name
+        'Almost: <tool_call>{"name": "f"}',  # never closed
+        "ends on half a tag <tool_",
+    ],
+    ids=["not-json", "not-object", "no-name", "unclosed", "partial-tag"],
+)
+def test_what_is_not_a_call_stays_text(text: str) -> None:
+    assert split_tool_calls(text) == (text, [])
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+def test_streamed_deltas_give_the_whole_answers_split(size: int) -> None:
+    stream, content, calls = ToolCallStream(), "", []
+    for i in range(0, len(ANSWER), size):
+        text, made = stream.feed(ANSWER[i : i + size])
+        assert "<tool" not in text  # nothing of a block leaks out as text
+        content, calls = content + text, calls + made
+    rest, more = stream.finish()
+    assert (rest, more) == ("", [])
+    whole_content, whole_calls = split_tool_calls(ANSWER)
+    assert content == whole_content
+    assert _names_and_arguments(calls) == _names_and_arguments(whole_calls)
+
+
+def test_the_templates_that_ask_for_hermes_calls() -> None:
+    assert speaks_hermes(CHAT_TEMPLATE)
+    assert not speaks_hermes("{% for m in messages %}{{ m.content }}{% endfor %}")
+
+
+# ------------------------------------------------------------------------------ the chat answer
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+def _serving() -> ChatServing:
+    serving = ChatServing.__new__(ChatServing)  # no engine: only the answer's form is under test
+    serving.model_name = "tiny"
+    serving.tokenizer = SimpleNamespace(chat_template_source=lambda tools=None: CHAT_TEMPLATE)
+    return serving
+
+
+def _body(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS, **fields}
+    )
+
+
+def _output(text: str, finish: str | None = "stop") -> RequestOutput:
+    return RequestOutput("r", None, [1, 2], [CompletionOutput(0, text, [3, 4], finish_reason=finish)], True)
+
+
+def test_answer_carries_tool_calls_and_their_finish_reason() -> None:
+    serving, body = _serving(), _body()
+    tools = serving._parses_tool_calls(body)
+    choice = serving._response(body, "chatcmpl-1", _output(ANSWER), tools)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Let me look."
+    assert [name for name, _ in _names_and_arguments(choice["message"]["tool_calls"])] == [
+        "get_weather",
+        "now",
+    ]
+    # Cut by max_tokens the reason stays "length"; a refused tool_choice leaves the text alone.
+    assert (
+        serving._response(body, "c", _output(ANSWER, "length"), tools)["choices"][0]["finish_reason"]
+        == "length"
+    )
+    refused = _body(tool_choice="none")
+    assert not serving._parses_tool_calls(refused) and not serving._parses_tool_calls(_body(tools=None))
+    plain = serving._response(refused, "c", _output(ANSWER), False)["choices"][0]
+    assert plain["message"] == {"role": "assistant", "content": ANSWER} and plain["finish_reason"] == "stop"
+
+
+class _Stream:
+    """A RequestStream's surface as ``stream_events`` reads it, replaying fixed outputs."""
+
+    params = SimpleNamespace(n=1)
+
+    def __init__(self, outputs: list[RequestOutput]) -> None:
+        self._outputs = outputs
+
+    async def __aiter__(self):
+        for output in self._outputs:
+            yield 0, output
+
+    def abort(self) -> None:
+        pass
+
+
+def test_streamed_answer_sends_calls_as_deltas() -> None:
+    pieces = [ANSWER[i : i + 5] for i in range(0, len(ANSWER), 5)]
+    outputs = [_output(piece, "stop" if i == len(pieces) - 1 else None) for i, piece in enumerate(pieces)]
+    serving = _serving()
+
+    async def events() -> list[dict]:
+        return [
+            json.loads(e[len("data: ") :])
+            async for e in serving._events(_body(stream=True), "chatcmpl-1", _Stream(outputs), True)
+            if e.startswith("data: {")
+        ]
+
+    chunks = asyncio.run(events())
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0]["role"] == "assistant"
+    assert "".join(d.get("content") or "" for d in deltas) == "Let me look.\n\n"
+    calls = [call for d in deltas for call in d.get("tool_calls", [])]
+    assert [c["index"] for c in calls] == [0, 1]
+    assert [name for name, _ in _names_and_arguments(calls)] == ["get_weather", "now"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
