@@ -15,7 +15,7 @@ from pegainfer.server.errors import APIError, to_api_error
 from pegainfer.server.protocol import ChatCompletionRequest
 from pegainfer.server.serving import ServingBase, chat_logprobs, created, has_news, usage
 from pegainfer.server.streaming import sse, sse_response
-from pegainfer.server.tool_calls import ToolCallStream, speaks_hermes, split_tool_calls
+from pegainfer.server.tool_calls import ToolCallStream, asks_for_tool_call_blocks, split_tool_calls
 
 # Names apply_chat_template takes itself; chat_template_kwargs may not override them.
 _RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "chat_template"}
@@ -39,11 +39,12 @@ class ChatServing(ServingBase):
 
     def _parses_tool_calls(self, body: ChatCompletionRequest) -> bool:
         """Whether the answer's tool-call blocks become ``tool_calls``: tools offered, not refused, and a
-        template that asks for the Hermes form (``tool_calls``); other templates' answers stay text."""
+        template that asks for ``<tool_call>`` blocks (``tool_calls``); other templates' answers stay text.
+        ``parallel_tool_calls: false`` keeps the first call only."""
         if not body.tools or body.tool_choice == "none":
             return False
         try:
-            return speaks_hermes(self.tokenizer.chat_template_source(tools=body.tools))
+            return asks_for_tool_call_blocks(self.tokenizer.chat_template_source(tools=body.tools))
         except RequestError:
             return False
 
@@ -84,7 +85,8 @@ class ChatServing(ServingBase):
             if tools:
                 content, calls = split_tool_calls(completion.text)
                 if calls:
-                    message = {"role": "assistant", "content": content.strip() or None, "tool_calls": calls}
+                    calls = calls[:1] if body.parallel_tool_calls is False else calls
+                    message = {"role": "assistant", "content": content or None, "tool_calls": calls}
                     finish = _finish_with_calls(finish)
             choices.append(
                 {
@@ -140,8 +142,11 @@ class ChatServing(ServingBase):
                 parser = parsers.setdefault(choice, ToolCallStream())
                 text, calls = parser.feed(text)
                 if finish is not None:
-                    text += parser.finish()[0]
+                    rest, more = parser.finish()
+                    text, calls = text + rest, calls + more
                 first = calls_made.get(choice, 0)
+                if body.parallel_tool_calls is False:  # one call at most
+                    calls = calls[: max(0, 1 - first)]
                 calls = [{"index": first + i, **call} for i, call in enumerate(calls)]
                 calls_made[choice] = first + len(calls)
                 if calls_made[choice]:

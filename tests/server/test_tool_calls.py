@@ -1,6 +1,7 @@
-"""Hermes tool calls (``<tool_call>{json}</tool_call>``) turned into OpenAI's ``tool_calls``: the parser on
-whole and streamed text, and the chat answer built from a model's text (whole and streamed), since a
-tiny random model cannot be made to write a call through the real server."""
+"""``<tool_call>`` blocks (JSON bodies as Qwen3's template asks, XML-like ones as Qwen3.5's) turned into
+OpenAI's ``tool_calls``: the parser on whole and streamed text, and the chat answer built from a model's
+text (whole and streamed), since a tiny random model cannot be made to write a call through the real
+server."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from pegainfer.engine.outputs import CompletionOutput, RequestOutput
 from pegainfer.server.protocol import ChatCompletionRequest
 from pegainfer.server.serving_chat import ChatServing
-from pegainfer.server.tool_calls import ToolCallStream, speaks_hermes, split_tool_calls
+from pegainfer.server.tool_calls import ToolCallStream, asks_for_tool_call_blocks, split_tool_calls
 from pegainfer.text.tiny_tokenizer import CHAT_TEMPLATE
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}'
@@ -27,45 +28,71 @@ def _names_and_arguments(calls: list[dict]) -> list[tuple[str, dict]]:
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
 
+XML_CALL = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n<parameter=note>\nline one\nline two\n</parameter>\n"
+    "</function>\n</tool_call>"
+)
+
+
 def test_whole_answer_splits_into_text_and_calls() -> None:
     content, calls = split_tool_calls(ANSWER)
-    assert content == "Let me look.\n\n"
+    assert content == "Let me look."
     assert _names_and_arguments(calls) == [("get_weather", {"city": "Paris", "unit": "C"}), ("now", {})]
     assert len({c["id"] for c in calls}) == 2
+
+
+def test_xml_bodies_and_their_typed_values() -> None:
+    content, calls = split_tool_calls("Checking." + XML_CALL)
+    assert content == "Checking."
+    assert _names_and_arguments(calls) == [
+        ("get_weather", {"city": "Paris", "days": 3, "note": "line one\nline two"})
+    ]
+
+
+def test_a_block_cut_before_its_closing_tag_is_still_a_call() -> None:
+    """A ``</tool_call>`` stop string (or a length cut) ends the answer inside the block."""
+    cut = '<tool_call>\n{"name": "f", "arguments": null}\n'
+    assert _names_and_arguments(split_tool_calls(cut)[1]) == [("f", {})]
+    assert _names_and_arguments(split_tool_calls(XML_CALL[: -len("</tool_call>")])[1])[0][0] == "get_weather"
 
 
 @pytest.mark.parametrize(
     "text",
     [
-        "<tool_call>\nnot json\n</tool_call>",  # not JSON
+        "<tool_call>\nnot json\n</tool_call>",  # neither form
         '<tool_call>["get_weather"]</tool_call>',  # not an object
         '<tool_call>{"arguments": {}}</tool_call>',  # no name
-        'Almost: <tool_call>{"name": "f"}',  # never closed
+        'Almost: <tool_call>{"name": "f"',  # never closed, and no call
         "ends on half a tag <tool_",
+        "spaces at the end stay  \n",
     ],
-    ids=["not-json", "not-object", "no-name", "unclosed", "partial-tag"],
+    ids=["not-a-call", "not-object", "no-name", "unclosed", "partial-tag", "trailing-space"],
 )
 def test_what_is_not_a_call_stays_text(text: str) -> None:
     assert split_tool_calls(text) == (text, [])
 
 
 @pytest.mark.parametrize("size", [1, 3, 7, 1000])
-def test_streamed_deltas_give_the_whole_answers_split(size: int) -> None:
+@pytest.mark.parametrize(
+    "answer", [ANSWER, "\n" + XML_CALL + "\n\n" + ANSWER + " and done. "], ids=["json", "mixed"]
+)
+def test_streamed_deltas_give_the_whole_answers_split(size: int, answer: str) -> None:
     stream, content, calls = ToolCallStream(), "", []
-    for i in range(0, len(ANSWER), size):
-        text, made = stream.feed(ANSWER[i : i + size])
+    for i in range(0, len(answer), size):
+        text, made = stream.feed(answer[i : i + size])
         assert "<tool" not in text  # nothing of a block leaks out as text
         content, calls = content + text, calls + made
     rest, more = stream.finish()
-    assert (rest, more) == ("", [])
-    whole_content, whole_calls = split_tool_calls(ANSWER)
+    content, calls = content + rest, calls + more
+    whole_content, whole_calls = split_tool_calls(answer)
     assert content == whole_content
     assert _names_and_arguments(calls) == _names_and_arguments(whole_calls)
 
 
 def test_the_templates_that_ask_for_hermes_calls() -> None:
-    assert speaks_hermes(CHAT_TEMPLATE)
-    assert not speaks_hermes("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert asks_for_tool_call_blocks(CHAT_TEMPLATE)
+    assert not asks_for_tool_call_blocks("{% for m in messages %}{{ m.content }}{% endfor %}")
 
 
 # ------------------------------------------------------------------------------ the chat answer
@@ -97,6 +124,10 @@ def test_answer_carries_tool_calls_and_their_finish_reason() -> None:
     choice = serving._response(body, "chatcmpl-1", _output(ANSWER), tools)["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["content"] == "Let me look."
+    only_calls = serving._response(body, "c", _output("\n" + XML_CALL + "\n"), tools)["choices"][0]["message"]
+    assert only_calls["content"] is None and len(only_calls["tool_calls"]) == 1
+    one = serving._response(_body(parallel_tool_calls=False), "c", _output(ANSWER), tools)["choices"][0]
+    assert [c["function"]["name"] for c in one["message"]["tool_calls"]] == ["get_weather"]
     assert [name for name, _ in _names_and_arguments(choice["message"]["tool_calls"])] == [
         "get_weather",
         "now",
@@ -143,7 +174,7 @@ def test_streamed_answer_sends_calls_as_deltas() -> None:
     chunks = asyncio.run(events())
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert deltas[0]["role"] == "assistant"
-    assert "".join(d.get("content") or "" for d in deltas) == "Let me look.\n\n"
+    assert "".join(d.get("content") or "" for d in deltas) == "Let me look."
     calls = [call for d in deltas for call in d.get("tool_calls", [])]
     assert [c["index"] for c in calls] == [0, 1]
     assert [name for name, _ in _names_and_arguments(calls)] == ["get_weather", "now"]
