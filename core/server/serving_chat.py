@@ -33,7 +33,8 @@ class ChatServing(ServingBase):
         tools = self._parses_tool_calls(body)
         stream = await self.submit(request_id, inputs, params)
         if body.stream:
-            return sse_response(self._events(body, request_id, stream, tools))
+            prompt_tokens = len(inputs[0].prompt_token_ids)
+            return sse_response(self._events(body, request_id, stream, tools, prompt_tokens))
         finals = await self.collect(stream, raw)
         return JSONResponse(self._response(body, request_id, finals[0], tools))
 
@@ -115,7 +116,12 @@ class ChatServing(ServingBase):
         return chat_logprobs(completion.token_ids, completion.logprobs, k)
 
     async def _events(
-        self, body: ChatCompletionRequest, request_id: str, stream: RequestStream, tools: bool
+        self,
+        body: ChatCompletionRequest,
+        request_id: str,
+        stream: RequestStream,
+        tools: bool,
+        prompt_tokens: int,
     ) -> AsyncIterator[str]:
         stamp = created()
         include_usage = body.include_usage
@@ -172,7 +178,10 @@ class ChatServing(ServingBase):
         try:
             for i in range(body.n):
                 role = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
-                yield sse(base([{**role, "finish_reason": None}]))
+                chunk = base([{**role, "finish_reason": None}])
+                if body.continuous_usage:  # before any token: the prompt's (its cached part not yet known)
+                    chunk["usage"] = usage(prompt_tokens, 0)
+                yield sse(chunk)
             usage_of = usage_chunk if include_usage else None
             async for event in self.stream_events(stream, chunks, usage_of, body.continuous_usage):
                 yield event

@@ -60,6 +60,11 @@ def test_continuous_usage_stats_count_the_tokens_so_far(client: openai.OpenAI, m
     chunks = list(stream)
     final = chunks[-1].usage
     assert chunks[-1].choices == [] and final.completion_tokens == 6
+    if api == "chat":  # the role chunk, before any token: the prompt alone
+        role = chunks[0]
+        assert role.choices[0].delta.role == "assistant" and role.usage.completion_tokens == 0
+        assert role.usage.prompt_tokens == final.prompt_tokens
+        chunks = chunks[1:]
     content = [c for c in chunks[:-1] if c.usage is not None]
     assert content and all(c.choices for c in content)
     counts = [c.usage.completion_tokens for c in content]

@@ -167,7 +167,7 @@ def test_streamed_answer_sends_calls_as_deltas() -> None:
     async def events() -> list[dict]:
         return [
             json.loads(e[len("data: ") :])
-            async for e in serving._events(_body(stream=True), "chatcmpl-1", _Stream(outputs), True)
+            async for e in serving._events(_body(stream=True), "chatcmpl-1", _Stream(outputs), True, 2)
             if e.startswith("data: {")
         ]
 
