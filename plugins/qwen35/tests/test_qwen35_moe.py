@@ -29,33 +29,40 @@ def _config() -> Qwen35Config:
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def blocks():
+def _random_blocks(config: Qwen35Config, seed: int):
+    """Our block with random weights, the shared expert as pieces after the routed experts (zero-padded to
+    whole pieces), and transformers' block holding the same weights."""
     from transformers import Qwen3_5MoeTextConfig
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
 
-    gen = torch.Generator().manual_seed(0)
-    ours = SparseMoE(_config(), torch.float32)
+    h, e, i_s = config.hidden_size, config.num_experts, config.shared_expert_intermediate_size
+    gen = torch.Generator().manual_seed(seed)
+    ours = SparseMoE(config, torch.float32)
     for p in ours.parameters():
         p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
-    # The shared expert as two pieces after the routed experts (IS = 24 features as 2 x 16, zero-padded).
-    shared = [torch.randn(IS, H, generator=gen) * H**-0.5 for _ in range(2)]
-    shared.append(torch.randn(H, IS, generator=gen) * IS**-0.5)
+    shared = [torch.randn(i_s, h, generator=gen) * h**-0.5 for _ in range(2)]
+    shared.append(torch.randn(h, i_s, generator=gen) * i_s**-0.5)
     ours._load_shared(*shared)
     hf_config = Qwen3_5MoeTextConfig(
-        hidden_size=H, num_experts=E, num_experts_per_tok=K, moe_intermediate_size=IE,
-        shared_expert_intermediate_size=IS,
+        hidden_size=h, num_experts=e, num_experts_per_tok=config.num_experts_per_tok,
+        moe_intermediate_size=config.moe_intermediate_size, shared_expert_intermediate_size=i_s,
     )  # fmt: skip
     ref = Qwen3_5MoeSparseMoeBlock(hf_config).eval()
     with torch.no_grad():
-        ref.gate.weight.copy_(ours.router[:E])
-        ref.experts.gate_up_proj.copy_(ours.experts_gate_up[:E])
-        ref.experts.down_proj.copy_(ours.experts_down[:E])
+        ref.gate.weight.copy_(ours.router[:e])
+        ref.experts.gate_up_proj.copy_(ours.experts_gate_up[:e])
+        ref.experts.down_proj.copy_(ours.experts_down[:e])
         ref.shared_expert.gate_proj.weight.copy_(shared[0])
         ref.shared_expert.up_proj.weight.copy_(shared[1])
         ref.shared_expert.down_proj.weight.copy_(shared[2])
-        ref.shared_expert_gate.weight.copy_(ours.router[E:])
+        ref.shared_expert_gate.weight.copy_(ours.router[e:])
     return ours, ref
+
+
+@pytest.fixture(scope="module")
+def blocks():
+    """The shared expert's 24 features as two 16-feature pieces."""
+    return _random_blocks(_config(), 0)
 
 
 @pytest.mark.parametrize("static_shapes", [False, True], ids=["grouped", "static"])
@@ -98,9 +105,6 @@ def test_block_norms_its_rows_as_transformers_block_sees_them(in_router, monkeyp
     normed row, and the normed row is in ``bufs.normed``."""
     import dataclasses
 
-    from transformers import Qwen3_5MoeTextConfig
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
-
     from pegainfer.kernels import skinny_gemm
     from pegainfer_qwen35 import moe as moe_module
 
@@ -109,22 +113,8 @@ def test_block_norms_its_rows_as_transformers_block_sees_them(in_router, monkeyp
         _config(), hidden_size=h, num_experts=e, num_experts_per_tok=k, moe_intermediate_size=ie,
         shared_expert_intermediate_size=ie,
     )  # fmt: skip
-    gen = torch.Generator().manual_seed(4)
-    hf_config = Qwen3_5MoeTextConfig(
-        hidden_size=h, num_experts=e, num_experts_per_tok=k, moe_intermediate_size=ie,
-        shared_expert_intermediate_size=ie,
-    )  # fmt: skip
-    ref = Qwen3_5MoeSparseMoeBlock(hf_config).eval()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
-    ours = SparseMoE(config, torch.float32)
-    with torch.no_grad():
-        ours.router.copy_(torch.cat([ref.gate.weight, ref.shared_expert_gate.weight]))
-        ours.experts_gate_up[:e].copy_(ref.experts.gate_up_proj)
-        ours.experts_down[:e].copy_(ref.experts.down_proj)
-    s = ref.shared_expert
-    ours._load_shared(s.gate_proj.weight.detach(), s.up_proj.weight.detach(), s.down_proj.weight.detach())
+    ours, ref = _random_blocks(config, 4)
+    gen = torch.Generator().manual_seed(5)
     norm_weight = 0.1 * torch.randn(h, generator=gen)
 
     x = 2 * torch.randn(1, h, generator=gen) + 0.5
