@@ -186,7 +186,7 @@ class ServingBase:
         cached_tokens: dict[int, int] = {}
         completion_tokens = 0
 
-        def counts_of(completion_tokens: int) -> dict[str, Any]:
+        def counts() -> dict[str, Any]:  # the usage so far
             return usage(sum(prompt_tokens.values()), completion_tokens, sum(cached_tokens.values()))
 
         try:
@@ -206,10 +206,10 @@ class ServingBase:
                         sent_finish.add(choice)
                     for chunk in chunks(choice, completion, output):
                         if continuous_usage and usage_chunk is not None:
-                            chunk["usage"] = usage_chunk(counts_of(completion_tokens))["usage"]
+                            chunk["usage"] = usage_chunk(counts())["usage"]
                         yield sse(chunk)
             if usage_chunk is not None:
-                yield sse(usage_chunk(counts_of(completion_tokens)))
+                yield sse(usage_chunk(counts()))
             yield DONE
         except (EngineDeadError, EngineStoppedError) as exc:
             yield sse(_in_flight_error(exc).body())

@@ -40,8 +40,7 @@ class ChatServing(ServingBase):
 
     def _parses_tool_calls(self, body: ChatCompletionRequest) -> bool:
         """Whether the answer's tool-call blocks become ``tool_calls``: tools offered, not refused, and a
-        template that asks for ``<tool_call>`` blocks (``tool_calls``); other templates' answers stay text.
-        ``parallel_tool_calls: false`` keeps the first call only."""
+        template that asks for ``<tool_call>`` blocks (``tool_calls``); other templates' answers stay text."""
         if not body.tools or body.tool_choice == "none":
             return False
         try:
@@ -84,9 +83,8 @@ class ChatServing(ServingBase):
             message: dict[str, Any] = {"role": "assistant", "content": completion.text}
             finish = completion.finish_reason
             if tools:
-                content, calls = split_tool_calls(completion.text)
+                content, calls = split_tool_calls(completion.text, _max_calls(body))
                 if calls:
-                    calls = calls[:1] if body.parallel_tool_calls is False else calls
                     message = {"role": "assistant", "content": content or None, "tool_calls": calls}
                     finish = _finish_with_calls(finish)
             choices.append(
@@ -145,14 +143,12 @@ class ChatServing(ServingBase):
                 return []
             text, calls, finish = completion.text, [], completion.finish_reason
             if tools:
-                parser = parsers.setdefault(choice, ToolCallStream())
+                parser = parsers.setdefault(choice, ToolCallStream(_max_calls(body)))
                 text, calls = parser.feed(text)
                 if finish is not None:
                     rest, more = parser.finish()
                     text, calls = text + rest, calls + more
                 first = calls_made.get(choice, 0)
-                if body.parallel_tool_calls is False:  # one call at most
-                    calls = calls[: max(0, 1 - first)]
                 calls = [{"index": first + i, **call} for i, call in enumerate(calls)]
                 calls_made[choice] = first + len(calls)
                 if calls_made[choice]:
@@ -192,3 +188,8 @@ class ChatServing(ServingBase):
 def _finish_with_calls(finish: str | None) -> str | None:
     """OpenAI's finish reason for an answer that made tool calls: "tool_calls" where it stopped by itself."""
     return "tool_calls" if finish == "stop" else finish
+
+
+def _max_calls(body: ChatCompletionRequest) -> int | None:
+    """The most tool calls an answer gives: one where ``parallel_tool_calls`` is false."""
+    return 1 if body.parallel_tool_calls is False else None

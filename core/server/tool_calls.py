@@ -72,9 +72,9 @@ def _call(body: str) -> dict[str, Any] | None:
     }
 
 
-def split_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+def split_tool_calls(text: str, max_calls: int | None = None) -> tuple[str, list[dict[str, Any]]]:
     """(the text outside the tool-call blocks, the calls in order) of a whole answer."""
-    stream = ToolCallStream()
+    stream = ToolCallStream(max_calls)
     content, calls = stream.feed(text)
     rest, more = stream.finish()
     return content + rest, calls + more
@@ -83,9 +83,11 @@ def split_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
 class ToolCallStream:
     """Streamed text in, (content delta, completed calls) out: a block's text is held until its closing
     tag; text that could be the start of an opening tag waits for the next delta, and trailing whitespace
-    for text that is not whitespace."""
+    for text that is not whitespace. ``max_calls`` (``parallel_tool_calls: false`` asks for one): calls past
+    it are dropped."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_calls: int | None = None) -> None:
+        self._left = max_calls  # calls still to give (None: no bound)
         self._pending = ""  # text not yet sent: a partial opening tag, or an open block
         self._in_block = False
         self._called = False
@@ -105,7 +107,7 @@ class ToolCallStream:
                 if call is None:
                     content.append(self._text(OPEN + body + CLOSE))
                 else:
-                    calls.append(call)
+                    calls += self._take(call)
                     self._called = True
                 self._pending = self._pending[end + len(CLOSE) :]
                 self._in_block = False
@@ -129,12 +131,21 @@ class ToolCallStream:
             call = _call(self._pending)
             if call is not None:
                 self._pending, self._in_block, self._space = "", False, ""
-                return "", [call]
+                return "", self._take(call)
         rest = self._text((OPEN if self._in_block else "") + self._pending)
         if not self._called:
             rest += self._space
         self._pending, self._in_block, self._space = "", False, ""
         return rest, []
+
+    def _take(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        """``[call]``, or none past ``max_calls``."""
+        if self._left is None:
+            return [call]
+        if self._left == 0:
+            return []
+        self._left -= 1
+        return [call]
 
     def _text(self, text: str) -> str:
         """Text to send: trailing whitespace is held until text that is not whitespace follows (dropped at

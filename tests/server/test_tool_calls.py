@@ -90,7 +90,19 @@ def test_streamed_deltas_give_the_whole_answers_split(size: int, answer: str) ->
     assert _names_and_arguments(calls) == _names_and_arguments(whole_calls)
 
 
-def test_the_templates_that_ask_for_hermes_calls() -> None:
+def test_calls_past_the_bound_are_dropped_whole_or_streamed() -> None:
+    """``parallel_tool_calls: false``: the first call only, the others neither calls nor text."""
+    stream, content, calls = ToolCallStream(max_calls=1), "", []
+    for i in range(0, len(ANSWER), 4):
+        text, made = stream.feed(ANSWER[i : i + 4])
+        content, calls = content + text, calls + made
+    assert stream.finish() == ("", [])
+    assert split_tool_calls(ANSWER, max_calls=1)[0] == content == "Let me look."
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert [c["function"]["name"] for c in split_tool_calls(ANSWER, max_calls=1)[1]] == ["get_weather"]
+
+
+def test_the_templates_that_ask_for_tool_call_blocks() -> None:
     assert asks_for_tool_call_blocks(CHAT_TEMPLATE)
     assert not asks_for_tool_call_blocks("{% for m in messages %}{{ m.content }}{% endfor %}")
 
