@@ -152,9 +152,8 @@ def distinct_experts(llm, step) -> list[int]:
     route = SparseMoE.route
 
     def counting(self, *args, **kwargs):
-        routed = route(
-            self, *args, **kwargs
-        )  # (normed rows, weights, ids: the top k, then the shared pieces)
+        # (normed rows, weights, ids: the top k, then the shared pieces)
+        routed = route(self, *args, **kwargs)
         ids = routed[2]
         if ids.dtype != torch.int64:
             raise RuntimeError(f"SparseMoE.route's third output is {ids.dtype}, not the int64 expert ids")
