@@ -43,6 +43,24 @@ def test_stop_token_id_ends_the_output(llm):
     assert out.finish_reason == "stop" and out.stop_reason == ref[stop_at]
 
 
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_a_stop_tokens_text_is_left_out_unless_asked_for(llm, skip_special_tokens):
+    """As vLLM: the token that stopped the output is in its ids, its text only with
+    include_stop_str_in_output (so an EOS's marker stays out of a skip_special_tokens=False answer)."""
+    ref = _greedy(llm).token_ids
+    stop_at = next(i for i, t in enumerate(ref) if i >= 3 and t not in ref[:i])
+    decode = llm.get_tokenizer().decode
+    for include in (False, True):
+        params = SamplingParams(
+            temperature=0, max_tokens=20, stop_token_ids=[ref[stop_at]], include_stop_str_in_output=include,
+            skip_special_tokens=skip_special_tokens,
+        )  # fmt: skip
+        out = _one(llm, params).outputs[0]
+        assert out.token_ids == ref[: stop_at + 1]
+        kept = ref[: stop_at + 1] if include else ref[:stop_at]
+        assert out.text == decode(kept, skip_special_tokens=skip_special_tokens)
+
+
 def test_min_tokens_bans_stop_ids_until_reached(llm):
     ref = _greedy(llm).token_ids
     first = ref[0]

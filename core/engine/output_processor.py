@@ -123,8 +123,12 @@ class OutputProcessor:
             # Before min_tokens no stop condition applies (the sampler already bans EOS and stop ids), stop
             # strings included, as in vLLM.
             check = num_tokens >= request.min_num_tokens
+            stop_token = check and token in request.stop_ids
+            # A stop token's text (EOS, stop_token_ids) is no part of the output unless
+            # include_stop_str_in_output asks for it, as vLLM has it (skip_special_tokens=False included).
+            keeps_text = not stop_token or request.sampling_params.include_stop_str_in_output
             try:  # a failed request's text still takes its last token
-                stop_str = seq.detokenizer.update_one(token, check)
+                stop_str = seq.detokenizer.update_one(token, check) if keeps_text else None
             except Exception as exc:
                 if request.status not in FINISHED_STATUSES:
                     self.fail(request, exc)
@@ -134,7 +138,7 @@ class OutputProcessor:
             status = None
             if stop_str is not None:
                 status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
-            elif check and token in request.stop_ids:
+            elif stop_token:
                 status = RequestStatus.FINISHED_STOPPED
                 if token in request.sampling_params.stop_token_ids:  # EOS leaves no stop reason
                     request.stop_reason = token

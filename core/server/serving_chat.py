@@ -15,7 +15,7 @@ from pegainfer.server.errors import APIError, to_api_error
 from pegainfer.server.protocol import ChatCompletionRequest
 from pegainfer.server.serving import ServingBase, chat_logprobs, created, has_news, usage
 from pegainfer.server.streaming import sse, sse_response
-from pegainfer.server.tool_calls import ToolCallStream, asks_for_tool_call_blocks, split_tool_calls
+from pegainfer.server.tool_calls import ToolCallFormat, ToolCallStream, split_tool_calls, tool_call_format
 
 # Names apply_chat_template takes itself; chat_template_kwargs may not override them.
 _RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "chat_template"}
@@ -30,7 +30,9 @@ class ChatServing(ServingBase):
         inputs = [PromptInput(self.encode(text, add_special_tokens=False), text, body.cache_salt)]
         params = self.sampling_params(body, body.requested_max_tokens, body.num_logprobs)
         request_id = self.new_id()
-        tools = self._parses_tool_calls(body)
+        tools = self._tool_call_format(body)
+        if tools is not None and tools.special_tokens:
+            params.skip_special_tokens = False  # the calls' markers are special tokens
         stream = await self.submit(request_id, inputs, params)
         if body.stream:
             prompt_tokens = len(inputs[0].prompt_token_ids)
@@ -38,15 +40,15 @@ class ChatServing(ServingBase):
         finals = await self.collect(stream, raw)
         return JSONResponse(self._response(body, request_id, finals[0], tools))
 
-    def _parses_tool_calls(self, body: ChatCompletionRequest) -> bool:
-        """Whether the answer's tool-call blocks become ``tool_calls``: tools offered, not refused, and a
-        template that asks for ``<tool_call>`` blocks (``tool_calls``); other templates' answers stay text."""
+    def _tool_call_format(self, body: ChatCompletionRequest) -> ToolCallFormat | None:
+        """The form whose blocks in the answer become ``tool_calls``: tools offered, not refused, and a
+        template that asks for one (``tool_calls``); None: the answer stays text."""
         if not body.tools or body.tool_choice == "none":
-            return False
+            return None
         try:
-            return asks_for_tool_call_blocks(self.tokenizer.chat_template_source(tools=body.tools))
+            return tool_call_format(self.tokenizer.chat_template_source(tools=body.tools))
         except RequestError:
-            return False
+            return None
 
     def render(self, body: ChatCompletionRequest) -> str:
         """The prompt text, rendered as transformers renders it (the template adds the special tokens)."""
@@ -76,14 +78,18 @@ class ChatServing(ServingBase):
         return text
 
     def _response(
-        self, body: ChatCompletionRequest, request_id: str, output: RequestOutput, tools: bool
+        self,
+        body: ChatCompletionRequest,
+        request_id: str,
+        output: RequestOutput,
+        tools: ToolCallFormat | None,
     ) -> dict[str, Any]:
         choices = []
         for completion in output.outputs:
             message: dict[str, Any] = {"role": "assistant", "content": completion.text}
             finish = completion.finish_reason
-            if tools:
-                content, calls = split_tool_calls(completion.text, _max_calls(body))
+            if tools is not None:
+                content, calls = split_tool_calls(completion.text, tools, _max_calls(body))
                 if calls:
                     message = {"role": "assistant", "content": content or None, "tool_calls": calls}
                     finish = _finish_with_calls(finish)
@@ -118,7 +124,7 @@ class ChatServing(ServingBase):
         body: ChatCompletionRequest,
         request_id: str,
         stream: RequestStream,
-        tools: bool,
+        tools: ToolCallFormat | None,
         prompt_tokens: int,
     ) -> AsyncIterator[str]:
         stamp = created()
@@ -142,8 +148,8 @@ class ChatServing(ServingBase):
             if not has_news(completion):
                 return []
             text, calls, finish = completion.text, [], completion.finish_reason
-            if tools:
-                parser = parsers.setdefault(choice, ToolCallStream(_max_calls(body)))
+            if tools is not None:
+                parser = parsers.setdefault(choice, ToolCallStream(tools, _max_calls(body)))
                 text, calls = parser.feed(text)
                 if finish is not None:
                     rest, more = parser.finish()

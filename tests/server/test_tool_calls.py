@@ -1,5 +1,6 @@
-"""``<tool_call>`` blocks (JSON bodies as Qwen3's template asks, XML-like ones as Qwen3.5's) turned into
-OpenAI's ``tool_calls``: the parser on whole and streamed text, and the chat answer built from a model's
+"""``<tool_call>`` blocks (JSON bodies as Qwen3's template asks, XML-like ones as Qwen3.5's) and
+DeepSeek's special-token blocks (V3's fenced arguments, V3.1's bare ones) turned into OpenAI's
+``tool_calls``: the parser on whole and streamed text, and the chat answer built from a model's
 text (whole and streamed), since a tiny random model cannot be made to write a call through the real
 server."""
 
@@ -14,7 +15,7 @@ import pytest
 from pegainfer.engine.outputs import CompletionOutput, RequestOutput
 from pegainfer.server.protocol import ChatCompletionRequest
 from pegainfer.server.serving_chat import ChatServing
-from pegainfer.server.tool_calls import ToolCallStream, asks_for_tool_call_blocks, split_tool_calls
+from pegainfer.server.tool_calls import DEEPSEEK, QWEN, ToolCallStream, split_tool_calls, tool_call_format
 from pegainfer.text.tiny_tokenizer import CHAT_TEMPLATE
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}'
@@ -36,14 +37,14 @@ XML_CALL = (
 
 
 def test_whole_answer_splits_into_text_and_calls() -> None:
-    content, calls = split_tool_calls(ANSWER)
+    content, calls = split_tool_calls(ANSWER, QWEN)
     assert content == "Let me look."
     assert _names_and_arguments(calls) == [("get_weather", {"city": "Paris", "unit": "C"}), ("now", {})]
     assert len({c["id"] for c in calls}) == 2
 
 
 def test_xml_bodies_and_their_typed_values() -> None:
-    content, calls = split_tool_calls("Checking." + XML_CALL)
+    content, calls = split_tool_calls("Checking." + XML_CALL, QWEN)
     assert content == "Checking."
     assert _names_and_arguments(calls) == [
         ("get_weather", {"city": "Paris", "days": 3, "note": "line one\nline two"})
@@ -53,8 +54,11 @@ def test_xml_bodies_and_their_typed_values() -> None:
 def test_a_block_cut_before_its_closing_tag_is_still_a_call() -> None:
     """A ``</tool_call>`` stop string (or a length cut) ends the answer inside the block."""
     cut = '<tool_call>\n{"name": "f", "arguments": null}\n'
-    assert _names_and_arguments(split_tool_calls(cut)[1]) == [("f", {})]
-    assert _names_and_arguments(split_tool_calls(XML_CALL[: -len("</tool_call>")])[1])[0][0] == "get_weather"
+    assert _names_and_arguments(split_tool_calls(cut, QWEN)[1]) == [("f", {})]
+    assert (
+        _names_and_arguments(split_tool_calls(XML_CALL[: -len("</tool_call>")], QWEN)[1])[0][0]
+        == "get_weather"
+    )
 
 
 @pytest.mark.parametrize(
@@ -70,7 +74,7 @@ def test_a_block_cut_before_its_closing_tag_is_still_a_call() -> None:
     ids=["not-a-call", "not-object", "no-name", "unclosed", "partial-tag", "trailing-space"],
 )
 def test_what_is_not_a_call_stays_text(text: str) -> None:
-    assert split_tool_calls(text) == (text, [])
+    assert split_tool_calls(text, QWEN) == (text, [])
 
 
 @pytest.mark.parametrize("size", [1, 3, 7, 1000])
@@ -78,33 +82,33 @@ def test_what_is_not_a_call_stays_text(text: str) -> None:
     "answer", [ANSWER, "\n" + XML_CALL + "\n\n" + ANSWER + " and done. "], ids=["json", "mixed"]
 )
 def test_streamed_deltas_give_the_whole_answers_split(size: int, answer: str) -> None:
-    stream, content, calls = ToolCallStream(), "", []
+    stream, content, calls = ToolCallStream(QWEN), "", []
     for i in range(0, len(answer), size):
         text, made = stream.feed(answer[i : i + size])
         assert "<tool" not in text  # nothing of a block leaks out as text
         content, calls = content + text, calls + made
     rest, more = stream.finish()
     content, calls = content + rest, calls + more
-    whole_content, whole_calls = split_tool_calls(answer)
+    whole_content, whole_calls = split_tool_calls(answer, QWEN)
     assert content == whole_content
     assert _names_and_arguments(calls) == _names_and_arguments(whole_calls)
 
 
 def test_calls_past_the_bound_are_dropped_whole_or_streamed() -> None:
     """``parallel_tool_calls: false``: the first call only, the others neither calls nor text."""
-    stream, content, calls = ToolCallStream(max_calls=1), "", []
+    stream, content, calls = ToolCallStream(QWEN, max_calls=1), "", []
     for i in range(0, len(ANSWER), 4):
         text, made = stream.feed(ANSWER[i : i + 4])
         content, calls = content + text, calls + made
     assert stream.finish() == ("", [])
-    assert split_tool_calls(ANSWER, max_calls=1)[0] == content == "Let me look."
+    assert split_tool_calls(ANSWER, QWEN, max_calls=1)[0] == content == "Let me look."
     assert [c["function"]["name"] for c in calls] == ["get_weather"]
-    assert [c["function"]["name"] for c in split_tool_calls(ANSWER, max_calls=1)[1]] == ["get_weather"]
+    assert [c["function"]["name"] for c in split_tool_calls(ANSWER, QWEN, max_calls=1)[1]] == ["get_weather"]
 
 
 def test_the_templates_that_ask_for_tool_call_blocks() -> None:
-    assert asks_for_tool_call_blocks(CHAT_TEMPLATE)
-    assert not asks_for_tool_call_blocks("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert tool_call_format(CHAT_TEMPLATE) is QWEN
+    assert tool_call_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None
 
 
 # ------------------------------------------------------------------------------ the chat answer
@@ -132,7 +136,7 @@ def _output(text: str, finish: str | None = "stop") -> RequestOutput:
 
 def test_answer_carries_tool_calls_and_their_finish_reason() -> None:
     serving, body = _serving(), _body()
-    tools = serving._parses_tool_calls(body)
+    tools = serving._tool_call_format(body)
     choice = serving._response(body, "chatcmpl-1", _output(ANSWER), tools)["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["content"] == "Let me look."
@@ -150,8 +154,8 @@ def test_answer_carries_tool_calls_and_their_finish_reason() -> None:
         == "length"
     )
     refused = _body(tool_choice="none")
-    assert not serving._parses_tool_calls(refused) and not serving._parses_tool_calls(_body(tools=None))
-    plain = serving._response(refused, "c", _output(ANSWER), False)["choices"][0]
+    assert serving._tool_call_format(refused) is None and serving._tool_call_format(_body(tools=None)) is None
+    plain = serving._response(refused, "c", _output(ANSWER), None)["choices"][0]
     assert plain["message"] == {"role": "assistant", "content": ANSWER} and plain["finish_reason"] == "stop"
 
 
@@ -179,7 +183,7 @@ def test_streamed_answer_sends_calls_as_deltas() -> None:
     async def events() -> list[dict]:
         return [
             json.loads(e[len("data: ") :])
-            async for e in serving._events(_body(stream=True), "chatcmpl-1", _Stream(outputs), True, 2)
+            async for e in serving._events(_body(stream=True), "chatcmpl-1", _Stream(outputs), QWEN, 2)
             if e.startswith("data: {")
         ]
 
@@ -191,3 +195,89 @@ def test_streamed_answer_sends_calls_as_deltas() -> None:
     assert [c["index"] for c in calls] == [0, 1]
     assert [name for name, _ in _names_and_arguments(calls)] == ["get_weather", "now"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+# ------------------------------------------------------------------------------ DeepSeek's form
+
+V3_CALLS = (
+    "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+    '{"city": "Paris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{}\n```'
+    "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+)
+V31_CALLS = (
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+    '{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜>'
+    "<｜tool▁calls▁end｜>"
+)
+# What DeepSeek-V3's template says of tools (a piece of it): the markers it wants back.
+DEEPSEEK_TEMPLATE = (
+    "{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>'}}"
+)
+
+
+@pytest.mark.parametrize("answer", [V3_CALLS, V31_CALLS], ids=["v3", "v3.1"])
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_deepseek_calls_whole_and_streamed(answer: str, size: int) -> None:
+    content, calls = split_tool_calls(answer, DEEPSEEK)
+    assert content == answer[: answer.index("<｜")]
+    assert _names_and_arguments(calls) == [("get_weather", {"city": "Paris"}), ("now", {})]
+    stream, streamed, streamed_calls = ToolCallStream(DEEPSEEK), "", []
+    for i in range(0, len(answer), size):
+        text, made = stream.feed(answer[i : i + size])
+        assert "<｜" not in text  # no marker leaks out, whole or in part
+        streamed, streamed_calls = streamed + text, streamed_calls + made
+    rest, more = stream.finish()
+    assert streamed + rest == content
+    assert _names_and_arguments(streamed_calls + more) == _names_and_arguments(calls)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "function<｜tool▁sep｜>f\n{}",  # V3 without its fence
+        "function<｜tool▁sep｜>f\n```json\nnot json\n```",
+        "f<｜tool▁sep｜>[1, 2]",  # arguments not an object
+        "<｜tool▁sep｜>{}",  # no name
+        "f {}",  # no separator
+    ],
+)
+def test_deepseek_bodies_that_are_no_call_stay_text(body: str) -> None:
+    text = "<｜tool▁call▁begin｜>" + body + "<｜tool▁call▁end｜>"
+    assert split_tool_calls(text, DEEPSEEK) == (text, [])
+
+
+def test_deepseek_template_asks_for_special_token_calls() -> None:
+    """Its markers are special tokens: the answer must be detokenized keeping them."""
+    assert tool_call_format(DEEPSEEK_TEMPLATE) is DEEPSEEK and DEEPSEEK.special_tokens
+    serving = _serving()
+    serving.tokenizer = SimpleNamespace(chat_template_source=lambda tools=None: DEEPSEEK_TEMPLATE)
+    form = serving._tool_call_format(_body())
+    choice = serving._response(_body(), "c", _output(V31_CALLS), form)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather", "now"]
+
+
+def test_deepseek_tool_requests_keep_special_tokens_in_the_text() -> None:
+    """Only a request whose calls would be parsed in DeepSeek's form changes skip_special_tokens."""
+    from pegainfer import SamplingParams
+
+    serving = _serving()
+    serving.tokenizer = SimpleNamespace(chat_template_source=lambda tools=None: DEEPSEEK_TEMPLATE)
+    submitted = []
+
+    async def submit(request_id, inputs, params):
+        submitted.append(params.skip_special_tokens)
+        return _Stream([])
+
+    async def collect(stream, raw):
+        return {0: _output("plain")}
+
+    serving.check_request = lambda body: None
+    serving.render = lambda body: "prompt"
+    serving.encode = lambda text, add_special_tokens: [1, 2]
+    serving.sampling_params = lambda *args: SamplingParams()
+    serving.new_id = lambda: "chatcmpl-1"
+    serving.submit, serving.collect = submit, collect
+    for body in (_body(), _body(tool_choice="none"), _body(tools=None)):
+        asyncio.run(serving.create(body, raw=None))
+    assert submitted == [False, True, True]
