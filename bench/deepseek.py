@@ -122,18 +122,19 @@ def checkpoint_folder(
     return folder
 
 
-#: (block_h, block_v, block_n, num_warps, num_stages) tilings the MLA decode kernel is timed with; the
-#: first is its default.
+#: (block_h, block_v, block_n, num_warps, num_stages[, tma]) tilings the MLA decode kernel is timed with;
+#: the first is its default.
 MLA_TILINGS = [
     (16, None, 64, 4, 3), (16, None, 64, 4, 2), (16, None, 32, 4, 3), (16, None, 32, 4, 2), (16, None, 64, 8, 3),
     (32, None, 64, 8, 2), (64, None, 32, 8, 2), (64, None, 32, 8, 3), (64, 256, 32, 8, 2),
+    (64, None, 32, 8, 2, True), (64, None, 32, 8, 3, True), (64, None, 64, 8, 1, True), (64, None, 64, 8, 2, True),
 ]  # fmt: skip
 
 
 def tiling_name(tiling: tuple, rkv: int = 512) -> str:
     """A ``MLA_TILINGS`` entry's name in the figures (``block_v`` None: all ``rkv`` features)."""
-    block_h, block_v, block_n, warps, stages = tiling
-    return f"h{block_h}_v{block_v or rkv}_n{block_n}_w{warps}_s{stages}"
+    block_h, block_v, block_n, warps, stages, *tma = tiling
+    return f"h{block_h}_v{block_v or rkv}_n{block_n}_w{warps}_s{stages}" + ("_tma" if any(tma) else "")
 
 
 def mla_operands(batch: int, ctx: int, heads: int, rkv: int = 512, dr: int = 64, page: int = 64):
@@ -158,8 +159,15 @@ def bench_mla_kernel(batch: int, ctx: int, heads: int, copy_bw: float) -> list[d
     ref = mla_decode_attention(q, q_pe, cache, tables, lens, 0.1, max_seq_len=ctx)
     timed = []
     for tiling in MLA_TILINGS:
-        block_h, block_v, block_n, warps, stages = tiling
-        knobs = dict(block_h=block_h, block_v=block_v, block_n=block_n, num_warps=warps, num_stages=stages)
+        block_h, block_v, block_n, warps, stages, *tma = tiling
+        knobs = dict(
+            block_h=block_h,
+            block_v=block_v,
+            block_n=block_n,
+            num_warps=warps,
+            num_stages=stages,
+            tma=any(tma),
+        )
 
         def run(knobs=knobs):
             return mla_decode_attention_triton(q, q_pe, cache, tables, lens, 0.1, max_seq_len=ctx, **knobs)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pegainfer.kernels._triton import (
     cast_to,
@@ -256,6 +257,98 @@ def _mla_decode_partial_kernel(
             tl.store(out_ptrs, cast_to(zeros, out_ptr.dtype.element_ty, FIX), mask=mask_hv)
 
 
+@triton.jit
+def _tma_tile(c_desc, p_desc, table, n0, PAGE: tl.constexpr, HALF: tl.constexpr):
+    """The two halves of a tile's latents and its rope keys, three TMA loads of one page's rows."""
+    r = tl.load(table + n0 // PAGE) * PAGE + n0 % PAGE
+    return c_desc.load([r, 0]), c_desc.load([r, HALF]), p_desc.load([r, 2 * HALF])
+
+
+@triton.jit
+def _tma_step(
+    q0, q1, qp, c0, c1, kp, m_i, l_i, acc0, acc1, scale_log2, valid, TAIL: tl.constexpr, DOT_PREC: tl.constexpr,
+    FIX: tl.constexpr,
+):  # fmt: skip
+    """One tile of the online softmax, the output in two halves; ``TAIL``: keys past the row's end (read
+    by the TMA box, whatever they hold) masked out of the scores and zeroed out of the values."""
+    s = mma(q0, tl.trans(c0), FIX, DOT_PREC) + mma(q1, tl.trans(c1), FIX, DOT_PREC)
+    s = (s + mma(qp, tl.trans(kp), FIX, DOT_PREC)) * scale_log2
+    if TAIL:
+        s = tl.where(valid[None, :], s, float("-inf"))
+        c0 = tl.where(valid[:, None], c0, 0.0)
+        c1 = tl.where(valid[:, None], c1, 0.0)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = cast_to(p, c0.dtype, FIX)
+    acc0 = acc0 * alpha[:, None] + mma(p, c0, FIX, DOT_PREC)
+    acc1 = acc1 * alpha[:, None] + mma(p, c1, FIX, DOT_PREC)
+    return m_new, l_i, acc0, acc1
+
+
+@triton.jit
+def _mla_decode_tma_kernel(
+    q_desc, qp_desc, c_desc, p_desc, tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    scale_log2, num_splits, num_heads, stride_bt, stride_ob, stride_oh,
+    PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, DR: tl.constexpr,
+    SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PREC: tl.constexpr, FIX: tl.constexpr,
+):  # fmt: skip
+    """The dense rows' kernel with TMA tile loads (see ``mla_decode_attention_triton``'s ``tma``): the
+    same programs and partials as ``_mla_decode_partial_kernel``, whole tiles without masks, the one
+    partial tail tile of a chunk apart."""
+    head_block = tl.program_id(0)
+    row = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + row)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    row64 = row.to(tl.int64)
+    h0 = head_block * BLOCK_H
+    heads = h0 + tl.arange(0, BLOCK_H)
+    offs = tl.arange(0, HALF)
+    out_ptrs = out_ptr + row64 * stride_ob + heads[:, None] * stride_oh + offs[None, :]
+    if start < seq_len:
+        q0 = q_desc.load([row, h0, 0]).reshape(BLOCK_H, HALF)
+        q1 = q_desc.load([row, h0, HALF]).reshape(BLOCK_H, HALF)
+        qp = qp_desc.load([row, h0, 0]).reshape(BLOCK_H, DR)
+        table = tables_ptr + row64 * stride_bt
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc0 = tl.zeros([BLOCK_H, HALF], tl.float32)
+        acc1 = tl.zeros([BLOCK_H, HALF], tl.float32)
+        whole_end = start + (end - start) // BLOCK_N * BLOCK_N
+        every = tl.full([BLOCK_N], True, tl.int1)
+        for n0 in tl.range(start, whole_end, BLOCK_N, num_stages=NUM_STAGES):
+            c0, c1, kp = _tma_tile(c_desc, p_desc, table, n0, PAGE, HALF)
+            m_i, l_i, acc0, acc1 = _tma_step(
+                q0, q1, qp, c0, c1, kp, m_i, l_i, acc0, acc1, scale_log2, every, False, DOT_PREC, FIX
+            )
+        if whole_end < end:
+            c0, c1, kp = _tma_tile(c_desc, p_desc, table, whole_end, PAGE, HALF)
+            valid = whole_end + tl.arange(0, BLOCK_N) < end
+            m_i, l_i, acc0, acc1 = _tma_step(
+                q0, q1, qp, c0, c1, kp, m_i, l_i, acc0, acc1, scale_log2, valid, True, DOT_PREC, FIX
+            )
+        if SPLIT:
+            part = (row64 * num_heads + heads) * num_splits + split
+            tl.store(part_m_ptr + part, m_i)
+            tl.store(part_l_ptr + part, l_i)
+            part_ptrs = part_acc_ptr + part[:, None] * (2 * HALF) + offs[None, :]
+            tl.store(part_ptrs, acc0)
+            tl.store(part_ptrs + HALF, acc1)
+        else:
+            inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
+            tl.store(out_ptrs, cast_to(acc0 * inv[:, None], out_ptr.dtype.element_ty, FIX))
+            tl.store(out_ptrs + HALF, cast_to(acc1 * inv[:, None], out_ptr.dtype.element_ty, FIX))
+    else:
+        if not SPLIT:  # only split 0 exists, so this row is padding (seq_len 0): zeros
+            zeros = cast_to(tl.zeros([BLOCK_H, HALF], tl.float32), out_ptr.dtype.element_ty, FIX)
+            tl.store(out_ptrs, zeros)
+            tl.store(out_ptrs + HALF, zeros)
+
+
 def mla_decode_attention_ref(
     q_latent: torch.Tensor,
     q_pe: torch.Tensor,
@@ -300,11 +393,16 @@ def mla_decode_attention_triton(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
+    tma: bool = False,
 ) -> torch.Tensor:
     """The Triton path of :func:`mla_decode_attention`; the keyword knobs are for the benchmark:
     ``block_h`` query heads a program (the M of its dots), ``block_v`` the output features it accumulates
     (None: all; fewer splits the ``block_h × rkv`` accumulator over programs that each recompute the
-    scores), ``block_n`` keys a tile.
+    scores), ``block_n`` keys a tile. ``tma`` (dense rows, tiles inside a page, ``heads`` a multiple of
+    ``block_h``, power-of-two ``rkv / 2`` and ``dr``): tiles loaded by the tensor-memory accelerator
+    through descriptors, the output in two ``rkv / 2`` halves (two accumulators), so a ``block_h`` of 64
+    (one warpgroup's M) holds its accumulators in eight warps' registers: at 128 heads each latent is read
+    twice rather than eight times (16 heads a program), which bounds the 16-head form by the L2's rate.
 
     The defaults follow the page size (H200, batch 64 x 4096 tokens, side by side with the per-key
     gather of every tile before, 2026-12-04, no record: the sweep is in docs/benchmarks.md): pages of 64
@@ -322,6 +420,14 @@ def mla_decode_attention_triton(
     num_stages = num_stages or (3 if page % block_n == 0 else 2)
     if block_n < 16:  # the p · latents dot takes block_n as its K
         raise ValueError(f"block_n {block_n}: compiled tensor-core dots need at least 16 keys a tile")
+    if tma and (
+        indices is not None or page % block_n or heads % block_h or rkv % 2
+        or next_pow2(rkv // 2) != rkv // 2 or next_pow2(dr) != dr
+    ):  # fmt: skip
+        raise ValueError(
+            f"tma needs dense rows, whole tiles in a page ({block_n} keys, pages of {page}), heads ({heads}) "
+            f"a multiple of block_h ({block_h}) and power-of-two halves of rkv ({rkv}) and dr ({dr})"
+        )
     operands = [("q_latent", q_latent), ("q_pe", q_pe), ("cache", cache), ("block_tables", block_tables)]
     for name, t in operands + ([("indices", indices)] if indices is not None else []):
         if t.stride(-1) != 1:
@@ -346,17 +452,21 @@ def mla_decode_attention_triton(
     block_r = max(16, next_pow2(rkv))
     block_v = min(block_v or block_r, block_r)
     v_splits = block_r // block_v
-    _mla_decode_partial_kernel[(triton.cdiv(heads, block_h) * v_splits, batch, splits)](
-        q_latent, q_pe, cache, block_tables, seq_lens, indices if indices is not None else seq_lens, out,
-        part_acc, part_m, part_l, scale * math.log2(math.e), splits, heads,
-        indices.shape[1] if indices is not None else 0,
-        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0),
-        cache.stride(1), block_tables.stride(0), indices.stride(0) if indices is not None else 0,
-        out.stride(0), out.stride(1),
-        RKV=rkv, DR=dr, BLOCK_R=block_r, BLOCK_P=max(16, next_pow2(dr)), PAGE=page, BLOCK_H=block_h,
-        BLOCK_V=block_v, V_SPLITS=v_splits, BLOCK_N=block_n, SPLIT=split, SPARSE=indices is not None, DOT_PREC=dot_precision(q_latent.dtype),
-        FIX=fix, num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
+    if tma:
+        _launch_tma(q_latent, q_pe, cache, block_tables, seq_lens, out, part_acc, part_m, part_l, scale, splits,
+                    block_h, block_n, num_warps, num_stages)  # fmt: skip
+    else:
+        _mla_decode_partial_kernel[(triton.cdiv(heads, block_h) * v_splits, batch, splits)](
+            q_latent, q_pe, cache, block_tables, seq_lens, indices if indices is not None else seq_lens, out,
+            part_acc, part_m, part_l, scale * math.log2(math.e), splits, heads,
+            indices.shape[1] if indices is not None else 0,
+            q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0),
+            cache.stride(1), block_tables.stride(0), indices.stride(0) if indices is not None else 0,
+            out.stride(0), out.stride(1),
+            RKV=rkv, DR=dr, BLOCK_R=block_r, BLOCK_P=max(16, next_pow2(dr)), PAGE=page, BLOCK_H=block_h,
+            BLOCK_V=block_v, V_SPLITS=v_splits, BLOCK_N=block_n, SPLIT=split, SPARSE=indices is not None, DOT_PREC=dot_precision(q_latent.dtype),
+            FIX=fix, num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
     if split:
         decode_merge_kernel[(batch, heads)](
             part_acc, part_m, part_l, seq_lens, out, out, splits, heads, out.stride(0), out.stride(1), 0, 0,
@@ -364,6 +474,26 @@ def mla_decode_attention_triton(
             PDL=False, ALL_SPLITS=False, GATE=False, num_warps=4,
         )  # fmt: skip
     return out
+
+
+def _launch_tma(q_latent, q_pe, cache, block_tables, seq_lens, out, part_acc, part_m, part_l, scale, splits,
+                block_h, block_n, num_warps, num_stages):  # fmt: skip
+    """``_mla_decode_tma_kernel`` over descriptors of the queries (their own strides: the absorbed
+    queries come transposed) and of the cache's rows, one page's tokens a run."""
+    batch, heads, rkv = q_latent.shape
+    dr, page, half = q_pe.shape[-1], cache.shape[1], rkv // 2
+    rows = cache.view(-1, rkv + dr)
+
+    def desc(t, block):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+    _mla_decode_tma_kernel[(heads // block_h, batch, splits)](
+        desc(q_latent, [1, block_h, half]), desc(q_pe, [1, block_h, dr]), desc(rows, [block_n, half]),
+        desc(rows, [block_n, dr]), block_tables, seq_lens, out, part_acc, part_m, part_l,
+        scale * math.log2(math.e), splits, heads, block_tables.stride(0), out.stride(0), out.stride(1),
+        PAGE=page, BLOCK_H=block_h, BLOCK_N=block_n, HALF=half, DR=dr, SPLIT=splits > 1, NUM_STAGES=num_stages,
+        DOT_PREC=dot_precision(q_latent.dtype), FIX=interp_bf16(q_latent.dtype), num_warps=num_warps,
+    )  # fmt: skip
 
 
 def mla_decode_attention(

@@ -83,6 +83,40 @@ def test_decode_matches_reference(dtype, num_splits, topk, block_h, block_v, pag
     assert not ours[2].any(), "the padding row (seq_len 0) must get zeros"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_tma_tiles_match_reference_and_ignore_what_lies_past_a_row(dtype, num_splits):
+    """The TMA form: heads over two 16-head blocks, the latent in two 32-wide halves, the absorbed queries
+    transposed as the model makes them; NaN in every cached position past a row's length (the tail tile's
+    TMA box reads them) leaves the output as the reference has it on the clean cache."""
+    seq_lens = [5, 77, 0, 33, 64]  # a tail tile alone, whole tiles and a tail, padding, whole tiles only
+    q, q_pe, cache, tables, lens, _ = _case(seq_lens, 32, 64, 16, 32, dtype, seed=7 + num_splits)
+    q = q.transpose(0, 1).contiguous().transpose(0, 1)  # [B, H, rkv] over [H, B, rkv] memory
+    ref = mla_decode_attention_ref(q, q_pe, cache, tables, lens, 0.17, max_seq_len=77)
+    page = cache.shape[1]
+    for b, n in enumerate(seq_lens):
+        past = torch.arange(n, tables.shape[1] * page, device=DEVICE)
+        cache.view(-1, cache.shape[-1])[tables[b, past // page].long() * page + past % page] = float("nan")
+    ours = mla_decode_attention_triton(
+        q, q_pe, cache, tables, lens, 0.17, max_seq_len=77, num_splits=num_splits, block_h=16, block_n=16,
+        tma=True,
+    )  # fmt: skip
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(ours.float(), ref.float(), **tol)
+    assert not ours[2].any(), "the padding row (seq_len 0) must get zeros"
+
+
+def test_tma_tiles_refuse_what_they_cannot_load():
+    q, q_pe, cache, tables, lens, indices = _case([30, 9], 32, 64, 16, 32, torch.float32, seed=2, topk=8)
+    for bad in (
+        dict(indices=indices),  # gathered rows
+        dict(block_h=24),  # heads not a multiple of block_h
+        dict(block_n=64),  # a tile over two pages
+    ):
+        with pytest.raises(ValueError, match="tma needs"):
+            mla_decode_attention_triton(q, q_pe, cache, tables, lens, 0.2, max_seq_len=30, tma=True, **bad)
+
+
 def test_sparse_rows_read_only_their_listed_latents():
     """NaN in every latent a sparse row does not list (and past every row's length) leaves its output
     as it was on the clean cache: the kernel reads the listed positions only."""
@@ -126,12 +160,14 @@ def test_deepseek_v3_shape_inside_a_cuda_graph():
     seq_lens = [4096, 1, 777, 2049] * 4
     q, q_pe, cache, tables, lens, _ = _case(seq_lens, 128, 512, 64, 64, torch.bfloat16, seed=11)
     scale = 0.1
-    # Two of the benchmark's other tilings (bench/deepseek.py MLA_TILINGS): 64 heads a program, all or half
-    # of the output features.
-    for block_h, block_v, block_n, warps, stages in [(64, None, 32, 8, 2), (64, 256, 32, 8, 2)]:
+    # Three of the benchmark's other tilings (bench/deepseek.py MLA_TILINGS): 64 heads a program, all or
+    # half of the output features, and the TMA form.
+    for block_h, block_v, block_n, warps, stages, tma in [
+        (64, None, 32, 8, 2, False), (64, 256, 32, 8, 2, False), (64, None, 32, 8, 2, True),
+    ]:  # fmt: skip
         ours = mla_decode_attention_triton(
             q, q_pe, cache, tables, lens, scale, max_seq_len=4096, block_h=block_h, block_v=block_v,
-            block_n=block_n, num_warps=warps, num_stages=stages,
+            block_n=block_n, num_warps=warps, num_stages=stages, tma=tma,
         )  # fmt: skip
         ref = mla_decode_attention_ref(q, q_pe, cache, tables, lens, scale, max_seq_len=4096)
         torch.testing.assert_close(ours.float(), ref.float(), atol=2e-2, rtol=2e-2)
