@@ -10,6 +10,7 @@ import torch
 
 from pegainfer.engine.outputs import Logprob
 from pegainfer.engine.request import Request
+from pegainfer.errors import RequestError
 from pegainfer.sampling.sampler import (
     HostBuffers,
     HostCopy,
@@ -285,6 +286,33 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached() -> None:
     ignoring = make_request(output=[1], ignore_eos=True, **params)
     assert sampler(logits, [ignoring]).token_ids == [3]
     assert apply_penalties(logits, [ignoring])[0, 5] == float("-inf")
+
+
+def test_logit_bias_steers_greedy_and_random_rows_and_leaves_logprobs_raw() -> None:
+    """OpenAI's logit_bias: added to the logits before penalties and draws (+100 picks a token, -100
+    bans one in practice); a min_tokens ban still wins over a bias; logprobs describe the model."""
+    logits = torch.tensor([[3.0, 2.0, 0.0, 1.0]])
+    sampler = Sampler(seed=1)
+    rows = [
+        make_request(temperature=0.0),
+        make_request(temperature=0.0, logit_bias={2: 100.0}),
+        make_request(temperature=0.0, logit_bias={0: -100.0, 3: 1.5}),
+        make_request(temperature=1.0, logit_bias={1: 100.0}, logprobs=1),
+    ]
+    out = sampler(logits.expand(4, -1), rows)
+    assert out.token_ids == [0, 2, 3, 1]
+    assert out.logprobs[3][1].logprob == pytest.approx(torch.log_softmax(logits[0], -1)[1].item())
+    banned = make_request(temperature=0.0, min_tokens=1, eos_token_ids=(2,), logit_bias={2: 100.0})
+    assert sampler(logits, [banned]).token_ids == [0]
+    n = 500
+    drawn = Sampler(seed=3)(logits.expand(n, -1), [make_request(i, logit_bias={0: -100.0}) for i in range(n)])
+    assert 0 not in drawn.token_ids
+
+
+def test_logit_bias_must_be_token_ids_with_values_in_range() -> None:
+    for bad in ({-1: 1.0}, {"5": 1.0}, {5: 101.0}, {5: float("nan")}, {True: 1.0}):
+        with pytest.raises(RequestError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
 
 
 def test_min_tokens_never_samples_banned_ids() -> None:

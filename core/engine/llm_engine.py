@@ -239,6 +239,8 @@ class LLMEngine:
         vocab = self.executor.info.vocab_size
         if vocab is not None and (min(ids) < 0 or max(ids) >= vocab):
             raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if vocab is not None and params.logit_bias and max(params.logit_bias) >= vocab:
+            raise RequestError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
         sched = self.config.scheduler
         if not sched.enable_chunked_prefill and len(ids) > sched.max_num_batched_tokens:
             raise RequestError(

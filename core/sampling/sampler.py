@@ -184,7 +184,7 @@ class Sampler:
                 lp_rows.append(i)
             if not p.greedy:
                 random_rows.append(i)
-            if p.min_tokens or _needs_penalties(p):
+            if p.min_tokens or p.logit_bias or _needs_penalties(p):
                 adjusted = True
         self._scanned, self._scan_result = list(requests), (lp_rows, random_rows, adjusted)
         return self._scan_result
@@ -240,7 +240,8 @@ class Sampler:
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """Return float32 logits with min_tokens bans and repetition/frequency/presence penalties applied.
+    """Return float32 logits with min_tokens bans, logit biases and repetition/frequency/presence penalties
+    applied.
 
     The input is never modified; when no row needs anything the result may be the input itself.
     """
@@ -254,8 +255,15 @@ def _penalized_or_none(logits: torch.Tensor, requests: list[Request]) -> torch.T
     ban_rows: list[int] = []
     ban_ids: list[int] = []
     penalty_rows: list[int] = []
+    bias_rows: list[int] = []
+    bias_ids: list[int] = []
+    biases: list[float] = []
     for i, req in enumerate(requests):
         p = req.sampling_params
+        if p.logit_bias:
+            bias_rows.extend([i] * len(p.logit_bias))
+            bias_ids.extend(p.logit_bias)
+            biases.extend(p.logit_bias.values())
         # (min_tokens 0 bans nothing: a request never has fewer than 0 output tokens.)
         if p.min_tokens and req.num_output_tokens < p.min_tokens:
             banned = list(p.stop_token_ids or ())
@@ -267,10 +275,13 @@ def _penalized_or_none(logits: torch.Tensor, requests: list[Request]) -> torch.T
             ban_ids.extend(banned)
         if _needs_penalties(p):
             penalty_rows.append(i)
-    if not ban_rows and not penalty_rows:
+    if not ban_rows and not penalty_rows and not bias_rows:
         return None
 
     work = logits.to(torch.float32, copy=True)
+    if bias_rows:  # before the bans (a banned token stays banned) and the penalties, as vLLM orders them
+        rows, ids = _index(bias_rows, work.device), _index(bias_ids, work.device)
+        work[rows, ids] += torch.tensor(biases, dtype=torch.float32, device=work.device)
     if ban_rows:
         work[_index(ban_rows, work.device), _index(ban_ids, work.device)] = _NEG_INF
     if penalty_rows:

@@ -24,6 +24,8 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``top_k <= 0`` (or -1) and ``top_p == 1`` disable those filters.
     ``logprobs=k`` returns, for every generated token, the k most likely tokens plus the chosen one;
     ``prompt_logprobs=k`` does the same for prompt positions (the first has none).
+    ``logit_bias`` (OpenAI's): token id -> a value in [-100, 100] added to that token's logit before any
+    penalty, filter or draw (logprobs still describe the model).
     """
 
     n: int = 1
@@ -44,6 +46,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine from the tokenizer / generation_config, not by users.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
@@ -55,6 +58,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         self._validate()
 
     def _validate(self) -> None:
@@ -90,6 +94,14 @@ class SamplingParams:
             raise bad("seed", "must be an integer")
         if any(not s for s in self.stop):
             raise RequestError("stop strings must not be empty", param="stop")
+        for token, value in (self.logit_bias or {}).items():
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise RequestError(f"logit_bias keys must be token ids, got {token!r}", param="logit_bias")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not -100.0 <= value <= 100.0:
+                raise RequestError(
+                    f"logit_bias values must be in [-100, 100], got {value!r} for token {token}",
+                    param="logit_bias",
+                )
 
     @property
     def greedy(self) -> bool:

@@ -64,8 +64,6 @@ class _SamplingFields(_Body):
 
     def check_supported(self) -> None:
         """400 for fields that are valid OpenAI but that pegainfer does not implement."""
-        if self.logit_bias:
-            raise RequestError("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed when stream is true", param="stream_options")
 
@@ -91,6 +89,7 @@ class _SamplingFields(_Body):
         for token_id in self.stop_token_ids or ():
             if token_id >= vocab_size:
                 raise RequestError(f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids")
+        logit_bias = _token_biases(self.logit_bias or {}, vocab_size)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stop):
             raise RequestError("stop strings must not be empty", param="stop")
@@ -108,6 +107,7 @@ class _SamplingFields(_Body):
             "prompt_logprobs": prompt_logprobs,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "logit_bias": logit_bias,
             "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
@@ -239,3 +239,21 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def _token_biases(biases: dict[str, float], vocab_size: int) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids as JSON keys) keyed by the ids, each one in the vocabulary."""
+    by_id = {}
+    for key, value in biases.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise RequestError(
+                f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+            ) from None
+        if not 0 <= token < vocab_size:
+            raise RequestError(
+                f"logit_bias token ids must be in [0, {vocab_size}), got {token}", param="logit_bias"
+            )
+        by_id[token] = value
+    return by_id

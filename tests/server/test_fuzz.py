@@ -141,6 +141,7 @@ FIELDS = [
     "min_tokens",
     "response_format",
     "tools",
+    "logit_bias",
 ]
 
 

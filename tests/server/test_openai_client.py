@@ -181,6 +181,31 @@ def test_chat_n_logprobs_and_max_completion_tokens(client: openai.OpenAI, model:
             assert "".join(item.token for item in content) == choice.message.content
 
 
+def test_logit_bias_picks_and_bans_tokens(client: openai.OpenAI, model: str, server: ServerHandle) -> None:
+    """OpenAI's logit_bias, token ids as keys: +100 makes greedy decoding repeat the token, -100 keeps
+    the greedy answer's first token out of it; the logprobs stay the model's."""
+    plain = client.completions.create(model=model, prompt=PROMPT_IDS, max_tokens=4, logprobs=1, **GREEDY)
+    first = plain.choices[0].logprobs.tokens[0]
+    forced = client.completions.create(
+        model=model, prompt=PROMPT_IDS, max_tokens=4, logit_bias={"300": 100}, **GREEDY
+    )
+    assert forced.choices[0].text == server.call(lambda engine: engine.tokenizer.decode([300] * 4))
+
+    def ids_shown_as(engine):  # the ids whose logprobs entry reads as the greedy answer's first token
+        decode = engine.tokenizer.decode
+        return [
+            i
+            for i in range(engine.executor.info.vocab_size)
+            if decode([i], skip_special_tokens=False) == first
+        ]
+
+    bias = {str(i): -100 for i in server.call(ids_shown_as)}
+    banned = client.completions.create(
+        model=model, prompt=PROMPT_IDS, max_tokens=4, logprobs=1, logit_bias=bias, **GREEDY
+    )
+    assert bias and banned.choices[0].logprobs.tokens[0] != first
+
+
 def test_stop_strings_cut_the_text(client: openai.OpenAI, model: str) -> None:
     ref = client.completions.create(model=model, prompt=PROMPT_IDS, max_tokens=20, **GREEDY).choices[0].text
     stop = next(
