@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from pegainfer import LLM, SamplingParams
+from pegainfer import LLM, SamplingParams, StructuredOutputsParams
 from pegainfer.errors import ConfigError
 from pegainfer.sampling.sampling_params import RequestOutputKind
 
@@ -96,8 +96,13 @@ def _summary(outputs):
     ]
 
 
+# Structured outputs: each row's mask comes from the tokens appended before its step is sampled.
+_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+
 def _mixed_params(llm: LLM, count: int) -> list[SamplingParams]:
-    """Greedy with lengths, EOS, stop ids and strings, n=2, logprobs, penalties, seeded sampling."""
+    """Greedy with lengths, EOS, stop ids and strings, n=2, logprobs, penalties, seeded sampling, structured
+    outputs."""
     ref = llm.generate(
         prompt_token_ids=_prompts(1, 1), sampling_params=SamplingParams(temperature=0, max_tokens=12),
         use_tqdm=False,
@@ -112,6 +117,15 @@ def _mixed_params(llm: LLM, count: int) -> list[SamplingParams]:
         SamplingParams(temperature=0, max_tokens=13, repetition_penalty=1.3, frequency_penalty=0.4),
         SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=1),
+        SamplingParams(
+            temperature=0, max_tokens=30, structured_outputs=StructuredOutputsParams(json=_SCHEMA)
+        ),
+        SamplingParams(
+            temperature=0.9,
+            seed=11,
+            max_tokens=8,
+            structured_outputs=StructuredOutputsParams(regex="[a-c]{2,5}"),
+        ),
     ]
     return [kinds[i % len(kinds)] for i in range(count)]
 

@@ -22,6 +22,7 @@ from pegainfer.model.model_loader import resolve_registration
 from pegainfer.plugins.demo import demo_tokenizer
 from pegainfer.sampling.sampler import Sampler
 from pegainfer.sampling.sampling_params import SamplingParams
+from pegainfer.sampling.structured import GrammarCompiler
 from pegainfer.scheduling.scheduler import (
     ContinuousBatchingScheduler,
     ScheduledRequest,
@@ -96,6 +97,7 @@ class LLMEngine:
         )
         self.scheduler: Scheduler = ContinuousBatchingScheduler(config.scheduler, self.buffers)
         self.sampler = Sampler(seed=config.seed, device=info.device)
+        self.grammars = GrammarCompiler(self.tokenizer, info.vocab_size or self.tokenizer.vocab_size)
         self.speculative = (
             SpeculativeDecoder(num_spec, self.executor, self.buffers, self.scheduler, self.max_model_len)
             if num_spec
@@ -196,6 +198,8 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(prompt)
         prompt_token_ids = list(prompt_token_ids)
         self._validate_prompt(prompt_token_ids, params)
+        structured = params.structured_outputs
+        matchers = [self.grammars.matcher(structured) for _ in range(params.n)] if structured else None
         if params.max_tokens is None:
             params = params.clone(max_tokens=self.max_model_len - len(prompt_token_ids))
         params = params.clone(eos_token_ids=self.tokenizer.eos_token_ids)
@@ -212,6 +216,8 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 cache_salt=cache_salt,
             )
+            if matchers:
+                request.grammar = matchers[i]
             seq = SequenceState(
                 request,
                 i,

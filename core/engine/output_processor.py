@@ -17,6 +17,7 @@ from pegainfer.engine.request import FINISHED_STATUSES, Request, RequestStatus
 from pegainfer.engine.request_group import RequestGroup, SequenceState
 from pegainfer.sampling.sampler import SamplerOutput, compute_prompt_logprobs
 from pegainfer.sampling.sampling_params import RequestOutputKind
+from pegainfer.sampling.structured import consume
 from pegainfer.scheduling.scheduler import ScheduledRequest, Scheduler
 from pegainfer.text.tokenizer import Tokenizer
 
@@ -144,6 +145,13 @@ class OutputProcessor:
                     request.stop_reason = token
             elif num_tokens >= request.max_num_tokens:
                 status = RequestStatus.FINISHED_LENGTH
+            if request.grammar is not None and status is None:
+                try:
+                    if consume(request.grammar, token):  # the structured output is complete
+                        status = RequestStatus.FINISHED_STOPPED
+                except Exception as exc:
+                    self.fail(request, exc)
+                    continue
             if status is not None:
                 try:
                     seq.detokenizer.finish()

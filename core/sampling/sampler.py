@@ -16,6 +16,7 @@ from pegainfer import ops
 from pegainfer.engine.outputs import Logprob, PositionLogprobs
 from pegainfer.engine.request import Request
 from pegainfer.sampling.sampling_params import SamplingParams
+from pegainfer.sampling.structured import allowed_tokens
 
 _NEG_INF = float("-inf")
 
@@ -184,7 +185,7 @@ class Sampler:
                 lp_rows.append(i)
             if not p.greedy:
                 random_rows.append(i)
-            if p.min_tokens or p.logit_bias or _needs_penalties(p):
+            if p.min_tokens or p.logit_bias or request.grammar is not None or _needs_penalties(p):
                 adjusted = True
         self._scanned, self._scan_result = list(requests), (lp_rows, random_rows, adjusted)
         return self._scan_result
@@ -240,8 +241,8 @@ class Sampler:
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """Return float32 logits with min_tokens bans, logit biases and repetition/frequency/presence penalties
-    applied.
+    """Return float32 logits with logit biases, structured-output masks, min_tokens bans and
+    repetition/frequency/presence penalties applied.
 
     The input is never modified; when no row needs anything the result may be the input itself.
     """
@@ -258,8 +259,11 @@ def _penalized_or_none(logits: torch.Tensor, requests: list[Request]) -> torch.T
     bias_rows: list[int] = []
     bias_ids: list[int] = []
     biases: list[float] = []
+    grammar_rows: list[int] = []
     for i, req in enumerate(requests):
         p = req.sampling_params
+        if req.grammar is not None:
+            grammar_rows.append(i)
         if p.logit_bias:
             bias_rows.extend([i] * len(p.logit_bias))
             bias_ids.extend(p.logit_bias)
@@ -275,13 +279,17 @@ def _penalized_or_none(logits: torch.Tensor, requests: list[Request]) -> torch.T
             ban_ids.extend(banned)
         if _needs_penalties(p):
             penalty_rows.append(i)
-    if not ban_rows and not penalty_rows and not bias_rows:
+    if not ban_rows and not penalty_rows and not bias_rows and not grammar_rows:
         return None
 
     work = logits.to(torch.float32, copy=True)
     if bias_rows:  # before the bans (a banned token stays banned) and the penalties, as vLLM orders them
         rows, ids = _index(bias_rows, work.device), _index(bias_ids, work.device)
         work[rows, ids] += torch.tensor(biases, dtype=torch.float32, device=work.device)
+    if grammar_rows:  # what the structured output allows next, from the tokens appended so far
+        index = _index(grammar_rows, work.device)
+        allowed = allowed_tokens([requests[i].grammar for i in grammar_rows], vocab, work.device)
+        work[index] = work[index].masked_fill(~allowed, _NEG_INF)
     if ban_rows:
         work[_index(ban_rows, work.device), _index(ban_ids, work.device)] = _NEG_INF
     if penalty_rows:

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field, replace
 
 from pegainfer.errors import RequestError
+from pegainfer.sampling.structured import StructuredOutputsParams
 
 
 class RequestOutputKind(enum.Enum):
@@ -25,7 +26,8 @@ class SamplingParams:
     ``logprobs=k`` returns, for every generated token, the k most likely tokens plus the chosen one;
     ``prompt_logprobs=k`` does the same for prompt positions (the first has none).
     ``logit_bias`` (OpenAI's): token id -> a value in [-100, 100] added to that token's logit before any
-    penalty, filter or draw (logprobs still describe the model).
+    penalty, filter or draw (logprobs still describe the model). ``structured_outputs``: a grammar the
+    answer must follow (``pegainfer.sampling.structured``).
     """
 
     n: int = 1
@@ -47,6 +49,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine from the tokenizer / generation_config, not by users.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)

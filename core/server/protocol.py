@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pegainfer.errors import RequestError
 from pegainfer.sampling.sampling_params import RequestOutputKind, SamplingParams
+from pegainfer.sampling.structured import StructuredOutputsParams
+from pegainfer.server.forced_tools import forced_schema
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -61,11 +63,16 @@ class _SamplingFields(_Body):
     #: Prefix caching: requests with different salts share no cached prefix (one salt per tenant).
     cache_salt: NonEmptyStr | None = None
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None
 
     def check_supported(self) -> None:
         """400 for fields that are valid OpenAI but that pegainfer does not implement."""
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed when stream is true", param="stream_options")
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The grammar the answer must follow, if the request asks for one."""
+        return self.structured_outputs.params() if self.structured_outputs is not None else None
 
     @property
     def include_usage(self) -> bool:
@@ -108,6 +115,7 @@ class _SamplingFields(_Body):
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logit_bias": logit_bias,
+            "structured_outputs": self.structured(),
             "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
@@ -191,8 +199,42 @@ class ChatMessage(_Body):
         return data
 
 
+class JsonSchemaFormat(_Body):
+    name: NonEmptyStr
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The grammar it asks for: any JSON object, one that follows a schema, or none (text)."""
+        if self.type == "json_object":
+            return StructuredOutputsParams(json={"type": "object"})
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise RequestError(
+                    "response_format json_schema needs its json_schema", param="response_format"
+                )
+            return StructuredOutputsParams(json=self.json_schema.schema_ or {"type": "object"})
+        return None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs`` extra: exactly one of a JSON schema, a regex, a choice, a Lark grammar."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: NonEmptyStr | None = None
+    choice: list[str] | None = None
+    grammar: NonEmptyStr | None = None
+
+    def params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(
+            json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar
+        )
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -216,11 +258,15 @@ class ChatCompletionRequest(_SamplingFields):
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise RequestError("only response_format type 'text' is supported", param="response_format")
-        if self.tool_choice not in (None, "none", "auto"):
+        asks_format = self.response_format is not None and self.response_format.type != "text"
+        if self.structured_outputs is not None and asks_format:
             raise RequestError(
-                "tool_choice other than 'none' or 'auto' is not supported", param="tool_choice"
+                "response_format and structured_outputs cannot both ask for a grammar",
+                param="response_format",
+            )
+        if self.forced_tool_schema() is not None and (self.structured_outputs is not None or asks_format):
+            raise RequestError(
+                "a forced tool_choice and a response format cannot both be given", param="tool_choice"
             )
         if self.continue_final_message and self.add_generation_prompt:
             raise RequestError(
@@ -231,6 +277,18 @@ class ChatCompletionRequest(_SamplingFields):
             raise RequestError(
                 "continue_final_message needs the last message to be the assistant's", param="messages"
             )
+
+    def forced_tool_schema(self) -> dict[str, Any] | None:
+        """The JSON schema a ``tool_choice`` that forces calls puts on the answer (``forced_tools``)."""
+        return forced_schema(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def structured(self) -> StructuredOutputsParams | None:
+        forced = self.forced_tool_schema()
+        if forced is not None:
+            return StructuredOutputsParams(json=forced)
+        if self.response_format is not None and self.response_format.type != "text":
+            return self.response_format.structured()
+        return super().structured()
 
     @property
     def requested_max_tokens(self) -> int | None:

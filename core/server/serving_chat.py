@@ -12,6 +12,7 @@ from pegainfer.engine.outputs import CompletionOutput, RequestOutput
 from pegainfer.engine.request_stream import PromptInput, RequestStream
 from pegainfer.errors import RequestError
 from pegainfer.server.errors import APIError, to_api_error
+from pegainfer.server.forced_tools import forced_calls, forced_name
 from pegainfer.server.protocol import ChatCompletionRequest
 from pegainfer.server.serving import ServingBase, chat_logprobs, created, has_news, usage
 from pegainfer.server.streaming import sse, sse_response
@@ -43,8 +44,8 @@ class ChatServing(ServingBase):
     def _tool_call_format(self, body: ChatCompletionRequest) -> ToolCallFormat | None:
         """The form whose blocks in the answer become ``tool_calls``: tools offered, not refused, and a
         template that asks for one (``tool_calls``); None: the answer stays text."""
-        if not body.tools or body.tool_choice == "none":
-            return None
+        if not body.tools or body.tool_choice == "none" or body.forced_tool_schema() is not None:
+            return None  # a forced choice's answer is the calls by construction (forced_tools)
         try:
             return tool_call_format(self.tokenizer.chat_template_source(tools=body.tools))
         except RequestError:
@@ -88,7 +89,10 @@ class ChatServing(ServingBase):
         for completion in output.outputs:
             message: dict[str, Any] = {"role": "assistant", "content": completion.text}
             finish = completion.finish_reason
-            if tools is not None:
+            forced = _forced(body, completion.text, finish)
+            if forced is not None:
+                message, finish = {"role": "assistant", "content": None, "tool_calls": forced[0]}, forced[1]
+            elif tools is not None:
                 content, calls = split_tool_calls(completion.text, tools, _max_calls(body))
                 if calls:
                     message = {"role": "assistant", "content": content or None, "tool_calls": calls}
@@ -131,6 +135,8 @@ class ChatServing(ServingBase):
         include_usage = body.include_usage
         parsers: dict[int, ToolCallStream] = {}
         calls_made: dict[int, int] = {}
+        forcing = body.forced_tool_schema() is not None
+        held: dict[int, str] = {}
 
         def base(choices: list[dict[str, Any]]) -> dict[str, Any]:
             chunk = {
@@ -148,7 +154,18 @@ class ChatServing(ServingBase):
             if not has_news(completion):
                 return []
             text, calls, finish = completion.text, [], completion.finish_reason
-            if tools is not None:
+            if forcing:  # the answer is held whole: its calls are known once it ends
+                held[choice] = held.get(choice, "") + text
+                text = ""
+                forced = _forced(body, held[choice], finish) if finish is not None else None
+                if forced is not None:
+                    calls = [{"index": i, **call} for i, call in enumerate(forced[0])]
+                    finish = forced[1]
+                elif finish is not None:
+                    text = held[choice]  # a cut "required" list: no calls, the text as it is
+                if not (text or calls or finish or completion.logprobs):
+                    return []
+            elif tools is not None:
                 parser = parsers.setdefault(choice, ToolCallStream(tools, _max_calls(body)))
                 text, calls = parser.feed(text)
                 if finish is not None:
@@ -189,6 +206,18 @@ class ChatServing(ServingBase):
                 yield event
         finally:
             stream.abort()  # a no-op once finished; frees the pages at once when the client left
+
+
+def _forced(body: ChatCompletionRequest, text: str, finish: str | None) -> tuple[list, str | None] | None:
+    """(tool calls, finish reason) of an answer a forced ``tool_choice`` shaped, or None (nothing forced,
+    or a cut "required" list): a named function finishes as OpenAI's does ("stop"), a required list with
+    "tool_calls"."""
+    if body.forced_tool_schema() is None:
+        return None
+    calls = forced_calls(text, body.tool_choice)
+    if calls is None:
+        return None
+    return calls, finish if forced_name(body.tool_choice) is not None else _finish_with_calls(finish)
 
 
 def _finish_with_calls(finish: str | None) -> str | None:

@@ -63,6 +63,10 @@ class Tokenizer:
             backend, special_tokens=special_tokens, chat_templates=_read_chat_templates(folder, config)
         )
 
+    def backend_json(self) -> str:
+        """The tokenizer.json text of the backend (what grammar libraries build their vocabulary from)."""
+        return self._backend.to_str()
+
     # --- encoding -----------------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

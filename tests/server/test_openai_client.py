@@ -3,6 +3,8 @@ logprobs, stop strings, seeds, token-id prompts, usage chunks."""
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 from server_harness import API_KEY, ServerHandle
@@ -204,6 +206,104 @@ def test_logit_bias_picks_and_bans_tokens(client: openai.OpenAI, model: str, ser
         model=model, prompt=PROMPT_IDS, max_tokens=4, logprobs=1, logit_bias=bias, **GREEDY
     )
     assert bias and banned.choices[0].logprobs.tokens[0] != first
+
+
+def test_structured_outputs_through_response_format_and_the_vllm_extra(
+    client: openai.OpenAI, model: str
+) -> None:
+    """response_format json_schema / json_object on chat, vLLM's structured_outputs (here a choice) on
+    completions; a schema that does not compile is a 400 naming structured_outputs."""
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    answer = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "a number"}], max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "number", "schema": schema}},
+    )  # fmt: skip
+    assert type(json.loads(answer.choices[0].message.content)["n"]) is int
+    assert answer.choices[0].finish_reason == "stop"
+    anything = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "json"}], max_tokens=40, temperature=0,
+        response_format={"type": "json_object"},
+    )  # fmt: skip
+    # A random model may stay inside a string until max_tokens: a cut answer is an object's beginning.
+    content = anything.choices[0].message.content
+    assert content.startswith("{") and (anything.choices[0].finish_reason == "length" or json.loads(content))
+    picked = client.completions.create(
+        model=model, prompt=PROMPT_IDS, max_tokens=8, temperature=1.0, seed=4,
+        extra_body={"structured_outputs": {"choice": ["north", "south"]}},
+    )  # fmt: skip
+    assert picked.choices[0].text in ("north", "south")
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(
+            model=model, prompt=PROMPT_IDS, max_tokens=8, extra_body={"structured_outputs": {"regex": "("}}
+        )
+    assert error.value.body["param"] == "structured_outputs"
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"enum": ["Paris", "Rome"]},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                },
+                "required": ["city", "days"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "now", "parameters": {"type": "object", "additionalProperties": False}},
+    },
+]
+
+
+def test_forced_tool_choice_answers_with_calls(client: openai.OpenAI, model: str) -> None:
+    """tool_choice naming a function or "required": the answer is made under the calls' JSON schema, so
+    even the tiny random model answers with calls; streamed, the calls come in the final chunk."""
+    messages = [{"role": "user", "content": "weather?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    answer = client.chat.completions.create(
+        model=model, messages=messages, tools=TOOLS, tool_choice=named, max_tokens=40, temperature=0
+    )
+    choice = answer.choices[0]
+    assert choice.message.content is None and choice.finish_reason == "stop"
+    [call] = choice.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and arguments["city"] in ("Paris", "Rome")
+    assert 1 <= arguments["days"] <= 7
+    required = client.chat.completions.create(
+        model=model, messages=messages, tools=TOOLS, tool_choice="required", max_tokens=80, temperature=0.8,
+        seed=3, parallel_tool_calls=False,
+    )  # fmt: skip
+    assert required.choices[0].finish_reason == "tool_calls"
+    assert [c.function.name in ("get_weather", "now") for c in required.choices[0].message.tool_calls] == [
+        True
+    ]
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice=named,
+        max_tokens=40,
+        temperature=0,
+        stream=True,
+    )
+    deltas = [chunk.choices[0].delta for chunk in stream if chunk.choices]
+    streamed = [c for d in deltas for c in d.tool_calls or []]
+    assert not any(d.content for d in deltas)
+    assert [(c.index, c.function.name, c.function.arguments) for c in streamed] == [
+        (0, "get_weather", call.function.arguments)
+    ]
 
 
 def test_stop_strings_cut_the_text(client: openai.OpenAI, model: str) -> None:

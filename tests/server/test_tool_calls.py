@@ -13,6 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from pegainfer.engine.outputs import CompletionOutput, RequestOutput
+from pegainfer.errors import RequestError
+from pegainfer.server.forced_tools import forced_calls, forced_schema
 from pegainfer.server.protocol import ChatCompletionRequest
 from pegainfer.server.serving_chat import ChatServing
 from pegainfer.server.tool_calls import DEEPSEEK, QWEN, ToolCallStream, split_tool_calls, tool_call_format
@@ -281,3 +283,55 @@ def test_deepseek_tool_requests_keep_special_tokens_in_the_text() -> None:
     for body in (_body(), _body(tool_choice="none"), _body(tools=None)):
         asyncio.run(serving.create(body, raw=None))
     assert submitted == [False, True, True]
+
+
+# ------------------------------------------------------------------------------ forced tool_choice
+
+BOUNDED_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"enum": ["Paris", "Rome"]},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                },
+                "required": ["city", "days"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "now"}},
+]
+
+
+def test_forced_schemas_and_their_calls() -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert forced_schema(BOUNDED_TOOLS, named, None) == BOUNDED_TOOLS[0]["function"]["parameters"]
+    required = forced_schema(BOUNDED_TOOLS, "required", False)
+    assert required["minItems"] == required["maxItems"] == 1 and len(required["items"]["anyOf"]) == 2
+    assert forced_schema(BOUNDED_TOOLS, "auto", None) is None and forced_schema(None, None, None) is None
+    [call] = forced_calls('{"city": "Rome", "days": 2}', named)
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Rome", "days": 2}'}
+    calls = forced_calls(
+        '[{"name": "now", "parameters": {}}, {"name": "get_weather", "parameters": {"days": 1}}]', "required"
+    )
+    assert _names_and_arguments(calls) == [("now", {}), ("get_weather", {"days": 1})]
+    assert forced_calls('[{"name": "now", "par', "required") is None  # cut: no calls
+
+
+@pytest.mark.parametrize(
+    "tools, choice",
+    [
+        (BOUNDED_TOOLS, {"type": "function", "function": {"name": "missing"}}),
+        (BOUNDED_TOOLS, {"type": "function"}),
+        (BOUNDED_TOOLS, "always"),
+        (None, "required"),
+    ],
+)
+def test_forced_choices_that_cannot_be_honoured_are_refused(tools, choice) -> None:
+    with pytest.raises(RequestError) as error:
+        forced_schema(tools, choice, None)
+    assert error.value.param == "tool_choice"

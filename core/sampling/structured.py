@@ -1,0 +1,109 @@
+"""Structured outputs: a grammar every sampled token must keep the answer inside (a JSON schema, a regular
+expression, a choice of strings, or a Lark grammar), enforced with llguidance's matcher.
+
+Contract: the engine gives each request with ``SamplingParams.structured_outputs`` its own matcher
+(:meth:`GrammarCompiler.matcher`, at ``add_request``: a bad grammar is a ``RequestError`` then, naming
+``structured_outputs``); the sampler masks each such row's logits with :func:`allowed_tokens` before
+penalties and draws; the output processor feeds every appended token to the matcher and finishes the
+request once the grammar is complete. Because the mask is computed from the tokens appended so far, the
+round-by-round verification of speculative drafts and async scheduling (which samples a step after the
+last step's tokens were appended) need nothing more.
+
+llguidance is imported on first use only: an engine that never sees a grammar does not load it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pegainfer.errors import RequestError
+from pegainfer.text.tokenizer import Tokenizer
+
+PARAM = "structured_outputs"
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Exactly one of: ``json`` (a JSON schema, as a dict or its text), ``regex``, ``choice`` (the answer
+    is one of these strings), ``grammar`` (Lark syntax, llguidance's dialect). vLLM's names."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise RequestError(f"structured outputs take exactly one of json, regex, choice, grammar; got {given}",
+                               param=PARAM)  # fmt: skip
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise RequestError("choice must be a non-empty list of strings", param=PARAM)
+
+    def llguidance_grammar(self) -> str:
+        from llguidance import LLMatcher
+
+        if self.json is not None:
+            schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+            if isinstance(schema, dict):
+                # One separator style (", " and ": "), no free whitespace: a model cannot stall the answer
+                # in endless blanks; a schema's own "x-guidance" options win.
+                schema = {"x-guidance": {"whitespace_flexible": False}, **schema}
+            return LLMatcher.grammar_from_json_schema(json.dumps(schema))
+        if self.regex is not None:
+            return LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
+        return LLMatcher.grammar_from_lark(self.grammar)
+
+
+class GrammarCompiler:
+    """An engine's grammars: its tokenizer in llguidance's form (built once, on the first grammar: about a
+    second for a real vocabulary), over ``vocab_size`` logits columns (the model's, which may be padded
+    past the tokenizer's ids: those columns are never allowed)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._lltokenizer = None
+
+    def matcher(self, params: StructuredOutputsParams) -> Any:
+        """A fresh matcher at the start of the answer; ``RequestError`` for a grammar that does not compile."""
+        import llguidance
+
+        if self._lltokenizer is None:
+            self._lltokenizer = llguidance.LLTokenizer(
+                self._tokenizer.backend_json(),
+                n_vocab=self._vocab_size,
+                eos_token=list(self._tokenizer.eos_token_ids) or None,
+            )
+        try:
+            grammar = params.llguidance_grammar()
+            matcher = llguidance.LLMatcher(self._lltokenizer, grammar)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # ValueError, RuntimeError, or a Rust panic (a BaseException)
+            raise RequestError(f"the structured output does not compile: {exc}", param=PARAM) from None
+        if matcher.is_error():
+            raise RequestError(f"the structured output does not compile: {matcher.get_error()}", param=PARAM)
+        return matcher
+
+
+def allowed_tokens(matchers: list[Any], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[len(matchers), vocab]`` bool: the tokens each matcher accepts next (its bitmask, unpacked)."""
+    masks = b"".join(matcher.compute_bitmask() for matcher in matchers)  # 32 tokens a little-endian word
+    words = torch.frombuffer(bytearray(masks), dtype=torch.int32).view(len(matchers), -1).to(device)
+    bits = torch.arange(32, dtype=torch.int32, device=device)
+    return ((words[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab]
+
+
+def consume(matcher: Any, token: int) -> bool:
+    """Feed the matcher ``token``; whether its grammar is complete now (the answer must end here)."""
+    if not matcher.consume_token(token):
+        # The sampler only draws allowed tokens: this is a bug, not bad input.
+        raise RuntimeError(f"token {token} is outside the structured output: {matcher.get_error()}")
+    return matcher.is_stopped()

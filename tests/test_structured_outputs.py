@@ -1,0 +1,109 @@
+"""Structured outputs on the tiny Qwen3 model: every answer follows its grammar (a JSON schema, a regex, a
+choice, a Lark grammar), greedy and sampled, n > 1, under preemption; bad grammars are refused before
+anything is queued."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from pegainfer import LLM, SamplingParams, StructuredOutputsParams
+from pegainfer.errors import RequestError
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 6},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+        "sunny": {"type": "boolean"},
+    },
+    "required": ["city", "days", "sunny"],
+    "additionalProperties": False,
+}
+PROMPTS = [[11, 42, 7, 300, 5], [99, 120, 3], [8, 8, 8, 8, 8, 8, 8]]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3):
+    return LLM(str(tiny_qwen3), dtype="float32", device="cpu", cpu_kv_cache_bytes=8 << 20, max_model_len=256)
+
+
+def _texts(llm: LLM, structured: StructuredOutputsParams, prompts=PROMPTS, **params) -> list[str]:
+    sampling = SamplingParams(max_tokens=60, structured_outputs=structured, **params)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=sampling, use_tqdm=False)
+    completions = [c for o in outputs for c in o.outputs]
+    assert all(c.finish_reason == "stop" for c in completions), [c.text for c in completions]
+    return [c.text for c in completions]
+
+
+def _follows_schema(text: str) -> bool:
+    value = json.loads(text)
+    return (
+        set(value) == {"city", "days", "sunny"}
+        and isinstance(value["city"], str) and len(value["city"]) <= 6
+        and type(value["days"]) is int and 1 <= value["days"] <= 9
+        and isinstance(value["sunny"], bool)
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=1.0, seed=5, n=2)])
+def test_json_schema_answers_follow_the_schema(llm, params):
+    texts = _texts(llm, StructuredOutputsParams(json=SCHEMA), **params)
+    assert len(texts) == len(PROMPTS) * params.get("n", 1)
+    assert all(_follows_schema(t) for t in texts), texts
+
+
+def test_regex_choice_and_lark_grammars(llm):
+    assert all(
+        re.fullmatch(r"[0-9]{3}-[a-z]{2}", t)
+        for t in _texts(llm, StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}"), temperature=1.0, seed=2)
+    )  # noqa: E501
+    choices = ["red", "green", "blue"]
+    assert all(
+        t in choices for t in _texts(llm, StructuredOutputsParams(choice=choices), temperature=1.0, seed=3)
+    )
+    lark = 'start: "ab" ("c" | "cc" | "ccc") "d"'
+    assert all(
+        re.fullmatch("abc{1,3}d", t)
+        for t in _texts(llm, StructuredOutputsParams(grammar=lark), temperature=0.0)
+    )
+
+
+def test_answers_survive_preemption_and_chunked_prefill(tiny_qwen3, llm):
+    """A page pool too small for the batch: preempted requests recompute, their matchers keep their state."""
+    small = LLM(
+        str(tiny_qwen3), dtype="float32", device="cpu", num_gpu_blocks_override=18, block_size=4,
+        max_num_batched_tokens=8, max_num_seqs=3, max_model_len=72,
+    )  # fmt: skip
+    preempted = []
+    schedule = small.engine.scheduler.schedule
+
+    def counting():
+        plan = schedule()
+        preempted.extend(plan.preempted)
+        return plan
+
+    small.engine.scheduler.schedule = counting
+    structured = StructuredOutputsParams(json=SCHEMA)
+    assert _texts(small, structured, temperature=0.0) == _texts(llm, structured, temperature=0.0)
+    assert preempted
+
+
+@pytest.mark.parametrize(
+    "structured",
+    [dict(regex="("), dict(json={"type": 5}), dict(json="{not json"), dict(grammar="start: undefined_rule")],
+    ids=["regex", "schema", "json-text", "lark"],
+)
+def test_grammars_that_do_not_compile_are_refused_before_queuing(llm, structured):
+    with pytest.raises(RequestError, match="does not compile") as error:
+        llm.engine.add_request("bad", None, SamplingParams(structured_outputs=StructuredOutputsParams(**structured)),
+                               prompt_token_ids=[1, 2, 3])  # fmt: skip
+    assert error.value.param == "structured_outputs" and not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("fields", [{}, dict(regex="a", choice=["a"]), dict(choice=[])])
+def test_exactly_one_grammar_is_given(fields):
+    with pytest.raises(RequestError, match="structured|choice"):
+        StructuredOutputsParams(**fields)
