@@ -302,3 +302,33 @@ def test_proposed_drafts_match_the_mtp_run_from_scratch(checkpoint: str, request
             assert made == ref, f"after {len(tokens)} tokens"
             compared += 1
     assert compared >= 0.9 * len(seen) and compared > 20
+
+
+def test_structured_outputs_with_accepted_drafts(tiny_deepseek: Path, base: LLM) -> None:
+    """A grammar under speculative decoding: the verification samples round by round, each row masked by
+    the matcher after the tokens appended before it, so drafts forced right (and accepted) give the answer
+    of plain decoding, and a wrong draft the grammar forbids is never accepted."""
+    import json
+
+    from pegainfer import StructuredOutputsParams
+
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999}, "b": {"enum": ["x", "yz"]}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    prompts = random_prompts(7, [9, 4])
+    ref = generate(base, prompts, params)
+    # Past the answer's end the drafts are filler: the grammar's end finishes the request first.
+    truth = {tuple(p): p + r.outputs[0].token_ids + [0] * 8 for p, r in zip(prompts, ref, strict=True)}
+    for right in (None, 0):
+        llm = _llm(tiny_deepseek, 2)
+        force_drafts(llm, truth, right)
+        outs, stats = generate_counting(llm, prompts, params)
+        assert token_ids(outs) == token_ids(ref)
+        assert all(json.loads(o.outputs[0].text)["b"] in ("x", "yz") for o in outs)
+        assert (stats["spec_accepted_tokens"] > 0) == (right is None)
