@@ -198,8 +198,10 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(prompt)
         prompt_token_ids = list(prompt_token_ids)
         self._validate_prompt(prompt_token_ids, params)
-        structured = params.structured_outputs
-        matchers = [self.grammars.matcher(structured) for _ in range(params.n)] if structured else None
+        matchers = None
+        if params.structured_outputs is not None:  # compiled once; each sequence gets its own matcher
+            first = self.grammars.matcher(params.structured_outputs)
+            matchers = [first] + [first.deep_copy() for _ in range(params.n - 1)]
         if params.max_tokens is None:
             params = params.clone(max_tokens=self.max_model_len - len(prompt_token_ids))
         params = params.clone(eos_token_ids=self.tokenizer.eos_token_ids)
