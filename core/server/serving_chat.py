@@ -136,7 +136,9 @@ class ChatServing(ServingBase):
         parsers: dict[int, ToolCallStream] = {}
         calls_made: dict[int, int] = {}
         forcing = body.forced_tool_schema() is not None
+        named = forced_name(body.tool_choice) if forcing else None
         held: dict[int, str] = {}
+        opened: set[int] = set()
 
         def base(choices: list[dict[str, Any]]) -> dict[str, Any]:
             chunk = {
@@ -154,7 +156,17 @@ class ChatServing(ServingBase):
             if not has_news(completion):
                 return []
             text, calls, finish = completion.text, [], completion.finish_reason
-            if forcing:  # the answer is held whole: its calls are known once it ends
+            if named is not None:  # the text is the arguments: the call opens, then its arguments stream
+                if choice not in opened:
+                    opened.add(choice)
+                    [call] = forced_calls(text, body.tool_choice)
+                    calls = [{"index": 0, **call}]
+                elif text:
+                    calls = [{"index": 0, "function": {"arguments": text}}]
+                text = ""
+                if not (calls or finish or completion.logprobs):
+                    return []
+            elif forcing:  # a "required" list is held whole: its calls are known once it ends
                 held[choice] = held.get(choice, "") + text
                 text = ""
                 forced = _forced(body, held[choice], finish) if finish is not None else None
@@ -162,7 +174,7 @@ class ChatServing(ServingBase):
                     calls = [{"index": i, **call} for i, call in enumerate(forced[0])]
                     finish = forced[1]
                 elif finish is not None:
-                    text = held[choice]  # a cut "required" list: no calls, the text as it is
+                    text = held[choice]  # a cut list: no calls, the text as it is
                 if not (text or calls or finish or completion.logprobs):
                     return []
             elif tools is not None:

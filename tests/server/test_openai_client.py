@@ -298,12 +298,13 @@ def test_forced_tool_choice_answers_with_calls(client: openai.OpenAI, model: str
         temperature=0,
         stream=True,
     )
-    deltas = [chunk.choices[0].delta for chunk in stream if chunk.choices]
-    streamed = [c for d in deltas for c in d.tool_calls or []]
-    assert not any(d.content for d in deltas)
-    assert [(c.index, c.function.name, c.function.arguments) for c in streamed] == [
-        (0, "get_weather", call.function.arguments)
-    ]
+    chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+    streamed = [c for chunk in chunks for c in chunk.delta.tool_calls or []]
+    assert not any(chunk.delta.content for chunk in chunks) and chunks[-1].finish_reason == "stop"
+    # As OpenAI streams a call: its id and name first, then the arguments in pieces.
+    assert streamed[0].id and streamed[0].function.name == "get_weather" and len(streamed) > 2
+    assert all(c.index == 0 and c.id is None for c in streamed[1:])
+    assert "".join(c.function.arguments or "" for c in streamed) == call.function.arguments
 
 
 def test_stop_strings_cut_the_text(client: openai.OpenAI, model: str) -> None:
