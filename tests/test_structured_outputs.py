@@ -8,9 +8,11 @@ import json
 import re
 
 import pytest
+import torch
 
 from pegainfer import LLM, SamplingParams, StructuredOutputsParams
 from pegainfer.errors import RequestError
+from pegainfer.sampling.structured import allowed_tokens
 
 SCHEMA = {
     "type": "object",
@@ -107,3 +109,29 @@ def test_grammars_that_do_not_compile_are_refused_before_queuing(llm, structured
 def test_exactly_one_grammar_is_given(fields):
     with pytest.raises(RequestError, match="structured|choice"):
         StructuredOutputsParams(**fields)
+
+
+class _Mask:
+    """A matcher's surface as ``allowed_tokens`` reads it: a fixed bitmask of 64 tokens."""
+
+    def __init__(self, allowed: list[int]) -> None:
+        words = [0, 0]
+        for token in allowed:
+            words[token // 32] |= 1 << (token % 32)
+        self._bytes = b"".join(w.to_bytes(4, "little") for w in words)
+
+    def compute_bitmask(self) -> bytes:
+        return self._bytes
+
+
+def test_bitmasks_unpack_to_the_logits_width():
+    """Bit 31 (the int32 sign) unpacks like the others; columns past the grammar's vocabulary are never
+    allowed, and a narrower logits block takes its first columns."""
+    masks = [_Mask([0, 31, 33]), _Mask([5, 63])]
+    wide = allowed_tokens(masks, 70, torch.device("cpu"))
+    assert wide.shape == (2, 70)
+    assert wide[0].nonzero().flatten().tolist() == [0, 31, 33] and wide[1].nonzero().flatten().tolist() == [
+        5,
+        63,
+    ]
+    assert allowed_tokens(masks, 40, torch.device("cpu"))[1].nonzero().flatten().tolist() == [5]

@@ -98,7 +98,10 @@ def allowed_tokens(matchers: list[Any], vocab: int, device: torch.device) -> tor
     masks = b"".join(matcher.compute_bitmask() for matcher in matchers)  # 32 tokens a little-endian word
     words = torch.frombuffer(bytearray(masks), dtype=torch.int32).view(len(matchers), -1).to(device)
     bits = torch.arange(32, dtype=torch.int32, device=device)
-    return ((words[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab]
+    allowed = ((words[:, :, None] >> bits) & 1).bool().flatten(1)
+    if allowed.shape[1] < vocab:  # logits columns past the grammar's vocabulary: never allowed
+        allowed = torch.cat([allowed, allowed.new_zeros(len(matchers), vocab - allowed.shape[1])], dim=1)
+    return allowed[:, :vocab]
 
 
 def consume(matcher: Any, token: int) -> bool:
