@@ -12,7 +12,7 @@ import torch
 
 from pegainfer import LLM, SamplingParams, StructuredOutputsParams
 from pegainfer.errors import RequestError
-from pegainfer.sampling.structured import allowed_tokens
+from pegainfer.sampling.structured import GrammarCompiler, allowed_tokens
 
 SCHEMA = {
     "type": "object",
@@ -135,3 +135,24 @@ def test_bitmasks_unpack_to_the_logits_width():
         63,
     ]
     assert allowed_tokens(masks, 40, torch.device("cpu"))[1].nonzero().flatten().tolist() == [5]
+
+
+def test_the_grammar_wins_over_min_tokens_bans(tiny_qwen3, llm):
+    """A grammar that allows only a banned token (min_tokens bans the stop ids): the grammar's token is
+    taken, so the answer stays valid; the grammar's end ends the answer, min_tokens or not."""
+    first = llm.get_tokenizer().encode("yes", add_special_tokens=False)[0]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=10, min_tokens=3, stop_token_ids=[first],
+        structured_outputs=StructuredOutputsParams(choice=["yes"]),
+    )  # fmt: skip
+    out = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=params, use_tqdm=False)[0].outputs[0]
+    assert out.text == "yes" and out.finish_reason == "stop"
+
+
+def test_a_tokenizer_llguidance_cannot_take_refuses_every_grammar(llm):
+    """Said as a request error naming the field, built once (not again for every request)."""
+    compiler = GrammarCompiler(llm.get_tokenizer(), 10)  # fewer logits columns than the tokenizer's ids
+    for _ in range(2):
+        with pytest.raises(RequestError, match="unavailable for this model's tokenizer") as error:
+            compiler.matcher(StructuredOutputsParams(regex="a", param="response_format"))
+        assert error.value.param == "response_format"

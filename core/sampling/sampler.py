@@ -286,12 +286,18 @@ def _penalized_or_none(logits: torch.Tensor, requests: list[Request]) -> torch.T
     if bias_rows:  # before the bans (a banned token stays banned) and the penalties, as vLLM orders them
         rows, ids = _index(bias_rows, work.device), _index(bias_ids, work.device)
         work[rows, ids] += torch.tensor(biases, dtype=torch.float32, device=work.device)
-    if grammar_rows:  # what the structured output allows next, from the tokens appended so far
-        index = _index(grammar_rows, work.device)
+    grammar_index = _index(grammar_rows, work.device) if grammar_rows else None
+    if grammar_index is not None:  # what the structured output allows next, from the tokens appended so far
         allowed = allowed_tokens([requests[i].grammar for i in grammar_rows], vocab, work.device)
-        work[index] = work[index].masked_fill(~allowed, _NEG_INF)
+        work[grammar_index] = work[grammar_index].masked_fill(~allowed, _NEG_INF)
     if ban_rows:
+        masked = work[grammar_index] if grammar_index is not None else None  # a copy (advanced indexing)
         work[_index(ban_rows, work.device), _index(ban_ids, work.device)] = _NEG_INF
+        if masked is not None:
+            # Where the grammar allows only banned tokens (min_tokens' stop ids, EOS), the grammar wins:
+            # the answer stays valid. Decided on the device, no sync.
+            stuck = torch.isneginf(work[grammar_index]).all(dim=1, keepdim=True)
+            work[grammar_index] = torch.where(stuck, masked, work[grammar_index])
     if penalty_rows:
         if len(penalty_rows) == len(requests):
             work = _penalize(work, requests)

@@ -24,25 +24,31 @@ from pegainfer.errors import RequestError
 from pegainfer.text.tokenizer import Tokenizer
 
 PARAM = "structured_outputs"
+#: llguidance raises ValueError or RuntimeError for what it cannot take, or a Rust panic, whose exception
+#: derives from BaseException only: every BaseException but these is such a failure.
+_NOT_FAILURES = (KeyboardInterrupt, SystemExit, GeneratorExit)
 
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """Exactly one of: ``json`` (a JSON schema, as a dict or its text), ``regex``, ``choice`` (the answer
-    is one of these strings), ``grammar`` (Lark syntax, llguidance's dialect). vLLM's names."""
+    is one of these strings), ``grammar`` (Lark syntax in llguidance's dialect, or llama.cpp's GBNF).
+    vLLM's names."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    #: The request field errors name (the server's: ``response_format``, ``tool_choice``...).
+    param: str = PARAM
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         if len(given) != 1:
             raise RequestError(f"structured outputs take exactly one of json, regex, choice, grammar; got {given}",
-                               param=PARAM)  # fmt: skip
+                               param=self.param)  # fmt: skip
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
-            raise RequestError("choice must be a non-empty list of strings", param=PARAM)
+            raise RequestError("choice must be a non-empty list of strings", param=self.param)
 
     def llguidance_grammar(self) -> str:
         from llguidance import LLMatcher
@@ -52,13 +58,18 @@ class StructuredOutputsParams:
             if isinstance(schema, dict):
                 # One separator style (", " and ": "), no free whitespace: a model cannot stall the answer
                 # in endless blanks; a schema's own "x-guidance" options win.
-                schema = {"x-guidance": {"whitespace_flexible": False}, **schema}
+                schema = {
+                    **schema,
+                    "x-guidance": {"whitespace_flexible": False, **schema.get("x-guidance", {})},
+                }
             return LLMatcher.grammar_from_json_schema(json.dumps(schema))
         if self.regex is not None:
             return LLMatcher.grammar_from_regex(self.regex)
         if self.choice is not None:
             return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
-        return LLMatcher.grammar_from_lark(self.grammar)
+        from llguidance import grammar_from
+
+        return grammar_from("grammar", self.grammar)  # Lark, or GBNF converted to it
 
 
 class GrammarCompiler:
@@ -69,27 +80,37 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
-        self._lltokenizer = None
+        self._lltokenizer: Any = None
+        self._unavailable: str | None = None  # why llguidance cannot take this tokenizer, once known
 
     def matcher(self, params: StructuredOutputsParams) -> Any:
-        """A fresh matcher at the start of the answer; ``RequestError`` for a grammar that does not compile."""
+        """A fresh matcher at the start of the answer; ``RequestError`` for a grammar that does not compile
+        (or a tokenizer llguidance cannot read: said once, then every structured request is refused)."""
         import llguidance
 
-        if self._lltokenizer is None:
-            self._lltokenizer = llguidance.LLTokenizer(
-                self._tokenizer.backend_json(),
-                n_vocab=self._vocab_size,
-                eos_token=list(self._tokenizer.eos_token_ids) or None,
-            )
+        if self._lltokenizer is None and self._unavailable is None:
+            try:
+                self._lltokenizer = llguidance.LLTokenizer(
+                    self._tokenizer.backend_json(),
+                    n_vocab=self._vocab_size,
+                    eos_token=list(self._tokenizer.eos_token_ids) or None,
+                )
+            except BaseException as exc:
+                if isinstance(exc, _NOT_FAILURES):
+                    raise
+                self._unavailable = f"structured outputs are unavailable for this model's tokenizer: {exc}"
+        if self._unavailable is not None:
+            raise RequestError(self._unavailable, param=params.param)
         try:
-            grammar = params.llguidance_grammar()
-            matcher = llguidance.LLMatcher(self._lltokenizer, grammar)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # ValueError, RuntimeError, or a Rust panic (a BaseException)
-            raise RequestError(f"the structured output does not compile: {exc}", param=PARAM) from None
+            matcher = llguidance.LLMatcher(self._lltokenizer, params.llguidance_grammar())
+        except BaseException as exc:
+            if isinstance(exc, _NOT_FAILURES):
+                raise
+            raise RequestError(f"the structured output does not compile: {exc}", param=params.param) from None
         if matcher.is_error():
-            raise RequestError(f"the structured output does not compile: {matcher.get_error()}", param=PARAM)
+            raise RequestError(
+                f"the structured output does not compile: {matcher.get_error()}", param=params.param
+            )
         return matcher
 
 

@@ -58,25 +58,51 @@ def forced_schema(
     if name is not None:
         if name not in functions:
             raise RequestError(f"tool_choice names {name!r}, which is not among the tools", param=PARAM)
-        return _parameters(functions[name])
+        return {**_parameters(functions[name]), "x-guidance": LENIENT}
+    # Each function's parameters move under the root's $defs (its own $defs with them), their local refs
+    # rewritten to point there: a "#/$defs/X" or a recursive "#" keeps meaning what it meant in the tool.
+    defs = {
+        f"tool{i}": _relocated(_parameters(f), f"#/$defs/tool{i}") for i, f in enumerate(functions.values())
+    }
     items = [
         {
             "type": "object",
-            "properties": {"name": {"type": "string", "enum": [fname]}, "parameters": _parameters(function)},
+            "properties": {
+                "name": {"type": "string", "enum": [fname]},
+                "parameters": {"$ref": f"#/$defs/tool{i}"},
+            },
             "required": ["name", "parameters"],
             "additionalProperties": False,
         }
-        for fname, function in functions.items()
+        for i, fname in enumerate(functions)
     ]
-    schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}, "$defs": defs, "x-guidance": LENIENT}
     if parallel_tool_calls is False:
         schema["maxItems"] = 1
     return schema
 
 
+#: A tool's parameters may use JSON Schema keywords the grammar cannot enforce (uniqueItems, not...):
+#: they are left unenforced rather than failing the request.
+LENIENT = {"lenient": True}
+
+
 def _parameters(function: dict[str, Any]) -> dict[str, Any]:
     parameters = function.get("parameters")
     return parameters if isinstance(parameters, dict) and parameters else {"type": "object"}
+
+
+def _relocated(schema: Any, base: str) -> Any:
+    """``schema`` with every local ``$ref`` ("#...") made relative to ``base`` (where it will sit)."""
+    if isinstance(schema, dict):
+        return {
+            key: base + value[1:] if key == "$ref" and isinstance(value, str) and value.startswith("#")
+            else _relocated(value, base)
+            for key, value in schema.items()
+        }  # fmt: skip
+    if isinstance(schema, list):
+        return [_relocated(value, base) for value in schema]
+    return schema
 
 
 def forced_calls(text: str, tool_choice: Any) -> list[dict[str, Any]] | None:

@@ -8,6 +8,8 @@ generation_config defaults and SamplingParams' own validation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -63,16 +65,41 @@ class _SamplingFields(_Body):
     #: Prefix caching: requests with different salts share no cached prefix (one salt per tenant).
     cache_salt: NonEmptyStr | None = None
     include_stop_str_in_output: bool = False
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    # (guided_grammar: Lark or GBNF).
+    response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: NonEmptyStr | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: NonEmptyStr | None = None
 
     def check_supported(self) -> None:
         """400 for fields that are valid OpenAI but that pegainfer does not implement."""
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed when stream is true", param="stream_options")
+        self.structured()  # two fields asking for a grammar, or a malformed one: 400 before anything runs
 
     def structured(self) -> StructuredOutputsParams | None:
-        """The grammar the answer must follow, if the request asks for one."""
-        return self.structured_outputs.params() if self.structured_outputs is not None else None
+        """The grammar the answer must follow, from the one field that asks for it (400 for two)."""
+        asked = self._grammar_fields()
+        if len(asked) > 1:
+            names = " and ".join(name for name, _ in asked)
+            raise RequestError(f"{names} cannot both ask for a grammar", param=asked[1][0])
+        return asked[0][1]() if asked else None
+
+    def _grammar_fields(self) -> list[tuple[str, Callable[[], StructuredOutputsParams]]]:
+        """(field, its grammar) for every field that asks for one."""
+        asked: list[tuple[str, Callable[[], StructuredOutputsParams]]] = []
+        if self.structured_outputs is not None:
+            asked.append(("structured_outputs", self.structured_outputs.params))
+        if self.response_format is not None and self.response_format.type != "text":
+            asked.append(("response_format", self.response_format.structured))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value, name = getattr(self, f"guided_{kind}"), f"guided_{kind}"
+            if value is not None:
+                asked.append((name, partial(StructuredOutputsParams, **{kind: value}, param=name)))
+        return asked
 
     @property
     def include_usage(self) -> bool:
@@ -213,13 +240,16 @@ class ResponseFormat(_Body):
     def structured(self) -> StructuredOutputsParams | None:
         """The grammar it asks for: any JSON object, one that follows a schema, or none (text)."""
         if self.type == "json_object":
-            return StructuredOutputsParams(json={"type": "object"})
+            return StructuredOutputsParams(json={"type": "object"}, param="response_format")
         if self.type == "json_schema":
             if self.json_schema is None:
                 raise RequestError(
                     "response_format json_schema needs its json_schema", param="response_format"
                 )
-            return StructuredOutputsParams(json=self.json_schema.schema_ or {"type": "object"})
+            schema = self.json_schema.schema_  # {} is a schema too (any JSON value)
+            return StructuredOutputsParams(
+                json={"type": "object"} if schema is None else schema, param="response_format"
+            )
         return None
 
 
@@ -233,7 +263,11 @@ class StructuredOutputs(_Body):
 
     def params(self) -> StructuredOutputsParams:
         return StructuredOutputsParams(
-            json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar
+            json=self.json_,
+            regex=self.regex,
+            choice=self.choice,
+            grammar=self.grammar,
+            param="structured_outputs",
         )
 
 
@@ -245,7 +279,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -258,16 +291,6 @@ class ChatCompletionRequest(_SamplingFields):
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
-        asks_format = self.response_format is not None and self.response_format.type != "text"
-        if self.structured_outputs is not None and asks_format:
-            raise RequestError(
-                "response_format and structured_outputs cannot both ask for a grammar",
-                param="response_format",
-            )
-        if self.forced_tool_schema() is not None and (self.structured_outputs is not None or asks_format):
-            raise RequestError(
-                "a forced tool_choice and a response format cannot both be given", param="tool_choice"
-            )
         if self.continue_final_message and self.add_generation_prompt:
             raise RequestError(
                 "continue_final_message and add_generation_prompt cannot both be true",
@@ -282,13 +305,12 @@ class ChatCompletionRequest(_SamplingFields):
         """The JSON schema a ``tool_choice`` that forces calls puts on the answer (``forced_tools``)."""
         return forced_schema(self.tools, self.tool_choice, self.parallel_tool_calls)
 
-    def structured(self) -> StructuredOutputsParams | None:
+    def _grammar_fields(self) -> list[tuple[str, Callable[[], StructuredOutputsParams]]]:
         forced = self.forced_tool_schema()
-        if forced is not None:
-            return StructuredOutputsParams(json=forced)
-        if self.response_format is not None and self.response_format.type != "text":
-            return self.response_format.structured()
-        return super().structured()
+        others = super()._grammar_fields()
+        if forced is None:
+            return others
+        return [("tool_choice", partial(StructuredOutputsParams, json=forced, param="tool_choice")), *others]
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -303,12 +325,9 @@ def _token_biases(biases: dict[str, float], vocab_size: int) -> dict[int, float]
     """OpenAI's ``logit_bias`` (token ids as JSON keys) keyed by the ids, each one in the vocabulary."""
     by_id = {}
     for key, value in biases.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise RequestError(
-                f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
-            ) from None
+        if not key.isascii() or not key.isdigit():  # "5", not " 5", "+5" or "1_0"
+            raise RequestError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        token = int(key)
         if not 0 <= token < vocab_size:
             raise RequestError(
                 f"logit_bias token ids must be in [0, {vocab_size}), got {token}", param="logit_bias"

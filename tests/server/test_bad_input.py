@@ -53,6 +53,38 @@ BAD_BODIES = [
     ("completions", _completion(stream="yes"), "stream"),
     ("completions", _completion(stream_options={"include_usage": True}), "stream_options"),
     ("completions", _completion(logit_bias={"five": 1.0}), "logit_bias"),
+    ("completions", _completion(logit_bias={" 5": 1.0}), "logit_bias"),
+    ("completions", _completion(logit_bias={"+5": 1.0}), "logit_bias"),
+    ("completions", _completion(guided_regex="a", guided_choice=["a"]), "guided_choice"),
+    ("completions", _completion(guided_choice=[]), "guided_choice"),
+    ("completions", _completion(structured_outputs={"regex": "a", "choice": ["a"]}), "structured_outputs"),
+    (
+        "completions",
+        _completion(
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}
+        ),
+        "response_format",
+    ),
+    (
+        "chat/completions",
+        _chat(response_format={"type": "json_object"}, structured_outputs={"regex": "a"}),
+        "response_format",
+    ),
+    (
+        "chat/completions",
+        _chat(
+            tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required", guided_regex="a"
+        ),
+        "guided_regex",
+    ),
+    (
+        "chat/completions",
+        _chat(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
+        "tool_choice",
+    ),
     ("completions", _completion(logit_bias={"-1": 1.0}), "logit_bias"),
     ("completions", _completion(logit_bias={str(10**9): 1.0}), "logit_bias"),
     ("completions", _completion(logit_bias={"5": 101}), "logit_bias"),

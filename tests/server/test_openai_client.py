@@ -237,6 +237,17 @@ def test_structured_outputs_through_response_format_and_the_vllm_extra(
         extra_body={"structured_outputs": {"choice": ["north", "south"]}},
     )  # fmt: skip
     assert picked.choices[0].text in ("north", "south")
+    # The same grammars through completions' response_format and vLLM's older guided_* fields.
+    older = client.completions.create(
+        model=model, prompt=PROMPT_IDS, max_tokens=8, temperature=1.0, seed=4,
+        extra_body={"guided_choice": ["north", "south"]},
+    )  # fmt: skip
+    assert older.choices[0].text in ("north", "south")
+    as_json = client.completions.create(
+        model=model, prompt=PROMPT_IDS, max_tokens=40, temperature=0,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}},
+    )  # fmt: skip
+    assert type(json.loads(as_json.choices[0].text)["n"]) is int
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(
             model=model, prompt=PROMPT_IDS, max_tokens=8, extra_body={"structured_outputs": {"regex": "("}}

@@ -14,11 +14,13 @@ import pytest
 
 from pegainfer.engine.outputs import CompletionOutput, RequestOutput
 from pegainfer.errors import RequestError
+from pegainfer.sampling.structured import GrammarCompiler, StructuredOutputsParams
 from pegainfer.server.forced_tools import forced_calls, forced_schema
 from pegainfer.server.protocol import ChatCompletionRequest
 from pegainfer.server.serving_chat import ChatServing
 from pegainfer.server.tool_calls import DEEPSEEK, QWEN, ToolCallStream, split_tool_calls, tool_call_format
-from pegainfer.text.tiny_tokenizer import CHAT_TEMPLATE
+from pegainfer.text.tiny_tokenizer import CHAT_TEMPLATE, build_tiny_tokenizer
+from pegainfer.text.tokenizer import Tokenizer
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}'
 ANSWER = (
@@ -309,7 +311,8 @@ BOUNDED_TOOLS = [
 
 def test_forced_schemas_and_their_calls() -> None:
     named = {"type": "function", "function": {"name": "get_weather"}}
-    assert forced_schema(BOUNDED_TOOLS, named, None) == BOUNDED_TOOLS[0]["function"]["parameters"]
+    parameters = BOUNDED_TOOLS[0]["function"]["parameters"]
+    assert forced_schema(BOUNDED_TOOLS, named, None) == {**parameters, "x-guidance": {"lenient": True}}
     required = forced_schema(BOUNDED_TOOLS, "required", False)
     assert required["minItems"] == required["maxItems"] == 1 and len(required["items"]["anyOf"]) == 2
     assert forced_schema(BOUNDED_TOOLS, "auto", None) is None and forced_schema(None, None, None) is None
@@ -335,3 +338,29 @@ def test_forced_choices_that_cannot_be_honoured_are_refused(tools, choice) -> No
     with pytest.raises(RequestError) as error:
         forced_schema(tools, choice, None)
     assert error.value.param == "tool_choice"
+
+
+def test_required_calls_keep_each_tools_own_refs() -> None:
+    """A tool's parameters moved into the list's schema keep their meaning: "#/$defs/X" and a recursive
+    "#" point into the tool's own schema, so the grammar accepts the tool's valid arguments and refuses
+    what only a misread ref would allow."""
+    tree = {
+        "type": "object",
+        "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}, "tag": {"$ref": "#/$defs/Tag"}},
+        "required": ["kids"],
+        "additionalProperties": False,
+        "$defs": {"Tag": {"enum": ["a", "b"]}},
+    }
+    tools = [{"type": "function", "function": {"name": "tree", "parameters": tree}}]
+    tokenizer = Tokenizer(build_tiny_tokenizer())
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size)
+
+    def accepts(text: str) -> bool:
+        matcher = compiler.matcher(StructuredOutputsParams(json=forced_schema(tools, "required", None)))
+        return matcher.try_consume_tokens(tokenizer.encode(text, add_special_tokens=False)) == len(
+            tokenizer.encode(text, add_special_tokens=False)
+        )
+
+    assert accepts('[{"name":"tree","parameters":{"kids":[{"kids":[],"tag":"b"}],"tag":"a"}}]')
+    assert not accepts('[{"name":"tree","parameters":{"kids":[[{"name":"tree"')
+    assert not accepts('[{"name":"tree","parameters":{"kids":[],"tag":"c"')
