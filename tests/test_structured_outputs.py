@@ -156,3 +156,13 @@ def test_a_tokenizer_llguidance_cannot_take_refuses_every_grammar(llm):
         with pytest.raises(RequestError, match="unavailable for this model's tokenizer") as error:
             compiler.matcher(StructuredOutputsParams(regex="a", param="response_format"))
         assert error.value.param == "response_format"
+
+
+@pytest.mark.gpu
+def test_answers_follow_the_schema_on_the_gpu(tiny_checkpoint_factory):
+    """The GPU's decode path (CUDA graphs whose argmax the sampler must not take for grammar rows, async
+    scheduling, bf16 logits): every answer follows the schema, greedy and sampled."""
+    folder = tiny_checkpoint_factory("qwen3", seed=3, dtype="bfloat16")
+    gpu = LLM(str(folder), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, max_model_len=256)
+    for params in (dict(temperature=0.0), dict(temperature=1.0, seed=5, n=2)):
+        assert all(_follows_schema(t) for t in _texts(gpu, StructuredOutputsParams(json=SCHEMA), **params))
