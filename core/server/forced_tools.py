@@ -116,7 +116,12 @@ def forced_calls(text: str, tool_choice: Any) -> list[dict[str, Any]] | None:
         items = json.loads(text)
     except ValueError:
         return None
-    return [_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in items]
+    # The grammar makes this shape; a stop string cutting the answer could leave some other valid JSON.
+    if not isinstance(items, list) or not all(
+        isinstance(i, dict) and isinstance(i.get("name"), str) for i in items
+    ):
+        return None
+    return [_call(item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False)) for item in items]
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:
