@@ -323,6 +323,7 @@ def test_forced_schemas_and_their_calls() -> None:
     )
     assert _names_and_arguments(calls) == [("now", {}), ("get_weather", {"days": 1})]
     assert forced_calls('[{"name": "now", "par', "required") is None  # cut: no calls
+    assert forced_calls('"now"', "required") is None and forced_calls("[1]", "required") is None
 
 
 @pytest.mark.parametrize(
