@@ -6,7 +6,9 @@
 - DeepSeek's special-token blocks ``<｜tool▁call▁begin｜>...<｜tool▁call▁end｜>`` inside
   ``<｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>``: ``function<｜tool▁sep｜>NAME`` then the arguments in a
   json code fence (DeepSeek-V3, R1), or ``NAME<｜tool▁sep｜>ARGUMENTS`` (V3.1). Its markers are special
-  tokens, so such answers are detokenized keeping them (:attr:`ToolCallFormat.special_tokens`).
+  tokens, so such answers are detokenized keeping them (:attr:`ToolCallFormat.special_tokens`);
+- DeepSeek-V3.2's DSML blocks ``<｜DSML｜invoke name="NAME">`` with ``<｜DSML｜parameter name="KEY"
+  string="true|false">`` pieces inside ``<｜DSML｜function_calls>``, kept the same way.
 
 A chat request with ``tools`` (and ``tool_choice`` not "none") to a model whose template speaks one of
 these (:func:`tool_call_format`) gets OpenAI's ``tool_calls`` in place of the blocks:
@@ -105,6 +107,30 @@ def _deepseek_body(body: str) -> tuple[str, Any] | None:
     return name, parsed
 
 
+_DSML_INVOKE = re.compile(r'\s*name="([^"]+)"\s*>(.*)', re.DOTALL)
+_DSML_PARAMETER = re.compile(
+    r'<｜DSML｜parameter name="([^"]+)" string="(true|false)">(.*?)</｜DSML｜parameter>', re.DOTALL
+)
+
+
+def _dsml_body(body: str) -> tuple[str, Any] | None:
+    """``name="NAME">`` then ``<｜DSML｜parameter name="KEY" string="true|false">value</...>`` pieces
+    (DeepSeek-V3.2): a ``string="false"`` value is JSON, the others strings; nothing else but blanks."""
+    invoke = _DSML_INVOKE.fullmatch(body)
+    if invoke is None or _DSML_PARAMETER.sub("", invoke.group(2)).strip():
+        return None
+    arguments: dict[str, Any] = {}
+    for key, is_string, value in _DSML_PARAMETER.findall(invoke.group(2)):
+        if is_string == "true":
+            arguments[key] = value
+            continue
+        try:
+            arguments[key] = json.loads(value)
+        except ValueError:
+            return None
+    return invoke.group(1), arguments
+
+
 QWEN = ToolCallFormat("<tool_call>", "</tool_call>", _qwen_body)
 DEEPSEEK = ToolCallFormat(
     "<｜tool▁call▁begin｜>",
@@ -113,11 +139,18 @@ DEEPSEEK = ToolCallFormat(
     dropped=("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
     special_tokens=True,
 )
+DEEPSEEK_DSML = ToolCallFormat(
+    "<｜DSML｜invoke ",
+    "</｜DSML｜invoke>",
+    _dsml_body,
+    dropped=("<｜DSML｜function_calls>", "</｜DSML｜function_calls>"),
+    special_tokens=True,
+)
 
 
 def tool_call_format(template_source: str) -> ToolCallFormat | None:
     """The form a chat template asks tool calls in (it names the markers it wants back), or None."""
-    for form in (QWEN, DEEPSEEK):
+    for form in (QWEN, DEEPSEEK, DEEPSEEK_DSML):
         if form.open in template_source:
             return form
     return None

@@ -18,7 +18,14 @@ from pegainfer.sampling.structured import GrammarCompiler, StructuredOutputsPara
 from pegainfer.server.forced_tools import forced_calls, forced_schema
 from pegainfer.server.protocol import ChatCompletionRequest
 from pegainfer.server.serving_chat import ChatServing
-from pegainfer.server.tool_calls import DEEPSEEK, QWEN, ToolCallStream, split_tool_calls, tool_call_format
+from pegainfer.server.tool_calls import (
+    DEEPSEEK,
+    DEEPSEEK_DSML,
+    QWEN,
+    ToolCallStream,
+    split_tool_calls,
+    tool_call_format,
+)
 from pegainfer.text.tiny_tokenizer import CHAT_TEMPLATE, build_tiny_tokenizer
 from pegainfer.text.tokenizer import Tokenizer
 
@@ -365,3 +372,30 @@ def test_required_calls_keep_each_tools_own_refs() -> None:
     assert accepts('[{"name":"tree","parameters":{"kids":[{"kids":[],"tag":"b"}],"tag":"a"}}]')
     assert not accepts('[{"name":"tree","parameters":{"kids":[[{"name":"tree"')
     assert not accepts('[{"name":"tree","parameters":{"kids":[],"tag":"c"')
+
+
+DSML_CALLS = (
+    'Checking.\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
+    '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+    '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+    '<｜DSML｜invoke name="now">\n</｜DSML｜invoke>\n</｜DSML｜function_calls>'
+)
+
+
+@pytest.mark.parametrize("size", [1, 5, 1000])
+def test_deepseek_v32_dsml_calls_whole_and_streamed(size: int) -> None:
+    """V3.2's DSML form: string="true" values stay strings, string="false" ones are JSON."""
+    assert tool_call_format('{{ "<｜DSML｜invoke name=\\"" + tool.name }}') is DEEPSEEK_DSML
+    content, calls = split_tool_calls(DSML_CALLS, DEEPSEEK_DSML)
+    assert content == "Checking."
+    assert _names_and_arguments(calls) == [("get_weather", {"city": "Paris", "days": 3}), ("now", {})]
+    stream, streamed, streamed_calls = ToolCallStream(DEEPSEEK_DSML), "", []
+    for i in range(0, len(DSML_CALLS), size):
+        text, made = stream.feed(DSML_CALLS[i : i + size])
+        assert "<｜" not in text
+        streamed, streamed_calls = streamed + text, streamed_calls + made
+    rest, more = stream.finish()
+    assert streamed + rest == content
+    assert _names_and_arguments(streamed_calls + more) == _names_and_arguments(calls)
+    bad = '<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="n" string="false">not json</｜DSML｜parameter>\n</｜DSML｜invoke>'
+    assert split_tool_calls(bad, DEEPSEEK_DSML) == (bad, [])
