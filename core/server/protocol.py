@@ -254,7 +254,7 @@ class ResponseFormat(_Body):
 
 
 class StructuredOutputs(_Body):
-    """vLLM's ``structured_outputs`` extra: exactly one of a JSON schema, a regex, a choice, a Lark grammar."""
+    """vLLM's ``structured_outputs`` extra: exactly one of a JSON schema, a regex, a choice, a grammar (Lark or GBNF)."""
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: NonEmptyStr | None = None
