@@ -20,6 +20,28 @@ from pegainfer.server.app import bind_socket, make_server
 from pegainfer.server.config import ServerConfig
 
 API_KEY = "sk-test-0123456789"
+#: Tools whose arguments a random model completes in a few tokens (bounded values, no free strings).
+BOUNDED_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"enum": ["Paris", "Rome"]},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                },
+                "required": ["city", "days"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "now", "parameters": {"type": "object", "additionalProperties": False}},
+    },
+]
 MAX_MODEL_LEN = 512
 
 

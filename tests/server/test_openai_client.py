@@ -7,7 +7,7 @@ import json
 
 import openai
 import pytest
-from server_harness import API_KEY, ServerHandle
+from server_harness import API_KEY, BOUNDED_TOOLS, ServerHandle
 
 PROMPT_IDS = [11, 42, 7, 300, 5, 99, 120]
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
@@ -255,36 +255,14 @@ def test_structured_outputs_through_response_format_and_the_vllm_extra(
     assert error.value.body["param"] == "structured_outputs"
 
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"enum": ["Paris", "Rome"]},
-                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
-                },
-                "required": ["city", "days"],
-                "additionalProperties": False,
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {"name": "now", "parameters": {"type": "object", "additionalProperties": False}},
-    },
-]
-
-
 def test_forced_tool_choice_answers_with_calls(client: openai.OpenAI, model: str) -> None:
     """tool_choice naming a function or "required": the answer is made under the calls' JSON schema, so
-    even the tiny random model answers with calls; streamed, the calls come in the final chunk."""
+    even the tiny random model answers with calls; streamed, a named call's id and name come first, then
+    its arguments in pieces."""
     messages = [{"role": "user", "content": "weather?"}]
     named = {"type": "function", "function": {"name": "get_weather"}}
     answer = client.chat.completions.create(
-        model=model, messages=messages, tools=TOOLS, tool_choice=named, max_tokens=40, temperature=0
+        model=model, messages=messages, tools=BOUNDED_TOOLS, tool_choice=named, max_tokens=40, temperature=0
     )
     choice = answer.choices[0]
     assert choice.message.content is None and choice.finish_reason == "stop"
@@ -293,7 +271,7 @@ def test_forced_tool_choice_answers_with_calls(client: openai.OpenAI, model: str
     assert call.function.name == "get_weather" and arguments["city"] in ("Paris", "Rome")
     assert 1 <= arguments["days"] <= 7
     required = client.chat.completions.create(
-        model=model, messages=messages, tools=TOOLS, tool_choice="required", max_tokens=80, temperature=0.8,
+        model=model, messages=messages, tools=BOUNDED_TOOLS, tool_choice="required", max_tokens=80, temperature=0.8,
         seed=3, parallel_tool_calls=False,
     )  # fmt: skip
     assert required.choices[0].finish_reason == "tool_calls"
@@ -303,7 +281,7 @@ def test_forced_tool_choice_answers_with_calls(client: openai.OpenAI, model: str
     stream = client.chat.completions.create(
         model=model,
         messages=messages,
-        tools=TOOLS,
+        tools=BOUNDED_TOOLS,
         tool_choice=named,
         max_tokens=40,
         temperature=0,

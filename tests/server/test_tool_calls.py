@@ -11,6 +11,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from server_harness import BOUNDED_TOOLS
 
 from pegainfer.engine.outputs import CompletionOutput, RequestOutput
 from pegainfer.errors import RequestError
@@ -295,25 +296,6 @@ def test_deepseek_tool_requests_keep_special_tokens_in_the_text() -> None:
 
 
 # ------------------------------------------------------------------------------ forced tool_choice
-
-BOUNDED_TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"enum": ["Paris", "Rome"]},
-                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
-                },
-                "required": ["city", "days"],
-                "additionalProperties": False,
-            },
-        },
-    },
-    {"type": "function", "function": {"name": "now"}},
-]
 
 
 def test_forced_schemas_and_their_calls() -> None:
