@@ -245,6 +245,17 @@ def test_chat_renders_template_once(llm):
     assert out.prompt.endswith("<|im_start|>assistant\n")
 
 
+def test_chat_shows_the_tools_to_the_model(llm):
+    """``tools`` reach the template (as the server passes them): the prompt is the template's with them."""
+    messages = [{"role": "user", "content": "Weather?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False, tools=tools)[0]
+    assert out.prompt == llm.get_tokenizer().apply_chat_template(
+        messages, add_generation_prompt=True, tools=tools
+    )
+    assert "get_weather" in out.prompt
+
+
 def test_text_prompts_and_defaults_from_generation_config(llm):
     defaults = llm.get_default_sampling_params()
     assert (defaults.temperature, defaults.top_p, defaults.top_k) == (0.6, 0.95, 20)

@@ -132,8 +132,10 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the checkpoint's chat template, then generate."""
+        """Render each conversation with the checkpoint's chat template (``tools``: OpenAI's tool list,
+        which the template shows the model), then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
         inputs = []
@@ -142,6 +144,7 @@ class LLM:
                 conversation,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
+                tools=tools,
                 **(chat_template_kwargs or {}),
             )
             inputs.append((text, tok.encode(text, add_special_tokens=False)))
