@@ -51,7 +51,7 @@ class StructuredOutputsParams:
             raise RequestError("choice must be a non-empty list of strings", param=self.param)
 
     def llguidance_grammar(self) -> str:
-        from llguidance import LLMatcher
+        from llguidance import LLMatcher, grammar_from
 
         if self.json is not None:
             schema = json.loads(self.json) if isinstance(self.json, str) else self.json
@@ -64,11 +64,9 @@ class StructuredOutputsParams:
                 }
             return LLMatcher.grammar_from_json_schema(json.dumps(schema))
         if self.regex is not None:
-            return LLMatcher.grammar_from_regex(self.regex)
+            return grammar_from("regex", self.regex)
         if self.choice is not None:
-            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
-        from llguidance import grammar_from
-
+            return grammar_from("choice", self.choice)
         return grammar_from("grammar", self.grammar)  # Lark, or GBNF converted to it
 
 
