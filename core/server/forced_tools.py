@@ -44,10 +44,15 @@ def forced_name(tool_choice: Any) -> str | None:
     return function["name"]
 
 
+def forces_calls(tool_choice: Any) -> bool:
+    """Whether a ``tool_choice`` forces calls (once the request is validated: "required" or a function)."""
+    return tool_choice is not None and tool_choice not in ("none", "auto")
+
+
 def forced_schema(
     tools: list[dict[str, Any]] | None, tool_choice: Any, parallel_tool_calls: bool | None
 ) -> dict[str, Any] | None:
-    if tool_choice is None or tool_choice in ("none", "auto"):
+    if not forces_calls(tool_choice):
         return None
     if isinstance(tool_choice, str) and tool_choice != "required":
         raise RequestError("tool_choice must be 'none', 'auto', 'required' or a named function", param=PARAM)

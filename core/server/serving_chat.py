@@ -12,7 +12,7 @@ from pegainfer.engine.outputs import CompletionOutput, RequestOutput
 from pegainfer.engine.request_stream import PromptInput, RequestStream
 from pegainfer.errors import RequestError
 from pegainfer.server.errors import APIError, to_api_error
-from pegainfer.server.forced_tools import forced_calls, forced_name
+from pegainfer.server.forced_tools import forced_calls, forced_name, forces_calls
 from pegainfer.server.protocol import ChatCompletionRequest
 from pegainfer.server.serving import ServingBase, chat_logprobs, created, has_news, usage
 from pegainfer.server.streaming import sse, sse_response
@@ -44,7 +44,7 @@ class ChatServing(ServingBase):
     def _tool_call_format(self, body: ChatCompletionRequest) -> ToolCallFormat | None:
         """The form whose blocks in the answer become ``tool_calls``: tools offered, not refused, and a
         template that asks for one (``tool_calls``); None: the answer stays text."""
-        if not body.tools or body.tool_choice == "none" or body.forced_tool_schema() is not None:
+        if not body.tools or body.tool_choice == "none" or forces_calls(body.tool_choice):
             return None  # a forced choice's answer is the calls by construction (forced_tools)
         try:
             return tool_call_format(self.tokenizer.chat_template_source(tools=body.tools))
@@ -135,7 +135,7 @@ class ChatServing(ServingBase):
         include_usage = body.include_usage
         parsers: dict[int, ToolCallStream] = {}
         calls_made: dict[int, int] = {}
-        forcing = body.forced_tool_schema() is not None
+        forcing = forces_calls(body.tool_choice)
         named = forced_name(body.tool_choice) if forcing else None
         held: dict[int, str] = {}
         opened: set[int] = set()
@@ -224,7 +224,7 @@ def _forced(body: ChatCompletionRequest, text: str, finish: str | None) -> tuple
     """(tool calls, finish reason) of an answer a forced ``tool_choice`` shaped, or None (nothing forced,
     or a cut "required" list): a named function finishes as OpenAI's does ("stop"), a required list with
     "tool_calls"."""
-    if body.forced_tool_schema() is None:
+    if not forces_calls(body.tool_choice):
         return None
     calls = forced_calls(text, body.tool_choice)
     if calls is None:
