@@ -1,7 +1,8 @@
 """The FastAPI app (``build_app``) and the uvicorn runner with a graceful SIGTERM drain (``run_server``).
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (Bearer auth when an
-API key is set), and ``GET /health``, ``/metrics``, ``/version`` (no auth, for probes and scrapers).
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``POST /tokenize``,
+``POST /detokenize`` (Bearer auth when an API key is set), and ``GET /health``, ``/metrics``, ``/version``
+(no auth, for probes and scrapers).
 """
 
 from __future__ import annotations
@@ -28,9 +29,15 @@ from pegainfer.server.auth import api_key_dependency
 from pegainfer.server.config import ServerConfig
 from pegainfer.server.errors import APIError, ErrorResponse, error_response, install_error_handlers
 from pegainfer.server.metrics import CONTENT_TYPE, MetricsListener
-from pegainfer.server.protocol import ChatCompletionRequest, CompletionRequest
+from pegainfer.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeBody,
+)
 from pegainfer.server.serving_chat import ChatServing
 from pegainfer.server.serving_completion import CompletionServing
+from pegainfer.server.serving_tokens import TokenServing
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +71,13 @@ _RETRY_AFTER = {
 _WWW_AUTHENTICATE = {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}}
 
 
-def _documented_responses(auth: bool, *, generates: bool) -> dict[int | str, dict[str, Any]]:
+def _documented_responses(
+    auth: bool, *, generates: bool, reads_text: bool = False
+) -> dict[int | str, dict[str, Any]]:
     """The answers an operation gives, for the OpenAPI document (every error is an ErrorResponse)."""
     responses: dict[int | str, dict[str, Any]] = {}
+    if reads_text:
+        responses[400] = _error("Invalid request: a malformed body, a token id outside the vocabulary")
     if generates:
         responses[200] = {
             "description": "The result; with stream true, server-sent events (`data:` chunks, then "
@@ -79,8 +90,9 @@ def _documented_responses(auth: bool, *, generates: bool) -> dict[int | str, dic
         )
     if auth:
         responses[401] = _error("Missing or incorrect API key", _WWW_AUTHENTICATE)
-    if generates:
+    if generates or reads_text:
         responses[404] = _error("The model named in `model` is not served here (code model_not_found)")
+    if generates:
         responses[500] = _error("The request failed inside the engine")
         responses[503] = _error(
             "Overloaded (too many waiting requests), shutting down, or the engine has died", _RETRY_AFTER
@@ -124,6 +136,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     names = model_names(engine, config)
     completions = CompletionServing(engine, names)
     chat = ChatServing(engine, names)
+    tokens = TokenServing(engine, names)
     max_model_len = engine.engine.max_model_len
     started = int(time.time())
 
@@ -171,7 +184,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key_dependency(config.resolved_api_key()))])
+    authorized = [Depends(api_key_dependency(config.resolved_api_key()))]
+    v1 = APIRouter(prefix="/v1", dependencies=authorized)
+    text = APIRouter(dependencies=authorized)  # vLLM's paths: no /v1
 
     @v1.get("/models", responses=_documented_responses(auth, generates=False))
     async def models() -> dict[str, object]:
@@ -197,7 +212,18 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create(body, raw)
 
+    tokenizing = _documented_responses(auth, generates=False, reads_text=True)
+
+    @text.post("/tokenize", responses=tokenizing)
+    async def tokenize(body: TokenizeBody) -> dict[str, Any]:
+        return tokens.tokenize(body)
+
+    @text.post("/detokenize", responses=tokenizing)
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return tokens.detokenize(body)
+
     app.include_router(v1)
+    app.include_router(text)
     return app
 
 

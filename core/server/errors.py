@@ -107,8 +107,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "the request body is not valid JSON", None
     if not loc and err.get("type") in ("missing", "model_attributes_type", "dict_type"):
         return "the request body must be a JSON object", None
-    param = loc[0] if loc else None
-    # Union members add their type name to the location (e.g. prompt.str); keep the user's field path.
+    param = next((p for p in loc if not _is_type_tag(p)), None)
+    # Union members add their type name or tag to the location (prompt.str); keep the user's field path.
     path = ".".join(p for p in loc if not _is_type_tag(p))
     msg = str(err.get("msg", "invalid value"))
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
@@ -116,7 +116,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def _is_type_tag(part: str) -> bool:
-    return part in ("str", "int", "float", "bool") or part.startswith(("list[", "dict[", "function-"))
+    return part in ("str", "int", "float", "bool") or part.startswith(
+        ("list[", "dict[", "function-", "tagged:")
+    )
 
 
 def _respond(request: Request, error: APIError) -> JSONResponse:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from pegainfer.errors import RequestError
 from pegainfer.sampling.sampling_params import RequestOutputKind, SamplingParams
@@ -271,26 +271,17 @@ class StructuredOutputs(_Body):
         )
 
 
-class ChatCompletionRequest(_SamplingFields):
-    """POST /v1/chat/completions."""
+class _ChatPrompt(_Body):
+    """The fields that make a chat prompt: messages rendered by the checkpoint's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
     # vLLM extras.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.top_logprobs is not None and not self.logprobs:
-            raise RequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
+    def check_chat_prompt(self) -> None:
         if self.continue_final_message and self.add_generation_prompt:
             raise RequestError(
                 "continue_final_message and add_generation_prompt cannot both be true",
@@ -300,6 +291,23 @@ class ChatCompletionRequest(_SamplingFields):
             raise RequestError(
                 "continue_final_message needs the last message to be the assistant's", param="messages"
             )
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatPrompt):
+    """POST /v1/chat/completions."""
+
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
+        self.check_chat_prompt()
 
     def forced_tool_schema(self) -> dict[str, Any] | None:
         """The JSON schema a ``tool_choice`` that forces calls puts on the answer (``forced_tools``)."""
@@ -319,6 +327,54 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class _TokenizeFields(_Body):
+    model: NonEmptyStr | None = None
+    #: Also return each token's vocabulary string.
+    return_token_strs: bool = False
+
+    def check_supported(self) -> None:
+        if "prompt" in (self.model_extra or {}):  # a body with messages is a chat (tokenize_body)
+            raise RequestError("prompt and messages cannot both be given", param="prompt")
+
+
+class TokenizeCompletionRequest(_TokenizeFields):
+    """POST /tokenize with a text prompt (vLLM's extension): its ids as /v1/completions would encode it."""
+
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(_TokenizeFields, _ChatPrompt):
+    """POST /tokenize with chat messages: the ids of the prompt /v1/chat/completions would render."""
+
+    add_special_tokens: bool = False  # the template writes the special tokens itself
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        self.check_chat_prompt()
+
+
+def _tokenize_kind(body: Any) -> str:
+    has_messages = "messages" in body if isinstance(body, dict) else isinstance(body, TokenizeChatRequest)
+    return "tagged:messages" if has_messages else "tagged:prompt"
+
+
+# POST /tokenize's body: a chat when it has messages, else a prompt (validation errors name the fields of
+# that one form only).
+TokenizeBody = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("tagged:prompt")]
+    | Annotated[TokenizeChatRequest, Tag("tagged:messages")],
+    Discriminator(_tokenize_kind),
+]
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM's extension): the text of token ids, special tokens included."""
+
+    model: NonEmptyStr | None = None
+    tokens: list[NonNegInt]
 
 
 def _token_biases(biases: dict[str, float], vocab_size: int) -> dict[int, float]:

@@ -15,8 +15,11 @@ from pegainfer.engine.request_stream import EngineDeadError, EngineStoppedError,
 from pegainfer.errors import RequestError
 from pegainfer.sampling.sampling_params import SamplingParams
 from pegainfer.server.errors import APIError, to_api_error
-from pegainfer.server.protocol import _SamplingFields
+from pegainfer.server.protocol import _ChatPrompt, _SamplingFields, _TokenizeFields
 from pegainfer.server.streaming import DONE, ClientDisconnected, collect_until_disconnect, sse
+
+# Names apply_chat_template takes itself; chat_template_kwargs may not override them.
+_RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "chat_template"}
 
 # JSON has no -inf; OpenAI-compatible servers report impossible tokens with this floor instead.
 _LOGPROB_FLOOR = -9999.0
@@ -109,26 +112,57 @@ class ServingBase:
     def new_id(self) -> str:
         return f"{self.id_prefix}-{uuid.uuid4().hex}"
 
-    def check_request(self, body: _SamplingFields) -> None:
-        if body.model is not None and body.model not in self.model_names:
-            # OpenAI's answer for an unknown model: 404, type invalid_request_error, code model_not_found.
-            raise APIError(
-                404,
-                f"The model '{body.model}' does not exist; this server serves '{self.model_name}'",
-                type="invalid_request_error",
-                param="model",
-                code="model_not_found",
-            )
+    def check_request(self, body: _SamplingFields | _TokenizeFields) -> None:
+        """404 for another model's name, 400 for what the body asks that is not served."""
+        self.check_model(body.model)
         try:
             body.check_supported()
         except RequestError as exc:
             raise to_api_error(exc) from None
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            # OpenAI's answer for an unknown model: 404, type invalid_request_error, code model_not_found.
+            raise APIError(
+                404,
+                f"The model '{model}' does not exist; this server serves '{self.model_name}'",
+                type="invalid_request_error",
+                param="model",
+                code="model_not_found",
+            )
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         try:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except Exception:  # e.g. lone surrogates, which JSON can carry but text cannot
             raise APIError(400, "the prompt could not be tokenized", param="prompt") from None
+
+    def render_chat(self, body: _ChatPrompt) -> str:
+        """The prompt text, rendered as transformers renders it (the template adds the special tokens)."""
+        kwargs = dict(body.chat_template_kwargs or {})
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+        if reserved:
+            raise APIError(
+                400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs"
+            )
+        messages = [m.for_template() for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt, tools=body.tools, **kwargs
+            )
+        except RequestError as exc:
+            raise to_api_error(exc) from None
+        except Exception:  # a template that breaks on unusual input is a bad request, not a crash
+            raise APIError(
+                400, "the chat template could not render these messages", param="messages"
+            ) from None
+        if body.continue_final_message:
+            # Cut after the final message's text, so the model continues it instead of closing the turn.
+            final = messages[-1].get("content") or ""
+            cut = text.rfind(final) if final else -1
+            if cut >= 0:
+                text = text[: cut + len(final)]
+        return text
 
     def sampling_params(
         self,

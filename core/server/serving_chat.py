@@ -11,15 +11,11 @@ from fastapi.responses import JSONResponse, Response
 from pegainfer.engine.outputs import CompletionOutput, RequestOutput
 from pegainfer.engine.request_stream import PromptInput, RequestStream
 from pegainfer.errors import RequestError
-from pegainfer.server.errors import APIError, to_api_error
 from pegainfer.server.forced_tools import forced_calls, forced_name, forces_calls
 from pegainfer.server.protocol import ChatCompletionRequest
 from pegainfer.server.serving import ServingBase, chat_logprobs, created, has_news, usage
 from pegainfer.server.streaming import sse, sse_response
 from pegainfer.server.tool_calls import ToolCallFormat, ToolCallStream, split_tool_calls, tool_call_format
-
-# Names apply_chat_template takes itself; chat_template_kwargs may not override them.
-_RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "chat_template"}
 
 
 class ChatServing(ServingBase):
@@ -27,7 +23,7 @@ class ChatServing(ServingBase):
 
     async def create(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self.check_request(body)
-        text = self.render(body)
+        text = self.render_chat(body)
         inputs = [PromptInput(self.encode(text, add_special_tokens=False), text, body.cache_salt)]
         params = self.sampling_params(body, body.requested_max_tokens, body.num_logprobs)
         request_id = self.new_id()
@@ -50,33 +46,6 @@ class ChatServing(ServingBase):
             return tool_call_format(self.tokenizer.chat_template_source(tools=body.tools))
         except RequestError:
             return None
-
-    def render(self, body: ChatCompletionRequest) -> str:
-        """The prompt text, rendered as transformers renders it (the template adds the special tokens)."""
-        kwargs = dict(body.chat_template_kwargs or {})
-        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
-        if reserved:
-            raise APIError(
-                400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs"
-            )
-        messages = [m.for_template() for m in body.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt, tools=body.tools, **kwargs
-            )
-        except RequestError as exc:
-            raise to_api_error(exc) from None
-        except Exception:  # a template that breaks on unusual input is a bad request, not a crash
-            raise APIError(
-                400, "the chat template could not render these messages", param="messages"
-            ) from None
-        if body.continue_final_message:
-            # Cut after the final message's text, so the model continues it instead of closing the turn.
-            final = messages[-1].get("content") or ""
-            cut = text.rfind(final) if final else -1
-            if cut >= 0:
-                text = text[: cut + len(final)]
-        return text
 
     def _response(
         self,

@@ -18,7 +18,20 @@ from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 from server_harness import API_KEY, ServerHandle
 
-ENDPOINTS = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatCompletionRequest"}
+# The POST endpoints, with the schema component of their body (None: /tokenize's union of two).
+ENDPOINTS = {
+    "/v1/completions": "CompletionRequest",
+    "/v1/chat/completions": "ChatCompletionRequest",
+    "/tokenize": None,
+    "/detokenize": "DetokenizeRequest",
+}
+# A body each endpoint serves.
+BODIES = {
+    "/v1/completions": {"prompt": "Hi", "max_tokens": 2},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+    "/tokenize": {"prompt": "Hi"},
+    "/detokenize": {"tokens": [1, 2]},
+}
 FUZZ = settings(
     max_examples=100,
     deadline=None,
@@ -67,15 +80,16 @@ def validate(openapi: dict[str, Any], schema: dict[str, Any], instance: Any) -> 
 def body_strategy(
     openapi: dict[str, Any], path: str, served_model: str | None = None
 ) -> st.SearchStrategy[dict[str, Any]]:
-    ref = openapi["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
-    assert ref.endswith(ENDPOINTS[path])
+    request = openapi["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    if ENDPOINTS[path] is not None:
+        assert request["$ref"].endswith(ENDPOINTS[path])
     # Known fields only: extra fields are ignored by the server, and arbitrary ones are the other test's job.
     components = json.loads(json.dumps(openapi["components"]))
     for component in components["schemas"].values():
         if component.get("type") == "object":
             component["additionalProperties"] = False
     _bound_sizes(components)
-    schema = {"$ref": ref, "components": components}
+    schema = {**request, "components": components}
     bodies = from_schema(schema)
     if served_model is not None:
         # Half the bodies that name a model name the served one, so they get past the model check (404).
@@ -142,6 +156,9 @@ FIELDS = [
     "response_format",
     "tools",
     "logit_bias",
+    "tokens",
+    "add_special_tokens",
+    "return_token_strs",
 ]
 
 
@@ -183,14 +200,7 @@ def test_schema_driven_bodies_never_5xx(
 
 @pytest.mark.parametrize("path", list(ENDPOINTS))
 def test_arbitrary_json_fields_never_5xx(server: ServerHandle, openapi: dict[str, Any], path: str) -> None:
-    base = (
-        {"prompt": "Hi", "max_tokens": 4}
-        if path.endswith("/completions") and "chat" not in path
-        else {
-            "messages": [{"role": "user", "content": "Hi"}],
-            "max_tokens": 4,
-        }
-    )
+    base = BODIES[path]
     with server.client() as client:
 
         @FUZZ
@@ -211,10 +221,6 @@ def test_every_operation_answers_as_documented(server: ServerHandle, openapi: di
         [("get", p) for p in ("/health", "/version", "/metrics", "/v1/models")]
         + [("post", p) for p in ENDPOINTS]
     )
-    bodies = {
-        "/v1/completions": {"prompt": "Hi", "max_tokens": 2},
-        "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
-    }
     with server.client() as keyed, httpx.Client(base_url=server.url, timeout=30) as bare:
         for method, path in operations:
             for client in (keyed, bare):
@@ -224,7 +230,7 @@ def test_every_operation_answers_as_documented(server: ServerHandle, openapi: di
                     assert response.status_code == (401 if client is bare and path.startswith("/v1") else 200)
                     continue
                 for extra in ({}, {"stream": True}, {"model": "no-such-model"}):
-                    response = client.post(path, json={**bodies[path], **extra})
+                    response = client.post(path, json={**BODIES[path], **extra})
                     check_documented(openapi, method, path, response)
                     if client is bare:
                         assert response.status_code == 401

@@ -285,7 +285,7 @@ def test_deepseek_tool_requests_keep_special_tokens_in_the_text() -> None:
         return {0: _output("plain")}
 
     serving.check_request = lambda body: None
-    serving.render = lambda body: "prompt"
+    serving.render_chat = lambda body: "prompt"
     serving.encode = lambda text, add_special_tokens: [1, 2]
     serving.sampling_params = lambda *args: SamplingParams()
     serving.new_id = lambda: "chatcmpl-1"
