@@ -135,7 +135,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     engine.listener = metrics
     names = model_names(engine, config)
     completions = CompletionServing(engine, names)
-    chat = ChatServing(engine, names)
+    chat = ChatServing(engine, names, reasoning=config.reasoning_parser is not None)
     tokens = TokenServing(engine, names)
     max_model_len = engine.engine.max_model_len
     started = int(time.time())

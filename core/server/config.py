@@ -7,6 +7,7 @@ import os
 from pydantic import Field
 
 from pegainfer.config.schema import _Section
+from pegainfer.server.reasoning import ParserName
 
 API_KEY_ENV = "PEGAINFER_API_KEY"
 
@@ -27,6 +28,9 @@ class ServerConfig(_Section):
     log_interval: float = Field(default=10.0, ge=0.0)
     access_log: bool = False
     log_level: str = Field(default="info", pattern="^(critical|error|warning|info|debug|trace)$")
+    # Chat answers' <think> blocks returned apart as `reasoning_content` (server/reasoning.py): "think", or
+    # vLLM's names for the same tags ("qwen3", "deepseek_r1", "deepseek_v3"); null: the answer as written.
+    reasoning_parser: ParserName | None = None
 
     def resolved_api_key(self) -> str | None:
         """The key clients must send: the config's, else the environment's; None (or empty): no auth."""

@@ -217,10 +217,15 @@ class ChatMessage(_Body):
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's newer name for reasoning_content
 
     def for_template(self) -> dict[str, Any]:
-        """The message as the chat template sees it: text parts joined into one string."""
+        """The message as the chat template sees it: text parts joined into one string, the reasoning
+        under the name the templates read (``reasoning_content``)."""
         data = self.model_dump(exclude_none=True)
+        reasoning = data.pop("reasoning", None)
+        if reasoning is not None:
+            data.setdefault("reasoning_content", reasoning)
         if isinstance(self.content, list):
             data["content"] = "".join(part.text for part in self.content)
         return data
@@ -302,6 +307,8 @@ class ChatCompletionRequest(_SamplingFields, _ChatPrompt):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    #: With ``server.reasoning_parser`` set: false leaves the reasoning out of the answer.
+    include_reasoning: bool = True
 
     def check_supported(self) -> None:
         super().check_supported()

@@ -8,18 +8,26 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pegainfer.engine.async_engine import AsyncLLMEngine
 from pegainfer.engine.outputs import CompletionOutput, RequestOutput
 from pegainfer.engine.request_stream import PromptInput, RequestStream
 from pegainfer.errors import RequestError
 from pegainfer.server.forced_tools import forced_calls, forced_name, forces_calls
 from pegainfer.server.protocol import ChatCompletionRequest
+from pegainfer.server.reasoning import ReasoningStream, opens_thinking, split_reasoning
 from pegainfer.server.serving import ServingBase, chat_logprobs, created, has_news, usage
 from pegainfer.server.streaming import sse, sse_response
 from pegainfer.server.tool_calls import ToolCallFormat, ToolCallStream, split_tool_calls, tool_call_format
 
 
 class ChatServing(ServingBase):
+    """``reasoning``: answers are split into reasoning and content (``server.reasoning_parser``)."""
+
     id_prefix = "chatcmpl"
+
+    def __init__(self, engine: AsyncLLMEngine, model_names: list[str], reasoning: bool = False) -> None:
+        super().__init__(engine, model_names)
+        self.reasoning = reasoning
 
     async def create(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self.check_request(body)
@@ -30,12 +38,14 @@ class ChatServing(ServingBase):
         tools = self._tool_call_format(body)
         if tools is not None and tools.special_tokens:
             params.skip_special_tokens = False  # the calls' markers are special tokens
+        # A grammar shapes the answer from its first token: nothing in it is reasoning.
+        thinking = opens_thinking(text) if self.reasoning and params.structured_outputs is None else None
         stream = await self.submit(request_id, inputs, params)
         if body.stream:
             prompt_tokens = len(inputs[0].prompt_token_ids)
-            return sse_response(self._events(body, request_id, stream, tools, prompt_tokens))
+            return sse_response(self._events(body, request_id, stream, tools, prompt_tokens, thinking))
         finals = await self.collect(stream, raw)
-        return JSONResponse(self._response(body, request_id, finals[0], tools))
+        return JSONResponse(self._response(body, request_id, finals[0], tools, thinking))
 
     def _tool_call_format(self, body: ChatCompletionRequest) -> ToolCallFormat | None:
         """The form whose blocks in the answer become ``tool_calls``: tools offered, not refused, and a
@@ -53,19 +63,26 @@ class ChatServing(ServingBase):
         request_id: str,
         output: RequestOutput,
         tools: ToolCallFormat | None,
+        thinking: bool | None = None,
     ) -> dict[str, Any]:
+        """``thinking``: None, the answer is all content; else whether it starts inside a think block."""
         choices = []
         for completion in output.outputs:
-            message: dict[str, Any] = {"role": "assistant", "content": completion.text}
+            reasoning, text = None, completion.text
+            if thinking is not None:
+                reasoning, text = split_reasoning(text, thinking)
+            message: dict[str, Any] = {"role": "assistant", "content": text}
             finish = completion.finish_reason
             forced = _forced(body, completion.text, finish)
             if forced is not None:
                 message, finish = {"role": "assistant", "content": None, "tool_calls": forced[0]}, forced[1]
-            elif tools is not None:
-                content, calls = split_tool_calls(completion.text, tools, _max_calls(body))
+            elif tools is not None and text:
+                content, calls = split_tool_calls(text, tools, _max_calls(body))
                 if calls:
                     message = {"role": "assistant", "content": content or None, "tool_calls": calls}
                     finish = _finish_with_calls(finish)
+            if reasoning is not None and body.include_reasoning:
+                message.update(_reasoning_fields(reasoning))
             choices.append(
                 {
                     "index": completion.index,
@@ -99,9 +116,11 @@ class ChatServing(ServingBase):
         stream: RequestStream,
         tools: ToolCallFormat | None,
         prompt_tokens: int,
+        thinking: bool | None = None,
     ) -> AsyncIterator[str]:
         stamp = created()
         include_usage = body.include_usage
+        splitters: dict[int, ReasoningStream] = {}
         parsers: dict[int, ToolCallStream] = {}
         calls_made: dict[int, int] = {}
         forcing = forces_calls(body.tool_choice)
@@ -125,6 +144,15 @@ class ChatServing(ServingBase):
             if not has_news(completion):
                 return []
             text, calls, finish = completion.text, [], completion.finish_reason
+            reasoning = ""
+            if thinking is not None:
+                splitter = splitters.setdefault(choice, ReasoningStream(thinking))
+                reasoning, text = splitter.feed(text)
+                if finish is not None:
+                    more_reasoning, more_text = splitter.finish()
+                    reasoning, text = reasoning + more_reasoning, text + more_text
+            if not body.include_reasoning:
+                reasoning = ""
             if named is not None:  # the text is the arguments: the call opens, then its arguments stream
                 if choice not in opened:
                     opened.add(choice)
@@ -157,9 +185,11 @@ class ChatServing(ServingBase):
                 calls_made[choice] = first + len(calls)
                 if calls_made[choice]:
                     finish = _finish_with_calls(finish)
-                if not (text or calls or finish or completion.logprobs):
-                    return []  # held back: it may be the start of a tool call
-            delta: dict[str, Any] = {"content": text} if text else {}
+            if not (text or reasoning or calls or finish or completion.logprobs):
+                return []  # held back: the start of a tool call or a tag, or reasoning left out
+            delta: dict[str, Any] = _reasoning_fields(reasoning) if reasoning else {}
+            if text:
+                delta["content"] = text
             if calls:
                 delta["tool_calls"] = calls
             item = {
@@ -199,6 +229,12 @@ def _forced(body: ChatCompletionRequest, text: str, finish: str | None) -> tuple
     if calls is None:
         return None
     return calls, finish if forced_name(body.tool_choice) is not None else _finish_with_calls(finish)
+
+
+def _reasoning_fields(reasoning: str) -> dict[str, str]:
+    """The reasoning under both names clients read: ``reasoning_content`` (DeepSeek's API, vLLM before
+    0.11) and ``reasoning`` (vLLM's since)."""
+    return {"reasoning_content": reasoning, "reasoning": reasoning}
 
 
 def _finish_with_calls(finish: str | None) -> str | None:

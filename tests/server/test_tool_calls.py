@@ -133,6 +133,7 @@ def _serving() -> ChatServing:
     serving = ChatServing.__new__(ChatServing)  # no engine: only the answer's form is under test
     serving.model_name = "tiny"
     serving.tokenizer = SimpleNamespace(chat_template_source=lambda tools=None: CHAT_TEMPLATE)
+    serving.reasoning = False
     return serving
 
 

@@ -1,0 +1,82 @@
+"""A thinking model's reasoning apart from its answer (``server.reasoning_parser``): the text of a
+``<think>…</think>`` block is returned as the message's ``reasoning_content`` (and ``reasoning``, vLLM's
+newer name), the text after it as ``content``.
+
+Where the block starts decides the split. Qwen3's first templates let the model write ``<think>`` itself;
+Qwen3.5's, DeepSeek-R1's and V3.1's thinking mode end the prompt inside an open block, so the answer
+starts as reasoning and only ``</think>`` appears in it; with thinking switched off
+(``enable_thinking: false``, ``thinking: false``) the prompt closes the block and the answer is all
+content. So: the answer starts inside the block when the rendered prompt leaves one open, or when the
+answer itself opens with ``<think>``; an answer that never closes its block (cut by ``max_tokens``) is all
+reasoning.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+THINK_START, THINK_END = "<think>", "</think>"
+
+# vLLM's parser names for these families, all the same tags: one parser serves each.
+ParserName = Literal["think", "qwen3", "deepseek_r1", "deepseek_v3"]
+
+
+def opens_thinking(prompt: str) -> bool:
+    """Whether the rendered prompt leaves a ``<think>`` block open (the answer starts as reasoning)."""
+    start = prompt.rfind(THINK_START)
+    return start >= 0 and prompt.rfind(THINK_END) < start
+
+
+def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str | None]:
+    """(reasoning, content) of a whole answer; None for a part that is absent."""
+    if not thinking:
+        if not text.startswith(THINK_START):
+            return None, text
+        text = text[len(THINK_START) :]
+    end = text.find(THINK_END)
+    if end < 0:
+        return text, None
+    return text[:end], text[end + len(THINK_END) :] or None
+
+
+class ReasoningStream:
+    """``split_reasoning`` over streamed pieces: ``feed`` returns the (reasoning, content) text each piece
+    adds, holding back what may be the start of a tag until the next piece says; ``finish`` the rest."""
+
+    def __init__(self, thinking: bool) -> None:
+        self._state = "reasoning" if thinking else "start"
+        self._held = ""
+
+    def feed(self, piece: str) -> tuple[str, str]:
+        text, self._held = self._held + piece, ""
+        reasoning = ""
+        if self._state == "start":
+            if text.startswith(THINK_START):
+                self._state, text = "reasoning", text[len(THINK_START) :]
+            elif THINK_START.startswith(text):
+                self._held = text  # "<thi": maybe the block's opening
+                return "", ""
+            else:
+                self._state = "content"
+        if self._state == "reasoning":
+            end = text.find(THINK_END)
+            if end < 0:
+                keep = _partial_suffix(text, THINK_END)
+                self._held = text[len(text) - keep :]
+                return text[: len(text) - keep], ""
+            reasoning, text = text[:end], text[end + len(THINK_END) :]
+            self._state = "content"
+        return reasoning, text
+
+    def finish(self) -> tuple[str, str]:
+        """What is held at the end: the text of a tag that never completed."""
+        held, self._held = self._held, ""
+        return (held, "") if self._state == "reasoning" else ("", held)
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that is a proper start of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0

@@ -1,0 +1,207 @@
+"""``server.reasoning_parser``: a thinking model's ``<think>`` block returned apart as
+``reasoning_content`` / ``reasoning``, whole and streamed, where the prompt or the answer opens it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from server_harness import ServerHandle, start_server
+
+from pegainfer.engine.outputs import CompletionOutput, RequestOutput
+from pegainfer.server.config import ServerConfig
+from pegainfer.server.protocol import ChatCompletionRequest
+from pegainfer.server.reasoning import ReasoningStream, opens_thinking, split_reasoning
+from pegainfer.server.serving_chat import ChatServing
+from pegainfer.server.tool_calls import QWEN
+from pegainfer.text.tiny_tokenizer import CHAT_TEMPLATE
+
+QWEN35_PROMPT = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n"
+THINKING_OFF_PROMPT = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+HISTORY_PROMPT = "<|im_start|>assistant\n<think>\nold\n</think>\n\nyes<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "opens"),
+    [(QWEN35_PROMPT, True), (THINKING_OFF_PROMPT, False), (HISTORY_PROMPT, False), ("plain", False),
+     (HISTORY_PROMPT + "<think>\n", True)],
+)  # fmt: skip
+def test_the_prompt_says_whether_the_answer_starts_thinking(prompt: str, opens: bool) -> None:
+    assert opens_thinking(prompt) is opens
+
+
+@pytest.mark.parametrize(
+    ("text", "thinking", "split"),
+    [
+        ("Let me see.</think>\n\nParis.", True, ("Let me see.", "\n\nParis.")),  # Qwen3.5, R1: opened
+        ("<think>\nhmm\n</think>\n\nParis.", False, ("\nhmm\n", "\n\nParis.")),  # Qwen3: the answer opens
+        ("Paris.", False, (None, "Paris.")),  # thinking off, or a model that does not think
+        ("still thinking", True, ("still thinking", None)),  # cut by max_tokens inside the block
+        ("</think>Paris.", True, ("", "Paris.")),
+        ("done</think>", True, ("done", None)),
+        (" <think>x</think>", False, (None, " <think>x</think>")),  # only an opening tag opens
+    ],
+)
+def test_whole_answers_split_at_the_closing_tag(text: str, thinking: bool, split: tuple) -> None:
+    assert split_reasoning(text, thinking) == split
+
+
+ANSWERS = [
+    ("Let me see.</think>\n\nParis.", True),
+    ("<think>\nhmm <thin </thi\n</think>\n\nParis </think> again.", False),
+    ("<thin", False),
+    ("<think>cut in the tag </thi", False),
+    ("no tags at all <think>", False),
+    ("</think>", True),
+    ("", True),
+]
+
+
+@pytest.mark.parametrize(("text", "thinking"), ANSWERS)
+def test_streamed_pieces_give_the_whole_split(text: str, thinking: bool) -> None:
+    rng = random.Random(len(text))
+    for trial in range(40):
+        cuts = sorted(rng.sample(range(1, len(text)), min(trial % 6, max(len(text) - 1, 0)))) if text else []
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        if trial == 0:
+            pieces = list(text)  # one character a piece: every tag arrives cut
+        stream = ReasoningStream(thinking)
+        fed = [stream.feed(piece) for piece in pieces] + [stream.finish()]
+        reasoning, content = split_reasoning(text, thinking)
+        assert "".join(r for r, _ in fed) == (reasoning or ""), pieces
+        assert "".join(c for _, c in fed) == (content or ""), pieces
+
+
+# ------------------------------------------------------------------------------ the chat answer
+
+
+def _serving() -> ChatServing:
+    serving = ChatServing.__new__(ChatServing)  # no engine: only the answer's form is under test
+    serving.model_name = "tiny"
+    serving.tokenizer = SimpleNamespace(chat_template_source=lambda tools=None: CHAT_TEMPLATE)
+    serving.reasoning = True
+    return serving
+
+
+def _body(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
+
+
+def _output(text: str, finish: str | None = "stop") -> RequestOutput:
+    return RequestOutput("r", None, [1, 2], [CompletionOutput(0, text, [3, 4], finish_reason=finish)], True)
+
+
+CALL = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+
+
+def test_the_message_carries_reasoning_and_content_and_calls_after_it() -> None:
+    serving = _serving()
+    message = serving._response(_body(), "c", _output("Hmm.</think>\n\nHi."), None, thinking=True)
+    assert message["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "\n\nHi.",
+        "reasoning_content": "Hmm.",
+        "reasoning": "Hmm.",
+    }
+    left_out = serving._response(
+        _body(include_reasoning=False), "c", _output("Hmm.</think>Hi."), None, thinking=True
+    )
+    assert left_out["choices"][0]["message"] == {"role": "assistant", "content": "Hi."}
+    cut = serving._response(_body(), "c", _output("Hmm, and", "length"), None, thinking=True)["choices"][0]
+    assert cut["message"]["content"] is None and cut["message"]["reasoning"] == "Hmm, and"
+    # A call written in the reasoning is not a call; one after it is.
+    tools = [{"type": "function", "function": {"name": "now"}}]
+    answer = _output(f"maybe {CALL}</think>{CALL}")
+    choice = serving._response(_body(tools=tools), "c", answer, QWEN, thinking=True)["choices"][0]
+    assert choice["message"]["reasoning"] == f"maybe {CALL}"
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["now"]
+    assert choice["finish_reason"] == "tool_calls"
+
+
+class _Stream:
+    params = SimpleNamespace(n=1)
+
+    def __init__(self, outputs: list[RequestOutput]) -> None:
+        self._outputs = outputs
+
+    async def __aiter__(self):
+        for output in self._outputs:
+            yield 0, output
+
+    def abort(self) -> None:
+        pass
+
+
+def _deltas(body: ChatCompletionRequest, text: str, thinking: bool) -> list[dict]:
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
+    outputs = [_output(p, "stop" if i == len(pieces) - 1 else None) for i, p in enumerate(pieces)]
+
+    async def events() -> list[dict]:
+        return [
+            json.loads(e[len("data: ") :])["choices"][0]["delta"]
+            async for e in _serving()._events(body, "c", _Stream(outputs), None, 2, thinking)
+            if e.startswith("data: {")
+        ]
+
+    return asyncio.run(events())
+
+
+def test_streamed_deltas_carry_reasoning_then_content() -> None:
+    deltas = _deltas(_body(stream=True), "<think>\nHmm, </thi and more\n</think>\n\nHi there.", False)
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "\nHmm, </thi and more\n"
+    assert "".join(d.get("reasoning", "") for d in deltas) == "\nHmm, </thi and more\n"
+    assert "".join(d.get("content") or "" for d in deltas) == "\n\nHi there."
+    last_reasoning = max(i for i, d in enumerate(deltas) if d.get("reasoning"))
+    assert all(not d.get("content") for d in deltas[1:last_reasoning])  # content only after the reasoning
+    off = _deltas(_body(stream=True, include_reasoning=False), "Hmm.</think>Hi.", True)
+    assert all("reasoning" not in d for d in off) and "".join(d.get("content") or "" for d in off) == "Hi."
+
+
+# ------------------------------------------------------------------------------ through the server
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tiny_qwen3: Path) -> Iterator[ServerHandle]:
+    handle = start_server(tiny_qwen3, reasoning_parser="qwen3")
+    yield handle
+    handle.stop()
+
+
+def test_the_server_splits_what_the_plain_server_returns_whole(
+    thinking_server: ServerHandle, http: httpx.Client
+) -> None:
+    """The same greedy answer from a server without the parser and one with it: the prompt opened by the
+    assistant's own ``<think>`` (continue_final_message) makes all of it reasoning; otherwise content."""
+    opened = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>\nWell"}]
+    cases = [
+        ({"messages": opened, "continue_final_message": True, "add_generation_prompt": False}, True),
+        ({"messages": [{"role": "user", "content": "hi"}]}, False),
+    ]
+    with thinking_server.client() as split_http:
+        for fields, thinking in cases:
+            body = {**fields, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+            whole = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+            split = split_http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+            reasoning, content = split_reasoning(whole["content"], thinking)
+            assert (split.get("reasoning_content"), split["content"]) == (reasoning, content)
+            if thinking:
+                assert split["reasoning"] == reasoning is not None
+            streamed = split_http.post("/v1/chat/completions", json={**body, "stream": True})
+            deltas = [
+                json.loads(line[len("data: ") :])["choices"][0]["delta"]
+                for line in streamed.text.splitlines()
+                if line.startswith("data: {")
+            ]
+            assert "".join(d.get("reasoning") or "" for d in deltas) == (reasoning or "")
+            assert "".join(d.get("content") or "" for d in deltas) == (content or "")
+
+
+def test_an_unknown_parser_is_refused_naming_the_key() -> None:
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        ServerConfig(reasoning_parser="o1")
