@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from pegainfer.config.schema import SchedulerConfig
+from pegainfer.config.schema import SchedulerConfig, SpeculativeConfig
 from pegainfer.engine.request import Request, RequestStatus
 from pegainfer.errors import ConfigError
 from pegainfer.executor.executor import DraftInput, Executor, ExecutorOutput
@@ -26,7 +26,12 @@ from pegainfer.memory.memory_plan import MemoryPlan
 from pegainfer.sampling.sampler import Sampler
 from pegainfer.sampling.sampling_params import SamplingParams
 from pegainfer.scheduling.scheduler import ContinuousBatchingScheduler, ScheduledRequest, SchedulerOutput
-from pegainfer.scheduling.speculative import SpeculativeDecoder, draft_buffer_specs, sample_and_verify
+from pegainfer.scheduling.speculative import (
+    SpeculativeDecoder,
+    draft_buffer_specs,
+    paged_buffer_specs,
+    sample_and_verify,
+)
 
 SPECS = [PagedKVSpec(layer_index=0, num_kv_heads=1, head_dim=1, dtype=torch.float32)]
 VOCAB = 160
@@ -490,14 +495,23 @@ class _Model:
         ]
 
 
-def test_draft_buffer_specs_need_a_drafting_model_that_can_roll_its_state_back() -> None:
+def test_paged_specs_need_a_drafting_model_that_can_roll_its_state_back() -> None:
+    mtp, ngram = SpeculativeConfig(num_tokens=3), SpeculativeConfig(num_tokens=3, method="ngram")
     assert draft_buffer_specs(_Model(0), 0) == []
-    assert [s.layer_index for s in draft_buffer_specs(_Model(2), 3)] == [9]  # only the module that runs
+    assert paged_buffer_specs(_Model(0), SpeculativeConfig()) == list(SPECS)
+    assert [s.layer_index for s in paged_buffer_specs(_Model(2), mtp)][len(SPECS) :] == [
+        9
+    ]  # the one that runs
     with pytest.raises(
-        ConfigError, match=r"speculative\.num_tokens=3 needs a model with draft \(MTP\) layers"
+        ConfigError, match=r"speculative\.num_tokens=3 needs a model with draft \(MTP\) layers.*method=ngram"
     ):
-        draft_buffer_specs(_Model(0), 3)
-    with pytest.raises(ConfigError, match="recurrent state but its forward saves no state inside a chunk"):
-        draft_buffer_specs(_Model(1, recurrent=True), 1)
+        paged_buffer_specs(_Model(0), mtp)
+    # Prompt lookup drafts for any model, and adds no cache.
+    assert paged_buffer_specs(_Model(0), ngram) == list(SPECS)
+    for config in (mtp, ngram):
+        with pytest.raises(
+            ConfigError, match="recurrent state but its forward saves no state inside a chunk"
+        ):
+            paged_buffer_specs(_Model(1, recurrent=True), config)
     # A model that saves its state inside a chunk drafts: rejected drafts roll back from those saves.
     assert [s.layer_index for s in draft_buffer_specs(_Model(1, recurrent=True, snapshots=128), 2)] == [9]

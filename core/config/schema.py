@@ -86,13 +86,34 @@ class ParallelConfig(_Section):
 
 
 class SpeculativeConfig(_Section):
-    """Speculative decoding with the model's own draft layers (e.g. DeepSeek's MTP module).
+    """Speculative decoding: ``num_tokens`` draft tokens proposed per step for each greedy request (0:
+    off), verified in the next forward. Greedy output is identical with and without it; sampled requests
+    decode normally.
 
-    ``num_tokens``: draft tokens proposed per step for each greedy request (0: off). Greedy output is
-    identical with and without it; sampled requests decode normally.
+    ``method``: ``mtp`` drafts with the model's own draft layers (DeepSeek's and Qwen3.5's MTP modules);
+    ``ngram`` (prompt lookup, any model) copies the tokens that followed the latest earlier occurrence of
+    the request's last ``n`` tokens, for the longest ``n`` from ``prompt_lookup_max`` down to
+    ``prompt_lookup_min`` that occurs (none found: no drafts that step).
     """
 
     num_tokens: int = Field(default=0, ge=0, le=16)
+    method: Literal["mtp", "ngram"] = "mtp"
+    prompt_lookup_min: int = Field(default=2, ge=1)
+    prompt_lookup_max: int = Field(default=4, ge=1)
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
+                f"({self.prompt_lookup_max})"
+            )
+        return self
+
+    @property
+    def mtp_tokens(self) -> int:
+        """Drafts a step from the model's draft layers (0 unless ``method`` is ``mtp``)."""
+        return self.num_tokens if self.method == "mtp" else 0
 
 
 class EngineConfig(_Section):

@@ -27,8 +27,10 @@ Message = dict[str, Any]
 
 class LLM:
     """Generate from prompts offline. ``model`` is a checkpoint folder (None: the embedded demo model);
-    the plugin is found from its config.json. Keyword arguments use vLLM's names (``speculative_num_tokens``
-    is ``speculative.num_tokens``: drafts per step from the model's MTP layers)."""
+    the plugin is found from its config.json. Keyword arguments use vLLM's names where it has them
+    (``speculative_num_tokens`` is ``speculative.num_tokens``: drafts per step, from the model's MTP layers,
+    or with ``speculative_method="ngram"`` by prompt lookup over ``prompt_lookup_min..max``-token
+    suffixes)."""
 
     def __init__(
         self,
@@ -51,6 +53,9 @@ class LLM:
         enforce_eager: bool = False,
         prefill_graph_max_tokens: int = 128,
         speculative_num_tokens: int = 0,
+        speculative_method: str = "mtp",
+        prompt_lookup_min: int = 2,
+        prompt_lookup_max: int = 4,
         async_scheduling: bool | None = None,
     ) -> None:
         config = EngineConfig(
@@ -81,7 +86,14 @@ class LLM:
                 ParallelConfig, {"tensor_parallel_size": tensor_parallel_size}, "parallel"
             ),
             speculative=validate_section(
-                SpeculativeConfig, {"num_tokens": speculative_num_tokens}, "speculative"
+                SpeculativeConfig,
+                {
+                    "num_tokens": speculative_num_tokens,
+                    "method": speculative_method,
+                    "prompt_lookup_min": prompt_lookup_min,
+                    "prompt_lookup_max": prompt_lookup_max,
+                },
+                "speculative",
             ),
             device=device,
             seed=seed,

@@ -87,28 +87,27 @@ class LLMEngine:
         eos = self.generation_config.get("eos_token_id")
         if eos is not None:
             self.tokenizer.add_eos_token_ids([eos] if isinstance(eos, int) else eos)
-        num_spec = config.speculative.num_tokens
         self.buffers = PagedBufferManager(
             self.executor.plan,
             prefix_caching=self._prefix_caching(config),
             snapshot_interval_pages=config.cache.snapshot_interval_pages,
             snapshot_inside_chunk_tokens=info.snapshot_inside_chunk_tokens,
-            drafts=SpeculativeDecoder.drafts_for if num_spec else None,
+            # Pages hold MTP-layer KV keyed by the next token: only drafting with those layers.
+            drafts=SpeculativeDecoder.drafts_for if config.speculative.mtp_tokens else None,
         )
         self.scheduler: Scheduler = ContinuousBatchingScheduler(config.scheduler, self.buffers)
         self.sampler = Sampler(seed=config.seed, device=info.device)
         self.grammars = GrammarCompiler(self.tokenizer, info.vocab_size or self.tokenizer.vocab_size)
-        self.speculative = (
-            SpeculativeDecoder(num_spec, self.executor, self.buffers, self.scheduler, self.max_model_len)
-            if num_spec
-            else None
+        self.speculative = SpeculativeDecoder.from_config(
+            config.speculative, self.executor, self.buffers, self.scheduler, self.max_model_len
         )
         self.stats = dict.fromkeys(STAT_KEYS, 0)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.stats)
         self.batches = BatchBuilder(
             self.buffers,
             self.outputs.wants_prompt_logits,
-            self.speculative.drafts_for if self.speculative is not None else None,
+            # MTP layers read the main model's hidden states of each drafting request's chunk.
+            SpeculativeDecoder.drafts_for if config.speculative.mtp_tokens else None,
         )
         #: Whether steps are launched ahead of the last step's tokens; may be flipped between steps.
         self.async_scheduling = self._async_scheduling(config)

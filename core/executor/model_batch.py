@@ -18,6 +18,7 @@ class ExecutorCapabilities:
     device_embedding: bool = True
     cuda_graphs: bool = False
     tensor_parallel_size: int = 1
+    #: Draft tokens a step ``Executor.propose`` makes from the model's draft (MTP) layers; 0: it makes none.
     max_speculative_tokens: int = 0
     #: Decode chunks may take their token from ``ModelBatch.carried_tokens`` (see ``SequenceChunk.carry_from``).
     carried_tokens: bool = False

@@ -77,7 +77,7 @@ class ModelRunner:
         self.model = model = loaded.model
         self.device = loaded.device
         num_spec = config.speculative.num_tokens
-        specs = paged_buffer_specs(model, num_spec)
+        specs = paged_buffer_specs(model, config.speculative)
         graphs = self.device.type == "cuda" and model.decode_graphs
         self.plan = plan_rank_memory(loaded, config, specs, tp, graphs=graphs and not config.enforce_eager)
         if tp.rank == 0:
@@ -98,7 +98,7 @@ class ModelRunner:
         self.capabilities = ExecutorCapabilities(
             device_embedding=model.embeds_on_device,
             tensor_parallel_size=tp.size,
-            max_speculative_tokens=num_spec,
+            max_speculative_tokens=config.speculative.mtp_tokens,
             carried_tokens=True,
         )
         # Request id -> (first position, final hidden states) of its last chunk, for ``propose``.

@@ -132,7 +132,7 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
     if "tp" in parameters:
         kwargs["tp"] = tp
     if "drafting" in parameters:
-        kwargs["drafting"] = config.speculative.num_tokens > 0
+        kwargs["drafting"] = config.speculative.mtp_tokens > 0
     if device.index is not None and device.type == "cuda":
         torch.cuda.set_device(device)  # a rank's collectives and graphs run on its own GPU
     with torch.device(device):

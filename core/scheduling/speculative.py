@@ -1,4 +1,5 @@
-"""Speculative decoding with the model's own draft layers (DeepSeek's MTP): verify, roll back, propose.
+"""Speculative decoding: verify, roll back, propose, with drafts from the model's own draft layers
+(DeepSeek's and Qwen3.5's MTP, ``method: mtp``) or from the request's own tokens (``method: ngram``).
 
 One step of a drafting request computes its last token ``t_C`` (position C) and its drafts
 ``d_0 .. d_{k-1}`` (positions C+1 .. C+k) in one forward, with logits at all 1 + k positions. Verification
@@ -12,7 +13,10 @@ positions lies beyond it and is overwritten by later steps (its pages stay alloc
 
 Only greedy requests draft: a sampled request decodes one token per step as before.
 
-Drafting (``Executor.propose``) runs after verification, when the token after the last computed position
+Prompt lookup (``ngram_drafts``) needs nothing from the device: after verification, the tokens that
+followed the latest earlier occurrence of the request's last n tokens are its drafts.
+
+Drafting with MTP layers (``Executor.propose``) runs after verification, when the token after the last computed position
 is known. The draft module's cache must hold an entry for every position the drafts attend to, so for
 every position p the main model computed and kept (prompt chunks, the last token, accepted drafts) the
 module is run once with the main model's hidden state at p and the token at p + 1 — the entries for a
@@ -26,11 +30,13 @@ the pool is short.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
+from pegainfer.config.schema import SpeculativeConfig
 from pegainfer.engine.outputs import PositionLogprobs
 from pegainfer.engine.request import Request, RequestStatus
 from pegainfer.errors import ConfigError
@@ -38,6 +44,7 @@ from pegainfer.executor.model_batch import DraftInput
 from pegainfer.memory.buffer_manager import BufferManager
 from pegainfer.memory.buffer_specs import BufferSpec, has_recurrent_state
 from pegainfer.sampling.sampler import Sampler
+from pegainfer.scheduling.prompt_lookup import PromptLookup
 from pegainfer.scheduling.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
 #: ``append(request, token, logprobs)`` appends one token through the stop checks; False once finished.
@@ -48,14 +55,30 @@ if TYPE_CHECKING:
 AppendToken = Callable[[Request, int, PositionLogprobs | None], bool]
 
 
-def paged_buffer_specs(model: CausalLM, num_tokens: int) -> list[BufferSpec]:
-    """What a rank's pages hold: the model's caches and, drafting ``num_tokens`` tokens a step, its draft
-    layers' (on the same block table as the main layers)."""
-    return [*model.buffer_specs(), *draft_buffer_specs(model, num_tokens)]
+def paged_buffer_specs(model: CausalLM, speculative: SpeculativeConfig) -> list[BufferSpec]:
+    """What a rank's pages hold: the model's caches and, drafting with its MTP layers, theirs (on the same
+    block table as the main layers). A ConfigError when the model cannot verify drafts."""
+    check_roll_back(model, speculative.num_tokens)
+    return [*model.buffer_specs(), *draft_buffer_specs(model, speculative.mtp_tokens)]
+
+
+def check_roll_back(model: CausalLM, num_tokens: int) -> None:
+    """A ConfigError when ``model`` keeps recurrent state it cannot roll back past rejected drafts."""
+    if (
+        num_tokens > 0
+        and has_recurrent_state(model.buffer_specs())
+        and not model.snapshot_inside_chunk_tokens
+    ):
+        raise ConfigError(
+            f"speculative.num_tokens={num_tokens}: {type(model).__name__} keeps recurrent state but its "
+            "forward saves no state inside a chunk (snapshot_inside_chunk_tokens), so rejected drafts "
+            "cannot be rolled back; set speculative.num_tokens=0"
+        )
 
 
 def draft_buffer_specs(model: CausalLM, num_tokens: int) -> list[BufferSpec]:
-    """The caches drafting adds to the model's (none when off); a ConfigError when the model cannot draft.
+    """The caches MTP drafting adds to the model's (none when off); a ConfigError when the model has no
+    draft layers.
 
     Only the first draft module runs (chained for further drafts), so only its caches (the specs of the
     first spec's layer: its main cache and any named ones) are allocated.
@@ -66,13 +89,7 @@ def draft_buffer_specs(model: CausalLM, num_tokens: int) -> list[BufferSpec]:
         raise ConfigError(
             f"speculative.num_tokens={num_tokens} needs a model with draft (MTP) layers, and "
             f"{type(model).__name__} has none loaded (a checkpoint without them); set "
-            "speculative.num_tokens=0"
-        )
-    if has_recurrent_state(model.buffer_specs()) and not model.snapshot_inside_chunk_tokens:
-        raise ConfigError(
-            f"speculative.num_tokens={num_tokens}: {type(model).__name__} keeps recurrent state but its "
-            "forward saves no state inside a chunk (snapshot_inside_chunk_tokens), so rejected drafts "
-            "cannot be rolled back; set speculative.num_tokens=0"
+            "speculative.method=ngram (prompt lookup) or speculative.num_tokens=0"
         )
     specs = model.mtp_buffer_specs()
     return [spec for spec in specs if spec.layer_index == specs[0].layer_index] if specs else []
@@ -127,7 +144,8 @@ def sample_and_verify(
 
 
 class SpeculativeDecoder:
-    """The engine's drafting bookkeeping: which requests draft, how many drafts, counts and rollback."""
+    """The engine's drafting bookkeeping: which requests draft, how many drafts, counts and rollback.
+    ``lookup``: (n_min, n_max) of prompt lookup, which then makes the drafts instead of the executor."""
 
     def __init__(
         self,
@@ -136,12 +154,31 @@ class SpeculativeDecoder:
         buffers: BufferManager,
         scheduler: Scheduler,
         max_model_len: int,
+        lookup: tuple[int, int] | None = None,
     ) -> None:
         self.num_tokens = num_tokens
         self.executor = executor
         self.buffers = buffers
         self.scheduler = scheduler
         self.max_model_len = max_model_len
+        self.lookup = lookup
+        # A request's lookup array lives as long as the request does.
+        self._lookups: weakref.WeakKeyDictionary[Request, PromptLookup] = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def from_config(
+        cls,
+        config: SpeculativeConfig,
+        executor: Executor,
+        buffers: BufferManager,
+        scheduler: Scheduler,
+        max_model_len: int,
+    ) -> SpeculativeDecoder | None:
+        """The decoder ``config`` asks for; None when speculation is off."""
+        if not config.num_tokens:
+            return None
+        lookup = (config.prompt_lookup_min, config.prompt_lookup_max) if config.method == "ngram" else None
+        return cls(config.num_tokens, executor, buffers, scheduler, max_model_len, lookup)
 
     @staticmethod
     def drafts_for(request: Request) -> bool:
@@ -176,8 +213,15 @@ class SpeculativeDecoder:
             request.spec_token_ids = []
             if request.status is not RequestStatus.RUNNING or not self.drafts_for(request):
                 continue
-            computed = request.num_computed_tokens
             drafts = self._num_drafts(request) if item.samples else 0
+            if self.lookup is not None:
+                if drafts:
+                    lookup = self._lookups.get(request)
+                    if lookup is None:
+                        lookup = self._lookups[request] = PromptLookup(*self.lookup)
+                    request.spec_token_ids = lookup.drafts(request.all_token_ids, drafts)
+                continue
+            computed = request.num_computed_tokens
             if drafts > 1 and not self.buffers.allocate_slots(request, drafts - 1):
                 capacity = len(self.buffers.block_table(request.request_id)) * self.buffers.block_size
                 drafts = min(drafts, capacity - computed + 1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from pegainfer.sampling.sampling_params import SamplingParams
+from pegainfer.testing.conformance import random_prompts
 
 #: Greedy decoding of 24 tokens past any stop token: what drafting must leave unchanged.
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -34,6 +35,15 @@ def generate_counting(
     before = dict(llm.engine.stats)
     outs = generate(llm, prompts, params)
     return outs, {key: llm.engine.stats[key] - before[key] for key in before}
+
+
+def echoing_prompts(base: Any, seed: int, lengths: list[int]) -> list[list[int]]:
+    """Random prompts that hold their own greedy continuation once already (prompt, answer, prompt again):
+    the answer tends to repeat it, so prompt lookup (``speculative.method=ngram``) finds drafts that are
+    right and drafts that are wrong."""
+    prompts = random_prompts(seed, lengths)
+    answers = token_ids(generate(base, prompts))
+    return [p + a + p for p, a in zip(prompts, answers, strict=True)]
 
 
 def force_drafts(llm: Any, truth: dict[tuple[int, ...], list[int]], right: int | None) -> None:

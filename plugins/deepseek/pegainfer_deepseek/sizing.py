@@ -94,7 +94,7 @@ def parameter_count(model: DeepseekV3ForCausalLM) -> int:
 def kv_bytes_per_token(model: DeepseekV3ForCausalLM, engine: EngineConfig) -> int:
     """What a token's pages take on the rank: every layer's latent cache (and the MTP layers' when
     drafting)."""
-    specs = paged_buffer_specs(model, engine.speculative.num_tokens)
+    specs = paged_buffer_specs(model, engine.speculative)
     return sum(spec.bytes_per_token for spec in specs)
 
 
@@ -115,7 +115,7 @@ def gpu_plan(
         model.max_model_len,
         parameter_bytes(model),
     )
-    specs = paged_buffer_specs(model, engine.speculative.num_tokens)
+    specs = paged_buffer_specs(model, engine.speculative)
     return plan_rank_memory(
         loaded,
         engine,

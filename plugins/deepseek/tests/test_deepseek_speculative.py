@@ -27,6 +27,7 @@ from pegainfer.testing.conformance import SamplingParams, random_prompts
 from pegainfer.testing.speculative import (
     assert_draft_passes_on_graph_path,
     assert_verification_on_prefill_graphs,
+    echoing_prompts,
     force_drafts,
     generate,
     generate_counting,
@@ -332,3 +333,16 @@ def test_structured_outputs_with_accepted_drafts(tiny_deepseek: Path, base: LLM)
         assert token_ids(outs) == token_ids(ref)
         assert all(json.loads(o.outputs[0].text)["b"] in ("x", "yz") for o in outs)
         assert (stats["spec_accepted_tokens"] > 0) == (right is None)
+
+
+def test_prompt_lookup_drafts_without_the_mtp_layer(aligned_deepseek: Path) -> None:
+    """Prompt lookup (the MTP layer not built) on the near-bigram checkpoint, whose answers fall into loops:
+    its drafts, right and wrong, verify through the same MLA + MoE forward."""
+    base = _llm(aligned_deepseek)
+    prompts = echoing_prompts(base, 6, [5, 17, 9])
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    llm = _llm(aligned_deepseek, 3, speculative_method="ngram")
+    assert llm.engine.executor.runner.model.num_mtp_layers == 0
+    outs, stats = generate_counting(llm, prompts, params)
+    assert token_ids(outs) == token_ids(generate(base, prompts, params))
+    assert stats["spec_draft_tokens"] > stats["spec_accepted_tokens"] > 0

@@ -23,6 +23,7 @@ from pegainfer.testing.conformance import SamplingParams, random_prompts
 from pegainfer.testing.speculative import (
     assert_draft_passes_on_graph_path,
     assert_verification_on_prefill_graphs,
+    echoing_prompts,
     force_drafts,
     generate,
     generate_counting,
@@ -221,3 +222,19 @@ def test_aligned_mtp_drafts_are_accepted(aligned_qwen35: Path, k: int) -> None:
     print(f"aligned MTP, k={k}: acceptance {rate:.2f}, steps {stats['steps']} (without {ref_stats['steps']})")
     assert rate > 0.25
     assert stats["steps"] < ref_stats["steps"] - 3
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_prompt_lookup_drafts_roll_the_state_back_unchanged(aligned_qwen35: Path, k: int) -> None:
+    """Prompt lookup (no MTP layer built) on the near-bigram checkpoint, whose answers fall into loops: its
+    drafts are right and wrong, so verification rolls the recurrent state back to every accepted count,
+    with chunked prefill beside it."""
+    base = _llm(aligned_qwen35)
+    prompts = echoing_prompts(base, 6, [5, 17, 9])
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    llm = _llm(aligned_qwen35, k, speculative_method="ngram", long_prefill_token_threshold=7)
+    assert llm.engine.executor.runner.model.num_mtp_layers == 0
+    outs, stats = generate_counting(llm, prompts, params)
+    assert token_ids(outs) == token_ids(generate(base, prompts, params))
+    assert stats["spec_draft_tokens"] > stats["spec_accepted_tokens"] > 0
+    llm.engine.buffers.check_invariants()
