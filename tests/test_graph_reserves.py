@@ -37,3 +37,25 @@ def test_prefill_graphs_without_a_hidden_size_name_the_model(tiny_qwen3, monkeyp
     with pytest.raises(PluginError, match=f"{type(runner.model).__name__} runs prefill graphs"):
         step_transients(runner.loaded, config, graphs=True)
     llm.engine.shutdown()
+
+
+def test_only_mtp_drafting_reserves_draft_graphs(tiny_qwen3):
+    """Prompt lookup drafts on the host: its plan reserves the verification rows (sampler, prefill graphs)
+    but no MTP draft graphs, which its runner never captures."""
+    llm = LLM(
+        str(tiny_qwen3), dtype="float32", device="cpu", cpu_kv_cache_bytes=8 << 20, max_model_len=256,
+        speculative_num_tokens=3, speculative_method="ngram",
+    )  # fmt: skip
+    runner, config = llm.engine.executor.runner, llm.engine.config
+    roles = {s.role: s for s in step_transients(runner.loaded, config, graphs=True)}
+    assert "draft_graphs" not in roles and "prefill_graphs" in roles
+    plain = LLM(str(tiny_qwen3), dtype="float32", device="cpu", cpu_kv_cache_bytes=8 << 20, max_model_len=256)
+    without = {
+        s.role: s
+        for s in step_transients(plain.engine.executor.runner.loaded, plain.engine.config, graphs=True)
+    }
+    assert roles["sampler"].bytes_per_seq > without["sampler"].bytes_per_seq  # rows for the drafts
+    runner.capture_cuda_graphs(eager=True)
+    assert runner.draft_graphs is None
+    llm.engine.shutdown()
+    plain.engine.shutdown()

@@ -96,8 +96,8 @@ def step_transients(loaded: LoadedModel, config: EngineConfig, *, graphs: bool) 
             outputs = sum(bucket_logit_rows(size, rows) * 4 * vocab + size * hidden for size in buckets)
             inputs = prefill_graph_inputs_bytes(tokens, segments, max_blocks, 1 + num_spec)
             specs.append(TransientSpec("prefill_graphs", bytes_fixed=tokens * per_row + outputs + inputs))
-            if num_spec:
-                # The drafter's graphs of the same buckets (their activations reuse the pool): each keeps
+            if config.speculative.mtp_tokens:
+                # The drafter's (MTP) graphs of the same buckets (their activations reuse the pool): each keeps
                 # a logits row a segment and every token's output hidden state; and their own inputs,
                 # hidden states included.
                 outputs = sum(

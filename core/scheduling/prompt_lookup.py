@@ -3,8 +3,8 @@ earlier occurrence of its last ``n`` tokens, for the longest ``n`` in ``[n_min, 
 
 It pays where answers repeat their context (code edits, quoting a document, structured rewrites) and
 costs one verification row a draft elsewhere. The search runs on the host over a per-request copy of the
-tokens kept as an int array (appended to, never rebuilt), vectorised: a step costs a few comparisons over
-the sequence per request, and no device work.
+tokens kept as an int array (appended to, never rebuilt), vectorised: a step scans the sequence once
+per request (its cost grows with the length), and does no device work.
 """
 
 from __future__ import annotations

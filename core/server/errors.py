@@ -102,14 +102,15 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     err = errors[0]
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body" and not _is_type_tag(str(p))]
     if err.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
     if not loc and err.get("type") in ("missing", "model_attributes_type", "dict_type"):
         return "the request body must be a JSON object", None
-    param = next((p for p in loc if not _is_type_tag(p)), None)
-    # Union members add their type name or tag to the location (prompt.str); keep the user's field path.
-    path = ".".join(p for p in loc if not _is_type_tag(p))
+    param = loc[0] if loc else None
+    # Union members add their type name or tag to the location (prompt.str): left out above, so the path
+    # is the user's field path.
+    path = ".".join(loc)
     msg = str(err.get("msg", "invalid value"))
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     return f"invalid value for '{path or param}': {msg}{more}", param

@@ -6,9 +6,10 @@ Where the block starts decides the split. Qwen3's first templates let the model 
 Qwen3.5's, DeepSeek-R1's and V3.1's thinking mode end the prompt inside an open block, so the answer
 starts as reasoning and only ``</think>`` appears in it; with thinking switched off
 (``enable_thinking: false``, ``thinking: false``) the prompt closes the block and the answer is all
-content. So: the answer starts inside the block when the rendered prompt leaves one open, or when the
-answer itself opens with ``<think>``; an answer that never closes its block (cut by ``max_tokens``) is all
-reasoning.
+content. So: the answer starts inside the block when the rendered prompt ends by opening one (or, with
+``continue_final_message``, the continued message left one open), or when the answer itself opens with
+``<think>``; an answer that never closes its block (cut by ``max_tokens``) is all reasoning. A ``<think>``
+elsewhere in the prompt (a system message asking for the tags, a tool's HTML) opens nothing.
 """
 
 from __future__ import annotations
@@ -21,22 +22,27 @@ THINK_START, THINK_END = "<think>", "</think>"
 ParserName = Literal["think", "qwen3", "deepseek_r1", "deepseek_v3"]
 
 
-def opens_thinking(prompt: str) -> bool:
-    """Whether the rendered prompt leaves a ``<think>`` block open (the answer starts as reasoning)."""
-    start = prompt.rfind(THINK_START)
-    return start >= 0 and prompt.rfind(THINK_END) < start
+def opens_thinking(prompt: str, continued: str | None = None) -> bool:
+    """Whether the answer starts as reasoning: the rendered prompt ends with ``<think>`` (the template's
+    generation prompt opened the block), or ``continued`` (the final message's text, which the answer
+    continues) leaves a block open."""
+    if continued is not None:
+        start = continued.rfind(THINK_START)
+        return start >= 0 and continued.rfind(THINK_END) < start
+    return prompt.rstrip().endswith(THINK_START)
 
 
 def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str | None]:
-    """(reasoning, content) of a whole answer; None for a part that is absent."""
+    """(reasoning, content) of a whole answer; None for a part that is absent or empty. An opening tag at
+    the very start is dropped even where the prompt opened the block already (a model that repeats it)."""
+    if text.startswith(THINK_START):
+        text, thinking = text[len(THINK_START) :], True
     if not thinking:
-        if not text.startswith(THINK_START):
-            return None, text
-        text = text[len(THINK_START) :]
+        return None, text
     end = text.find(THINK_END)
     if end < 0:
-        return text, None
-    return text[:end], text[end + len(THINK_END) :] or None
+        return text or None, None
+    return text[:end] or None, text[end + len(THINK_END) :] or None
 
 
 class ReasoningStream:
@@ -44,7 +50,8 @@ class ReasoningStream:
     adds, holding back what may be the start of a tag until the next piece says; ``finish`` the rest."""
 
     def __init__(self, thinking: bool) -> None:
-        self._state = "reasoning" if thinking else "start"
+        self._thinking = thinking
+        self._state = "start"
         self._held = ""
 
     def feed(self, piece: str) -> tuple[str, str]:
@@ -57,7 +64,7 @@ class ReasoningStream:
                 self._held = text  # "<thi": maybe the block's opening
                 return "", ""
             else:
-                self._state = "content"
+                self._state = "reasoning" if self._thinking else "content"
         if self._state == "reasoning":
             end = text.find(THINK_END)
             if end < 0:
@@ -71,7 +78,8 @@ class ReasoningStream:
     def finish(self) -> tuple[str, str]:
         """What is held at the end: the text of a tag that never completed."""
         held, self._held = self._held, ""
-        return (held, "") if self._state == "reasoning" else ("", held)
+        inside = self._state == "reasoning" or (self._state == "start" and self._thinking)
+        return (held, "") if inside else ("", held)
 
 
 def _partial_suffix(text: str, tag: str) -> int:

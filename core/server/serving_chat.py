@@ -39,7 +39,12 @@ class ChatServing(ServingBase):
         if tools is not None and tools.special_tokens:
             params.skip_special_tokens = False  # the calls' markers are special tokens
         # A grammar shapes the answer from its first token: nothing in it is reasoning.
-        thinking = opens_thinking(text) if self.reasoning and params.structured_outputs is None else None
+        thinking = None
+        if self.reasoning and params.structured_outputs is None:
+            continued = None  # the text the answer continues, where it continues one
+            if body.continue_final_message:
+                continued = body.messages[-1].for_template().get("content") or ""
+            thinking = opens_thinking(text, continued)
         stream = await self.submit(request_id, inputs, params)
         if body.stream:
             prompt_tokens = len(inputs[0].prompt_token_ids)
@@ -81,7 +86,7 @@ class ChatServing(ServingBase):
                 if calls:
                     message = {"role": "assistant", "content": content or None, "tool_calls": calls}
                     finish = _finish_with_calls(finish)
-            if reasoning is not None and body.include_reasoning:
+            if reasoning and body.include_reasoning:
                 message.update(_reasoning_fields(reasoning))
             choices.append(
                 {

@@ -27,13 +27,23 @@ THINKING_OFF_PROMPT = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<t
 HISTORY_PROMPT = "<|im_start|>assistant\n<think>\nold\n</think>\n\nyes<|im_end|>\n<|im_start|>assistant\n"
 
 
+ASKING_PROMPT = "<|im_start|>system\nReason inside <think> tags.<|im_end|>\n<|im_start|>assistant\n"
+
+
 @pytest.mark.parametrize(
     ("prompt", "opens"),
     [(QWEN35_PROMPT, True), (THINKING_OFF_PROMPT, False), (HISTORY_PROMPT, False), ("plain", False),
-     (HISTORY_PROMPT + "<think>\n", True)],
+     (HISTORY_PROMPT + "<think>\n", True), (ASKING_PROMPT, False), ("<｜Assistant｜><think>", True)],
 )  # fmt: skip
 def test_the_prompt_says_whether_the_answer_starts_thinking(prompt: str, opens: bool) -> None:
+    """Only the generation prompt's own opening tag counts, not a ``<think>`` in a message."""
     assert opens_thinking(prompt) is opens
+
+
+def test_a_continued_message_says_it_itself() -> None:
+    assert opens_thinking(ASKING_PROMPT + "<think>\nWell", "<think>\nWell")
+    assert not opens_thinking(ASKING_PROMPT + "<think>x</think>So", "<think>x</think>So")
+    assert not opens_thinking(QWEN35_PROMPT, "")  # the continued message is empty: nothing open in it
 
 
 @pytest.mark.parametrize(
@@ -43,8 +53,9 @@ def test_the_prompt_says_whether_the_answer_starts_thinking(prompt: str, opens: 
         ("<think>\nhmm\n</think>\n\nParis.", False, ("\nhmm\n", "\n\nParis.")),  # Qwen3: the answer opens
         ("Paris.", False, (None, "Paris.")),  # thinking off, or a model that does not think
         ("still thinking", True, ("still thinking", None)),  # cut by max_tokens inside the block
-        ("</think>Paris.", True, ("", "Paris.")),
+        ("</think>Paris.", True, (None, "Paris.")),  # empty parts are absent, as when streamed
         ("done</think>", True, ("done", None)),
+        ("<think>again</think>x", True, ("again", "x")),  # the tag repeated after the prompt's own
         (" <think>x</think>", False, (None, " <think>x</think>")),  # only an opening tag opens
     ],
 )
@@ -60,6 +71,8 @@ ANSWERS = [
     ("no tags at all <think>", False),
     ("</think>", True),
     ("", True),
+    ("<think>again</think>x", True),
+    ("<thin", True),
 ]
 
 

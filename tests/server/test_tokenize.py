@@ -74,6 +74,13 @@ def test_bad_bodies_are_400_naming_the_field(http: httpx.Client, path: str, body
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
 
 
+@pytest.mark.parametrize("body", [[], 5, None, "x"])
+def test_a_body_that_is_no_object_says_so(http: httpx.Client, body: object) -> None:
+    response = http.post("/tokenize", json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == "the request body must be a JSON object"
+
+
 def test_another_model_is_404_and_no_key_is_401(http: httpx.Client, server: ServerHandle) -> None:
     for path, body in (("/tokenize", {"prompt": "a"}), ("/detokenize", {"tokens": [1]})):
         response = http.post(path, json={**body, "model": "gpt-4o"})

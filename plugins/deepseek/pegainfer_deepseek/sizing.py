@@ -74,7 +74,7 @@ def build_on_meta(
             dtype=pick_dtype(engine.model.dtype, hf_config, torch.device("cuda")),
             max_model_len=max_model_len,
             tp=tp,
-            drafting=engine.speculative.num_tokens > 0,
+            drafting=engine.speculative.mtp_tokens > 0,
         )
 
 

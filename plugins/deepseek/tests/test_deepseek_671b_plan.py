@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from pegainfer.config.schema import EngineConfig, ModelConfig, SchedulerConfig
+from pegainfer.config.schema import EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from pegainfer_deepseek.published import deepseek_v3_published_config
 from pegainfer_deepseek.sizing import (
     build_on_meta,
@@ -88,3 +88,17 @@ def test_64_requests_of_4096_tokens_fit_an_h200_per_rank(config, engine) -> None
     kv = sched.max_num_seqs * engine.model.max_model_len * per_token
     assert plan.weight_bytes + plan.transient_bytes + kv <= plan.budget
     assert plan.num_blocks * plan.block_size >= sched.max_num_seqs * engine.model.max_model_len
+
+
+def test_only_mtp_drafting_builds_the_mtp_layer() -> None:
+    """The plan's model has the MTP layer when it drafts with it, not for prompt lookup."""
+    config = deepseek_v3_published_config(mtp=True)
+
+    def mtp_layers(**speculative: object) -> int:
+        engine = EngineConfig(
+            model=ModelConfig(max_model_len=4096), speculative=SpeculativeConfig(**speculative)
+        )
+        return build_on_meta(config, engine, 0, TP).num_mtp_layers
+
+    assert mtp_layers(num_tokens=1) == 1
+    assert mtp_layers(num_tokens=3, method="ngram") == 0
