@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=5120)
     parser.add_argument("--per-graph", type=int, default=200)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--out", type=Path, default=Path("bench/results/allreduce.jsonl"))
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "allreduce.jsonl")
     parser.add_argument("--commit", default=None)
     args = parser.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < args.tp:

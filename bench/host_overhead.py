@@ -227,7 +227,7 @@ def bench_host(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("bench/results/host_overhead.jsonl"))
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "host_overhead.jsonl")
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--ctx", type=int, default=256, help="prompt tokens per request")
     parser.add_argument("--steps", type=int, default=100, help="timed decode steps per run")

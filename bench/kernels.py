@@ -440,7 +440,10 @@ def main() -> None:
         "--json", type=Path, default=None, help="write every figure and the best configs here"
     )
     parser.add_argument(
-        "--out", type=Path, default=Path("bench/results/kernels.jsonl"), help="JSONL history to append to"
+        "--out",
+        type=Path,
+        default=Path(__file__).parent / "results" / "kernels.jsonl",
+        help="JSONL history to append to",
     )
     parser.add_argument("--no-out", action="store_true", help="do not append to the JSONL history")
     parser.add_argument("--sweep", action="store_true", help="try many more tile/split/warp/stage configs")

@@ -167,7 +167,7 @@ def bench_peer(layers: int, batches: list[int], ctx: int, steps: int) -> dict[in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("bench/results/qwen3_14b.jsonl"))
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "qwen3_14b.jsonl")
     parser.add_argument("--layers", type=int, default=40, help="fewer layers for a quick smoke run")
     parser.add_argument("--batches", default="1,8,16,32,64,128")
     parser.add_argument("--ctx", type=int, default=1024)
