@@ -95,6 +95,7 @@ def build(
     enforce_eager: bool = False,
     gpu_memory_utilization: float = 0.9,
     speculative_tokens: int = 0,
+    speculative_method: str = "mtp",
     block_size: int | None = None,
     dtype: str = "bfloat16",
     tp: int = 1,
@@ -102,7 +103,8 @@ def build(
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
 ) -> LLM:
     """An engine on the GPU (bf16 unless ``dtype`` says otherwise) with random weights of ``folder``'s
-    config.json shape (drafting ``speculative_tokens`` tokens a step with the model's own draft layers),
+    config.json shape (drafting ``speculative_tokens`` tokens a step with the model's own draft layers, or
+    by prompt lookup with ``speculative_method="ngram"``),
     ``block_size``-token pages (None: the engine's default), over ``tp`` GPUs (rank 0 in this process:
     ``llm.engine.executor.runner`` is its shard; the engine turns NVLink multicast off in every rank);
     ``model_keys``: the model plugin's own ``model.*`` keys; ``max_num_batched_tokens`` sizes the prefill
@@ -118,7 +120,7 @@ def build(
                 gpu_memory_utilization=gpu_memory_utilization,
                 **({} if block_size is None else {"block_size": block_size}),
             ),
-            speculative=SpeculativeConfig(num_tokens=speculative_tokens),
+            speculative=SpeculativeConfig(num_tokens=speculative_tokens, method=speculative_method),
             parallel=ParallelConfig(tensor_parallel_size=tp),
             device="cuda",
             enforce_eager=enforce_eager,

@@ -3,10 +3,17 @@ HF transformers peer, against the ceilings measured in the same run.
 
     python bench/qwen3_14b.py --out bench/results/qwen3_14b.jsonl
     python bench/qwen3_14b.py --tp 2 --batches 1,64 --sync-batches "" --out ...   # decode over two GPUs
+    python bench/qwen3_14b.py --skip-decode --skip-prefill --skip-peer --ngram 2,4 --out ...  # prompt lookup
 
 With ``--tp N`` only decode runs (prefill and the peer are one-GPU figures): the bytes are one GPU's
 shard (rank 0's weights, its KV heads) over the one GPU's ceiling, the 2-GPU roofline of the tensor-
 parallel issue, in figures ``qwen3_14b.decode.tpN.*``; run it beside a ``--tp 1`` call on the same host.
+``--ngram K[,K]`` times batch-1 greedy decode with prompt lookup (``speculative.method=ngram``) drafting
+each K against drafting off, on near-bigram weights (``common.make_near_bigram``: the answer falls into
+loops, so lookups find right drafts), the prompt holding the answer once already (prompt, its answer,
+prompt again, as an edit of quoted text would); figures ``qwen3_14b.ngram_k{K}_near_bigram.bs1.*``
+(tokens/s, speed-up over drafting off on the same weights, acceptance, whether greedy output is
+identical).
 Figures are appended to the JSONL file (one object per figure) and a short table is printed last.
 """
 
@@ -30,9 +37,11 @@ from common import (
     check_all_running,
     decode_graph_ms,
     greedy,
+    make_near_bigram,
     measure_ceilings,
     start_decoding,
     stop_decoding,
+    timed_decode,
     write_word_tokenizer,
 )
 
@@ -165,6 +174,39 @@ def bench_peer(layers: int, batches: list[int], ctx: int, steps: int) -> dict[in
     return out
 
 
+def bench_ngram(folder: Path, ctx: int, tokens: int, ks: list[int]) -> list[tuple[int, dict]]:
+    """(k, row) for each k: batch-1 greedy decode of ``tokens`` tokens with prompt lookup drafting k a step,
+    on near-bigram weights, after a prompt that holds its own answer once (prompt, answer, prompt); the
+    speed-up is over drafting off on the same weights and prompt."""
+    if not ks:
+        return []
+    rows, reference, base_rate = [], None, None
+    for k in [0, *ks]:
+        llm = build(
+            folder, max_num_seqs=1, max_model_len=3 * ctx + 4 * tokens + 64, speculative_tokens=k,
+            speculative_method="ngram",
+        )  # fmt: skip
+        # Near-bigram main model; it has no draft module, so only that part applies.
+        make_near_bigram(
+            llm.engine.executor.runner.model, draft_input="", copies={}, identity_norms=(), identity=1.0
+        )
+        if reference is None:
+            start = random_prompt(random.Random(2), ctx)
+            answer = llm.generate(prompt_token_ids=[start], sampling_params=greedy(tokens), use_tqdm=False)
+            prompt = start + list(answer[0].outputs[0].token_ids) + start
+        ids, tok_per_s, rate = timed_decode(llm, prompt, tokens)
+        if reference is None:
+            reference, base_rate = ids, tok_per_s
+        else:
+            row = {"tok_per_s": tok_per_s, "speedup": tok_per_s / base_rate, "acceptance": rate}
+            rows.append((k, {**row, "identical": ids == reference}))
+        llm.engine.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "qwen3_14b.jsonl")
@@ -184,6 +226,9 @@ def main() -> None:
         type=int,
         default=None,
         help="batch rows up to which projections use the skinny kernel",
+    )
+    parser.add_argument(
+        "--ngram", default="", help="prompt-lookup drafts a step to time at batch 1, e.g. 2,4"
     )
     parser.add_argument("--profile-host", type=int, default=0, help="cProfile the host at this decode batch")
     parser.add_argument(
@@ -284,6 +329,17 @@ def main() -> None:
     del model
     gc.collect()
     torch.cuda.empty_cache()
+
+    for k, row in bench_ngram(folder, args.ctx, args.steps, [int(k) for k in args.ngram.split(",") if k]):
+        name = f"qwen3_14b.ngram_k{k}_near_bigram.bs1"
+        results.add(f"{name}.tok_per_s", row["tok_per_s"], "tok/s")
+        results.add(f"{name}.speedup", row["speedup"], "x")
+        results.add(f"{name}.acceptance", row["acceptance"], "fraction")
+        results.add(f"{name}.identical_greedy", float(row["identical"]), "bool")
+        table.append(
+            f"prompt lookup k={k}: {row['tok_per_s']:.1f} tok/s, {row['speedup']:.2f}x, acceptance "
+            f"{row['acceptance']:.2f}, greedy identical {row['identical']}"
+        )
 
     if not args.skip_peer:
         peer = bench_peer(args.layers, [1, 16], args.ctx, 16)
