@@ -466,3 +466,13 @@ def test_a_repeated_batch_is_sampled_as_a_fresh_one() -> None:
     got = reused.sample(logits, requests).result()
     assert got.token_ids[2] != 0  # the ban is applied: the scan was redone
     assert got.token_ids == Sampler(seed=1).sample(logits, requests).result().token_ids
+
+
+def test_a_waiting_grammar_makes_rows_depend_on_the_tokens_before():
+    """A grammar deferred until a token (``StructuredOutputsParams.after``) may start at any row of a
+    verification, so the rows are sampled round by round, not in one call."""
+    sampler = Sampler(seed=0)
+    plain, waiting = make_request(0, temperature=0.0), make_request(1, temperature=0.0)
+    assert sampler.rows_independent([plain])
+    waiting.deferred_grammar = (7, object())
+    assert not sampler.rows_independent([plain, waiting])

@@ -149,6 +149,77 @@ def test_the_grammar_wins_over_min_tokens_bans(tiny_qwen3, llm):
     assert out.text == "yes" and out.finish_reason == "stop"
 
 
+THINK_END = "</think>"
+
+
+def _think_end(llm) -> int:
+    [token] = llm.engine.tokenizer.encode(THINK_END, add_special_tokens=False)
+    return token
+
+
+def test_a_grammar_after_a_token_leaves_the_answer_free_until_it(llm):
+    """``after``: the model reasons freely (here: its own greedy tokens, identical to an unconstrained
+    run) until it writes ``</think>``, then follows the grammar from the next token."""
+    free = llm.generate(
+        prompt_token_ids=PROMPTS,
+        sampling_params=SamplingParams(temperature=0.0, max_tokens=12),
+        use_tqdm=False,
+    )
+    waiting = StructuredOutputsParams(regex="[0-9]{3}", after=THINK_END)
+    held = llm.generate(
+        prompt_token_ids=PROMPTS,
+        sampling_params=SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=waiting),
+        use_tqdm=False,
+    )
+    # The random model never writes </think> unprompted: nothing is constrained.
+    assert [o.outputs[0].token_ids for o in held] == [o.outputs[0].token_ids for o in free]
+    # Pushed to write it first (a bias the grammar then masks away): the rest is three digits, then done.
+    pushed = SamplingParams(
+        temperature=0.0, max_tokens=20, structured_outputs=waiting, logit_bias={_think_end(llm): 50.0}
+    )
+    for n, seed in ((1, None), (2, 3)):
+        params = pushed.clone(n=n, seed=seed, temperature=0.0 if n == 1 else 1.0)
+        outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
+        for completion in (c for o in outs for c in o.outputs):
+            assert completion.token_ids[0] == _think_end(llm)
+            assert re.fullmatch("[0-9]{3}", completion.text.split(THINK_END, 1)[1]), completion.text
+            assert completion.finish_reason == "stop"
+
+
+def test_drafts_verify_against_the_deferred_grammar(tiny_qwen3, llm):
+    """Prompt-lookup drafts cross the </think> boundary: verification samples round by round (the grammar
+    of later rows depends on the tokens before), so the tokens equal the run without drafts."""
+    spec = LLM(
+        str(tiny_qwen3), dtype="float32", device="cpu", cpu_kv_cache_bytes=8 << 20, max_model_len=256,
+        speculative_num_tokens=3, speculative_method="ngram",
+    )  # fmt: skip
+    think = _think_end(llm)
+    prompts = [p + [think] + p for p in PROMPTS]  # lookups draft </think> and what followed it
+    params = SamplingParams(
+        temperature=0.0, max_tokens=24, ignore_eos=True, logit_bias={think: 8.0},
+        structured_outputs=StructuredOutputsParams(regex="[a-z ]{4,30}", after=THINK_END),
+    )  # fmt: skip
+    ours = spec.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    ref = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in ref]
+    assert spec.engine.stats["spec_draft_tokens"] > 0
+    took_over = [o.outputs[0] for o in ref if think in o.outputs[0].token_ids]
+    assert any(a.token_ids.index(think) > 0 for a in took_over)  # free tokens first, then the grammar
+    assert all(re.fullmatch("[a-z ]{4,30}", a.text.split(THINK_END, 1)[1]) for a in took_over), took_over
+
+
+def test_an_after_text_of_several_tokens_is_refused(llm):
+    with pytest.raises(RequestError, match="not one token") as info:
+        llm.generate(
+            prompt_token_ids=PROMPTS[:1],
+            sampling_params=SamplingParams(
+                structured_outputs=StructuredOutputsParams(choice=["a"], after="no such")
+            ),
+            use_tqdm=False,
+        )
+    assert info.value.param == "structured_outputs"
+
+
 def test_a_tokenizer_llguidance_cannot_take_refuses_every_grammar(llm):
     """Said as a request error naming the field, built once (not again for every request)."""
     compiler = GrammarCompiler(llm.get_tokenizer(), 10)  # fewer logits columns than the tokenizer's ids

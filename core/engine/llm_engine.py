@@ -197,8 +197,9 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(prompt)
         prompt_token_ids = list(prompt_token_ids)
         self._validate_prompt(prompt_token_ids, params)
-        matchers = None
+        matchers, after = None, None
         if params.structured_outputs is not None:  # compiled once; each sequence gets its own matcher
+            after = self.grammars.after_token(params.structured_outputs)
             first = self.grammars.matcher(params.structured_outputs)
             matchers = [first] + [first.deep_copy() for _ in range(params.n - 1)]
         if params.max_tokens is None:
@@ -217,7 +218,9 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 cache_salt=cache_salt,
             )
-            if matchers:
+            if matchers and after is not None:
+                request.deferred_grammar = (after, matchers[i])
+            elif matchers:
                 request.grammar = matchers[i]
             seq = SequenceState(
                 request,

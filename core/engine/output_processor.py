@@ -152,6 +152,9 @@ class OutputProcessor:
                 except Exception as exc:
                     self.fail(request, exc)
                     continue
+            deferred = request.deferred_grammar
+            if deferred is not None and token == deferred[0]:  # e.g. </think>: the grammar starts next
+                request.grammar, request.deferred_grammar = deferred[1], None
             if status is not None:
                 try:
                     seq.detokenizer.finish()

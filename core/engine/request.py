@@ -102,6 +102,8 @@ class Request:
         self.penalty_state: object | None = None
         # The structured output's matcher (``pegainfer.sampling.structured``), set by the engine.
         self.grammar: object | None = None
+        #: (token, matcher): a grammar that becomes ``grammar`` once that token is appended.
+        self.deferred_grammar: tuple[int, object] | None = None
         # Prefix caching: what else keys this request's pages (requests with different salts share none),
         # the keys of its full pages computed so far (the buffer manager's, once per page), and how many
         # prompt tokens its first admission found cached.

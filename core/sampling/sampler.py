@@ -185,7 +185,8 @@ class Sampler:
                 lp_rows.append(i)
             if not p.greedy:
                 random_rows.append(i)
-            if p.min_tokens or p.logit_bias or request.grammar is not None or _needs_penalties(p):
+            grammar = request.grammar is not None or request.deferred_grammar is not None
+            if p.min_tokens or p.logit_bias or grammar or _needs_penalties(p):
                 adjusted = True
         self._scanned, self._scan_result = list(requests), (lp_rows, random_rows, adjusted)
         return self._scan_result

@@ -5,7 +5,8 @@ Contract: the engine gives each request with ``SamplingParams.structured_outputs
 (:meth:`GrammarCompiler.matcher`, at ``add_request``: a bad grammar is a ``RequestError`` then, naming
 ``structured_outputs``); the sampler masks each such row's logits with :func:`allowed_tokens` before
 penalties and draws; the output processor feeds every appended token to the matcher and finishes the
-request once the grammar is complete. Because the mask is computed from the tokens appended so far, the
+request once the grammar is complete. With ``after`` the matcher waits (``Request.deferred_grammar``)
+until that token is appended: reasoning first, then the structured answer. Because the mask is computed from the tokens appended so far, the
 round-by-round verification of speculative drafts and async scheduling (which samples a step after the
 last step's tokens were appended) need nothing more.
 
@@ -41,6 +42,9 @@ class StructuredOutputsParams:
     grammar: str | None = None
     #: The request field errors name (the server's: ``response_format``, ``tool_choice``...).
     param: str = PARAM
+    #: A text of one token (a reasoning model's ``</think>``): the grammar applies from the token after it,
+    #: the answer free until it is generated (None: from the first token).
+    after: str | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -110,6 +114,18 @@ class GrammarCompiler:
                 f"the structured output does not compile: {matcher.get_error()}", param=params.param
             )
         return matcher
+
+    def after_token(self, params: StructuredOutputsParams) -> int | None:
+        """The token id of ``params.after``; ``RequestError`` unless it is one token of the vocabulary."""
+        if params.after is None:
+            return None
+        ids = self._tokenizer.encode(params.after, add_special_tokens=False)
+        if len(ids) != 1:
+            raise RequestError(
+                f"the structured output starts after {params.after!r}, which is not one token here",
+                param=params.param,
+            )
+        return ids[0]
 
 
 def allowed_tokens(matchers: list[Any], vocab: int, device: torch.device) -> torch.Tensor:

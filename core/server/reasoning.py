@@ -9,7 +9,8 @@ starts as reasoning and only ``</think>`` appears in it; with thinking switched 
 content. So: the answer starts inside the block when the rendered prompt ends by opening one (or, with
 ``continue_final_message``, the continued message left one open), or when the answer itself opens with
 ``<think>``; an answer that never closes its block (cut by ``max_tokens``) is all reasoning. A ``<think>``
-elsewhere in the prompt (a system message asking for the tags, a tool's HTML) opens nothing.
+elsewhere in the prompt (a system message asking for the tags, a tool's HTML) opens nothing. A grammar
+(structured outputs, a forced tool choice) then starts after the block (``ChatServing._thinking``).
 """
 
 from __future__ import annotations

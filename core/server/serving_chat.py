@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import Request
@@ -12,9 +13,10 @@ from pegainfer.engine.async_engine import AsyncLLMEngine
 from pegainfer.engine.outputs import CompletionOutput, RequestOutput
 from pegainfer.engine.request_stream import PromptInput, RequestStream
 from pegainfer.errors import RequestError
+from pegainfer.sampling.sampling_params import SamplingParams
 from pegainfer.server.forced_tools import forced_calls, forced_name, forces_calls
 from pegainfer.server.protocol import ChatCompletionRequest
-from pegainfer.server.reasoning import ReasoningStream, opens_thinking, split_reasoning
+from pegainfer.server.reasoning import THINK_END, ReasoningStream, opens_thinking, split_reasoning
 from pegainfer.server.serving import ServingBase, chat_logprobs, created, has_news, usage
 from pegainfer.server.streaming import sse, sse_response
 from pegainfer.server.tool_calls import ToolCallFormat, ToolCallStream, split_tool_calls, tool_call_format
@@ -38,19 +40,32 @@ class ChatServing(ServingBase):
         tools = self._tool_call_format(body)
         if tools is not None and tools.special_tokens:
             params.skip_special_tokens = False  # the calls' markers are special tokens
-        # A grammar shapes the answer from its first token: nothing in it is reasoning.
-        thinking = None
-        if self.reasoning and params.structured_outputs is None:
-            continued = None  # the text the answer continues, where it continues one
-            if body.continue_final_message:
-                continued = body.messages[-1].for_template().get("content") or ""
-            thinking = opens_thinking(text, continued)
+        thinking = self._thinking(body, text, params)
         stream = await self.submit(request_id, inputs, params)
         if body.stream:
             prompt_tokens = len(inputs[0].prompt_token_ids)
             return sse_response(self._events(body, request_id, stream, tools, prompt_tokens, thinking))
         finals = await self.collect(stream, raw)
         return JSONResponse(self._response(body, request_id, finals[0], tools, thinking))
+
+    def _thinking(self, body: ChatCompletionRequest, prompt: str, params: SamplingParams) -> bool | None:
+        """Whether the answer starts inside a think block (None: no reasoning split). Where it does, a
+        grammar (structured outputs, a forced tool choice) starts after the block's ``</think>``, so the
+        model reasons freely first; a grammar from the first token leaves no room for reasoning (all
+        content), as when ``</think>`` is no single token of this vocabulary."""
+        if not self.reasoning:
+            return None
+        continued = None  # the text the answer continues, where it continues one
+        if body.continue_final_message:
+            continued = body.messages[-1].for_template().get("content") or ""
+        opens = opens_thinking(prompt, continued)
+        grammar = params.structured_outputs
+        if grammar is None:
+            return opens
+        if not opens or len(self.tokenizer.encode(THINK_END, add_special_tokens=False)) != 1:
+            return None
+        params.structured_outputs = replace(grammar, after=THINK_END)
+        return True
 
     def _tool_call_format(self, body: ChatCompletionRequest) -> ToolCallFormat | None:
         """The form whose blocks in the answer become ``tool_calls``: tools offered, not refused, and a
@@ -78,7 +93,7 @@ class ChatServing(ServingBase):
                 reasoning, text = split_reasoning(text, thinking)
             message: dict[str, Any] = {"role": "assistant", "content": text}
             finish = completion.finish_reason
-            forced = _forced(body, completion.text, finish)
+            forced = _forced(body, text or "", finish)
             if forced is not None:
                 message, finish = {"role": "assistant", "content": None, "tool_calls": forced[0]}, forced[1]
             elif tools is not None and text:
@@ -159,14 +174,14 @@ class ChatServing(ServingBase):
             if not body.include_reasoning:
                 reasoning = ""
             if named is not None:  # the text is the arguments: the call opens, then its arguments stream
-                if choice not in opened:
+                if choice not in opened and (text or finish or thinking is None):  # past any reasoning
                     opened.add(choice)
                     [call] = forced_calls(text, body.tool_choice)
                     calls = [{"index": 0, **call}]
                 elif text:
                     calls = [{"index": 0, "function": {"arguments": text}}]
                 text = ""
-                if not (calls or finish or completion.logprobs):
+                if not (calls or reasoning or finish or completion.logprobs):
                     return []
             elif forcing:  # a "required" list is held whole: its calls are known once it ends
                 held[choice] = held.get(choice, "") + text
@@ -177,7 +192,7 @@ class ChatServing(ServingBase):
                     finish = forced[1]
                 elif finish is not None:
                     text = held[choice]  # a cut list: no calls, the text as it is
-                if not (text or calls or finish or completion.logprobs):
+                if not (text or reasoning or calls or finish or completion.logprobs):
                     return []
             elif tools is not None:
                 parser = parsers.setdefault(choice, ToolCallStream(tools, _max_calls(body)))

@@ -218,3 +218,50 @@ def test_the_server_splits_what_the_plain_server_returns_whole(
 def test_an_unknown_parser_is_refused_naming_the_key() -> None:
     with pytest.raises(ValueError, match="reasoning_parser"):
         ServerConfig(reasoning_parser="o1")
+
+
+def _think_end(server: ServerHandle) -> int:
+    [token] = server.call(lambda engine: engine.tokenizer.encode("</think>", add_special_tokens=False))
+    return token
+
+
+def test_a_grammar_starts_after_the_reasoning(thinking_server: ServerHandle) -> None:
+    """With the block opened by the prompt, ``response_format`` and a forced tool constrain only what
+    follows ``</think>``: the reasoning is free text, the content (or the call's arguments) valid JSON.
+    A bias on ``</think>`` makes the random model close the block within a few tokens."""
+    opened = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>\nWell"}]
+    # Bounded shapes: a random model's free strings would run past max_tokens.
+    digit = {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"], "additionalProperties": False,
+    }  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "now", "parameters": digit}}]
+    schema = {"type": "json_schema", "json_schema": {"name": "digit", "schema": digit}}
+    base = {
+        "messages": opened, "continue_final_message": True, "add_generation_prompt": False,
+        "max_tokens": 60, "temperature": 0.0, "logit_bias": {str(_think_end(thinking_server)): 9.0},
+    }  # fmt: skip
+    with thinking_server.client() as http:
+        answer = http.post("/v1/chat/completions", json={**base, "response_format": schema})
+        message = answer.json()["choices"][0]["message"]
+        assert set(json.loads(message["content"])) == {"n"}, message
+        assert message.get("reasoning"), "the random model wrote no reasoning before the bias closed it"
+        forced = {**base, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "now"}}}
+        call = http.post("/v1/chat/completions", json=forced).json()["choices"][0]["message"]
+        assert call.get("reasoning") and call["content"] is None, call
+        assert set(json.loads(call["tool_calls"][0]["function"]["arguments"])) == {"n"}, call
+        streamed = http.post("/v1/chat/completions", json={**forced, "stream": True})
+        deltas = [
+            json.loads(line[len("data: ") :])["choices"][0]["delta"]
+            for line in streamed.text.splitlines()
+            if line.startswith("data: {")
+        ]
+        assert "".join(d.get("reasoning") or "" for d in deltas) == call["reasoning"]
+        pieces = [c for d in deltas for c in d.get("tool_calls", [])]
+        assert pieces[0]["function"]["name"] == "now"
+        assert (
+            "".join(c["function"].get("arguments", "") for c in pieces)
+            == call["tool_calls"][0]["function"]["arguments"]
+        )
+        opened_at = next(i for i, d in enumerate(deltas) if d.get("tool_calls"))
+        assert not any(d.get("reasoning") for d in deltas[opened_at:])  # the call opens after the reasoning
