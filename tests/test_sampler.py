@@ -315,6 +315,25 @@ def test_logit_bias_must_be_token_ids_with_values_in_range() -> None:
             SamplingParams(logit_bias=bad)
 
 
+def test_allowed_token_ids_limit_greedy_and_random_rows() -> None:
+    """Only the listed tokens are drawn, greedy or sampled, rows beside unlimited ones; where min_tokens
+    bans every allowed token (a label list of EOS alone) the list wins rather than leaving nothing."""
+    logits = torch.tensor([TINY_LOGITS])
+    sampler = Sampler(seed=4)
+    rows = [make_request(0, temperature=0.0), make_request(1, temperature=0.0, allowed_token_ids=[5, 3])]
+    assert sampler(logits.expand(2, -1), rows).token_ids == [0, 3]
+    n = 1000
+    drawn = Sampler(seed=5)(
+        logits.expand(n, -1), [make_request(i, temperature=1.0, allowed_token_ids=[2, 6]) for i in range(n)]
+    ).token_ids
+    assert set(drawn) == {2, 6}
+    stuck = make_request(2, temperature=0.0, min_tokens=3, eos_token_ids=(4,), allowed_token_ids=[4])
+    assert sampler(logits, [stuck]).token_ids == [4]
+    for bad in ([], [-1], [True]):
+        with pytest.raises(RequestError, match="allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad)
+
+
 def test_min_tokens_never_samples_banned_ids() -> None:
     n = 2000
     params = SamplingParams(temperature=1.0, min_tokens=1, eos_token_ids=(0, 1))

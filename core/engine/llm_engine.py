@@ -251,6 +251,8 @@ class LLMEngine:
             raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
         if vocab is not None and params.logit_bias and max(params.logit_bias) >= vocab:
             raise RequestError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
+        if vocab is not None and params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
+            raise RequestError(f"allowed_token_ids must be in [0, {vocab})", param="allowed_token_ids")
         sched = self.config.scheduler
         if not sched.enable_chunked_prefill and len(ids) > sched.max_num_batched_tokens:
             raise RequestError(

@@ -186,7 +186,7 @@ class Sampler:
             if not p.greedy:
                 random_rows.append(i)
             grammar = request.grammar is not None or request.deferred_grammar is not None
-            if p.min_tokens or p.logit_bias or grammar or _needs_penalties(p):
+            if p.min_tokens or p.logit_bias or p.allowed_token_ids or grammar or _needs_penalties(p):
                 adjusted = True
         self._scanned, self._scan_result = list(requests), (lp_rows, random_rows, adjusted)
         return self._scan_result
@@ -261,10 +261,17 @@ def _penalized_or_none(logits: torch.Tensor, requests: list[Request]) -> torch.T
     bias_ids: list[int] = []
     biases: list[float] = []
     grammar_rows: list[int] = []
+    allow_rows: list[int] = []
+    allow_ids: list[int] = []
     for i, req in enumerate(requests):
         p = req.sampling_params
         if req.grammar is not None:
             grammar_rows.append(i)
+        if p.allowed_token_ids:
+            # Ids past the logits are refused at admission where the model's vocabulary is known.
+            allowed = [t for t in p.allowed_token_ids if t < vocab]
+            allow_rows.extend([i] * len(allowed))
+            allow_ids.extend(allowed)
         if p.logit_bias:
             bias_rows.extend([i] * len(p.logit_bias))
             bias_ids.extend(p.logit_bias)
@@ -280,25 +287,32 @@ def _penalized_or_none(logits: torch.Tensor, requests: list[Request]) -> torch.T
             ban_ids.extend(banned)
         if _needs_penalties(p):
             penalty_rows.append(i)
-    if not ban_rows and not penalty_rows and not bias_rows and not grammar_rows:
+    if not ban_rows and not penalty_rows and not bias_rows and not grammar_rows and not allow_rows:
         return None
 
     work = logits.to(torch.float32, copy=True)
     if bias_rows:  # before the bans (a banned token stays banned) and the penalties, as vLLM orders them
         rows, ids = _index(bias_rows, work.device), _index(bias_ids, work.device)
         work[rows, ids] += torch.tensor(biases, dtype=torch.float32, device=work.device)
+    if allow_rows:  # allowed_token_ids: every other token out, before the grammar narrows further
+        keep = torch.zeros_like(work, dtype=torch.bool)
+        keep[_index(allow_rows, work.device), _index(allow_ids, work.device)] = True
+        limited = _index(sorted(set(allow_rows)), work.device)
+        work[limited] = work[limited].masked_fill(~keep[limited], _NEG_INF)
     grammar_index = _index(grammar_rows, work.device) if grammar_rows else None
     if grammar_index is not None:  # what the structured output allows next, from the tokens appended so far
         allowed = allowed_tokens([requests[i].grammar for i in grammar_rows], vocab, work.device)
         work[grammar_index] = work[grammar_index].masked_fill(~allowed, _NEG_INF)
     if ban_rows:
-        masked = work[grammar_index] if grammar_index is not None else None  # a copy (advanced indexing)
+        limited_rows = sorted(set(grammar_rows) | set(allow_rows))
+        limited = _index(limited_rows, work.device) if limited_rows else None
+        masked = work[limited] if limited is not None else None  # a copy (advanced indexing)
         work[_index(ban_rows, work.device), _index(ban_ids, work.device)] = _NEG_INF
         if masked is not None:
-            # Where the grammar allows only banned tokens (min_tokens' stop ids, EOS), the grammar wins:
-            # the answer stays valid. Decided on the device, no sync.
-            stuck = torch.isneginf(work[grammar_index]).all(dim=1, keepdim=True)
-            work[grammar_index] = torch.where(stuck, masked, work[grammar_index])
+            # Where the grammar or allowed_token_ids leave only banned tokens (min_tokens' stop ids, EOS),
+            # they win: the answer stays valid. Decided on the device, no sync.
+            stuck = torch.isneginf(work[limited]).all(dim=1, keepdim=True)
+            work[limited] = torch.where(stuck, masked, work[limited])
     if penalty_rows:
         if len(penalty_rows) == len(requests):
             work = _penalize(work, requests)

@@ -26,8 +26,9 @@ class SamplingParams:
     ``logprobs=k`` returns, for every generated token, the k most likely tokens plus the chosen one;
     ``prompt_logprobs=k`` does the same for prompt positions (the first has none).
     ``logit_bias`` (OpenAI's): token id -> a value in [-100, 100] added to that token's logit before any
-    penalty, filter or draw (logprobs still describe the model). ``structured_outputs``: a grammar the
-    answer must follow (``pegainfer.sampling.structured``).
+    penalty, filter or draw (logprobs still describe the model). ``allowed_token_ids`` (vLLM's): only
+    these tokens may be drawn (a classifier's labels, say). ``structured_outputs``: a grammar the answer
+    must follow (``pegainfer.sampling.structured``).
     """
 
     n: int = 1
@@ -49,6 +50,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine from the tokenizer / generation_config, not by users.
@@ -62,6 +64,8 @@ class SamplingParams:
         if self.top_k == 0:
             self.top_k = -1
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self._validate()
 
     def _validate(self) -> None:
@@ -97,6 +101,16 @@ class SamplingParams:
             raise bad("seed", "must be an integer")
         if any(not s for s in self.stop):
             raise RequestError("stop strings must not be empty", param="stop")
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids
+            or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)
+        ):
+            raise bad("allowed_token_ids", "must be a non-empty list of token ids")
+        if self.allowed_token_ids is not None and self.structured_outputs is not None:
+            raise RequestError(
+                "allowed_token_ids and structured_outputs cannot both limit the tokens",
+                param="allowed_token_ids",
+            )
         for token, value in (self.logit_bias or {}).items():
             if not isinstance(token, int) or isinstance(token, bool) or token < 0:
                 raise RequestError(f"logit_bias keys must be token ids, got {token!r}", param="logit_bias")

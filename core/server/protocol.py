@@ -61,6 +61,8 @@ class _SamplingFields(_Body):
     ignore_eos: bool = False
     min_tokens: NonNegInt = 0
     stop_token_ids: list[NonNegInt] | None = None
+    #: Only these tokens may be drawn.
+    allowed_token_ids: Annotated[list[NonNegInt], Field(min_length=1)] | None = None
     skip_special_tokens: bool = True
     #: Prefix caching: requests with different salts share no cached prefix (one salt per tenant).
     cache_salt: NonEmptyStr | None = None
@@ -120,9 +122,9 @@ class _SamplingFields(_Body):
         prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """SamplingParams for this request: unset fields take the checkpoint's defaults."""
-        for token_id in self.stop_token_ids or ():
-            if token_id >= vocab_size:
-                raise RequestError(f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            if any(token_id >= vocab_size for token_id in getattr(self, name) or ()):
+                raise RequestError(f"{name} must be in [0, {vocab_size})", param=name)
         logit_bias = _token_biases(self.logit_bias or {}, vocab_size)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stop):
@@ -142,6 +144,7 @@ class _SamplingFields(_Body):
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logit_bias": logit_bias,
+            "allowed_token_ids": self.allowed_token_ids,
             "structured_outputs": self.structured(),
             "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         }

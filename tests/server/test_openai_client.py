@@ -208,6 +208,17 @@ def test_logit_bias_picks_and_bans_tokens(client: openai.OpenAI, model: str, ser
     assert bias and banned.choices[0].logprobs.tokens[0] != first
 
 
+def test_allowed_token_ids_limit_the_answer(client: openai.OpenAI, model: str, server: ServerHandle) -> None:
+    """vLLM's allowed_token_ids: every generated token is one of the list (the labels of a classifier)."""
+    labels = [300, 301, 302]
+    out = client.completions.create(
+        model=model, prompt=PROMPT_IDS, max_tokens=6, logprobs=1, temperature=1.0, seed=3,
+        extra_body={"allowed_token_ids": labels},
+    )  # fmt: skip
+    words = server.call(lambda engine: {engine.tokenizer.decode([i]) for i in labels})
+    assert len(words) == 3 and set(out.choices[0].logprobs.tokens) <= words
+
+
 def test_structured_outputs_through_response_format_and_the_vllm_extra(
     client: openai.OpenAI, model: str
 ) -> None:
