@@ -76,6 +76,11 @@ class ReasoningStream:
             self._state = "content"
         return reasoning, text
 
+    @property
+    def in_content(self) -> bool:
+        """Whether the block has closed (or never opened): what follows is content."""
+        return self._state == "content"
+
     def finish(self) -> tuple[str, str]:
         """What is held at the end: the text of a tag that never completed."""
         held, self._held = self._held, ""

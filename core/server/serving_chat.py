@@ -55,6 +55,10 @@ class ChatServing(ServingBase):
         content), as when ``</think>`` is no single token of this vocabulary."""
         if not self.reasoning:
             return None
+        if params.skip_special_tokens and not self.tokenizer.decode(
+            self.tokenizer.encode(THINK_END, add_special_tokens=False)
+        ):
+            params.skip_special_tokens = False  # the tags are special tokens here: the split reads them
         continued = None  # the text the answer continues, where it continues one
         if body.continue_final_message:
             continued = body.messages[-1].for_template().get("content") or ""
@@ -93,7 +97,8 @@ class ChatServing(ServingBase):
                 reasoning, text = split_reasoning(text, thinking)
             message: dict[str, Any] = {"role": "assistant", "content": text}
             finish = completion.finish_reason
-            forced = _forced(body, text or "", finish)
+            # A block that never closed (cut, or ended by EOS or a stop) made no call: reasoning only.
+            forced = _forced(body, text, finish) if text is not None else None
             if forced is not None:
                 message, finish = {"role": "assistant", "content": None, "tool_calls": forced[0]}, forced[1]
             elif tools is not None and text:
@@ -174,7 +179,8 @@ class ChatServing(ServingBase):
             if not body.include_reasoning:
                 reasoning = ""
             if named is not None:  # the text is the arguments: the call opens, then its arguments stream
-                if choice not in opened and (text or finish or thinking is None):  # past any reasoning
+                past_reasoning = thinking is None or splitters[choice].in_content
+                if choice not in opened and past_reasoning and (text or finish or thinking is None):
                     opened.add(choice)
                     [call] = forced_calls(text, body.tool_choice)
                     calls = [{"index": 0, **call}]

@@ -265,3 +265,38 @@ def test_a_grammar_starts_after_the_reasoning(thinking_server: ServerHandle) -> 
         )
         opened_at = next(i for i, d in enumerate(deltas) if d.get("tool_calls"))
         assert not any(d.get("reasoning") for d in deltas[opened_at:])  # the call opens after the reasoning
+
+
+def test_a_forced_call_cut_inside_the_reasoning_makes_no_call(thinking_server: ServerHandle) -> None:
+    """An answer that ends before ``</think>`` (EOS, here pushed; or max_tokens) has reasoning only: no
+    named call with empty arguments, no list, whole or streamed."""
+    eos = thinking_server.call(lambda engine: engine.tokenizer.eos_token_id)
+    opened = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>\nWell"}]
+    tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
+    named = {"type": "function", "function": {"name": "now"}}
+    with thinking_server.client() as http:
+        for choice, bias in ((named, {str(eos): 30}), ("required", {str(eos): 30}), (named, {})):
+            body = {
+                "messages": opened, "continue_final_message": True, "add_generation_prompt": False,
+                "tools": tools, "tool_choice": choice, "temperature": 0.0, "max_tokens": 6,
+                "logit_bias": {**bias, str(_think_end(thinking_server)): -100},
+            }  # fmt: skip
+            message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+            assert message["content"] is None and "tool_calls" not in message, message
+            assert message.get("reasoning") or bias, message  # EOS at once may leave no reasoning at all
+            streamed = http.post("/v1/chat/completions", json={**body, "stream": True}).text
+            assert '"tool_calls"' not in streamed
+
+
+@pytest.mark.parametrize("special", [True, False])
+def test_special_think_tags_are_kept_in_the_text_the_split_reads(special: bool) -> None:
+    from pegainfer import SamplingParams
+
+    serving = _serving()
+    serving.tokenizer = SimpleNamespace(
+        encode=lambda text, add_special_tokens=True: [9],
+        decode=lambda ids, skip_special_tokens=True: "" if special and skip_special_tokens else "</think>",
+    )
+    params = SamplingParams()
+    assert serving._thinking(_body(), QWEN35_PROMPT, params) is True
+    assert params.skip_special_tokens is not special
