@@ -488,10 +488,15 @@ def test_a_repeated_batch_is_sampled_as_a_fresh_one() -> None:
 
 
 def test_a_waiting_grammar_makes_rows_depend_on_the_tokens_before():
-    """A grammar deferred until a token (``StructuredOutputsParams.after``) may start at any row of a
-    verification, so the rows are sampled round by round, not in one call."""
+    """A grammar deferred until a token (``StructuredOutputsParams.after``) starts inside a verification
+    only where that token is among the drafts: then (and once it has started) the rows are sampled round
+    by round, not in one call."""
     sampler = Sampler(seed=0)
     plain, waiting = make_request(0, temperature=0.0), make_request(1, temperature=0.0)
     assert sampler.rows_independent([plain])
     waiting.deferred_grammar = (7, object())
-    assert not sampler.rows_independent([plain, waiting])
+    assert not sampler.rows_independent([plain, waiting])  # the drafts unknown: it may start
+    assert sampler.rows_independent([plain, waiting], [[1, 2], [3, 4]])  # no draft is the awaited token
+    assert not sampler.rows_independent([plain, waiting], [[1, 2], [3, 7]])
+    waiting.grammar, waiting.deferred_grammar = object(), None  # started: the same list, a grammar row
+    assert not sampler.rows_independent([plain, waiting], [[1, 2], [3, 4]])

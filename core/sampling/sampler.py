@@ -122,7 +122,7 @@ class Sampler:
         self._host_buffers = HostBuffers()
         # The last batch's requests and what _scan found in them: a decode batch repeats step after step.
         self._scanned: list[Request] = []
-        self._scan_result: tuple[list[int], list[int], bool] = ([], [], False)
+        self._scan_result: tuple[list[int], list[int], bool, list[int]] = ([], [], False, [])
         if device is not None:
             # An empty tensor names the device as logits will (``cuda`` becomes ``cuda:0``).
             self._generator(torch.empty(0, device=device).device)
@@ -140,7 +140,8 @@ class Sampler:
         it is, a mixed one a copy with the other rows' draws written in."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits must be [{len(requests)}, V], got {tuple(logits.shape)}")
-        lp_rows, random_rows, adjusted = self._scan(requests)
+        lp_rows, random_rows, adjusted, grammar_rows = self._scan(requests)
+        adjusted = adjusted or bool(grammar_rows)
         # Taken before anything touches the logits: logprobs describe the model, not the sampler.
         raw_logprobs = torch.log_softmax(_rows(logits, lp_rows).float(), dim=-1) if lp_rows else None
 
@@ -165,30 +166,40 @@ class Sampler:
             tensors.update(_logprob_tensors(raw_logprobs, _rows(chosen, lp_rows), max(ks)))
         return DeviceSample(chosen, lp_rows, ks, HostCopy(tensors, self._host_buffers))
 
-    def rows_independent(self, requests: list[Request]) -> bool:
+    def rows_independent(self, requests: list[Request], drafts: list[list[int]] | None = None) -> bool:
         """Whether each request's token comes from its logits row alone (greedy, no penalties, no
-        ``min_tokens`` bans): then several rows of one request sampled in one call choose what they would
-        one after another, each after the tokens before it were appended."""
-        _, random_rows, adjusted = self._scan(requests)
-        return not random_rows and not adjusted
+        ``min_tokens`` bans, no grammar): then several rows of one request sampled in one call choose what
+        they would one after another, each after the tokens before it were appended. A grammar waiting for
+        a token (``Request.deferred_grammar``) starts inside the rows only where that token is among the
+        request's ``drafts`` (None: assume it is)."""
+        _, random_rows, adjusted, grammar_rows = self._scan(requests)
+        if random_rows or adjusted:
+            return False
+        for i in grammar_rows:
+            deferred = requests[i].deferred_grammar
+            if deferred is None or drafts is None or deferred[0] in drafts[i]:
+                return False  # a grammar on, or one that may start inside the rows
+        return True
 
-    def _scan(self, requests: list[Request]) -> tuple[list[int], list[int], bool]:
-        """The rows that want logprobs, the rows that draw at random, and whether any row needs penalties or
-        min_tokens bans: one pass over the rows, or none when the requests are the last call's (a request's
-        sampling params never change)."""
+    def _scan(self, requests: list[Request]) -> tuple[list[int], list[int], bool, list[int]]:
+        """The rows that want logprobs, the rows that draw at random, whether any row needs penalties,
+        biases or bans, and the rows with a grammar (on or waiting): one pass over the rows, or none when
+        the requests are the last call's (a request's sampling params never change, and a grammar row stays
+        one when its waiting grammar starts)."""
         if requests == self._scanned:  # identity per element: Request has no __eq__
             return self._scan_result
-        lp_rows, random_rows, adjusted = [], [], False
+        lp_rows, random_rows, adjusted, grammar_rows = [], [], False, []
         for i, request in enumerate(requests):
             p = request.sampling_params
             if p.logprobs is not None:
                 lp_rows.append(i)
             if not p.greedy:
                 random_rows.append(i)
-            grammar = request.grammar is not None or request.deferred_grammar is not None
-            if p.min_tokens or p.logit_bias or p.allowed_token_ids or grammar or _needs_penalties(p):
+            if request.grammar is not None or request.deferred_grammar is not None:
+                grammar_rows.append(i)
+            if p.min_tokens or p.logit_bias or p.allowed_token_ids or _needs_penalties(p):
                 adjusted = True
-        self._scanned, self._scan_result = list(requests), (lp_rows, random_rows, adjusted)
+        self._scanned, self._scan_result = list(requests), (lp_rows, random_rows, adjusted, grammar_rows)
         return self._scan_result
 
     def _generator(self, device: torch.device) -> torch.Generator:

@@ -116,7 +116,7 @@ def sample_and_verify(
         )
     requests = [item.request for item in items]
     whole = None
-    if total > len(items) and sampler.rows_independent(requests):
+    if total > len(items) and sampler.rows_independent(requests, [item.spec_token_ids for item in items]):
         whole = sampler(logits, [item.request for item in items for _ in range(1 + len(item.spec_token_ids))])
     accepted = [0] * len(items)
     active = list(range(len(items)))
