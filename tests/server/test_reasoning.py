@@ -12,15 +12,13 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from chat_answers import ReplayedStream, engineless_serving, text_output
 from server_harness import ServerHandle, start_server
 
-from pegainfer.engine.outputs import CompletionOutput, RequestOutput
 from pegainfer.server.config import ServerConfig
 from pegainfer.server.protocol import ChatCompletionRequest
 from pegainfer.server.reasoning import ReasoningStream, opens_thinking, split_reasoning
-from pegainfer.server.serving_chat import ChatServing
 from pegainfer.server.tool_calls import QWEN
-from pegainfer.text.tiny_tokenizer import CHAT_TEMPLATE
 
 QWEN35_PROMPT = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n"
 THINKING_OFF_PROMPT = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
@@ -94,28 +92,16 @@ def test_streamed_pieces_give_the_whole_split(text: str, thinking: bool) -> None
 # ------------------------------------------------------------------------------ the chat answer
 
 
-def _serving() -> ChatServing:
-    serving = ChatServing.__new__(ChatServing)  # no engine: only the answer's form is under test
-    serving.model_name = "tiny"
-    serving.tokenizer = SimpleNamespace(chat_template_source=lambda tools=None: CHAT_TEMPLATE)
-    serving.reasoning = True
-    return serving
-
-
 def _body(**fields) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
-
-
-def _output(text: str, finish: str | None = "stop") -> RequestOutput:
-    return RequestOutput("r", None, [1, 2], [CompletionOutput(0, text, [3, 4], finish_reason=finish)], True)
 
 
 CALL = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
 
 
 def test_the_message_carries_reasoning_and_content_and_calls_after_it() -> None:
-    serving = _serving()
-    message = serving._response(_body(), "c", _output("Hmm.</think>\n\nHi."), None, thinking=True)
+    serving = engineless_serving(reasoning=True)
+    message = serving._response(_body(), "c", text_output("Hmm.</think>\n\nHi."), None, thinking=True)
     assert message["choices"][0]["message"] == {
         "role": "assistant",
         "content": "\n\nHi.",
@@ -123,42 +109,32 @@ def test_the_message_carries_reasoning_and_content_and_calls_after_it() -> None:
         "reasoning": "Hmm.",
     }
     left_out = serving._response(
-        _body(include_reasoning=False), "c", _output("Hmm.</think>Hi."), None, thinking=True
+        _body(include_reasoning=False), "c", text_output("Hmm.</think>Hi."), None, thinking=True
     )
     assert left_out["choices"][0]["message"] == {"role": "assistant", "content": "Hi."}
-    cut = serving._response(_body(), "c", _output("Hmm, and", "length"), None, thinking=True)["choices"][0]
+    cut = serving._response(_body(), "c", text_output("Hmm, and", "length"), None, thinking=True)["choices"][
+        0
+    ]
     assert cut["message"]["content"] is None and cut["message"]["reasoning"] == "Hmm, and"
     # A call written in the reasoning is not a call; one after it is.
     tools = [{"type": "function", "function": {"name": "now"}}]
-    answer = _output(f"maybe {CALL}</think>{CALL}")
+    answer = text_output(f"maybe {CALL}</think>{CALL}")
     choice = serving._response(_body(tools=tools), "c", answer, QWEN, thinking=True)["choices"][0]
     assert choice["message"]["reasoning"] == f"maybe {CALL}"
     assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["now"]
     assert choice["finish_reason"] == "tool_calls"
 
 
-class _Stream:
-    params = SimpleNamespace(n=1)
-
-    def __init__(self, outputs: list[RequestOutput]) -> None:
-        self._outputs = outputs
-
-    async def __aiter__(self):
-        for output in self._outputs:
-            yield 0, output
-
-    def abort(self) -> None:
-        pass
-
-
 def _deltas(body: ChatCompletionRequest, text: str, thinking: bool) -> list[dict]:
     pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
-    outputs = [_output(p, "stop" if i == len(pieces) - 1 else None) for i, p in enumerate(pieces)]
+    outputs = [text_output(p, "stop" if i == len(pieces) - 1 else None) for i, p in enumerate(pieces)]
 
     async def events() -> list[dict]:
         return [
             json.loads(e[len("data: ") :])["choices"][0]["delta"]
-            async for e in _serving()._events(body, "c", _Stream(outputs), None, 2, thinking)
+            async for e in engineless_serving(reasoning=True)._events(
+                body, "c", ReplayedStream(outputs), None, 2, thinking
+            )
             if e.startswith("data: {")
         ]
 
@@ -292,7 +268,7 @@ def test_a_forced_call_cut_inside_the_reasoning_makes_no_call(thinking_server: S
 def test_special_think_tags_are_kept_in_the_text_the_split_reads(special: bool) -> None:
     from pegainfer import SamplingParams
 
-    serving = _serving()
+    serving = engineless_serving(reasoning=True)
     serving.tokenizer = SimpleNamespace(
         encode=lambda text, add_special_tokens=True: [9],
         decode=lambda ids, skip_special_tokens=True: "" if special and skip_special_tokens else "</think>",

@@ -11,14 +11,13 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from chat_answers import ReplayedStream, engineless_serving, text_output
 from server_harness import BOUNDED_TOOLS
 
-from pegainfer.engine.outputs import CompletionOutput, RequestOutput
 from pegainfer.errors import RequestError
 from pegainfer.sampling.structured import GrammarCompiler, StructuredOutputsParams
 from pegainfer.server.forced_tools import forced_calls, forced_schema
 from pegainfer.server.protocol import ChatCompletionRequest
-from pegainfer.server.serving_chat import ChatServing
 from pegainfer.server.tool_calls import (
     DEEPSEEK,
     DEEPSEEK_DSML,
@@ -129,33 +128,23 @@ def test_the_templates_that_ask_for_tool_call_blocks() -> None:
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 
 
-def _serving() -> ChatServing:
-    serving = ChatServing.__new__(ChatServing)  # no engine: only the answer's form is under test
-    serving.model_name = "tiny"
-    serving.tokenizer = SimpleNamespace(chat_template_source=lambda tools=None: CHAT_TEMPLATE)
-    serving.reasoning = False
-    return serving
-
-
 def _body(**fields) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS, **fields}
     )
 
 
-def _output(text: str, finish: str | None = "stop") -> RequestOutput:
-    return RequestOutput("r", None, [1, 2], [CompletionOutput(0, text, [3, 4], finish_reason=finish)], True)
-
-
 def test_answer_carries_tool_calls_and_their_finish_reason() -> None:
-    serving, body = _serving(), _body()
+    serving, body = engineless_serving(), _body()
     tools = serving._tool_call_format(body)
-    choice = serving._response(body, "chatcmpl-1", _output(ANSWER), tools)["choices"][0]
+    choice = serving._response(body, "chatcmpl-1", text_output(ANSWER), tools)["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["content"] == "Let me look."
-    only_calls = serving._response(body, "c", _output("\n" + XML_CALL + "\n"), tools)["choices"][0]["message"]
+    only_calls = serving._response(body, "c", text_output("\n" + XML_CALL + "\n"), tools)["choices"][0][
+        "message"
+    ]
     assert only_calls["content"] is None and len(only_calls["tool_calls"]) == 1
-    one = serving._response(_body(parallel_tool_calls=False), "c", _output(ANSWER), tools)["choices"][0]
+    one = serving._response(_body(parallel_tool_calls=False), "c", text_output(ANSWER), tools)["choices"][0]
     assert [c["function"]["name"] for c in one["message"]["tool_calls"]] == ["get_weather"]
     assert [name for name, _ in _names_and_arguments(choice["message"]["tool_calls"])] == [
         "get_weather",
@@ -163,40 +152,24 @@ def test_answer_carries_tool_calls_and_their_finish_reason() -> None:
     ]
     # Cut by max_tokens the reason stays "length"; a refused tool_choice leaves the text alone.
     assert (
-        serving._response(body, "c", _output(ANSWER, "length"), tools)["choices"][0]["finish_reason"]
+        serving._response(body, "c", text_output(ANSWER, "length"), tools)["choices"][0]["finish_reason"]
         == "length"
     )
     refused = _body(tool_choice="none")
     assert serving._tool_call_format(refused) is None and serving._tool_call_format(_body(tools=None)) is None
-    plain = serving._response(refused, "c", _output(ANSWER), None)["choices"][0]
+    plain = serving._response(refused, "c", text_output(ANSWER), None)["choices"][0]
     assert plain["message"] == {"role": "assistant", "content": ANSWER} and plain["finish_reason"] == "stop"
-
-
-class _Stream:
-    """A RequestStream's surface as ``stream_events`` reads it, replaying fixed outputs."""
-
-    params = SimpleNamespace(n=1)
-
-    def __init__(self, outputs: list[RequestOutput]) -> None:
-        self._outputs = outputs
-
-    async def __aiter__(self):
-        for output in self._outputs:
-            yield 0, output
-
-    def abort(self) -> None:
-        pass
 
 
 def test_streamed_answer_sends_calls_as_deltas() -> None:
     pieces = [ANSWER[i : i + 5] for i in range(0, len(ANSWER), 5)]
-    outputs = [_output(piece, "stop" if i == len(pieces) - 1 else None) for i, piece in enumerate(pieces)]
-    serving = _serving()
+    outputs = [text_output(piece, "stop" if i == len(pieces) - 1 else None) for i, piece in enumerate(pieces)]
+    serving = engineless_serving()
 
     async def events() -> list[dict]:
         return [
             json.loads(e[len("data: ") :])
-            async for e in serving._events(_body(stream=True), "chatcmpl-1", _Stream(outputs), QWEN, 2)
+            async for e in serving._events(_body(stream=True), "chatcmpl-1", ReplayedStream(outputs), QWEN, 2)
             if e.startswith("data: {")
         ]
 
@@ -262,10 +235,10 @@ def test_deepseek_bodies_that_are_no_call_stay_text(body: str) -> None:
 def test_deepseek_template_asks_for_special_token_calls() -> None:
     """Its markers are special tokens: the answer must be detokenized keeping them."""
     assert tool_call_format(DEEPSEEK_TEMPLATE) is DEEPSEEK and DEEPSEEK.special_tokens
-    serving = _serving()
+    serving = engineless_serving()
     serving.tokenizer = SimpleNamespace(chat_template_source=lambda tools=None: DEEPSEEK_TEMPLATE)
     form = serving._tool_call_format(_body())
-    choice = serving._response(_body(), "c", _output(V31_CALLS), form)["choices"][0]
+    choice = serving._response(_body(), "c", text_output(V31_CALLS), form)["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather", "now"]
 
@@ -274,16 +247,16 @@ def test_deepseek_tool_requests_keep_special_tokens_in_the_text() -> None:
     """Only a request whose calls would be parsed in DeepSeek's form changes skip_special_tokens."""
     from pegainfer import SamplingParams
 
-    serving = _serving()
+    serving = engineless_serving()
     serving.tokenizer = SimpleNamespace(chat_template_source=lambda tools=None: DEEPSEEK_TEMPLATE)
     submitted = []
 
     async def submit(request_id, inputs, params):
         submitted.append(params.skip_special_tokens)
-        return _Stream([])
+        return ReplayedStream([])
 
     async def collect(stream, raw):
-        return {0: _output("plain")}
+        return {0: text_output("plain")}
 
     serving.check_request = lambda body: None
     serving.render_chat = lambda body: "prompt"
