@@ -13,11 +13,11 @@ positions lies beyond it and is overwritten by later steps (its pages stay alloc
 
 Only greedy requests draft: a sampled request decodes one token per step as before.
 
-Prompt lookup (``ngram_drafts``) needs nothing from the device: after verification, the tokens that
-followed the latest earlier occurrence of the request's last n tokens are its drafts.
+Prompt lookup (``prompt_lookup.PromptLookup``) needs nothing from the device: after verification, the
+tokens that followed the latest earlier occurrence of the request's last n tokens are its drafts.
 
-Drafting with MTP layers (``Executor.propose``) runs after verification, when the token after the last computed position
-is known. The draft module's cache must hold an entry for every position the drafts attend to, so for
+Drafting with MTP layers (``Executor.propose``) runs after verification, when the token after the last
+computed position is known. The draft module's cache must hold an entry for every position the drafts attend to, so for
 every position p the main model computed and kept (prompt chunks, the last token, accepted drafts) the
 module is run once with the main model's hidden state at p and the token at p + 1 — the entries for a
 request's positions 0 .. C-1 are written across its steps, each exactly once and always with final

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pegainfer.server.streaming import partial_marker
+
 THINK_START, THINK_END = "<think>", "</think>"
 
 # vLLM's parser names for these families, all the same tags: one parser serves each.
@@ -69,7 +71,7 @@ class ReasoningStream:
         if self._state == "reasoning":
             end = text.find(THINK_END)
             if end < 0:
-                keep = _partial_suffix(text, THINK_END)
+                keep = partial_marker(text, (THINK_END,))
                 self._held = text[len(text) - keep :]
                 return text[: len(text) - keep], ""
             reasoning, text = text[:end], text[end + len(THINK_END) :]
@@ -86,11 +88,3 @@ class ReasoningStream:
         held, self._held = self._held, ""
         inside = self._state == "reasoning" or (self._state == "start" and self._thinking)
         return (held, "") if inside else ("", held)
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that is a proper start of ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0

@@ -55,9 +55,8 @@ class ChatServing(ServingBase):
         content), as when ``</think>`` is no single token of this vocabulary."""
         if not self.reasoning:
             return None
-        if params.skip_special_tokens and not self.tokenizer.decode(
-            self.tokenizer.encode(THINK_END, add_special_tokens=False)
-        ):
+        think_end = self.tokenizer.encode(THINK_END, add_special_tokens=False)
+        if params.skip_special_tokens and not self.tokenizer.decode(think_end):
             params.skip_special_tokens = False  # the tags are special tokens here: the split reads them
         continued = None  # the text the answer continues, where it continues one
         if body.continue_final_message:
@@ -66,7 +65,7 @@ class ChatServing(ServingBase):
         grammar = params.structured_outputs
         if grammar is None:
             return opens
-        if not opens or len(self.tokenizer.encode(THINK_END, add_special_tokens=False)) != 1:
+        if not opens or len(think_end) != 1:
             return None
         params.structured_outputs = replace(grammar, after=THINK_END)
         return True
@@ -179,8 +178,8 @@ class ChatServing(ServingBase):
             if not body.include_reasoning:
                 reasoning = ""
             if named is not None:  # the text is the arguments: the call opens, then its arguments stream
-                past_reasoning = thinking is None or splitters[choice].in_content
-                if choice not in opened and past_reasoning and (text or finish or thinking is None):
+                opens = thinking is None or (splitters[choice].in_content and (text or finish))
+                if choice not in opened and opens:  # once past any reasoning
                     opened.add(choice)
                     [call] = forced_calls(text, body.tool_choice)
                     calls = [{"index": 0, **call}]

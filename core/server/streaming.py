@@ -1,4 +1,4 @@
-"""Server-sent events and client-disconnect handling.
+"""Server-sent events, client-disconnect handling, and holding back a streamed marker's first part.
 
 A streaming response ends its request when the client goes: Starlette cancels the body iterator, and the
 iterator's ``finally`` aborts the engine request. A non-streaming request is watched the same way by
@@ -69,3 +69,13 @@ async def collect_until_disconnect(stream: RequestStream, request: Request) -> d
         if not work.done():
             work.cancel()
         stream.abort()
+
+
+def partial_marker(text: str, markers: tuple[str, ...]) -> int:
+    """The length of the longest end of ``text`` that begins one of ``markers`` (and is not all of it):
+    what a streamed answer holds back until the next piece says whether a marker (a tool-call or think
+    tag) starts there."""
+    for n in range(min(max(map(len, markers)) - 1, len(text)), 0, -1):
+        if any(marker.startswith(text[-n:]) for marker in markers):
+            return n
+    return 0

@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pegainfer.server.streaming import partial_marker
+
 
 @dataclass(frozen=True)
 class ToolCallFormat:
@@ -223,7 +225,7 @@ class ToolCallStream:
                 self._pending = self._pending[start + len(form.open) :]
                 self._in_block = True
                 continue
-            keep = _partial_marker(self._pending, form.markers)
+            keep = partial_marker(self._pending, form.markers)
             content.append(self._text(self._pending[: len(self._pending) - keep]))
             self._pending = self._pending[len(self._pending) - keep :]
             break
@@ -260,11 +262,3 @@ class ToolCallStream:
         sent = text.rstrip()
         self._space = text[len(sent) :]
         return sent
-
-
-def _partial_marker(text: str, markers: tuple[str, ...]) -> int:
-    """The length of the longest end of ``text`` that begins one of ``markers``."""
-    for n in range(min(max(map(len, markers)) - 1, len(text)), 0, -1):
-        if any(marker.startswith(text[-n:]) for marker in markers):
-            return n
-    return 0
