@@ -4,6 +4,12 @@ kernels the CUDA graph replays), grouped by kernel, for random weights in a benc
     python bench/profile_decode.py [--model qwen3_14b] [--batch 1] [--layers 40]
     python bench/profile_decode.py --model qwen35 --shape 9b        # or 27b
     python bench/profile_decode.py --model deepseek --shape v3 --layers 4 [--fp8]   # or moonlight
+
+``--cuda-profiler`` brackets one eager step with ``cudaProfilerStart``/``Stop`` (after the warm-up steps,
+so no compile or prefill kernel is in it) for hardware counters of that step's kernels:
+
+    ncu --profile-from-start off --clock-control none --section SpeedOfLight \
+        python bench/profile_decode.py --model qwen35 --shape 9b --layers 4 --cuda-profiler
 """
 
 from __future__ import annotations
@@ -49,6 +55,11 @@ def main() -> None:
     parser.add_argument(
         "--trace", type=int, default=0, help="also list the first N kernels of one step in launch order"
     )
+    parser.add_argument(
+        "--cuda-profiler",
+        action="store_true",
+        help="run one step between cudaProfilerStart and Stop, then exit",
+    )
     args = parser.parse_args()
     folder, vocab = checkpoint(args.model, args.shape, args.layers, args.fp8)
     llm = build(folder, max_num_seqs=args.batch, max_model_len=args.ctx + 64, enforce_eager=True)
@@ -61,6 +72,12 @@ def main() -> None:
         engine.step()
     torch.cuda.synchronize()
     graphs = engine.executor.runner.graphs
+    if args.cuda_profiler:
+        torch.cuda.cudart().cudaProfilerStart()
+        graphs.run(args.batch)
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+        return
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             graphs.run(args.batch)
