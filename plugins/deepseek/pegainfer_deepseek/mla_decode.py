@@ -87,6 +87,16 @@ def mla_decode_num_splits(
 
 
 @triton.jit
+def _split_range(seq_lens_ptr, row, split, num_splits, BLOCK_N: tl.constexpr):
+    """(length, start, end) of chunk ``split`` of ``row``: the row's context cut into ``num_splits``
+    chunks of whole ``BLOCK_N`` tiles (the last ones may be short or empty)."""
+    seq_len = tl.load(seq_lens_ptr + row)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    return seq_len, start, tl.minimum(start + chunk, seq_len)
+
+
+@triton.jit
 def _tile_tokens(
     table, n0, offs_n, valid, stride_cblk, stride_ctok, PAGE: tl.constexpr, BLOCK_N: tl.constexpr
 ):
@@ -193,10 +203,7 @@ def _mla_decode_partial_kernel(
     v_split = tl.program_id(0) % V_SPLITS
     row = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + row)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, seq_len)
+    seq_len, start, end = _split_range(seq_lens_ptr, row, split, num_splits, BLOCK_N)
     row64 = row.to(tl.int64)
     # Lengths come clamped to num_indices: a full-length row is longer than its selection (or as long,
     # when both forms read the same positions) and reads the positions its indices list.
@@ -258,19 +265,21 @@ def _mla_decode_partial_kernel(
 
 
 @triton.jit
-def _tma_tile(c_desc, p_desc, table, n0, PAGE: tl.constexpr, HALF: tl.constexpr):
-    """The two halves of a tile's latents and its rope keys, three TMA loads of one page's rows."""
+def _tma_tile(c_desc, p_desc, table, n0, own, other, PAGE: tl.constexpr, HALF: tl.constexpr):
+    """A tile's latents in two halves, the program's own output half first, and its rope keys: three TMA
+    loads of one page's rows."""
     r = tl.load(table + n0 // PAGE) * PAGE + n0 % PAGE
-    return c_desc.load([r, 0]), c_desc.load([r, HALF]), p_desc.load([r, 2 * HALF])
+    return c_desc.load([r, own]), c_desc.load([r, other]), p_desc.load([r, 2 * HALF])
 
 
 @triton.jit
 def _tma_step(
-    q0, q1, qp, c0, c1, kp, m_i, l_i, acc0, acc1, scale_log2, valid, TAIL: tl.constexpr, DOT_PREC: tl.constexpr,
-    FIX: tl.constexpr,
+    q0, q1, qp, c0, c1, kp, m_i, l_i, acc0, acc1, scale_log2, valid, BOTH: tl.constexpr, TAIL: tl.constexpr,
+    DOT_PREC: tl.constexpr, FIX: tl.constexpr,
 ):  # fmt: skip
-    """One tile of the online softmax, the output in two halves; ``TAIL``: keys past the row's end (read
-    by the TMA box, whatever they hold) masked out of the scores and zeroed out of the values."""
+    """One tile of the online softmax over both latent halves; the output of the first half (``acc0``) and,
+    with ``BOTH``, of the second (``acc1``, else left as it is). ``TAIL``: keys past the row's end (read by
+    the TMA box, whatever they hold) masked out of the scores and zeroed out of the values."""
     s = mma(q0, tl.trans(c0), FIX, DOT_PREC) + mma(q1, tl.trans(c1), FIX, DOT_PREC)
     s = (s + mma(qp, tl.trans(kp), FIX, DOT_PREC)) * scale_log2
     if TAIL:
@@ -283,7 +292,8 @@ def _tma_step(
     l_i = l_i * alpha + tl.sum(p, 1)
     p = cast_to(p, c0.dtype, FIX)
     acc0 = acc0 * alpha[:, None] + mma(p, c0, FIX, DOT_PREC)
-    acc1 = acc1 * alpha[:, None] + mma(p, c1, FIX, DOT_PREC)
+    if BOTH:
+        acc1 = acc1 * alpha[:, None] + mma(p, c1, FIX, DOT_PREC)
     return m_new, l_i, acc0, acc1
 
 
@@ -292,61 +302,68 @@ def _mla_decode_tma_kernel(
     q_desc, qp_desc, c_desc, p_desc, tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     scale_log2, num_splits, num_heads, stride_bt, stride_ob, stride_oh,
     PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, DR: tl.constexpr,
-    SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PREC: tl.constexpr, FIX: tl.constexpr,
+    HALVES: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PREC: tl.constexpr,
+    FIX: tl.constexpr,
 ):  # fmt: skip
     """The dense rows' kernel with TMA tile loads (see ``mla_decode_attention_triton``'s ``tma``): the
     same programs and partials as ``_mla_decode_partial_kernel``, whole tiles without masks, the one
-    partial tail tile of a chunk apart."""
-    head_block = tl.program_id(0)
+    partial tail tile of a chunk apart. ``HALVES`` 2: a program accumulates one half of the output
+    features (its neighbour in launch order the other, from the same scores)."""
+    head_block = tl.program_id(0) // HALVES
+    own = (tl.program_id(0) % HALVES) * HALF  # the first output feature this program accumulates
+    other = HALF - own
     row = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + row)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, seq_len)
+    seq_len, start, end = _split_range(seq_lens_ptr, row, split, num_splits, BLOCK_N)
     row64 = row.to(tl.int64)
     h0 = head_block * BLOCK_H
     heads = h0 + tl.arange(0, BLOCK_H)
     offs = tl.arange(0, HALF)
     out_ptrs = out_ptr + row64 * stride_ob + heads[:, None] * stride_oh + offs[None, :]
     if start < seq_len:
-        q0 = q_desc.load([row, h0, 0]).reshape(BLOCK_H, HALF)
-        q1 = q_desc.load([row, h0, HALF]).reshape(BLOCK_H, HALF)
+        q0 = q_desc.load([row, h0, own]).reshape(BLOCK_H, HALF)
+        q1 = q_desc.load([row, h0, other]).reshape(BLOCK_H, HALF)
         qp = qp_desc.load([row, h0, 0]).reshape(BLOCK_H, DR)
         table = tables_ptr + row64 * stride_bt
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc0 = tl.zeros([BLOCK_H, HALF], tl.float32)
-        acc1 = tl.zeros([BLOCK_H, HALF], tl.float32)
+        acc1 = tl.zeros([BLOCK_H, HALF], tl.float32)  # unused (and dropped) with HALVES 2
         whole_end = start + (end - start) // BLOCK_N * BLOCK_N
         every = tl.full([BLOCK_N], True, tl.int1)
         for n0 in tl.range(start, whole_end, BLOCK_N, num_stages=NUM_STAGES):
-            c0, c1, kp = _tma_tile(c_desc, p_desc, table, n0, PAGE, HALF)
+            c0, c1, kp = _tma_tile(c_desc, p_desc, table, n0, own, other, PAGE, HALF)
             m_i, l_i, acc0, acc1 = _tma_step(
-                q0, q1, qp, c0, c1, kp, m_i, l_i, acc0, acc1, scale_log2, every, False, DOT_PREC, FIX
-            )
+                q0, q1, qp, c0, c1, kp, m_i, l_i, acc0, acc1, scale_log2, every, HALVES == 1, False, DOT_PREC,
+                FIX,
+            )  # fmt: skip
         if whole_end < end:
-            c0, c1, kp = _tma_tile(c_desc, p_desc, table, whole_end, PAGE, HALF)
+            c0, c1, kp = _tma_tile(c_desc, p_desc, table, whole_end, own, other, PAGE, HALF)
             valid = whole_end + tl.arange(0, BLOCK_N) < end
             m_i, l_i, acc0, acc1 = _tma_step(
-                q0, q1, qp, c0, c1, kp, m_i, l_i, acc0, acc1, scale_log2, valid, True, DOT_PREC, FIX
-            )
+                q0, q1, qp, c0, c1, kp, m_i, l_i, acc0, acc1, scale_log2, valid, HALVES == 1, True, DOT_PREC,
+                FIX,
+            )  # fmt: skip
         if SPLIT:
             part = (row64 * num_heads + heads) * num_splits + split
-            tl.store(part_m_ptr + part, m_i)
-            tl.store(part_l_ptr + part, l_i)
+            if own == 0:  # the two halves' programs computed the same max and sum
+                tl.store(part_m_ptr + part, m_i)
+                tl.store(part_l_ptr + part, l_i)
             part_ptrs = part_acc_ptr + part[:, None] * (2 * HALF) + offs[None, :]
-            tl.store(part_ptrs, acc0)
-            tl.store(part_ptrs + HALF, acc1)
+            tl.store(part_ptrs + own, acc0)
+            if HALVES == 1:
+                tl.store(part_ptrs + other, acc1)
         else:
             inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
-            tl.store(out_ptrs, cast_to(acc0 * inv[:, None], out_ptr.dtype.element_ty, FIX))
-            tl.store(out_ptrs + HALF, cast_to(acc1 * inv[:, None], out_ptr.dtype.element_ty, FIX))
+            tl.store(out_ptrs + own, cast_to(acc0 * inv[:, None], out_ptr.dtype.element_ty, FIX))
+            if HALVES == 1:
+                tl.store(out_ptrs + other, cast_to(acc1 * inv[:, None], out_ptr.dtype.element_ty, FIX))
     else:
         if not SPLIT:  # only split 0 exists, so this row is padding (seq_len 0): zeros
             zeros = cast_to(tl.zeros([BLOCK_H, HALF], tl.float32), out_ptr.dtype.element_ty, FIX)
-            tl.store(out_ptrs, zeros)
-            tl.store(out_ptrs + HALF, zeros)
+            tl.store(out_ptrs + own, zeros)
+            if HALVES == 1:
+                tl.store(out_ptrs + other, zeros)
 
 
 def mla_decode_attention_ref(
@@ -404,7 +421,13 @@ def mla_decode_attention_triton(
     (one warpgroup's M) holds its accumulators in eight warps' registers: at 128 heads each latent is read
     twice rather than eight times (16 heads a program). Measured on an H100 (batch 64 x 4096, 128 heads,
     side by side, no record): 405.4 us with 64-key tiles against the default's 435.4, 7% faster, so the
-    reads were not what bounds the kernel; off by default until a profile says what does.
+    reads were not what bounds the kernel; off by default until a profile says what does. With
+    ``block_v`` half of ``rkv`` a program accumulates one half (two programs a head block, the scores
+    computed by both): one warpgroup's registers hold a 64-head half, and 16-key tiles in two stages fit
+    two programs a multiprocessor. Compiled for sm_90a (Triton 3.6, offline), the one-stage forms wait
+    for each of a tile's three loads in turn, and with 64 heads over eight warps every warpgroup computes
+    all 64 heads' scores (Triton gives a chained dot's warps to its rows), then trades the
+    probabilities through shared memory.
 
     The defaults follow the page size (H200, batch 64 x 4096 tokens, side by side with the per-key
     gather of every tile before, 2026-12-04, no record: the sweep is in docs/benchmarks.md): pages of 64
@@ -424,11 +447,12 @@ def mla_decode_attention_triton(
         raise ValueError(f"block_n {block_n}: compiled tensor-core dots need at least 16 keys a tile")
     if tma and (
         indices is not None or page % block_n or heads % block_h or rkv % 2
-        or next_pow2(rkv // 2) != rkv // 2 or next_pow2(dr) != dr
+        or next_pow2(rkv // 2) != rkv // 2 or next_pow2(dr) != dr or block_v not in (None, rkv // 2)
     ):  # fmt: skip
         raise ValueError(
             f"tma needs dense rows, whole tiles in a page ({block_n} keys, pages of {page}), heads ({heads}) "
-            f"a multiple of block_h ({block_h}) and power-of-two halves of rkv ({rkv}) and dr ({dr})"
+            f"a multiple of block_h ({block_h}), power-of-two halves of rkv ({rkv}) and dr ({dr}) and "
+            f"block_v ({block_v}) None or half of rkv"
         )
     operands = [("q_latent", q_latent), ("q_pe", q_pe), ("cache", cache), ("block_tables", block_tables)]
     for name, t in operands + ([("indices", indices)] if indices is not None else []):
@@ -456,7 +480,7 @@ def mla_decode_attention_triton(
     v_splits = block_r // block_v
     if tma:
         _launch_tma(q_latent, q_pe, cache, block_tables, seq_lens, out, part_acc, part_m, part_l, scale, splits,
-                    block_h, block_n, num_warps, num_stages)  # fmt: skip
+                    block_h, v_splits, block_n, num_warps, num_stages)  # fmt: skip
     else:
         _mla_decode_partial_kernel[(triton.cdiv(heads, block_h) * v_splits, batch, splits)](
             q_latent, q_pe, cache, block_tables, seq_lens, indices if indices is not None else seq_lens, out,
@@ -479,9 +503,10 @@ def mla_decode_attention_triton(
 
 
 def _launch_tma(q_latent, q_pe, cache, block_tables, seq_lens, out, part_acc, part_m, part_l, scale, splits,
-                block_h, block_n, num_warps, num_stages):  # fmt: skip
+                block_h, halves, block_n, num_warps, num_stages):  # fmt: skip
     """``_mla_decode_tma_kernel`` over descriptors of the queries (their own strides: the absorbed
-    queries come transposed) and of the cache's rows, one page's tokens a run."""
+    queries come transposed) and of the cache's rows, one page's tokens a run; ``halves`` programs a
+    head block (2: one output half each)."""
     batch, heads, rkv = q_latent.shape
     dr, page, half = q_pe.shape[-1], cache.shape[1], rkv // 2
     rows = cache.view(-1, rkv + dr)
@@ -489,11 +514,12 @@ def _launch_tma(q_latent, q_pe, cache, block_tables, seq_lens, out, part_acc, pa
     def desc(t, block):
         return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
-    _mla_decode_tma_kernel[(heads // block_h, batch, splits)](
+    _mla_decode_tma_kernel[(heads // block_h * halves, batch, splits)](
         desc(q_latent, [1, block_h, half]), desc(q_pe, [1, block_h, dr]), desc(rows, [block_n, half]),
         desc(rows, [block_n, dr]), block_tables, seq_lens, out, part_acc, part_m, part_l,
         scale * math.log2(math.e), splits, heads, block_tables.stride(0), out.stride(0), out.stride(1),
-        PAGE=page, BLOCK_H=block_h, BLOCK_N=block_n, HALF=half, DR=dr, SPLIT=splits > 1, NUM_STAGES=num_stages,
+        PAGE=page, BLOCK_H=block_h, BLOCK_N=block_n, HALF=half, DR=dr, HALVES=halves, SPLIT=splits > 1,
+        NUM_STAGES=num_stages,
         DOT_PREC=dot_precision(q_latent.dtype), FIX=interp_bf16(q_latent.dtype), num_warps=num_warps,
     )  # fmt: skip
 

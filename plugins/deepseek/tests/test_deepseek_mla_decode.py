@@ -85,10 +85,12 @@ def test_decode_matches_reference(dtype, num_splits, topk, block_h, block_v, pag
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_tma_tiles_match_reference_and_ignore_what_lies_past_a_row(dtype, num_splits):
-    """The TMA form: heads over two 16-head blocks, the latent in two 32-wide halves, the absorbed queries
-    transposed as the model makes them; NaN in every cached position past a row's length (the tail tile's
-    TMA box reads them) leaves the output as the reference has it on the clean cache."""
+@pytest.mark.parametrize("block_v", [None, 32], ids=["both-halves", "a-half-a-program"])
+def test_tma_tiles_match_reference_and_ignore_what_lies_past_a_row(dtype, num_splits, block_v):
+    """The TMA form: heads over two 16-head blocks, the latent in two 32-wide halves (accumulated by one
+    program or by two, ``block_v``), the absorbed queries transposed as the model makes them; NaN in every
+    cached position past a row's length (the tail tile's TMA box reads them) leaves the output as the
+    reference has it on the clean cache."""
     seq_lens = [5, 77, 0, 33, 64]  # a tail tile alone, whole tiles and a tail, padding, whole tiles only
     q, q_pe, cache, tables, lens, _ = _case(seq_lens, 32, 64, 16, 32, dtype, seed=7 + num_splits)
     q = q.transpose(0, 1).contiguous().transpose(0, 1)  # [B, H, rkv] over [H, B, rkv] memory
@@ -99,7 +101,7 @@ def test_tma_tiles_match_reference_and_ignore_what_lies_past_a_row(dtype, num_sp
         cache.view(-1, cache.shape[-1])[tables[b, past // page].long() * page + past % page] = float("nan")
     ours = mla_decode_attention_triton(
         q, q_pe, cache, tables, lens, 0.17, max_seq_len=77, num_splits=num_splits, block_h=16, block_n=16,
-        tma=True,
+        block_v=block_v, tma=True,
     )  # fmt: skip
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(ours.float(), ref.float(), **tol)
@@ -112,6 +114,7 @@ def test_tma_tiles_refuse_what_they_cannot_load():
         dict(indices=indices),  # gathered rows
         dict(block_h=24),  # heads not a multiple of block_h
         dict(block_n=64),  # a tile over two pages
+        dict(block_v=16),  # a quarter of the latent a program
     ):
         with pytest.raises(ValueError, match="tma needs"):
             mla_decode_attention_triton(q, q_pe, cache, tables, lens, 0.2, max_seq_len=30, tma=True, **bad)
@@ -160,10 +163,11 @@ def test_deepseek_v3_shape_inside_a_cuda_graph():
     seq_lens = [4096, 1, 777, 2049] * 4
     q, q_pe, cache, tables, lens, _ = _case(seq_lens, 128, 512, 64, 64, torch.bfloat16, seed=11)
     scale = 0.1
-    # Three of the benchmark's other tilings (bench/deepseek.py MLA_TILINGS): 64 heads a program, all or
-    # half of the output features, and the TMA form.
+    # Other tilings of the benchmark (bench/deepseek.py MLA_TILINGS): 64 heads a program, all or half of
+    # the output features, and the TMA form with both halves or one a program (one or two warpgroups).
     for block_h, block_v, block_n, warps, stages, tma in [
         (64, None, 32, 8, 2, False), (64, 256, 32, 8, 2, False), (64, None, 32, 8, 2, True),
+        (64, 256, 16, 4, 2, True), (128, 256, 32, 8, 2, True),
     ]:  # fmt: skip
         ours = mla_decode_attention_triton(
             q, q_pe, cache, tables, lens, scale, max_seq_len=4096, block_h=block_h, block_v=block_v,
