@@ -86,12 +86,13 @@ def test_decode_matches_reference(dtype, num_splits, topk, block_h, block_v, pag
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("block_v", [None, 32], ids=["both-halves", "a-half-a-program"])
-def test_tma_tiles_match_reference_and_ignore_what_lies_past_a_row(dtype, num_splits, block_v):
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_tma_tiles_match_reference_and_ignore_what_lies_past_a_row(dtype, num_splits, block_v, block_n):
     """The TMA form: heads over two 16-head blocks, the latent in two 32-wide halves (accumulated by one
     program or by two, ``block_v``), the absorbed queries transposed as the model makes them; NaN in every
-    cached position past a row's length (the tail tile's TMA box reads them) leaves the output as the
-    reference has it on the clean cache."""
-    seq_lens = [5, 77, 0, 33, 64]  # a tail tile alone, whole tiles and a tail, padding, whole tiles only
+    cached position past a row's length (the tail tiles' TMA boxes read them) leaves the output as the
+    reference has it on the clean cache. 32-key tiles leave tails of one and two 16-key tail tiles."""
+    seq_lens = [5, 77, 0, 59, 64]  # a tail alone, whole tiles and a tail, padding, whole tiles only
     q, q_pe, cache, tables, lens, _ = _case(seq_lens, 32, 64, 16, 32, dtype, seed=7 + num_splits)
     q = q.transpose(0, 1).contiguous().transpose(0, 1)  # [B, H, rkv] over [H, B, rkv] memory
     ref = mla_decode_attention_ref(q, q_pe, cache, tables, lens, 0.17, max_seq_len=77)
@@ -100,8 +101,8 @@ def test_tma_tiles_match_reference_and_ignore_what_lies_past_a_row(dtype, num_sp
         past = torch.arange(n, tables.shape[1] * page, device=DEVICE)
         cache.view(-1, cache.shape[-1])[tables[b, past // page].long() * page + past % page] = float("nan")
     ours = mla_decode_attention_triton(
-        q, q_pe, cache, tables, lens, 0.17, max_seq_len=77, num_splits=num_splits, block_h=16, block_n=16,
-        block_v=block_v, tma=True,
+        q, q_pe, cache, tables, lens, 0.17, max_seq_len=77, num_splits=num_splits, block_h=16,
+        block_n=block_n, block_v=block_v, tma=True,
     )  # fmt: skip
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(ours.float(), ref.float(), **tol)
