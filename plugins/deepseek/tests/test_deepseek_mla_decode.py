@@ -229,3 +229,17 @@ def test_splits_fill_the_last_wave(monkeypatch, heads, batch, max_seq_len, split
     """The fewest splits whose programs fill 90% of their last wave on 132 SMs."""
     monkeypatch.setattr(mla_decode, "num_sms", lambda device: 132)
     assert mla_decode.mla_decode_num_splits(batch, heads, max_seq_len, torch.device("cpu")) == splits
+
+
+def test_dispatch_takes_the_tma_tiling_only_where_it_applies(monkeypatch):
+    """Dense rows of 64k heads over 64k-token pages on Hopper take ``TMA_TILING``; sparse rows, 16
+    heads (a tp=8 share), 16-token pages, an older GPU and the CPU keep the kernel's defaults."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert mla_decode.mla_decode_tiling(128, 512, 64, 64, False, cuda) == mla_decode.TMA_TILING
+    assert mla_decode.mla_decode_tiling(64, 512, 64, 128, False, cuda) == mla_decode.TMA_TILING
+    for heads, page, sparse in ((128, 64, True), (16, 64, False), (128, 16, False)):
+        assert mla_decode.mla_decode_tiling(heads, 512, 64, page, sparse, cuda) == {}
+    assert mla_decode.mla_decode_tiling(128, 512, 64, 64, False, torch.device("cpu")) == {}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert mla_decode.mla_decode_tiling(128, 512, 64, 64, False, cuda) == {}
