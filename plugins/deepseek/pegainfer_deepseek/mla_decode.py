@@ -531,18 +531,29 @@ def _launch_tma(q_latent, q_pe, cache, block_tables, seq_lens, out, part_acc, pa
 
 #: The TMA form's tiling, taken where it applies (:func:`mla_decode_tiling`).
 TMA_TILING = dict(block_h=64, block_n=64, num_warps=8, num_stages=2, tma=True)
+#: The least ``heads x rows x max_seq_len`` a launch takes ``TMA_TILING`` for (2^23).
+TMA_MIN_WORK = 1 << 23
 
 
-def mla_decode_tiling(heads: int, rkv: int, dr: int, page: int, sparse: bool, device: torch.device) -> dict:
+def mla_decode_tiling(
+    heads: int, rows: int, max_seq_len: int, rkv: int, dr: int, page: int, sparse: bool, device: torch.device
+) -> dict:
     """The knobs :func:`mla_decode_attention` gives the Triton kernel: ``TMA_TILING`` for dense rows of
-    a multiple of 64 heads over pages of a multiple of 64 tokens on Hopper or later (and power-of-two
-    ``rkv / 2`` and ``dr``), else the defaults. Measured on an H100 at 128 heads, batch 64 x 4096
-    (side by side in one process, no record): 308.4 us against the defaults' 434.2, where the TMA form
-    with one stage took 416.3: its second stage lets the next tile's loads fly under the dots, which
-    the kernel's 16-key tail tiles made possible (a whole masked tail tile had spilled registers)."""
+    a multiple of 64 heads over pages of a multiple of 64 tokens on Hopper or later (power-of-two
+    ``rkv / 2`` and ``dr``) with at least ``TMA_MIN_WORK`` head-tokens, else the kernel's defaults.
+
+    Measured on an H100 (side by side in one process, no record; scratch sweep, 2026-12-08): at 128
+    heads, batch 64 x 4096, 305.3 us against the defaults' 428.2 (1.40x; the TMA form with one stage
+    took 416.3: its second stage lets the next tile's loads fly under the dots, which the 16-key tail
+    tiles made possible, a whole masked tail tile having spilled registers); 1.07-1.56x from 2^23
+    head-tokens up (128 heads from batch x context 65536, 64 heads from 131072), 0.76-0.97x below (128
+    heads at batch 4 x 4096 or 16 x 1024 0.76x; 64 heads at batch 1 x 16384 0.69x). ``max_seq_len`` is
+    the static bound the caller passes (a graph's), so a graph of long admitted contexts takes the TMA
+    form for short ones too."""
     half = rkv // 2
     if (
         sparse or heads % 64 or page % 64 or rkv % 2 or next_pow2(half) != half or next_pow2(dr) != dr
+        or heads * rows * max_seq_len < TMA_MIN_WORK
         or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9
     ):  # fmt: skip
         return {}
@@ -565,9 +576,16 @@ def mla_decode_attention(
     every ``seq_lens`` entry (a static maximum is fine: it only sizes the splits and the reference's
     gather)."""
     if use_kernel(q_latent):
-        _, heads, rkv = q_latent.shape
+        rows, heads, rkv = q_latent.shape
         tiling = mla_decode_tiling(
-            heads, rkv, q_pe.shape[-1], cache.shape[1], indices is not None, q_latent.device
+            heads,
+            rows,
+            max_seq_len,
+            rkv,
+            q_pe.shape[-1],
+            cache.shape[1],
+            indices is not None,
+            q_latent.device,
         )
         return mla_decode_attention_triton(
             q_latent, q_pe, cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len, indices=indices,

@@ -232,14 +232,17 @@ def test_splits_fill_the_last_wave(monkeypatch, heads, batch, max_seq_len, split
 
 
 def test_dispatch_takes_the_tma_tiling_only_where_it_applies(monkeypatch):
-    """Dense rows of 64k heads over 64k-token pages on Hopper take ``TMA_TILING``; sparse rows, 16
-    heads (a tp=8 share), 16-token pages, an older GPU and the CPU keep the kernel's defaults."""
+    """Dense rows of 64k heads over 64k-token pages on Hopper with 2^23 head-tokens or more take
+    ``TMA_TILING``; sparse rows, 16 heads (a tp=8 share), 16-token pages, less work, an older GPU and
+    the CPU keep the kernel's defaults."""
     cuda = torch.device("cuda")
+    tiling = mla_decode.mla_decode_tiling
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert mla_decode.mla_decode_tiling(128, 512, 64, 64, False, cuda) == mla_decode.TMA_TILING
-    assert mla_decode.mla_decode_tiling(64, 512, 64, 128, False, cuda) == mla_decode.TMA_TILING
-    for heads, page, sparse in ((128, 64, True), (16, 64, False), (128, 16, False)):
-        assert mla_decode.mla_decode_tiling(heads, 512, 64, page, sparse, cuda) == {}
-    assert mla_decode.mla_decode_tiling(128, 512, 64, 64, False, torch.device("cpu")) == {}
+    assert tiling(128, 64, 4096, 512, 64, 64, False, cuda) == mla_decode.TMA_TILING
+    assert tiling(64, 32, 4096, 512, 64, 128, False, cuda) == mla_decode.TMA_TILING
+    for heads, rows, page, sparse in ((128, 64, 64, True), (16, 64, 64, False), (128, 64, 16, False),
+                                      (128, 16, 64, False), (64, 64, 64, False)):  # fmt: skip
+        assert tiling(heads, rows, 1024, 512, 64, page, sparse, cuda) == {}
+    assert tiling(128, 64, 4096, 512, 64, 64, False, torch.device("cpu")) == {}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert mla_decode.mla_decode_tiling(128, 512, 64, 64, False, cuda) == {}
+    assert tiling(128, 64, 4096, 512, 64, 64, False, cuda) == {}
