@@ -423,9 +423,9 @@ def mla_decode_attention_triton(
     ``block_h``, power-of-two ``rkv / 2`` and ``dr``): tiles loaded by the tensor-memory accelerator
     through descriptors, the output in two ``rkv / 2`` halves (two accumulators), so a ``block_h`` of 64
     (one warpgroup's M) holds its accumulators in eight warps' registers: at 128 heads each latent is read
-    twice rather than eight times (16 heads a program). Measured on an H100 (batch 64 x 4096, 128 heads,
-    side by side, no record): 405.4 us with 64-key tiles against the default's 435.4, 7% faster, so the
-    reads were not what bounds the kernel; off by default until a profile says what does. With
+    twice rather than eight times (16 heads a program). The dispatch takes it with ``TMA_TILING`` where
+    :func:`mla_decode_tiling` says (its docstring has the measurements); one stage measured only 7% faster
+    than the defaults (405.4 against 435.4 us, H100), two stages 1.40x. With
     ``block_v`` half of ``rkv`` a program accumulates one half (two programs a head block, the scores
     computed by both): one warpgroup's registers hold a 64-head half, and 16-key tiles in two stages fit
     two programs a multiprocessor. Compiled for sm_90a (Triton 3.6, offline), the one-stage forms wait
