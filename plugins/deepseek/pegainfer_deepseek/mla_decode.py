@@ -301,16 +301,17 @@ def _tma_step(
 
 @triton.jit
 def _mla_decode_tma_kernel(
-    q_desc, qp_desc, c_desc, p_desc, ct_desc, pt_desc, tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    scale_log2, num_splits, num_heads, stride_bt, stride_ob, stride_oh,
+    q_desc, qp_desc, c_desc, p_desc, ct_desc, pt_desc, tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr,
+    part_m_ptr, part_l_ptr, scale_log2, num_splits, num_heads, stride_bt, stride_ob, stride_oh,
     PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, HALF: tl.constexpr,
-    DR: tl.constexpr, HALVES: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PREC: tl.constexpr,
-    FIX: tl.constexpr,
+    DR: tl.constexpr, HALVES: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr,
+    DOT_PREC: tl.constexpr, FIX: tl.constexpr,
 ):  # fmt: skip
     """The dense rows' kernel with TMA tile loads (see ``mla_decode_attention_triton``'s ``tma``): the
     same programs and partials as ``_mla_decode_partial_kernel``, whole tiles without masks, the chunk's
-    last keys apart in ``TAIL_N``-key tiles (``ct_desc``, ``pt_desc``). ``HALVES`` 2: a program accumulates one half of the output
-    features (its neighbour in launch order the other, from the same scores)."""
+    last keys apart in ``TAIL_N``-key tiles (``ct_desc``, ``pt_desc``). ``HALVES`` 2: a program
+    accumulates one half of the output features (its neighbour in launch order the other, from the same
+    scores)."""
     head_block = tl.program_id(0) // HALVES
     own = (tl.program_id(0) % HALVES) * HALF  # the first output feature this program accumulates
     other = HALF - own
@@ -521,11 +522,11 @@ def _launch_tma(q_latent, q_pe, cache, block_tables, seq_lens, out, part_acc, pa
     tail_n = min(block_n, TMA_TAIL_N)
     _mla_decode_tma_kernel[(heads // block_h * halves, batch, splits)](
         desc(q_latent, [1, block_h, half]), desc(q_pe, [1, block_h, dr]), desc(rows, [block_n, half]),
-        desc(rows, [block_n, dr]), desc(rows, [tail_n, half]), desc(rows, [tail_n, dr]), block_tables, seq_lens, out, part_acc, part_m, part_l,
-        scale * math.log2(math.e), splits, heads, block_tables.stride(0), out.stride(0), out.stride(1),
-        PAGE=page, BLOCK_H=block_h, BLOCK_N=block_n, TAIL_N=tail_n, HALF=half, DR=dr, HALVES=halves, SPLIT=splits > 1,
-        NUM_STAGES=num_stages,
-        DOT_PREC=dot_precision(q_latent.dtype), FIX=interp_bf16(q_latent.dtype), num_warps=num_warps,
+        desc(rows, [block_n, dr]), desc(rows, [tail_n, half]), desc(rows, [tail_n, dr]), block_tables, seq_lens,
+        out, part_acc, part_m, part_l, scale * math.log2(math.e), splits, heads, block_tables.stride(0),
+        out.stride(0), out.stride(1), PAGE=page, BLOCK_H=block_h, BLOCK_N=block_n, TAIL_N=tail_n, HALF=half, DR=dr,
+        HALVES=halves, SPLIT=splits > 1, NUM_STAGES=num_stages, DOT_PREC=dot_precision(q_latent.dtype),
+        FIX=interp_bf16(q_latent.dtype), num_warps=num_warps,
     )  # fmt: skip
 
 
