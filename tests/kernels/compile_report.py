@@ -1,16 +1,24 @@
 """Compile every kernel for Hopper (sm_90) on a machine without a GPU; report registers, spills, loads.
 
-    python tests/kernels/compile_report.py
+    python tests/kernels/compile_report.py [--only qwen3|mla]
+
+The figures are the installed Triton's; to read what the GPU machine's version builds, put it first on
+the path (``pip install --target /tmp/t36 triton==3.6.0``, then ``PYTHONPATH=/tmp/t36``). Spills show
+only where ptxas puts them: compiling a variant without a suspect block (a tail loop, an epilogue) and
+comparing the stacks is how the MLA decode kernel's spilling tail tile was found (2026-12-08).
 
 The wrappers run on CPU tensors of the real Qwen3-14B shapes, but ``JITFunction.run`` is replaced by a
 compile-only stand-in that specialises arguments as a real launch does (16-byte-aligned pointers and
 multiples of 16 get ``tt.divisibility``, ints equal to 1 become constants) and compiles through the
 ptxas bundled with Triton. A codegen error surfaces here without GPU time; the table shows registers,
-stack bytes (spills), whether global loads are 16-byte (``v4`` / ``cp.async``) and the MMA flavour.
+stack bytes (spills), shared memory, whether global loads are 16-byte (``v4`` / ``cp.async``) and the MMA
+flavour (Hopper's ``wgmma`` or ``mma.sync``). ``--only mla``: the DeepSeek MLA decode kernel's forms at
+DeepSeek-V3's shape (the dispatch's TMA tiling, the kernel's defaults, one output half a program).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -23,6 +31,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -33,7 +42,10 @@ _TYPES = {
     torch.int32: "i32",
     torch.int64: "i64",
 }
-_SHOWN = ("GROUP", "HEAD_DIM", "BLOCK_M", "BLOCK_N", "SPLIT", "DOT_PREC", "HAS_RES", "WRITE_CACHE")
+_SHOWN = (
+    "GROUP", "HEAD_DIM", "BLOCK_M", "BLOCK_N", "SPLIT", "DOT_PREC", "HAS_RES", "WRITE_CACHE", "BLOCK_H",
+    "BLOCK_V", "HALVES",
+)  # fmt: skip
 rows: list[tuple[str, ...]] = []
 
 
@@ -46,7 +58,10 @@ def _compile_only(self: JITFunction, *args, grid, warmup, **kwargs):
         if param.is_constexpr or (type(value) is int and value == 1):
             signature[param.name], constants[param.name] = "constexpr", value
             continue
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, TensorDescriptor):
+            block = ",".join(str(b) for b in value.block_shape)
+            signature[param.name], aligned = f"tensordesc<{_TYPES[value.base.dtype]}[{block}]>", False
+        elif isinstance(value, torch.Tensor):
             signature[param.name] = "*" + _TYPES[value.dtype]
             aligned = value.data_ptr() % 16 == 0
         elif isinstance(value, bool):
@@ -68,13 +83,14 @@ def _compile_only(self: JITFunction, *args, grid, warmup, **kwargs):
     wide = bool(re.search(r"ld\.global(\.\w+)*\.v4|cp\.async\.cg", ptx))
     mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "-"
     shown = {k: v for k, v in constants.items() if k in _SHOWN}
+    usage_figures = res.groups() if res else ("?", "?")
     rows.append(
-        (self.__name__, str(shown), str(options), *(res.groups() if res else ("?", "?")), str(wide), mma)
+        (self.__name__, str(shown), str(options), *usage_figures, str(kernel.metadata.shared), str(wide), mma)
     )
 
 
-def main() -> None:
-    JITFunction.run = _compile_only
+def qwen3_kernels() -> None:
+    """Qwen3-14B's decode and prefill kernels at its real shapes, bf16 and fp32."""
     from pegainfer.kernels import activations, norms, rope_kv
     from pegainfer.kernels.paged_decode_attention import paged_decode_attention_triton
     from pegainfer.kernels.paged_prefill_attention import PrefillTensors, paged_prefill_attention_triton
@@ -103,7 +119,34 @@ def main() -> None:
             qv, kv, w[:d], w[:d], rotary, pos, 1e-6, kv_cache=cache, v=vv, slot_mapping=pos
         )
         rope_kv.write_kv_triton(cache, kv, vv, pos)
-    header = ("kernel", "constants", "options", "regs", "stack", "16B loads", "mma")
+
+
+def mla_kernels() -> None:
+    """The MLA decode kernel at DeepSeek-V3's shape (128 heads, latent 512 + rope 64, 64-token pages,
+    bf16, split partials): the dispatch's TMA tiling, the kernel's defaults, one output half a program."""
+    from pegainfer_deepseek import mla_decode as mla
+
+    batch, heads, rkv, dr = 64, 128, 512, 64
+    q = torch.empty(heads, batch, rkv, dtype=torch.bfloat16).transpose(0, 1)  # absorbed: [H, B] memory
+    q_pe = torch.empty(batch, heads, dr, dtype=torch.bfloat16)
+    cache = torch.empty(batch * 64, 64, rkv + dr, dtype=torch.bfloat16)
+    tables, lens = torch.zeros(batch, 64, dtype=torch.int32), torch.zeros(batch, dtype=torch.int32)
+    for tiling in (mla.TMA_TILING, {}, dict(mla.TMA_TILING, block_v=rkv // 2, num_warps=4)):
+        mla.mla_decode_attention_triton(
+            q, q_pe, cache, tables, lens, 0.1, max_seq_len=4096, num_splits=2, **tiling
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=["qwen3", "mla"], default=None)
+    args = parser.parse_args()
+    JITFunction.run = _compile_only
+    if args.only in (None, "qwen3"):
+        qwen3_kernels()
+    if args.only in (None, "mla"):
+        mla_kernels()
+    header = ("kernel", "constants", "options", "regs", "stack", "shared", "16B loads", "mma")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
