@@ -1,6 +1,6 @@
 """Compile every kernel for Hopper (sm_90) on a machine without a GPU; report registers, spills, loads.
 
-    python tests/kernels/compile_report.py [--only qwen3|mla]
+    python tests/kernels/compile_report.py [--only qwen3|mla|skinny]
 
 The figures are the installed Triton's; to read what the GPU machine's version builds, put it first on
 the path (``pip install --target /tmp/t36 triton==3.6.0``, then ``PYTHONPATH=/tmp/t36``). Spills show
@@ -44,7 +44,7 @@ _TYPES = {
 }
 _SHOWN = (
     "GROUP", "HEAD_DIM", "BLOCK_M", "BLOCK_N", "SPLIT", "DOT_PREC", "HAS_RES", "WRITE_CACHE", "BLOCK_H",
-    "BLOCK_V", "HALVES",
+    "BLOCK_V", "HALVES", "BLOCK_K", "NORM", "SILU", "RESIDUAL", "N", "K",
 )  # fmt: skip
 rows: list[tuple[str, ...]] = []
 
@@ -137,15 +137,42 @@ def mla_kernels() -> None:
         )
 
 
+#: (N, K) of the decode projections the skinny GEMM runs, with the fusions the step uses on each.
+SKINNY = {
+    "qwen3_14b": [((7168, 5120), "norm"), ((5120, 5120), "residual"), ((34816, 5120), "norm_silu"),
+                  ((5120, 17408), "residual"), ((151936, 5120), "norm")],
+    "qwen35_9b": [((12352, 4096), "norm"), ((4096, 4096), "residual"), ((24576, 4096), "norm_silu"),
+                  ((4096, 12288), "residual")],
+}  # fmt: skip
+
+
+def skinny_kernels() -> None:
+    """The skinny GEMM at the Qwen3-14B and Qwen3.5-9B decode projections, one row and 16, with the
+    fusions the step gives each (folded norm, SiLU·mul of interleaved gate|up, residual)."""
+    from pegainfer.kernels.skinny_gemm import skinny_linear_triton
+
+    for shapes in SKINNY.values():
+        for (n, k), fused in shapes:
+            w = torch.empty(n, k, dtype=torch.bfloat16)
+            for rows in (1, 16):
+                x = torch.empty(rows, k, dtype=torch.bfloat16)
+                skinny_linear_triton(
+                    x, w, norm_eps=1e-6 if "norm" in fused else None, silu="silu" in fused,
+                    residual=torch.empty(rows, n, dtype=torch.bfloat16) if fused == "residual" else None,
+                )  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["qwen3", "mla"], default=None)
+    parser.add_argument("--only", choices=["qwen3", "mla", "skinny"], default=None)
     args = parser.parse_args()
     JITFunction.run = _compile_only
     if args.only in (None, "qwen3"):
         qwen3_kernels()
     if args.only in (None, "mla"):
         mla_kernels()
+    if args.only in (None, "skinny"):
+        skinny_kernels()
     header = ("kernel", "constants", "options", "regs", "stack", "shared", "16B loads", "mma")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
