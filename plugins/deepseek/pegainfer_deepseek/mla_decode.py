@@ -554,11 +554,22 @@ def mla_decode_tiling(
     half = rkv // 2
     if (
         sparse or heads % 64 or page % 64 or rkv % 2 or next_pow2(half) != half or next_pow2(dr) != dr
-        or heads * rows * max_seq_len < TMA_MIN_WORK
-        or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9
+        or heads * rows * max_seq_len < TMA_MIN_WORK or device.type != "cuda" or not _has_tma(device)
     ):  # fmt: skip
         return {}
     return dict(TMA_TILING)
+
+
+_TMA: dict[int, bool] = {}
+
+
+def _has_tma(device: torch.device) -> bool:
+    """Whether ``device`` (CUDA) has the tensor-memory accelerator (Hopper on); cached, as every decode
+    layer asks."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _TMA:
+        _TMA[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _TMA[index]
 
 
 def mla_decode_attention(

@@ -235,8 +235,9 @@ def test_dispatch_takes_the_tma_tiling_only_where_it_applies(monkeypatch):
     """Dense rows of 64k heads over 64k-token pages on Hopper with 2^23 head-tokens or more take
     ``TMA_TILING``; sparse rows, 16 heads (a tp=8 share), 16-token pages, less work, an older GPU and
     the CPU keep the kernel's defaults."""
-    cuda = torch.device("cuda")
+    cuda = torch.device("cuda", 0)
     tiling = mla_decode.mla_decode_tiling
+    monkeypatch.setattr(mla_decode, "_TMA", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert tiling(128, 64, 4096, 512, 64, 64, False, cuda) == mla_decode.TMA_TILING
     assert tiling(64, 32, 4096, 512, 64, 128, False, cuda) == mla_decode.TMA_TILING
@@ -244,5 +245,6 @@ def test_dispatch_takes_the_tma_tiling_only_where_it_applies(monkeypatch):
                                       (128, 16, 64, False), (64, 64, 64, False)):  # fmt: skip
         assert tiling(heads, rows, 1024, 512, 64, page, sparse, cuda) == {}
     assert tiling(128, 64, 4096, 512, 64, 64, False, torch.device("cpu")) == {}
+    monkeypatch.setattr(mla_decode, "_TMA", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert tiling(128, 64, 4096, 512, 64, 64, False, cuda) == {}
