@@ -450,10 +450,8 @@ def mla_decode_attention_triton(
     num_stages = num_stages or (3 if page % block_n == 0 else 2)
     if block_n < 16:  # the p · latents dot takes block_n as its K
         raise ValueError(f"block_n {block_n}: compiled tensor-core dots need at least 16 keys a tile")
-    if tma and (
-        indices is not None or page % block_n or heads % block_h or rkv % 2
-        or next_pow2(rkv // 2) != rkv // 2 or next_pow2(dr) != dr or block_v not in (None, rkv // 2)
-    ):  # fmt: skip
+    fits = tma_fits(heads, rkv, dr, page, indices is not None, block_h, block_n)
+    if tma and (not fits or block_v not in (None, rkv // 2)):
         raise ValueError(
             f"tma needs dense rows, whole tiles in a page ({block_n} keys, pages of {page}), heads ({heads}) "
             f"a multiple of block_h ({block_h}), power-of-two halves of rkv ({rkv}) and dr ({dr}) and "
@@ -524,8 +522,8 @@ def _launch_tma(q_latent, q_pe, cache, block_tables, seq_lens, out, part_acc, pa
         desc(q_latent, [1, block_h, half]), desc(q_pe, [1, block_h, dr]), desc(rows, [block_n, half]),
         desc(rows, [block_n, dr]), desc(rows, [tail_n, half]), desc(rows, [tail_n, dr]), block_tables, seq_lens,
         out, part_acc, part_m, part_l, scale * math.log2(math.e), splits, heads, block_tables.stride(0),
-        out.stride(0), out.stride(1), PAGE=page, BLOCK_H=block_h, BLOCK_N=block_n, TAIL_N=tail_n, HALF=half, DR=dr,
-        HALVES=halves, SPLIT=splits > 1, NUM_STAGES=num_stages, DOT_PREC=dot_precision(q_latent.dtype),
+        out.stride(0), out.stride(1), PAGE=page, BLOCK_H=block_h, BLOCK_N=block_n, TAIL_N=tail_n, HALF=half,
+        DR=dr, HALVES=halves, SPLIT=splits > 1, NUM_STAGES=num_stages, DOT_PREC=dot_precision(q_latent.dtype),
         FIX=interp_bf16(q_latent.dtype), num_warps=num_warps,
     )  # fmt: skip
 
@@ -551,13 +549,24 @@ def mla_decode_tiling(
     heads at batch 4 x 4096 or 16 x 1024 0.76x; 64 heads at batch 1 x 16384 0.69x). ``max_seq_len`` is
     the static bound the caller passes (a graph's), so a graph of long admitted contexts takes the TMA
     form for short ones too."""
-    half = rkv // 2
-    if (
-        sparse or heads % 64 or page % 64 or rkv % 2 or next_pow2(half) != half or next_pow2(dr) != dr
-        or heads * rows * max_seq_len < TMA_MIN_WORK or device.type != "cuda" or not _has_tma(device)
-    ):  # fmt: skip
+    fits = tma_fits(heads, rkv, dr, page, sparse, TMA_TILING["block_h"], TMA_TILING["block_n"])
+    if not fits or heads * rows * max_seq_len < TMA_MIN_WORK or device.type != "cuda" or not _has_tma(device):
         return {}
     return dict(TMA_TILING)
+
+
+def tma_fits(heads: int, rkv: int, dr: int, page: int, sparse: bool, block_h: int, block_n: int) -> bool:
+    """Whether the TMA form can load these operands: dense rows, ``block_n``-key tiles inside a page,
+    heads a multiple of ``block_h``, power-of-two halves of ``rkv`` and a power-of-two ``dr``."""
+    half = rkv // 2
+    return not (
+        sparse
+        or page % block_n
+        or heads % block_h
+        or rkv % 2
+        or next_pow2(half) != half
+        or next_pow2(dr) != dr
+    )
 
 
 _TMA: dict[int, bool] = {}
