@@ -125,9 +125,9 @@ def checkpoint_folder(
 #: (block_h, block_v, block_n, num_warps, num_stages[, tma]) tilings the MLA decode kernel is timed with;
 #: the first is the kernel's own default (the dispatch takes ``TMA_TILING`` where it applies).
 MLA_TILINGS = [
-    (16, None, 64, 4, 3), (16, None, 32, 4, 2), (16, None, 64, 8, 3), (32, None, 64, 8, 2), (64, None, 32, 8, 2),
-    (64, None, 32, 8, 2, True), (64, None, 64, 8, 1, True), (64, None, 64, 8, 2, True), (64, 256, 64, 4, 2, True),
-    (128, 256, 32, 8, 2, True),
+    (16, None, 64, 4, 3), (16, None, 32, 4, 2), (16, None, 64, 8, 3), (32, None, 64, 8, 2),
+    (64, None, 32, 8, 2), (64, None, 32, 8, 2, True), (64, None, 64, 8, 1, True), (64, None, 64, 8, 2, True),
+    (64, 256, 64, 4, 2, True), (128, 256, 32, 8, 2, True),
 ]  # fmt: skip
 
 
@@ -158,15 +158,18 @@ def bench_mla_kernel(batch: int, ctx: int, heads: int, copy_bw: float) -> list[d
     q, q_pe, cache, tables, lens = mla_operands(batch, ctx, heads, rkv, dr)
     latent_bytes = batch * ctx * (rkv + dr) * 2
     ref = mla_decode_attention_ref(q, q_pe, cache, tables, lens, 0.1, max_seq_len=ctx)
-
-    def engine():  # the tiling the engine's dispatch picks for this shape
-        return mla_decode_attention(q, q_pe, cache, tables, lens, 0.1, max_seq_len=ctx)
-
-    torch.testing.assert_close(engine().float(), ref.float(), atol=2e-2, rtol=2e-2)
-    ms = graph_time_ms(engine)
     flops = 2 * heads * (rkv + dr + rkv) * batch * ctx
-    timed = [{"name": "engine", "ms": ms, "copy_ratio": latent_bytes / (ms / 1e3) / copy_bw,
-              "tflops": flops / (ms / 1e3) / 1e12}]  # fmt: skip
+
+    def timed_form(name: str, run) -> dict:
+        torch.testing.assert_close(run().float(), ref.float(), atol=2e-2, rtol=2e-2)
+        ms = graph_time_ms(run)
+        return {"name": name, "ms": ms, "copy_ratio": latent_bytes / (ms / 1e3) / copy_bw,
+                "tflops": flops / (ms / 1e3) / 1e12}  # fmt: skip
+
+    # The tiling the engine's dispatch picks for this shape.
+    timed = [
+        timed_form("engine", lambda: mla_decode_attention(q, q_pe, cache, tables, lens, 0.1, max_seq_len=ctx))
+    ]
     for tiling in MLA_TILINGS:
         block_h, block_v, block_n, warps, stages, *tma = tiling
         knobs = dict(
@@ -182,15 +185,9 @@ def bench_mla_kernel(batch: int, ctx: int, heads: int, copy_bw: float) -> list[d
             return mla_decode_attention_triton(q, q_pe, cache, tables, lens, 0.1, max_seq_len=ctx, **knobs)
 
         try:
-            torch.testing.assert_close(run().float(), ref.float(), atol=2e-2, rtol=2e-2)
-            ms = graph_time_ms(run)
+            timed.append(timed_form(tiling_name(tiling, rkv), run))
         except Exception as exc:  # e.g. out of shared memory for this tiling on this GPU
             print(f"MLA tiling {knobs} skipped: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
-            continue
-        ratio = latent_bytes / (ms / 1e3) / copy_bw
-        tflops = 2 * heads * (rkv + dr + rkv) * batch * ctx / (ms / 1e3) / 1e12
-        name = tiling_name(tiling, rkv)
-        timed.append({"name": name, "ms": ms, "copy_ratio": ratio, "tflops": tflops})
     return timed
 
 
