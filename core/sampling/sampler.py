@@ -306,10 +306,12 @@ def _penalized_or_none(logits: torch.Tensor, requests: list[Request]) -> torch.T
         rows, ids = _index(bias_rows, work.device), _index(bias_ids, work.device)
         work[rows, ids] += torch.tensor(biases, dtype=torch.float32, device=work.device)
     if allow_rows:  # allowed_token_ids: every other token out, before the grammar narrows further
-        keep = torch.zeros_like(work, dtype=torch.bool)
-        keep[_index(allow_rows, work.device), _index(allow_ids, work.device)] = True
-        limited = _index(sorted(set(allow_rows)), work.device)
-        work[limited] = work[limited].masked_fill(~keep[limited], _NEG_INF)
+        rows = sorted(set(allow_rows))
+        at = {row: j for j, row in enumerate(rows)}
+        keep = torch.zeros((len(rows), work.shape[1]), dtype=torch.bool, device=work.device)
+        keep[_index([at[row] for row in allow_rows], work.device), _index(allow_ids, work.device)] = True
+        limited = _index(rows, work.device)
+        work[limited] = work[limited].masked_fill(~keep, _NEG_INF)
     grammar_index = _index(grammar_rows, work.device) if grammar_rows else None
     if grammar_index is not None:  # what the structured output allows next, from the tokens appended so far
         allowed = allowed_tokens([requests[i].grammar for i in grammar_rows], vocab, work.device)
