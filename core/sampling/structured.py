@@ -6,9 +6,9 @@ Contract: the engine gives each request with ``SamplingParams.structured_outputs
 ``structured_outputs``); the sampler masks each such row's logits with :func:`allowed_tokens` before
 penalties and draws; the output processor feeds every appended token to the matcher and finishes the
 request once the grammar is complete. With ``after`` the matcher waits (``Request.deferred_grammar``)
-until that token is appended: reasoning first, then the structured answer. Because the mask is computed from the tokens appended so far, the
-round-by-round verification of speculative drafts and async scheduling (which samples a step after the
-last step's tokens were appended) need nothing more.
+until that token is appended: reasoning first, then the structured answer. Because the mask is computed
+from the tokens appended so far, the round-by-round verification of speculative drafts and async
+scheduling (which samples a step after the last step's tokens were appended) need nothing more.
 
 llguidance is imported on first use only: an engine that never sees a grammar does not load it.
 """
